@@ -1,0 +1,251 @@
+"""Push-sum gossip of one flat vector, exact or compressed with error feedback.
+
+Exact: Stochastic Gradient Push (Assran et al. 2019, Alg. 1): every node keeps a numerator x_i and a weight y_i,
+mixes both with the round's column-stochastic matrix A(k), and evaluates gradients at the de-biased z_i = x_i / y_i:
+
+    x_i <- sum_{j in N_in(i) + i} a_ij x_j        y_i <- sum_{j in N_in(i) + i} a_ij y_j
+
+Compressed: DP-CSGP (Zhu et al.), Algorithm 1, lines 1-7 (CHOCO-style error feedback with public copies x_hat):
+
+    1  q_i = Q(x_i - x_hat_i)                          (compress)
+    2  send {q_i, y_i} to out-neighbours
+    3  receive {q_j, y_j} from in-neighbours
+    4  x_hat_j += q_j for j in N_in(i) + i
+    5  w_i = x_i - x_hat_i + sum_j a_ij x_hat_j
+    6  y_i = sum_j a_ij y_j
+    7  z_i = w_i / y_i
+
+Line 5 keeps the network sum of x exact whatever Q does, because the columns of A sum to one. On a time-varying
+graph a node's out-neighbours change, so one shared x_hat_i would go stale at nodes that did not hear the last
+update; there each directed edge (i -> k) keeps its own copy x_hat_ik, held identically by both ends and updated only
+in the rounds the edge is active, and line 5 becomes
+
+    5' w_i = a_ii x_i + sum_k a_ki (x_i - x_hat_ik) + sum_j a_ij x_hat_ji
+
+which is line 5 exactly when all out-edges share one copy, and again conserves the sum. Written as a correction,
+line 5 is w_i = x_i + gamma (sum_j a_ij x_hat_j - sum_k a_ki x_hat_ik): DP-CSGP fixes gamma = 1; CHOCO-SGD's
+consensus step gamma < 1 (Koloskova et al. 2019) keeps aggressive compressors stable, and then y is mixed with the
+same effective matrix I + gamma (A - I), so z = x / y stays unbiased. With
+``push_sum_weight=False`` the weight is neither sent nor mixed (y = 1): plain D-PSGD for doubly-stochastic A.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_privdec.comm import Exchange, TensorSpec
+from lightning_privdec.compression import Compressor, Identity
+from lightning_privdec.topology import Topology
+
+BROADCAST = -1  # channel id of the one public copy a node shares with all its out-neighbours on a static graph
+_MASK64 = (1 << 64) - 1
+
+
+def message_key(seed: int, sender: int, channel: int, round_: int) -> int:
+    """A 63-bit key shared by sender and receiver of one message (splitmix64 over the identifying integers)."""
+    h = seed & _MASK64
+    for value in (sender, channel, round_):
+        h = (h + 0x9E3779B97F4A7C15 + (value & _MASK64)) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h >> 1
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Who node i talks to in one round, and the mixing weights it needs (from row i and column i of A(k))."""
+
+    in_peers: tuple[int, ...]
+    out_peers: tuple[int, ...]
+    self_weight: float  # a_ii
+    in_weights: dict[int, float]  # a_ij: how much of sender j's message node i keeps
+    out_weights: dict[int, float]  # a_ki: how much of node i's message receiver k keeps
+
+
+def plan_round(topology: Topology, rank: int, round_: int) -> RoundPlan:
+    """Read node ``rank``'s part of round ``round_`` from the topology."""
+    matrix = topology.mixing_matrix(round_)
+    in_peers = tuple(topology.in_peers(rank, round_))
+    out_peers = tuple(topology.out_peers(rank, round_))
+    return RoundPlan(
+        in_peers=in_peers,
+        out_peers=out_peers,
+        self_weight=float(matrix[rank, rank]),
+        in_weights={j: float(matrix[rank, j]) for j in in_peers},
+        out_weights={k: float(matrix[k, rank]) for k in out_peers},
+    )
+
+
+class PushSumGossip:
+    """One node's push-sum state (x, y and, with compression, the public copies x_hat) and its gossip round.
+
+    Args:
+        x: this node's initial numerator x_i (flat, 1-D); the gossip keeps its own copy.
+        rank: this node's id.
+        topology: the communication schedule; ``mixing_matrix(k)`` must be column-stochastic (push-sum) or doubly
+            stochastic (``push_sum_weight=False``).
+        exchange: moves the messages (torch.distributed or loopback).
+        compressor: ``None`` or ``Identity()`` for exact gossip, else the compressor of line 1.
+        push_sum_weight: send and mix the weight y (push-sum); False gives D-PSGD.
+        reference: the common starting value of every public copy x_hat. It must be identical at every node: the
+            shared public initial parameters (keeps X - X_hat = 0 at t = 1), or zeros (the paper's choice) when the
+            nodes start from different points.
+        seed: shared by all nodes; keys the compressor's randomness per (sender, channel, round).
+        consensus_step: gamma in (0, 1] of line 5 (1 = DP-CSGP exactly); only used with a compressor.
+    """
+
+    def __init__(
+        self,
+        x: Tensor,
+        *,
+        rank: int,
+        topology: Topology,
+        exchange: Exchange,
+        compressor: Compressor | None = None,
+        push_sum_weight: bool = True,
+        reference: Tensor | None = None,
+        seed: int = 0,
+        consensus_step: float = 1.0,
+    ) -> None:
+        if x.dim() != 1:
+            raise ValueError(f"push-sum gossips one flat vector; got shape {tuple(x.shape)}")
+        self.rank = rank
+        self.topology = topology
+        self.exchange = exchange
+        self.compressor = None if compressor is None or isinstance(compressor, Identity) else compressor
+        self.push_sum_weight = push_sum_weight
+        if not 0.0 < consensus_step <= 1.0:
+            raise ValueError(f"consensus_step (gamma) must be in (0, 1]; got {consensus_step}")
+        self.seed = seed
+        self.gamma = consensus_step if self.compressor is not None else 1.0
+        self.round = 0
+        self.x = x.detach().clone()
+        self.y = torch.ones(1, dtype=torch.float64, device=x.device)
+        self._reference_init = None if reference is None else reference.detach().clone()
+        self.own_copies: dict[int, Tensor] = {}  # x_hat_i per channel (BROADCAST, or receiver id on time-varying graphs)
+        self.neighbour_copies: dict[int, Tensor] = {}  # x_hat_j (or x_hat_ji) per in-neighbour j
+        self._plans: dict[int, RoundPlan] = {}
+
+    # ----------------------------------------------------------------------------------------------------------------
+    @property
+    def z(self) -> Tensor:
+        """The de-biased model z_i = x_i / y_i (a new tensor)."""
+        return self.x / self.y.to(self.x.dtype)
+
+    def debias_into(self, out: Tensor) -> None:
+        """Write z_i = x_i / y_i into ``out`` (the module's parameter buffer) without allocating."""
+        torch.div(self.x, self.y.to(self.x.dtype), out=out)
+
+    @property
+    def dimension(self) -> int:
+        return self.x.numel()
+
+    def plan(self, round_: int) -> RoundPlan:
+        key = round_ % self.topology.period
+        if key not in self._plans:
+            self._plans[key] = plan_round(self.topology, self.rank, round_)
+        return self._plans[key]
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def step(self, x_half: Tensor) -> None:
+        """One gossip round on x_i^{t+1/2} (the numerator after the local update); updates x, y and the copies."""
+        plan = self.plan(self.round)
+        if self.compressor is None:
+            self._exact_round(x_half, plan)
+        else:
+            self._compressed_round(x_half, plan)
+        self.round += 1
+
+    def _weight_message(self) -> list[Tensor]:
+        return [self.y] if self.push_sum_weight else []
+
+    def _weight_specs(self) -> list[TensorSpec]:
+        return [TensorSpec((1,), torch.float64)] if self.push_sum_weight else []
+
+    def _mix_weights(self, plan: RoundPlan, received: Mapping[int, list[Tensor]]) -> None:
+        """y_i <- y_i + gamma (sum_j a_ij y_j - y_i), i.e. y = A y when gamma = 1 (line 6)."""
+        if not self.push_sum_weight:
+            return
+        mixed = self.y * plan.self_weight
+        for j in plan.in_peers:
+            mixed = mixed + plan.in_weights[j] * received[j][-1]
+        self.y = self.y + self.gamma * (mixed - self.y)
+
+    def _exact_round(self, x_half: Tensor, plan: RoundPlan) -> None:
+        """SGP: send (x, y) to out-neighbours, then x_i = sum_j a_ij x_j and y_i = sum_j a_ij y_j."""
+        message_specs = [TensorSpec.of(x_half), *self._weight_specs()]
+        outgoing = {k: [x_half, *self._weight_message()] for k in plan.out_peers}
+        received = self.exchange.exchange(outgoing, {j: message_specs for j in plan.in_peers})
+        torch.mul(x_half, plan.self_weight, out=self.x)
+        for j in plan.in_peers:
+            self.x.add_(received[j][0], alpha=plan.in_weights[j])
+        self._mix_weights(plan, received)
+
+    # ---- compressed: DP-CSGP Algorithm 1, lines 1-7 -----------------------------------------------------------------
+    def _channel(self, receiver: int) -> int:
+        """Which public copy of the sender an edge uses: one shared copy on a static graph, one per edge otherwise."""
+        return BROADCAST if self.topology.is_static else receiver
+
+    def _copy(self, table: dict[int, Tensor], key: int, like: Tensor) -> Tensor:
+        if key not in table:
+            table[key] = torch.zeros_like(like) if self._reference_init is None else self._reference_init.clone()
+        return table[key]
+
+    def _compressed_round(self, x_half: Tensor, plan: RoundPlan) -> None:
+        assert self.compressor is not None
+        d, k = x_half.numel(), self.round
+        compressor = self.compressor
+        # Lines 1 and 4 (j = i): q_i = Q(x_i - x_hat_i); x_hat_i += q_i. One payload per channel.
+        payloads: dict[int, list[Tensor]] = {}
+        for channel in {self._channel(receiver) for receiver in plan.out_peers}:
+            own = self._copy(self.own_copies, channel, x_half)
+            key = message_key(self.seed, self.rank, channel, k)
+            payloads[channel] = compressor.encode(x_half - own, key)
+            own.add_(compressor.decode(payloads[channel], d, key, dtype=x_half.dtype))
+        # Lines 2-3: send {q_i, y_i}; receive {q_j, y_j}.
+        payload_specs = [TensorSpec(tuple(s), dt) for s, dt in compressor.payload_spec(d, x_half.dtype)]
+        message_specs = payload_specs + self._weight_specs()
+        outgoing = {r: [*payloads[self._channel(r)], *self._weight_message()] for r in plan.out_peers}
+        received = self.exchange.exchange(outgoing, {j: message_specs for j in plan.in_peers})
+        # Line 4: x_hat_j += q_j for every in-neighbour.
+        for j in plan.in_peers:
+            key = message_key(self.seed, j, self._channel(self.rank), k)
+            payload = received[j][: len(payload_specs)]
+            self._copy(self.neighbour_copies, j, x_half).add_(compressor.decode(payload, d, key, dtype=x_half.dtype))
+        # Line 5 (5' on time-varying graphs): w_i = x_i + gamma (sum_j a_ij x_hat_j - sum_k a_ki x_hat_ik),
+        # where the first sum runs over in-neighbours and the second over the copies this node sent from.
+        correction = torch.zeros_like(x_half)
+        for j in plan.in_peers:
+            correction.add_(self.neighbour_copies[j], alpha=plan.in_weights[j])
+        for channel in payloads:
+            sent_weight = sum(a for r, a in plan.out_weights.items() if self._channel(r) == channel)
+            correction.sub_(self.own_copies[channel], alpha=sent_weight)
+        torch.add(x_half, correction, alpha=self.gamma, out=self.x)
+        # Line 6: y_i = sum_j a_ij y_j (the weight travels uncompressed).
+        self._mix_weights(plan, received)
+
+    # ---- checkpointing ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "x": self.x.detach().cpu().clone(),
+            "y": self.y.detach().cpu().clone(),
+            "own_copies": {c: t.detach().cpu().clone() for c, t in self.own_copies.items()},
+            "neighbour_copies": {j: t.detach().cpu().clone() for j, t in self.neighbour_copies.items()},
+            "traffic": self.exchange.traffic.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        device = self.x.device
+        self.round = int(state["round"])
+        self.x.copy_(state["x"].to(device))
+        self.y = state["y"].to(device=device, dtype=torch.float64).clone()
+        self.own_copies = {int(c): t.to(device).clone() for c, t in state["own_copies"].items()}
+        self.neighbour_copies = {int(j): t.to(device).clone() for j, t in state["neighbour_copies"].items()}
+        self.exchange.traffic.load_state_dict(state["traffic"])

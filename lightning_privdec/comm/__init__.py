@@ -1,0 +1,18 @@
+"""How bytes move between neighbours: point-to-point exchanges over torch.distributed, and a loopback simulator."""
+
+from lightning_privdec.comm.base import Exchange, TrafficCounter
+from lightning_privdec.comm.distributed import TorchDistributedExchange
+from lightning_privdec.comm.loopback import LoopbackExchange, LoopbackNetwork
+from lightning_privdec.comm.wire import TensorSpec, message_nbytes, pack, unpack
+
+__all__ = [
+    "Exchange",
+    "LoopbackExchange",
+    "LoopbackNetwork",
+    "TensorSpec",
+    "TorchDistributedExchange",
+    "TrafficCounter",
+    "message_nbytes",
+    "pack",
+    "unpack",
+]

@@ -1,0 +1,73 @@
+"""The exchange interface: one gossip round of point-to-point messages between graph neighbours."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from lightning_privdec.comm.wire import TensorSpec
+
+
+@dataclass
+class TrafficCounter:
+    """Bytes that really went over the wire, per node: the last round and the running totals."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last_bytes_sent: int = 0
+    last_bytes_received: int = 0
+    rounds: int = 0
+    per_peer_sent: dict[int, int] = field(default_factory=dict)
+
+    def record(self, sent: Mapping[int, int], received: Mapping[int, int]) -> None:
+        self.last_bytes_sent = sum(sent.values())
+        self.last_bytes_received = sum(received.values())
+        self.bytes_sent += self.last_bytes_sent
+        self.bytes_received += self.last_bytes_received
+        self.rounds += 1
+        for peer, n in sent.items():
+            self.per_peer_sent[peer] = self.per_peer_sent.get(peer, 0) + n
+
+    def state_dict(self) -> dict:
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "rounds": self.rounds,
+            "per_peer_sent": dict(self.per_peer_sent),
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.bytes_sent = int(state["bytes_sent"])
+        self.bytes_received = int(state["bytes_received"])
+        self.rounds = int(state["rounds"])
+        self.per_peer_sent = {int(k): int(v) for k, v in state["per_peer_sent"].items()}
+
+
+class Exchange(abc.ABC):
+    """Sends one message to each out-neighbour and receives one from each in-neighbour, per round.
+
+    ``outgoing`` maps a peer to the tensors sent to it; ``incoming`` maps a peer to the specs of the tensors expected
+    from it. Each message travels as one packed byte buffer (see :mod:`lightning_privdec.comm.wire`). Returns the
+    received tensors per peer. Every call is one round; both ends must agree on who talks to whom in it.
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.traffic = TrafficCounter()
+
+    @abc.abstractmethod
+    def exchange(
+        self,
+        outgoing: Mapping[int, Sequence[Tensor]],
+        incoming: Mapping[int, Sequence[TensorSpec]],
+    ) -> dict[int, list[Tensor]]:
+        """Run one round of point-to-point messages and return what arrived, by sender."""
+
+    def _check_peers(self, outgoing: Mapping[int, Sequence[Tensor]], incoming: Mapping[int, object]) -> None:
+        for peer in list(outgoing) + list(incoming):
+            if not 0 <= peer < self.world_size or peer == self.rank:
+                raise ValueError(f"node {self.rank}: invalid peer {peer} (world size {self.world_size})")

@@ -1,0 +1,156 @@
+"""Compressor interface and the identity compressor.
+
+A compressor ``Q`` maps a flat vector ``x`` in R^d to the tensors that actually
+travel on the wire (its *payload*) and back to a dense reconstruction ``Q(x)``.
+Decentralized error-feedback schemes (CHOCO-SGD, Koloskova et al. 2019, Eq. (4)
+/ Assumption 1; DP-CSGP Assumption 4) only require the compressor to be
+*contractive*:
+
+    E_Q ||Q(x) - x||^2 <= omega^2 ||x||^2,   omega^2 < 1,
+
+where CHOCO writes the same condition as ``(1 - delta) ||x||^2`` with
+``delta = 1 - omega^2``. :meth:`Compressor.omega2` returns that constant.
+
+Randomness (RandK's coordinates, QSGD's dithering) is drawn from a
+``torch.Generator`` on the tensor's device seeded with a ``key`` that sender and
+receiver agree on for a given (sender, round), so indices never travel. Note
+that torch's CPU and CUDA generators produce different streams for the same
+seed: sender and receiver of one message must use the same device type.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["Compressor", "Identity", "PayloadSpec", "make_generator"]
+
+#: Shapes and dtypes of payload tensors, in wire order.
+PayloadSpec = list[tuple[tuple[int, ...], torch.dtype]]
+
+_KEY_MASK = (1 << 63) - 1
+
+
+def make_generator(key: int, device: torch.device | str) -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded with ``key`` (reduced to 63 bits)."""
+    if isinstance(key, bool) or not isinstance(key, int):
+        raise ValueError(f"key must be an int (a 63-bit seed), got {type(key).__name__}")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(key & _KEY_MASK)
+    return gen
+
+
+def _check_dim(d: int) -> None:
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+        raise ValueError(f"vector length d must be a positive int, got {d!r}")
+
+
+class Compressor(abc.ABC):
+    """Base class: a contractive compressor with an explicit wire format.
+
+    Subclasses implement :meth:`omega2`, :meth:`payload_spec`, :meth:`encode` and
+    :meth:`decode`; sizes and the convenience :meth:`compress` follow from them.
+    """
+
+    #: Short identifier, also the prefix accepted by ``build_compressor``.
+    name: str = "compressor"
+
+    @abc.abstractmethod
+    def omega2(self, d: int) -> float:
+        """Contraction constant omega^2 for a d-vector: E||Q(x)-x||^2 <= omega^2 ||x||^2."""
+
+    @abc.abstractmethod
+    def payload_spec(self, d: int, dtype: torch.dtype = torch.float32) -> PayloadSpec:
+        """Shapes and dtypes of the payload tensors for a d-vector of ``dtype``, in order.
+
+        Receivers allocate their receive buffers from this.
+        """
+
+    @abc.abstractmethod
+    def encode(self, x: torch.Tensor, key: int) -> list[torch.Tensor]:
+        """Compress a 1-D float tensor into payload tensors on ``x.device``.
+
+        ``key`` seeds any randomness; the result matches :meth:`payload_spec` exactly.
+        """
+
+    @abc.abstractmethod
+    def decode(
+        self,
+        payload: Sequence[torch.Tensor],
+        d: int,
+        key: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """Dense reconstruction ``Q(x)`` of length ``d`` and ``dtype`` on the payload's device."""
+
+    def encoded_nbytes(self, d: int, dtype: torch.dtype = torch.float32) -> int:
+        """Exact number of bytes on the wire for a d-vector of ``dtype``."""
+        return sum(
+            math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            for shape, dt in self.payload_spec(d, dtype)
+        )
+
+    def compress(self, x: torch.Tensor, key: int) -> torch.Tensor:
+        """``Q(x)``, i.e. ``decode(encode(x, key), len(x), key, x.dtype)``."""
+        return self.decode(self.encode(x, key), x.numel(), key, x.dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    # ----------------------------------------------------------------- helpers
+    @staticmethod
+    def _check_input(x: torch.Tensor) -> torch.Tensor:
+        """Validate that ``x`` is a non-empty 1-D float tensor; return it detached and contiguous."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 1 or not x.is_floating_point():
+            got = f"dtype={x.dtype}, shape={tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"encode expects a 1-D floating-point tensor, got {got}")
+        if x.numel() == 0:
+            raise ValueError("encode expects a non-empty tensor (d >= 1)")
+        return x.detach().contiguous()
+
+    def _check_payload(
+        self, payload: Sequence[torch.Tensor], d: int, dtype: torch.dtype
+    ) -> None:
+        """Raise ValueError if ``payload`` does not match :meth:`payload_spec` (wire mismatch)."""
+        spec = self.payload_spec(d, dtype)
+        got = [(tuple(t.shape), t.dtype) for t in payload]
+        if got != spec:
+            raise ValueError(
+                f"{self!r}: payload does not match payload_spec(d={d}, dtype={dtype}); "
+                f"expected {spec}, got {got}"
+            )
+
+
+class Identity(Compressor):
+    """No compression: the payload is the dense vector itself (omega^2 = 0).
+
+    Both :meth:`encode` and :meth:`decode` copy, so payloads never alias the
+    caller's (or the receive buffer's) memory.
+    """
+
+    name = "identity"
+
+    def omega2(self, d: int) -> float:
+        _check_dim(d)
+        return 0.0
+
+    def payload_spec(self, d: int, dtype: torch.dtype = torch.float32) -> PayloadSpec:
+        _check_dim(d)
+        return [((d,), dtype)]
+
+    def encode(self, x: torch.Tensor, key: int) -> list[torch.Tensor]:
+        x = self._check_input(x)
+        return [x.clone()]
+
+    def decode(
+        self,
+        payload: Sequence[torch.Tensor],
+        d: int,
+        key: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        self._check_payload(payload, d, dtype)
+        return payload[0].clone()

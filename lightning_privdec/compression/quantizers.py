@@ -1,0 +1,143 @@
+"""Quantizing compressors: CHOCO-SGD's scaled QSGD and the scaled sign compressor.
+
+Both send one sign bit per coordinate (packed, :mod:`.bits`) plus a float32
+scale; QSGD additionally sends a ``bits``-bit level per coordinate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .base import Compressor, PayloadSpec, _check_dim, make_generator
+from .bits import pack_bits, packed_nbytes, unpack_bits
+
+__all__ = ["QSGD", "Sign"]
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic precision: float64 stays float64, everything else (fp16/bf16/fp32) uses float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class QSGD(Compressor):
+    """Biased b-bit stochastic quantizer scaled by 1/tau (CHOCO-SGD, Koloskova et al. 2019, Sec. 3):
+
+        Q(x) = ||x|| / (s * tau) * sign(x) * floor(s |x| / ||x|| + u),
+        s = 2^(bits-1),  u ~ U[0, 1]^d,  tau = 1 + min(d / s^2, sqrt(d) / s).
+
+    The unscaled quantizer is unbiased with variance <= (tau - 1) ||x||^2
+    (Alistarh et al. 2017, Lemma 3.1), so dividing by tau gives
+    ``E||Q(x) - x||^2 <= (1 - 1/tau) ||x||^2`` = :meth:`omega2`.
+
+    Levels ``l = floor(s|x|/||x|| + u)`` lie in ``{0, ..., s}``, which needs
+    exactly ``bits`` bits. Payload (``bits + 1`` bits per coordinate + 4 bytes):
+    ``[levels (ceil(d*bits/8),) uint8, sign bits (ceil(d/8),) uint8, norm (1,) float32]``.
+    The dithering ``u`` is drawn from a generator on ``x.device`` seeded with
+    ``key``; decoding is deterministic and does not need it. ``x = 0`` decodes to 0.
+    The norm travels as float32, also for float64 inputs.
+    """
+
+    name = "qsgd"
+
+    def __init__(self, bits: int) -> None:
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16:
+            raise ValueError(f"QSGD: bits (per-coordinate level width) must be an int in [1, 16], got {bits!r}")
+        self.bits: int = bits
+        self.s: int = 2 ** (bits - 1)  # number of quantization intervals; levels are 0..s
+
+    def tau(self, d: int) -> float:
+        """CHOCO-SGD's scaling ``tau = 1 + min(d / s^2, sqrt(d) / s)``."""
+        _check_dim(d)
+        return 1.0 + min(d / self.s**2, math.sqrt(d) / self.s)
+
+    def omega2(self, d: int) -> float:
+        """``1 - 1/tau`` (CHOCO-SGD, Sec. 3, qsgd_s with delta = 1/tau)."""
+        return 1.0 - 1.0 / self.tau(d)
+
+    def payload_spec(self, d: int, dtype: torch.dtype = torch.float32) -> PayloadSpec:
+        _check_dim(d)
+        return [
+            ((packed_nbytes(d, self.bits),), torch.uint8),
+            ((packed_nbytes(d, 1),), torch.uint8),
+            ((1,), torch.float32),
+        ]
+
+    def encode(self, x: torch.Tensor, key: int) -> list[torch.Tensor]:
+        x = self._check_input(x)
+        d = x.numel()
+        work = _work_dtype(x.dtype)
+        xw = x.to(work)
+        norm = torch.linalg.vector_norm(xw)
+        # Clamp avoids 0/0 for x = 0 (then all levels are 0) without a host sync.
+        ratio = xw.abs() / norm.clamp_min(torch.finfo(work).tiny)  # in [0, 1]
+        u = torch.rand(d, generator=make_generator(key, x.device), device=x.device, dtype=work)
+        # Clamp: float round-off in s*ratio + u can reach s + 1 when ratio == 1.
+        levels = torch.floor(ratio.mul_(self.s).add_(u)).clamp_(0, self.s)
+        levels_int = levels.to(torch.uint8 if self.bits <= 8 else torch.int32)
+        return [
+            pack_bits(levels_int, self.bits),
+            pack_bits(x < 0, 1),
+            norm.to(torch.float32).reshape(1),
+        ]
+
+    def decode(
+        self,
+        payload: Sequence[torch.Tensor],
+        d: int,
+        key: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        self._check_payload(payload, d, dtype)
+        packed_levels, packed_signs, norm = payload
+        work = _work_dtype(dtype)
+        levels = unpack_bits(packed_levels, self.bits, d).to(work)
+        signs = 1 - 2 * unpack_bits(packed_signs, 1, d).to(work)  # bit 1 = negative
+        scale = norm.to(work) / (self.tau(d) * self.s)
+        return (levels.mul_(signs).mul_(scale)).to(dtype)
+
+    def __repr__(self) -> str:
+        return f"QSGD(bits={self.bits})"
+
+
+class Sign(Compressor):
+    """Scaled sign compressor (Karimireddy et al. 2019, "Error Feedback Fixes SignSGD", Alg. 1):
+
+        Q(x) = (||x||_1 / d) * sign(x),   with sign(0) := +1.
+
+    ``||Q(x) - x||^2 = ||x||^2 - ||x||_1^2 / d <= (1 - 1/d) ||x||^2`` because
+    ``||x||_1 >= ||x||_2``; :meth:`omega2` returns this worst case over x
+    (equality for 1-sparse x; dense x usually contract much more).
+    Deterministic (``key`` unused). Payload (1 bit per coordinate + 4 bytes):
+    ``[sign bits (ceil(d/8),) uint8, scale (1,) float32]``.
+    """
+
+    name = "sign"
+
+    def omega2(self, d: int) -> float:
+        _check_dim(d)
+        return 1.0 - 1.0 / d
+
+    def payload_spec(self, d: int, dtype: torch.dtype = torch.float32) -> PayloadSpec:
+        _check_dim(d)
+        return [((packed_nbytes(d, 1),), torch.uint8), ((1,), torch.float32)]
+
+    def encode(self, x: torch.Tensor, key: int) -> list[torch.Tensor]:
+        x = self._check_input(x)
+        scale = x.abs().sum(dtype=_work_dtype(x.dtype)) / x.numel()
+        return [pack_bits(x < 0, 1), scale.to(torch.float32).reshape(1)]
+
+    def decode(
+        self,
+        payload: Sequence[torch.Tensor],
+        d: int,
+        key: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        self._check_payload(payload, d, dtype)
+        packed_signs, scale = payload
+        work = _work_dtype(dtype)
+        signs = 1 - 2 * unpack_bits(packed_signs, 1, d).to(work)  # bit 1 = negative
+        return signs.mul_(scale.to(work)).to(dtype)

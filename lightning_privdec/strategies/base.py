@@ -1,0 +1,330 @@
+"""The Lightning glue shared by every decentralized strategy.
+
+A :class:`DecentralizedStrategy` launches like DDP (Lightning's launchers and cluster environments: subprocess,
+spawn, torchrun, SLURM) but never wraps the model in ``DistributedDataParallel`` and never all-reduces gradients.
+Per optimizer step it
+
+1. runs the closure: forward and backward at the de-biased parameters z held by the module;
+2. hands the gradients to :meth:`DecentralizedStrategy.transform_gradients` (private strategies clip and noise here);
+3. loads the push-sum numerator x into the parameters and lets the user's optimizer update it;
+4. gossips the updated numerator with the round's neighbours and writes z = x / y back into the module.
+
+Global collectives (``reduce``, ``barrier``, ``broadcast``, ``all_gather``) keep working for logging, metrics and
+checkpointing; training itself only talks to graph neighbours.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.optim import Optimizer
+
+import lightning.pytorch as pl
+from lightning_privdec.algorithms import PushSumGossip
+from lightning_privdec.comm import TorchDistributedExchange
+from lightning_privdec.compression import Compressor, build_compressor
+from lightning_privdec.strategies.flat_parameters import FlatParameters
+from lightning_privdec.topology import Topology, TopologyError, build_topology
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "lightning_privdec"
+
+
+class DecentralizedStrategy(DDPStrategy):
+    """Base class: one process per node, gossip between graph neighbours instead of gradient all-reduce.
+
+    Args:
+        topology: a name (``"exponential"``, ``"exponential-one-peer"``, ``"ring"``, ``"directed-ring"``,
+            ``"complete"``, ``"torus"``, ``"erdos-renyi"``), a networkx graph, or a :class:`Topology` object. Names
+            are built for the world size (devices x num_nodes) at setup.
+        compressor: ``None``, a :class:`Compressor`, or a spec string such as ``"randk:0.1"``.
+        consensus_step: gamma of the compressed gossip (DP-CSGP Algorithm 1 line 5 uses 1). Aggressive compressors
+            need gamma < 1 (CHOCO-SGD); see docs/compression.md for measured values.
+        seed: shared by all nodes; keys compressor randomness and random graphs.
+        Remaining arguments are Lightning's DDP ones (launcher, timeouts, process group backend).
+    """
+
+    #: mixing-weight rule the algorithm needs by default, and the stochasticity it checks
+    default_weights: str = "push-sum"
+    required_mixing: Literal["column", "doubly", "row"] = "column"
+    requires_symmetric_graph: bool = False
+
+    def __init__(
+        self,
+        topology: str | Topology | Any = "exponential-one-peer",
+        compressor: Compressor | str | None = None,
+        *,
+        weights: str | Any | None = None,
+        consensus_step: float = 1.0,
+        seed: int = 0,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.topology_spec = topology
+        self.compressor = build_compressor(compressor)
+        self.weights = weights if weights is not None else self.default_weights
+        if not 0.0 < consensus_step <= 1.0:
+            raise ValueError(f"consensus_step (gamma) must be in (0, 1]; got {consensus_step}")
+        self.consensus_step = float(consensus_step)
+        self.seed = int(seed)
+        self.topology: Topology | None = None
+        self.flat: FlatParameters | None = None
+        self.gossip: PushSumGossip | None = None
+        if isinstance(topology, Topology):  # a user-built graph can be checked now, before any process starts
+            self._build_topology(topology.num_nodes)
+
+    # ---- setup -------------------------------------------------------------------------------------------------------
+    def _build_topology(self, world_size: int) -> Topology:
+        topology = build_topology(self.topology_spec, world_size, weights=self.weights, seed=self.seed)
+        topology.validate(world_size, mixing=self.required_mixing, require_symmetric=self.requires_symmetric_graph)
+        return topology
+
+    def setup_environment(self) -> None:
+        # Validate the graph against the world size before the process group exists: every rank fails the same
+        # way and nobody waits on a rendezvous that will never complete.
+        world_size = self.num_nodes * self.num_processes
+        self.topology = self._build_topology(world_size)
+        super().setup_environment()
+
+    def configure_ddp(self) -> None:
+        """Replaces DDP wrapping: common public initialisation, flat parameters, exchange and gossip state."""
+        assert isinstance(self.model, pl.LightningModule)
+        assert self.topology is not None
+        _sync_module_states(self.model)  # every node starts from rank 0's parameters (the public x^0)
+        self.flat = FlatParameters(self.model)
+        exchange = TorchDistributedExchange(self.root_device)
+        self.gossip = self.build_gossip(self.flat.buffer, exchange)
+        self._warn_about_unstable_compression(self.flat.numel)
+
+    def build_gossip(self, x0: torch.Tensor, exchange: TorchDistributedExchange) -> PushSumGossip:
+        """The gossip state machine of this strategy; subclasses choose the algorithm and its options."""
+        assert self.topology is not None
+        return PushSumGossip(
+            x0,
+            rank=self.global_rank,
+            topology=self.topology,
+            exchange=exchange,
+            compressor=self.compressor,
+            push_sum_weight=self.required_mixing == "column",
+            reference=x0,
+            seed=self.seed,
+            consensus_step=self.consensus_step,
+        )
+
+    def _warn_about_unstable_compression(self, dimension: int) -> None:
+        if self.compressor is None or self.consensus_step < 1.0:
+            return
+        omega2 = self.compressor.omega2(dimension)
+        if omega2 > 0.5:
+            rank_zero_warn(
+                f"{self.compressor} has omega^2 = {omega2:.3f} > 0.5 on this model and consensus_step=1 (DP-CSGP's "
+                "implicit value): error-feedback gossip can diverge with aggressive compression. "
+                f"Consider consensus_step={max(0.05, round(1.0 - omega2, 2))} (see docs/compression.md)."
+            )
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        # DDP's setup minus the DDP wrapper, and without broadcasting rank 0's weights when only evaluating:
+        # every node keeps (and evaluates) its own model.
+        assert self.accelerator is not None and self.model is not None
+        if self._layer_sync is not None:
+            raise ValueError(
+                f"{type(self).__name__} does not support sync_batchnorm: it all-reduces activations every step, "
+                "which decentralized training must not do. Use GroupNorm (or LayerNorm) instead of BatchNorm."
+            )
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.configure_ddp()
+            self.setup_optimizers(trainer)
+            self._check_optimization(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_optimization(self, trainer: pl.Trainer) -> None:
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"{type(self).__name__} gossips the model after each step of ONE optimizer; "
+                f"configure_optimizers returned {len(self.optimizers)}. Use a single optimizer (param groups are fine)."
+            )
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model  # never DistributedDataParallel: no gradient all-reduce
+
+    def _register_ddp_hooks(self) -> None:
+        pass
+
+    # ---- the training step ---------------------------------------------------------------------------------------
+    def transform_gradients(self) -> None:
+        """Hook between backward and the optimizer update (per-sample clipping and noise in private strategies)."""
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        flat, gossip = self.flat, self.gossip
+        if flat is None or gossip is None:
+            raise RuntimeError(f"{type(self).__name__}.optimizer_step called before setup")
+
+        def gradients_then_numerator() -> Any:
+            loss = closure()  # forward + backward at z = x / y
+            self.transform_gradients()
+            flat.buffer.copy_(gossip.x)  # the optimizer updates the numerator x
+            return loss
+
+        output = ParallelStrategy.optimizer_step(self, optimizer, gradients_then_numerator, model, **kwargs)
+        gossip.step(flat.buffer)  # x^{t+1/2} -> neighbours -> x^{t+1}, y^{t+1}
+        gossip.debias_into(flat.buffer)  # the module holds z = x / y for the next forward
+        return output
+
+    # ---- checkpoints: every node's own state ---------------------------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # restore into the gossip state, which exists only after setup
+
+    def node_state_dict(self) -> dict[str, Any]:
+        """Everything this node needs to continue its own trajectory."""
+        assert self.lightning_module is not None and self.gossip is not None
+        return {
+            "rank": self.global_rank,
+            "gossip": self.gossip.state_dict(),
+            "buffers": {k: v.detach().cpu().clone() for k, v in self.lightning_module.named_buffers()},
+            "optimizers": [_to_cpu(opt.state_dict()) for opt in self.optimizers],
+            "rng": _rng_state(),
+        }
+
+    def load_node_state_dict(self, state: Mapping[str, Any]) -> None:
+        assert self.lightning_module is not None and self.gossip is not None and self.flat is not None
+        self.gossip.load_state_dict(state["gossip"])
+        self.gossip.debias_into(self.flat.buffer)
+        buffers = dict(self.lightning_module.named_buffers())
+        with torch.no_grad():
+            for name, value in state["buffers"].items():
+                buffers[name].copy_(value)
+        _restore_rng_state(state["rng"])
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if self.gossip is not None and dist.is_available() and dist.is_initialized():
+            gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
+            dist.gather_object(self.node_state_dict(), gathered, dst=0)  # checkpointing only, never training
+            if self.is_global_zero:
+                checkpoint[CHECKPOINT_KEY] = {
+                    "world_size": self.world_size,
+                    "topology": getattr(self.topology, "name", str(self.topology_spec)),
+                    "nodes": gathered,
+                }
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _node_state_from(self, checkpoint: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is None:
+            return None
+        if saved["world_size"] != self.world_size:
+            raise TopologyError(
+                f"the checkpoint holds the state of {saved['world_size']} nodes but this run has {self.world_size}; "
+                "resume with the same devices x num_nodes, or load only the weights (state_dict) into a new run"
+            )
+        return saved["nodes"][self.global_rank]
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        node = self._node_state_from(checkpoint)
+        if node is None:
+            return
+        if self.gossip is not None:
+            self.load_node_state_dict(node)
+        else:  # evaluating a checkpoint without training: each node loads its own de-biased model
+            self._load_debiased_parameters(node)
+
+    def _load_debiased_parameters(self, node: Mapping[str, Any]) -> None:
+        assert self.lightning_module is not None
+        gossip = node["gossip"]
+        z = gossip["x"] / gossip["y"].to(gossip["x"].dtype)
+        offset = 0
+        with torch.no_grad():
+            for p in (p for p in self.lightning_module.parameters() if p.requires_grad):
+                p.copy_(z[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        node = self._node_state_from(checkpoint)
+        if node is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        for optimizer, state in zip(self.optimizers, node["optimizers"]):
+            optimizer.load_state_dict(state)
+            _optimizer_to_device(optimizer, self.root_device)
+
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's random generators as tensors and plain values (loadable with ``weights_only=True``)."""
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    version, python_state, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached)],
+        "python": [version, torch.tensor(python_state, dtype=torch.int64), gauss],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    name, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    version, python_state, gauss = state["python"]
+    random.setstate((version, tuple(int(v) for v in python_state.tolist()), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

@@ -1,0 +1,52 @@
+"""Non-private baselines: push-sum (Stochastic Gradient Push) and D-PSGD."""
+
+from __future__ import annotations
+
+from lightning.fabric.strategies import _StrategyRegistry
+
+from lightning_privdec.strategies.base import DecentralizedStrategy
+
+
+class DecentralizedPushSumStrategy(DecentralizedStrategy):
+    """Stochastic Gradient Push (Assran et al. 2019) over a directed, possibly time-varying graph.
+
+    Column-stochastic mixing (each sender splits its mass uniformly over its out-neighbours and itself); the
+    push-sum weight y de-biases the numerator, so directed graphs converge to the exact average. With a
+    ``compressor``, messages are compressed with error feedback as in DP-CSGP's Algorithm 1, lines 1-7.
+
+    Example::
+
+        trainer = L.Trainer(accelerator="cpu", devices=4,
+                            strategy=DecentralizedPushSumStrategy(topology="exponential-one-peer"))
+    """
+
+    strategy_name = "push_sum"
+    default_weights = "push-sum"
+    required_mixing = "column"
+    requires_symmetric_graph = False
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, start_method in ((cls.strategy_name, "popen"), (f"{cls.strategy_name}_spawn", "spawn")):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"{cls.__name__} with start_method '{start_method}'",
+                override=True,
+                start_method=start_method,
+            )
+
+
+class DecentralizedSGDStrategy(DecentralizedPushSumStrategy):
+    """D-PSGD (Lian et al. 2017): symmetric doubly-stochastic gossip (Metropolis-Hastings weights), no push-sum weight.
+
+    The classic baseline for undirected graphs; a directed graph is refused at setup.
+    """
+
+    strategy_name = "dpsgd"
+    default_weights = "metropolis"
+    required_mixing = "doubly"
+    requires_symmetric_graph = True
+
+    def __init__(self, topology="ring", compressor=None, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(topology, compressor, **kwargs)

@@ -1,0 +1,103 @@
+"""Multi-process training on the digits task; every rank writes its own model and accuracy to --out.
+
+Launched by the tests as ``python tests/scripts/fit_digits.py --devices 4 ...``: Lightning's subprocess launcher
+starts the other ranks, exactly as for a user's script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_privdec import DecentralizedPushSumStrategy, DecentralizedSGDStrategy
+from lightning_privdec.data.digits import DigitsClassifier, DigitsDataModule, accuracy
+
+
+class StallAfterEpoch(Callback):
+    """Stands in for a crash window: after epoch N is checkpointed, write a marker and wait to be killed."""
+
+    def __init__(self, epoch: int, marker: Path) -> None:
+        self.epoch, self.marker = epoch, marker
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        if trainer.current_epoch == self.epoch:
+            trainer.strategy.barrier()
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.write_text("checkpointed")
+            time.sleep(3600)
+
+
+def make_strategy(args: argparse.Namespace):  # noqa: ANN201
+    if args.strategy == "ddp":
+        return "ddp"
+    cls = {"push_sum": DecentralizedPushSumStrategy, "dpsgd": DecentralizedSGDStrategy}[args.strategy]
+    return cls(topology=args.topology, compressor=args.compressor, consensus_step=args.gamma, seed=args.seed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="push_sum", choices=["push_sum", "dpsgd", "ddp"])
+    parser.add_argument("--topology", default="exponential-one-peer")
+    parser.add_argument("--compressor", default=None)
+    parser.add_argument("--gamma", type=float, default=1.0)
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--max-epochs", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ckpt-dir", type=Path, default=None)
+    parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--stall-at-epoch", type=int, default=None)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    L.seed_everything(args.seed, verbose=False)
+    model = DigitsClassifier(lr=args.lr, momentum=args.momentum)
+    data = DigitsDataModule(batch_size=args.batch_size, seed=0)
+    callbacks: list[Callback] = []
+    if args.ckpt_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, save_top_k=-1, every_n_epochs=1))
+    if args.stall_at_epoch is not None:
+        callbacks.append(StallAfterEpoch(args.stall_at_epoch, args.out / "stalled"))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=make_strategy(args),
+        max_epochs=args.max_epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=args.ckpt_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=args.resume)
+
+    rank = trainer.global_rank
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gossip = getattr(trainer.strategy, "gossip", None)
+    result = {
+        "rank": rank,
+        "params": params,
+        "test_acc": accuracy(model, *data.tensors["test"]),
+        "global_step": trainer.global_step,
+        "bytes_sent": gossip.exchange.traffic.bytes_sent if gossip is not None else None,
+        "rounds": gossip.round if gossip is not None else None,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.save(result, args.out / f"rank{rank}.pt")
+    if rank == 0:
+        print(f"rank0 test_acc={result['test_acc']:.4f} steps={trainer.global_step} pid={os.getpid()}")
+
+
+if __name__ == "__main__":
+    main()

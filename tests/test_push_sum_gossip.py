@@ -1,0 +1,151 @@
+"""Push-sum gossip math on the loopback exchange: n simulated nodes in one process."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+import torch
+
+from lightning_privdec.algorithms import PushSumGossip
+from lightning_privdec.comm import LoopbackNetwork
+from lightning_privdec.compression import QSGD, RandK, TopK
+from lightning_privdec.topology import build_topology
+
+D = 257
+
+
+def start_points(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(D, generator=g) * (i + 1) for i in range(n)]
+
+
+def run_gossip(n, topology, rounds, *, compressor=None, gamma=1.0, push_sum_weight=True, x0=None):
+    """lr = 0: every round gossips the current numerator; returns each node's final gossip object."""
+    x0 = start_points(n) if x0 is None else x0
+    network = LoopbackNetwork(n)
+
+    def node(rank, exchange):
+        gossip = PushSumGossip(
+            x0[rank],
+            rank=rank,
+            topology=topology,
+            exchange=exchange,
+            compressor=compressor,
+            consensus_step=gamma,
+            push_sum_weight=push_sum_weight,
+        )
+        for _ in range(rounds):
+            gossip.step(gossip.x)
+        return gossip
+
+    return network.run(node), torch.stack(x0).mean(0)
+
+
+@pytest.mark.parametrize("n", [5, 8, 12])
+def test_exact_push_sum_reaches_the_exact_average_on_a_time_varying_directed_graph(n):
+    topology = build_topology("exponential-one-peer", n, weights="push-sum")
+    assert not topology.is_static and not topology.is_symmetric
+    nodes, average = run_gossip(n, topology, rounds=120)
+    for gossip in nodes:
+        assert torch.allclose(gossip.z, average, atol=1e-5, rtol=0)
+    # the push-sum weights are what make a directed graph work: they are far from 1 mid-way on n = 5, 12
+    assert sum(float(g.y) for g in nodes) == pytest.approx(n, abs=1e-9)
+
+
+def irregular_digraph(n: int) -> nx.DiGraph:
+    """A directed ring with one chord: out-degrees differ, so push-sum mixing is not doubly stochastic."""
+    graph = nx.DiGraph([(i, (i + 1) % n) for i in range(n)])
+    graph.add_edge(0, n // 2)
+    return graph
+
+
+def test_push_sum_weights_remove_the_bias_of_an_irregular_directed_graph():
+    n = 6
+    topology = build_topology(irregular_digraph(n), n, weights="push-sum")
+    with_weights, average = run_gossip(n, topology, rounds=400)
+    without_weights, _ = run_gossip(n, topology, rounds=400, push_sum_weight=False)
+    assert max((g.z - average).abs().max().item() for g in with_weights) < 1e-5
+    assert max((g.z - average).abs().max().item() for g in without_weights) > 1e-2  # y is not decorative
+
+
+@pytest.mark.parametrize(
+    "compressor, gamma",
+    [(QSGD(8), 1.0), (RandK(0.5), 0.5), (TopK(0.1), 0.2)],
+    ids=["qsgd8-gamma1", "randk0.5-gamma0.5", "topk0.1-gamma0.2"],
+)
+def test_compressed_push_sum_with_error_feedback_reaches_the_exact_average(compressor, gamma):
+    n = 8
+    topology = build_topology("exponential-one-peer", n, weights="push-sum")
+    nodes, average = run_gossip(n, topology, rounds=600, compressor=compressor, gamma=gamma)
+    for gossip in nodes:
+        assert torch.allclose(gossip.z, average, atol=1e-5, rtol=0)
+    # error feedback: the public copies caught up with the numerators they track
+    assert all(len(g.own_copies) == topology.period for g in nodes)
+
+
+@pytest.mark.parametrize("spec", ["exponential", "exponential-one-peer"])
+def test_compression_never_changes_the_network_sum(spec):
+    """Line 5 of DP-CSGP Algorithm 1 conserves sum_i x_i exactly, whatever the compressor does."""
+    n = 6
+    topology = build_topology(spec, n, weights="push-sum")
+    x0 = start_points(n)
+    total0 = torch.stack(x0).sum(0)
+    nodes, _ = run_gossip(n, topology, rounds=7, compressor=RandK(0.1), x0=x0)
+    total = torch.stack([g.x for g in nodes]).sum(0)
+    assert torch.allclose(total, total0, atol=1e-4)
+    assert sum(float(g.y) for g in nodes) == pytest.approx(n)
+
+
+def test_dpsgd_on_an_undirected_ring_with_metropolis_weights():
+    n = 7
+    topology = build_topology("ring", n, weights="metropolis")
+    nodes, average = run_gossip(n, topology, rounds=400, push_sum_weight=False)
+    for gossip in nodes:
+        assert float(gossip.y) == 1.0
+        assert torch.allclose(gossip.x, average, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("compressor", [None, RandK(0.1), TopK(0.05), QSGD(8)], ids=str)
+def test_bytes_on_the_wire_are_the_stated_sizes(compressor):
+    n, rounds = 8, 9
+    topology = build_topology("exponential", n, weights="push-sum")
+    nodes, _ = run_gossip(n, topology, rounds=rounds, compressor=compressor)
+    payload = 4 * D if compressor is None else compressor.encoded_nbytes(D)
+    per_message = payload + 8  # + the float64 push-sum weight
+    for gossip in nodes:
+        degree = len(topology.out_peers(gossip.rank, 0))
+        traffic = gossip.exchange.traffic
+        assert traffic.last_bytes_sent == degree * per_message
+        assert traffic.bytes_sent == rounds * degree * per_message
+        assert traffic.bytes_received == rounds * len(topology.in_peers(gossip.rank, 0)) * per_message
+
+
+def test_state_dict_resume_continues_the_same_trajectory():
+    n = 5
+    topology = build_topology("exponential-one-peer", n, weights="push-sum")
+    x0 = start_points(n)
+    straight, _ = run_gossip(n, topology, rounds=20, compressor=RandK(0.5), gamma=0.5, x0=x0)
+    first_half, _ = run_gossip(n, topology, rounds=10, compressor=RandK(0.5), gamma=0.5, x0=x0)
+    states = [g.state_dict() for g in first_half]
+
+    network = LoopbackNetwork(n)
+
+    def resumed(rank, exchange):
+        gossip = PushSumGossip(
+            torch.zeros(D), rank=rank, topology=topology, exchange=exchange, compressor=RandK(0.5), consensus_step=0.5
+        )
+        gossip.load_state_dict(states[rank])
+        for _ in range(10):
+            gossip.step(gossip.x)
+        return gossip
+
+    for a, b in zip(straight, network.run(resumed)):
+        assert a.round == b.round == 20
+        assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+
+
+def test_invalid_consensus_step_is_refused():
+    topology = build_topology("ring", 3, weights="metropolis")
+    network = LoopbackNetwork(3)
+    with pytest.raises(ValueError, match="consensus_step"):
+        PushSumGossip(torch.zeros(3), rank=0, topology=topology, exchange=network.exchanges[0], consensus_step=1.5)
