@@ -83,6 +83,13 @@ def main() -> None:
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
 
     rank = trainer.global_rank
+    strategy = trainer.strategy  # global collectives still work for metrics and logging
+    collectives = {
+        "reduce_sum": strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum").item(),
+        "all_gather": strategy.all_gather(torch.tensor([rank])).reshape(-1).tolist(),
+        "broadcast": strategy.broadcast(f"from rank {rank}", src=0),
+    }
+    strategy.barrier()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gossip = getattr(trainer.strategy, "gossip", None)
     result = {
@@ -92,6 +99,7 @@ def main() -> None:
         "global_step": trainer.global_step,
         "bytes_sent": gossip.exchange.traffic.bytes_sent if gossip is not None else None,
         "rounds": gossip.round if gossip is not None else None,
+        "collectives": collectives,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(result, args.out / f"rank{rank}.pt")

@@ -1,0 +1,446 @@
+"""Privacy accounting for one node's Poisson-subsampled Gaussian mechanism (DP-SGD), via Opacus's accountants.
+
+Each node runs DP-SGD on its own shard: every step releases ``sum_i clip(g_i) + N(0, sigma^2 C^2 I)`` over a
+Poisson sample of rate ``q`` (Abadi et al. 2016, Algorithm 1). Its (epsilon, delta) after a history of
+``(sigma, q, steps)`` entries is computed by one of Opacus's accountants:
+
+* ``"rdp"``: Renyi DP of the subsampled Gaussian (Mironov 2017; Mironov, Talwar, Zhang 2019, Sec. 3), converted
+  to (epsilon, delta) with Balle et al. 2020, Thm. 21. Sound, slightly loose; the default.
+* ``"prv"``: numerical composition of privacy-loss random variables (Gopi et al. 2021). Tight upper bound; slower.
+* ``"gdp"``: mu-GDP with the central limit theorem (Dong, Roth, Su 2019, Cor. 5.4). Fast but an *approximation*
+  that can under-estimate epsilon (Gopi et al. 2021, Sec. 1); needs constant ``(sigma, q)``.
+
+In decentralized learning each node's guarantee is per node, for sample-level adjacency on that node's shard:
+``q = B / J`` with ``J`` the shard size, never the global dataset size.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from opacus.accountants import (
+    GaussianAccountant,
+    IAccountant,
+    PRVAccountant,
+    RDPAccountant,
+    create_accountant,
+    register_accountant,
+)
+from opacus.accountants.analysis import gdp as gdp_analysis
+from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
+from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
+
+from lightning_privdec.privacy.errors import PrivacyConfigError
+
+__all__ = [
+    "ACCOUNTANTS",
+    "PrivacyLedger",
+    "calibrate_noise_multiplier",
+    "epsilon_for",
+    "make_accountant",
+]
+
+#: accountant names accepted everywhere (``accountant=`` keyword, CLI ``--accountant``)
+ACCOUNTANTS: tuple[str, ...] = ("rdp", "prv", "gdp")
+
+#: the PRV accountant discretises the privacy loss on a grid; beyond this many points it needs gigabytes of memory
+#: (tiny noise multipliers or huge step counts). We refuse instead of exhausting the machine.
+PRV_MAX_DOMAIN_SIZE = 20_000_000
+
+#: calibration never searches below this noise multiplier (a target that needs less noise is no meaningful privacy)
+MIN_CALIBRATED_NOISE_MULTIPLIER = 1e-3
+
+#: calibration gives up after this many epsilon evaluations instead of looping forever
+MAX_CALIBRATION_EVALUATIONS = 200
+
+History = list[tuple[float, float, int]]
+
+
+# ---- validation helpers -----------------------------------------------------------------------------------------
+def _check_accountant(name: str) -> str:
+    if not isinstance(name, str) or name not in ACCOUNTANTS:
+        raise PrivacyConfigError(
+            f"unknown accountant {name!r}; choose one of {', '.join(repr(a) for a in ACCOUNTANTS)} "
+            "('rdp' is the sound default, 'prv' the tightest, 'gdp' a fast approximation)"
+        )
+    return name
+
+
+def _check_number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise PrivacyConfigError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _check_delta(delta: Any, name: str = "delta") -> float:
+    delta = _check_number(delta, name)
+    if not 0.0 < delta < 1.0:
+        raise PrivacyConfigError(
+            f"{name} must lie strictly between 0 and 1, got {delta!r}; a common choice is below 1/J for a shard "
+            "of J examples (e.g. 1e-5)"
+        )
+    return delta
+
+
+def _check_sample_rate(sample_rate: Any) -> float:
+    sample_rate = _check_number(sample_rate, "sample_rate")
+    if not 0.0 < sample_rate <= 1.0:
+        raise PrivacyConfigError(
+            f"sample_rate must lie in (0, 1], got {sample_rate!r}; it is q = B / J, the expected batch size over "
+            "this node's shard size"
+        )
+    return sample_rate
+
+
+def _check_noise_multiplier(noise_multiplier: Any) -> float:
+    noise_multiplier = _check_number(noise_multiplier, "noise_multiplier")
+    if noise_multiplier < 0:
+        raise PrivacyConfigError(
+            f"noise_multiplier must be >= 0, got {noise_multiplier!r}; it is sigma, the noise standard deviation "
+            "in units of max_grad_norm"
+        )
+    return noise_multiplier
+
+
+def _check_steps(steps: Any, *, minimum: int = 0) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < minimum:
+        raise PrivacyConfigError(f"steps must be an integer >= {minimum}, got {steps!r}")
+    return steps
+
+
+# ---- epsilon of a history ---------------------------------------------------------------------------------------
+def make_accountant(name: str = "rdp") -> IAccountant:
+    """A fresh Opacus accountant (``opacus.accountants.create_accountant``) for ``"rdp"``, ``"prv"`` or ``"gdp"``."""
+    return create_accountant(_check_accountant(name))
+
+
+def _prv_domain_size(history: History, eps_error: float, delta_error: float) -> int:
+    """Grid size the PRV accountant would allocate for ``history`` (Gopi et al. 2021, Sec. 5.1), without allocating."""
+    prvs = [PoissonSubsampledGaussianPRV(q, sigma) for sigma, q, _ in history]
+    domain = PRVAccountant()._get_domain(
+        prvs=prvs, num_self_compositions=[t for _, _, t in history], eps_error=eps_error, delta_error=delta_error
+    )
+    return int(domain.size)
+
+
+def _gdp_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
+    """Opacus's GDP epsilon (Dong, Roth, Su 2019, Cor. 5.4 + Cor. 2.13) with its root-finding edge cases closed.
+
+    Opacus searches epsilon in [0, 500] and raises when the root is outside: at ``epsilon = 0`` the mechanism is
+    already (0, delta)-DP (returned as 0.0), or epsilon exceeds 500 (returned as ``inf``, the safe side).
+    """
+    accountant = make_accountant("gdp")
+    accountant.history = [(sigma, q, steps)]
+    try:
+        return float(accountant.get_epsilon(delta=delta))
+    except ValueError:
+        mu = gdp_analysis.compute_mu_poisson(steps=steps, noise_multiplier=sigma, sample_rate=q)
+        if gdp_analysis.delta_eps_mu(eps=0.0, mu=mu) <= delta:
+            return 0.0
+        return math.inf
+
+
+def _epsilon_of_history(history: History, delta: float, accountant: str) -> float:
+    """Epsilon of a composed history of Poisson-subsampled Gaussian steps, by the named Opacus accountant."""
+    history = [(float(s), float(q), int(t)) for s, q, t in history if int(t) > 0]
+    if not history:
+        return 0.0
+    if any(sigma == 0.0 for sigma, _, _ in history):
+        return math.inf  # no noise: no privacy
+    if accountant == "gdp":
+        if len({(sigma, q) for sigma, q, _ in history}) > 1:
+            raise PrivacyConfigError(
+                "the 'gdp' accountant needs a constant noise_multiplier and sample_rate; this history changes "
+                "them. Use accountant='rdp' or 'prv' for schedules."
+            )
+        sigma, q, _ = history[0]
+        return _gdp_epsilon(sigma, q, sum(t for _, _, t in history), delta)
+    if accountant == "prv":
+        eps_error, delta_error = 0.01, delta / 1000  # Opacus's PRVAccountant defaults
+        size = _prv_domain_size(history, eps_error, delta_error)
+        if size > PRV_MAX_DOMAIN_SIZE:
+            raise PrivacyConfigError(
+                f"the 'prv' accountant would need a {size:,}-point grid for this history (noise multiplier "
+                f"{min(s for s, _, _ in history):.3g}, {sum(t for _, _, t in history):,} steps), far beyond "
+                f"{PRV_MAX_DOMAIN_SIZE:,}; this means almost no noise (epsilon is huge). Use accountant='rdp', or a "
+                "larger noise_multiplier / smaller target_epsilon."
+            )
+    opacus_accountant = make_accountant(accountant)
+    opacus_accountant.history = list(history)
+    return float(opacus_accountant.get_epsilon(delta=delta))
+
+
+def epsilon_for(
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    accountant: str = "rdp",
+) -> float:
+    """Epsilon of ``steps`` DP-SGD steps with noise multiplier sigma and Poisson rate q at the given delta.
+
+    The mechanism is the Poisson-subsampled Gaussian (Abadi et al. 2016, Algorithm 1); ``accountant`` picks the
+    analysis (see the module docstring). ``noise_multiplier = 0`` returns ``inf``.
+    """
+    accountant = _check_accountant(accountant)
+    history = [
+        (_check_noise_multiplier(noise_multiplier), _check_sample_rate(sample_rate), _check_steps(steps))
+    ]
+    return _epsilon_of_history(history, _check_delta(delta), accountant)
+
+
+# ---- calibration ------------------------------------------------------------------------------------------------
+class _CalibrationStop(Exception):
+    """Raised inside Opacus's search to stop it with a message (converted to PrivacyConfigError)."""
+
+
+class _Guard:
+    def __init__(self, accountant: str) -> None:
+        self.accountant = accountant
+        self.evaluations = 0
+        self.smallest_sigma = math.inf
+
+    def check(self, history: History) -> None:
+        self.evaluations += 1
+        if self.evaluations > MAX_CALIBRATION_EVALUATIONS:
+            raise _CalibrationStop(
+                f"the search did not converge within {MAX_CALIBRATION_EVALUATIONS} epsilon evaluations"
+            )
+        sigma = min(s for s, _, _ in history)
+        self.smallest_sigma = min(self.smallest_sigma, sigma)
+        if sigma < MIN_CALIBRATED_NOISE_MULTIPLIER:
+            raise _CalibrationStop(
+                f"reaching it would need a noise multiplier below {MIN_CALIBRATED_NOISE_MULTIPLIER:g}, i.e. "
+                "essentially no noise"
+            )
+
+
+_OPACUS_CLASSES: dict[str, type[IAccountant]] = {
+    "rdp": RDPAccountant,
+    "prv": PRVAccountant,
+    "gdp": GaussianAccountant,
+}
+_GUARDED: set[str] = set()
+_ACTIVE_GUARD: contextvars.ContextVar[_Guard | None] = contextvars.ContextVar("privdec_calibration", default=None)
+
+
+def _guarded_mechanism(accountant: str) -> str:
+    """Register (once) an Opacus accountant that routes ``get_noise_multiplier``'s search through our guard.
+
+    Opacus's bisection has no iteration limit and evaluates whatever sigma it reaches; the guard bounds the number
+    of evaluations and the smallest sigma, and uses :func:`_epsilon_of_history` (with its PRV/GDP edge cases).
+    """
+    mechanism = f"_lightning_privdec_guarded_{accountant}"
+    if mechanism not in _GUARDED:
+        base = _OPACUS_CLASSES[accountant]
+
+        def get_epsilon(self: IAccountant, delta: float, *args: Any, **kwargs: Any) -> float:
+            guard = _ACTIVE_GUARD.get()
+            if guard is not None:
+                guard.check(self.history)
+            return _epsilon_of_history(self.history, delta, accountant)
+
+        def __init__(self: IAccountant) -> None:  # noqa: N807  (skip GDP's per-instance warning)
+            self.history = []
+
+        guarded = type(f"_Guarded{base.__name__}", (base,), {"get_epsilon": get_epsilon, "__init__": __init__})
+        register_accountant(mechanism, guarded, force=True)
+        _GUARDED.add(mechanism)
+    return mechanism
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = "rdp",
+    epsilon_tolerance: float = 0.01,
+) -> float:
+    """The smallest noise multiplier (up to the tolerance) with epsilon <= target after ``steps`` DP-SGD steps.
+
+    Uses Opacus's bisection ``opacus.accountants.utils.get_noise_multiplier`` with the named accountant. The
+    tolerance is *relative*: the returned sigma satisfies
+    ``(1 - epsilon_tolerance) * target_epsilon <= epsilon_for(sigma, ...) <= target_epsilon`` (checked).
+
+    Raises:
+        PrivacyConfigError: invalid arguments, or a target that cannot be reached (so small that even a noise
+            multiplier of ~1e6 exceeds it, or so large that essentially no noise is needed).
+    """
+    accountant = _check_accountant(accountant)
+    target_epsilon = _check_number(target_epsilon, "target_epsilon")
+    if target_epsilon <= 0:
+        raise PrivacyConfigError(f"target_epsilon must be > 0, got {target_epsilon!r}")
+    target_delta = _check_delta(target_delta, "target_delta")
+    sample_rate = _check_sample_rate(sample_rate)
+    steps = _check_steps(steps, minimum=1)
+    epsilon_tolerance = _check_number(epsilon_tolerance, "epsilon_tolerance")
+    if not 0.0 < epsilon_tolerance < 1.0:
+        raise PrivacyConfigError(
+            f"epsilon_tolerance is relative and must lie in (0, 1), got {epsilon_tolerance!r} (0.01 = 1%)"
+        )
+
+    where = (
+        f"target_epsilon={target_epsilon:g}, target_delta={target_delta:g}, sample_rate={sample_rate:g}, "
+        f"steps={steps}, accountant={accountant!r}"
+    )
+    # Cheap reachability check first: the most noise Opacus would try.
+    floor = _epsilon_of_history([(MAX_SIGMA, sample_rate, steps)], target_delta, accountant)
+    if floor > target_epsilon:
+        raise PrivacyConfigError(
+            f"cannot reach {where}: even a noise multiplier of {MAX_SIGMA:g} gives epsilon = {floor:.4g} (the "
+            f"{accountant!r} accountant's floor at this delta). Raise target_epsilon or target_delta, or use fewer "
+            "steps / a smaller sample_rate."
+        )
+
+    guard = _Guard(accountant)
+    token = _ACTIVE_GUARD.set(guard)
+    try:
+        sigma = get_noise_multiplier(
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            sample_rate=sample_rate,
+            steps=steps,
+            accountant=_guarded_mechanism(accountant),
+            epsilon_tolerance=epsilon_tolerance * target_epsilon,
+        )
+    except _CalibrationStop as stop:
+        raise PrivacyConfigError(
+            f"cannot calibrate the noise multiplier for {where}: {stop}. Such an epsilon gives no meaningful "
+            "privacy; lower target_epsilon, or pass noise_multiplier directly."
+        ) from None
+    except ValueError as err:  # Opacus: "The privacy budget is too low."
+        raise PrivacyConfigError(f"cannot calibrate the noise multiplier for {where}: {err}") from None
+    finally:
+        _ACTIVE_GUARD.reset(token)
+
+    achieved = _epsilon_of_history([(sigma, sample_rate, steps)], target_delta, accountant)
+    if not (1.0 - epsilon_tolerance) * target_epsilon <= achieved <= target_epsilon * (1.0 + 1e-12):
+        raise PrivacyConfigError(
+            f"calibration for {where} ended at noise multiplier {sigma:.6g} with epsilon {achieved:.6g}, outside "
+            f"the {epsilon_tolerance:.0%} tolerance; try accountant='rdp' or a larger epsilon_tolerance"
+        )
+    return float(sigma)
+
+
+# ---- per-node ledger --------------------------------------------------------------------------------------------
+class PrivacyLedger:
+    """One node's privacy history ``[(sigma, q, steps), ...]`` and its epsilon, by an Opacus accountant.
+
+    Consecutive identical ``(sigma, q)`` entries are merged, as in Opacus's accountants' ``history``. The epsilon of
+    the whole history is the composition of the subsampled Gaussian steps (Mironov, Talwar, Zhang 2019 for
+    ``"rdp"``; Gopi et al. 2021 for ``"prv"``; Dong, Roth, Su 2019 for ``"gdp"``).
+
+    Args:
+        accountant: ``"rdp"``, ``"prv"`` or ``"gdp"``.
+        delta: default delta for :meth:`epsilon` and :meth:`epsilon_if`.
+    """
+
+    def __init__(self, accountant: str = "rdp", delta: float | None = None) -> None:
+        self.accountant = _check_accountant(accountant)
+        self.delta = None if delta is None else _check_delta(delta)
+        self.history: History = []
+        self._cache: dict[tuple[Any, ...], float] = {}
+
+    # -- recording
+    @staticmethod
+    def _append(history: History, noise_multiplier: float, sample_rate: float, steps: int) -> History:
+        history = list(history)
+        if history and history[-1][0] == noise_multiplier and history[-1][1] == sample_rate:
+            sigma, q, count = history[-1]
+            history[-1] = (sigma, q, count + steps)
+        else:
+            history.append((noise_multiplier, sample_rate, steps))
+        return history
+
+    def _extended(self, noise_multiplier: float, sample_rate: float, steps: int) -> History:
+        noise_multiplier = _check_noise_multiplier(noise_multiplier)
+        sample_rate = _check_sample_rate(sample_rate)
+        steps = _check_steps(steps, minimum=1)
+        history = self._append(self.history, noise_multiplier, sample_rate, steps)
+        if self.accountant == "gdp" and len(history) > 1:
+            raise PrivacyConfigError(
+                "the 'gdp' accountant needs a constant noise_multiplier and sample_rate, but this step uses "
+                f"({noise_multiplier:g}, {sample_rate:g}) after {self.history[-1][:2]}. Use accountant='rdp' or "
+                "'prv' for schedules."
+            )
+        return history
+
+    def record(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
+        """Account for ``steps`` more steps with noise multiplier sigma and Poisson sampling rate q."""
+        self.history = self._extended(noise_multiplier, sample_rate, steps)
+
+    # -- queries
+    @property
+    def steps(self) -> int:
+        """Number of recorded steps."""
+        return sum(t for _, _, t in self.history)
+
+    def _delta(self, delta: float | None) -> float:
+        if delta is None:
+            delta = self.delta
+        if delta is None:
+            raise PrivacyConfigError("no delta given: pass delta=... here or to PrivacyLedger(delta=...)")
+        return _check_delta(delta)
+
+    def _epsilon(self, history: History, delta: float) -> float:
+        key = (tuple(history), delta)
+        if key not in self._cache:
+            if len(self._cache) > 64:
+                self._cache.clear()
+            self._cache[key] = _epsilon_of_history(history, delta, self.accountant)
+        return self._cache[key]
+
+    def epsilon(self, delta: float | None = None) -> float:
+        """Epsilon spent so far at ``delta`` (default: the ledger's delta); 0.0 before any step."""
+        return self._epsilon(self.history, self._delta(delta))
+
+    def epsilon_if(
+        self, noise_multiplier: float, sample_rate: float, steps: int = 1, delta: float | None = None
+    ) -> float:
+        """Epsilon after ``steps`` more hypothetical steps; lets a caller stop *before* exceeding its budget."""
+        return self._epsilon(self._extended(noise_multiplier, sample_rate, steps), self._delta(delta))
+
+    # -- checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python types only (loadable with ``torch.load(weights_only=True)``)."""
+        return {
+            "accountant": self.accountant,
+            "delta": self.delta,
+            "history": [[float(s), float(q), int(t)] for s, q, t in self.history],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; later :meth:`record` calls continue the count."""
+        if not isinstance(state, Mapping) or "history" not in state or "accountant" not in state:
+            raise PrivacyConfigError(
+                "not a PrivacyLedger state_dict (needs keys 'accountant' and 'history'); pass what "
+                "PrivacyLedger.state_dict() returned"
+            )
+        if state["accountant"] != self.accountant:
+            raise PrivacyConfigError(
+                f"the saved ledger used accountant {state['accountant']!r} but this one uses {self.accountant!r}; "
+                f"create PrivacyLedger(accountant={state['accountant']!r}) to resume it"
+            )
+        history: History = []
+        for sigma, q, t in _as_entries(state["history"]):
+            history = self._append(
+                history, _check_noise_multiplier(sigma), _check_sample_rate(q), _check_steps(int(t), minimum=1)
+            )
+        self.history = history
+        if state.get("delta") is not None:
+            self.delta = _check_delta(state["delta"])
+        self._cache.clear()
+
+    def __repr__(self) -> str:
+        return f"PrivacyLedger(accountant={self.accountant!r}, delta={self.delta!r}, history={self.history!r})"
+
+
+def _as_entries(entries: Iterable[Any]) -> Iterable[tuple[float, float, int]]:
+    for entry in entries:
+        sigma, q, t = entry
+        yield float(sigma), float(q), int(t)
+
