@@ -30,11 +30,13 @@ How to run
     python benchmarks/step_time.py                      # all five configs, 4 processes, 10 warm-up + 100 steps
     python benchmarks/step_time.py --configs ddp,push_sum --steps 200 --json results.json
     python benchmarks/step_time.py --hidden 2048        # a bigger model (about 3.7M parameters)
+    python benchmarks/step_time.py --repeats 3          # interleaved repeats, medians over runs (less noise)
 
 The parent process never builds a Trainer: it re-runs this file as a child with ``--config NAME --out FILE`` for
 each configuration; Lightning's subprocess launcher then starts ranks 1..N-1 of that child. Every rank uses
 ``torch.set_num_threads(1)``. With 4 processes on a 2-core machine the timings are noisy and include CPU contention
-between ranks (each rank gets about half a core); compare ratios within one invocation only.
+between ranks (each rank gets about half a core), and whatever else runs on the machine shifts them further;
+compare ratios within one invocation only, and use ``--repeats`` when the machine is shared.
 """
 
 from __future__ import annotations
@@ -76,7 +78,9 @@ TIME_TARGET, BYTES_TOLERANCE = 1.2, 0.05
 # command line
 # ---------------------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=100, help="timed steps per run (after warm-up)")
     parser.add_argument("--warmup", type=int, default=10, help="steps dropped before timing")
     parser.add_argument("--devices", type=int, default=4, help="CPU processes per run")
@@ -84,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=1024, help="first hidden width H of the MLP 784-H-H/2-10")
     parser.add_argument("--batch-size", type=int, default=64, help="per process")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per config, interleaved; medians are reported")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for one configuration")
     parser.add_argument("--json", type=Path, default=None, help="also write all results to this file")
     # internal: one configuration in one Lightning run (set by the parent)
@@ -94,8 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [c for c in args.config_list + ([args.config] if args.config else []) if c not in CONFIGS]
     if unknown:
         parser.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
-    if args.steps < 1 or args.warmup < 0 or args.devices < 2:
-        parser.error("need --steps >= 1, --warmup >= 0 and --devices >= 2")
+    if args.steps < 1 or args.warmup < 0 or args.devices < 2 or args.repeats < 1:
+        parser.error("need --steps >= 1, --warmup >= 0, --devices >= 2 and --repeats >= 1")
     return args
 
 
@@ -173,7 +178,9 @@ def make_step_timer(warmup: int):  # noqa: ANN201
             self.steps: list[float] = []
             self.gossip: list[float] = []
             self.exchange: list[float] = []
-            self._start = 0.0
+            # batch start -> next batch start: the step plus data loading and Lightning's per-step SIGTERM broadcast
+            self.iterations: list[float] = []
+            self._start: float | None = None
 
         def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
             gossip = getattr(trainer.strategy, "gossip", None)
@@ -182,7 +189,10 @@ def make_step_timer(warmup: int):  # noqa: ANN201
                 gossip.exchange.exchange = _timed(gossip.exchange.exchange, self.exchange)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
-            self._start = time.perf_counter()
+            now = time.perf_counter()
+            if self._start is not None:
+                self.iterations.append(now - self._start)
+            self._start = now
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
             self.steps.append(time.perf_counter() - self._start)
@@ -196,6 +206,7 @@ def make_step_timer(warmup: int):  # noqa: ANN201
                 "median_step_ms": median_ms(self.steps),
                 "median_gossip_ms": median_ms(self.gossip),
                 "median_exchange_ms": median_ms(self.exchange),
+                "median_iteration_ms": median_ms(self.iterations),
                 "timed_steps": max(0, len(self.steps) - warmup),
             }
 
@@ -206,7 +217,9 @@ def expected_push_sum_bytes(strategy: Any, rank: int, d: int) -> float:
     """Stated bytes per node per round: mean out-degree over one period x (payload + push-sum weight)."""
     topology = strategy.topology
     out_degree = statistics.mean(len(topology.out_peers(rank, k)) for k in range(topology.period))
-    payload = 4 * d if strategy.compressor is None else strategy.compressor.encoded_nbytes(d)
+    dtype = strategy.flat.buffer.dtype
+    itemsize = strategy.flat.buffer.element_size()
+    payload = itemsize * d if strategy.compressor is None else strategy.compressor.encoded_nbytes(d, dtype)
     return out_degree * (payload + WEIGHT_BYTES)
 
 
@@ -289,7 +302,7 @@ def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def summarise(result: dict[str, Any]) -> dict[str, Any]:
+def summarise_run(result: dict[str, Any]) -> dict[str, Any]:
     """Reduce the per-rank numbers of one run to the table's columns."""
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     n, d = result["devices"], result["num_params"]
@@ -300,7 +313,9 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         "per_rank_ms": [r["median_step_ms"] for r in ranks],
         "gossip_ms": ranks[0].get("median_gossip_ms"),
         "exchange_ms": ranks[0].get("median_exchange_ms"),
+        "iteration_ms": ranks[0].get("median_iteration_ms"),
         "wall_s": result["wall_s"],
+        "runs_rank0_ms": [ranks[0]["median_step_ms"]],
     }
     if result["config"] == "ddp":
         summary.update(measured_bytes=None, expected_bytes=2 * (n - 1) / n * 4 * d)
@@ -309,6 +324,23 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
             measured_bytes=statistics.mean(r["bytes_sent"] / r["rounds"] for r in ranks),
             expected_bytes=statistics.mean(r["expected_bytes_per_step"] for r in ranks),
         )
+    return summary
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row per configuration: the median over repeats of each run's numbers (bytes do not vary)."""
+    per_run = [summarise_run(r) for r in runs]
+    summary = dict(per_run[0])
+    for key in ("rank0_ms", "max_rank_ms", "gossip_ms", "exchange_ms", "iteration_ms"):
+        summary[key] = _median_or_none([s[key] for s in per_run])
+    summary["per_rank_ms"] = [statistics.median(column) for column in zip(*(s["per_rank_ms"] for s in per_run))]
+    summary["wall_s"] = sum(s["wall_s"] for s in per_run)
+    summary["runs_rank0_ms"] = [s["rank0_ms"] for s in per_run]
     return summary
 
 
@@ -365,16 +397,27 @@ def format_report(summaries: list[dict[str, Any]], num_params: int, devices: int
             f"| {LABELS[s['config']]} | {s['rank0_ms']:.1f} | {s['max_rank_ms']:.1f} | {ratio} "
             f"| {measured} | {expected} | {diff} |"
         )
-    lines += ["", "per-rank medians (ms), gossip.step and exchange medians on rank 0 (ms), wall time of the run (s):"]
+    lines += [
+        "",
+        "Details. Step = on_train_batch_start -> on_train_batch_end. Iteration = batch start -> next batch start, i.e."
+        " the step plus data loading and Lightning's per-step SIGTERM broadcast (a global collective).",
+        "",
+        "| config | per-rank median step ms | rank0 iteration ms | rank0 gossip.step ms | of which exchange ms "
+        "| run wall s |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for s in summaries:
         per_rank = ", ".join(f"{v:.1f}" for v in s["per_rank_ms"])
-        gossip = f"gossip {_fmt(s['gossip_ms'], '.1f')} (exchange {_fmt(s['exchange_ms'], '.1f')})"
-        lines.append(f"  {s['config']:<9} ranks [{per_rank}]  {gossip if s['gossip_ms'] else 'all-reduce inside backward'}"
-                     f"  run {s['wall_s']:.1f}s")
+        gossip = _fmt(s["gossip_ms"], ".1f") if s["gossip_ms"] is not None else "n/a (all-reduce in backward)"
+        lines.append(
+            f"| {s['config']} | {per_rank} | {_fmt(s['iteration_ms'], '.1f')} | {gossip} "
+            f"| {_fmt(s['exchange_ms'], '.1f')} | {s['wall_s']:.1f} |"
+        )
     lines += ["", *target_lines(summaries, ddp)]
     lines.append(
         f"note: {devices} processes share {len(os.sched_getaffinity(0))} cores here, so ranks pre-empt each other; "
-        "step times carry CPU contention and run-to-run noise of several percent. Compare ratios within one run."
+        "step times carry CPU contention, and load from other work on the machine can move a run by tens of percent. "
+        "Compare ratios within one invocation; --repeats N interleaves N runs per config and reports medians."
     )
     return lines
 
@@ -390,6 +433,9 @@ def target_lines(summaries: list[dict[str, Any]], ddp: dict[str, Any] | None) ->
             f"uncompressed push-sum / DDP = {ratio:.2f}x (target <= {TIME_TARGET}x): {verdict}"
             f"   [max-over-ranks medians: {worst:.2f}x]"
         )
+        if len(push_sum["runs_rank0_ms"]) > 1:
+            ratios = ", ".join(f"{p / q:.2f}x" for p, q in zip(push_sum["runs_rank0_ms"], ddp["runs_rank0_ms"]))
+            lines.append(f"  per repeat (rank0): {ratios}")
     for s in summaries:
         if s["measured_bytes"] is not None:
             diff = (s["measured_bytes"] - s["expected_bytes"]) / s["expected_bytes"]
@@ -405,14 +451,17 @@ def run_parent(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     for line in machine_description(args):
         print(line, flush=True)
-    results = []
-    for config in args.config_list:
-        print(f"running {config} ...", end=" ", flush=True)
-        results.append(run_config(config, args))
-        print(f"{results[-1]['wall_s']:.1f}s", flush=True)
-    summaries = [summarise(r) for r in results]
+    results: dict[str, list[dict[str, Any]]] = {config: [] for config in args.config_list}
+    for repeat in range(args.repeats):  # interleaved, so slow drifts in machine load hit every config alike
+        for config in args.config_list:
+            label = config if args.repeats == 1 else f"{config} (repeat {repeat + 1}/{args.repeats})"
+            print(f"running {label} ...", end=" ", flush=True)
+            results[config].append(run_config(config, args))
+            print(f"{results[config][-1]['wall_s']:.1f}s", flush=True)
+    summaries = [summarise(runs) for runs in results.values()]
+    num_params = results[args.config_list[0]][0]["num_params"]
     print()
-    for line in format_report(summaries, results[0]["num_params"], args.devices):
+    for line in format_report(summaries, num_params, args.devices):
         print(line)
     total = time.perf_counter() - started
     print(f"total wall time: {total:.1f}s")

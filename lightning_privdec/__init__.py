@@ -1,10 +1,15 @@
 """lightning-privdec: private decentralized learning as PyTorch Lightning strategies."""
 
+from lightning_privdec.callbacks import PrivacyBudgetCallback
 from lightning_privdec.compression import QSGD, Identity, RandK, Sign, TopK
+from lightning_privdec.privacy import PrivacyConfigError
 from lightning_privdec.strategies import (
     DecentralizedPushSumStrategy,
     DecentralizedSGDStrategy,
     DecentralizedStrategy,
+    DP2SGDStrategy,
+    DPCSGPStrategy,
+    PrivSGPStrategy,
 )
 from lightning_privdec.topology import Topology, TopologyError, build_topology
 
@@ -12,6 +17,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "QSGD",
+    "DP2SGDStrategy",
+    "DPCSGPStrategy",
+    "PrivSGPStrategy",
+    "PrivacyBudgetCallback",
+    "PrivacyConfigError",
     "DecentralizedPushSumStrategy",
     "DecentralizedSGDStrategy",
     "DecentralizedStrategy",

@@ -106,6 +106,9 @@ def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
         )
     device = packed.device
 
+    if width == 8:  # one byte per value: nothing to reassemble
+        return packed.to(torch.int64)
+
     if width % 8 == 0:
         nb = width // 8
         shifts = torch.arange(0, width, 8, device=device, dtype=torch.int64)

@@ -105,11 +105,25 @@ class RandK(_Sparsifier):
 
     name = "randk"
 
+    def __init__(self, ratio: float) -> None:
+        super().__init__(ratio)
+        self._last_indices: tuple[tuple[int, int, str], torch.Tensor] | None = None
+
     def indices(self, d: int, key: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The k kept coordinates (int64, unsorted) for a d-vector and ``key`` on ``device``."""
+        """The k kept coordinates (int64, unsorted) for a d-vector and ``key`` on ``device``.
+
+        The last draw is remembered, so a sender's encode and its own decode of the same message (error feedback)
+        pay for one permutation, not two.
+        """
+        cache_key = (d, key, str(torch.device(device)))
+        last = self._last_indices  # one read: safe when simulated nodes share the compressor across threads
+        if last is not None and last[0] == cache_key:
+            return last[1]
         k = self.num_kept(d)
         gen = make_generator(key, device)
-        return torch.randperm(d, generator=gen, device=device)[:k]
+        idx = torch.randperm(d, generator=gen, device=device)[:k]
+        self._last_indices = (cache_key, idx)
+        return idx
 
     def payload_spec(self, d: int, dtype: torch.dtype = torch.float32) -> PayloadSpec:
         return [((self.num_kept(d),), dtype)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -126,13 +127,31 @@ def _prv_domain_size(history: History, eps_error: float, delta_error: float) -> 
     return int(domain.size)
 
 
+_GDP_WARNED = False
+
+
+def _warn_gdp_once() -> None:
+    global _GDP_WARNED
+    if not _GDP_WARNED:
+        _GDP_WARNED = True
+        warnings.warn(
+            "the 'gdp' accountant (Dong, Roth, Su 2019, central limit theorem) is an approximation that can "
+            "under-estimate epsilon (Gopi et al. 2021); use 'prv' or 'rdp' for guarantees you report",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _gdp_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
     """Opacus's GDP epsilon (Dong, Roth, Su 2019, Cor. 5.4 + Cor. 2.13) with its root-finding edge cases closed.
 
     Opacus searches epsilon in [0, 500] and raises when the root is outside: at ``epsilon = 0`` the mechanism is
     already (0, delta)-DP (returned as 0.0), or epsilon exceeds 500 (returned as ``inf``, the safe side).
     """
-    accountant = make_accountant("gdp")
+    _warn_gdp_once()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="GDP accounting is experimental")
+        accountant = make_accountant("gdp")
     accountant.history = [(sigma, q, steps)]
     try:
         return float(accountant.get_epsilon(delta=delta))
@@ -201,7 +220,6 @@ class _Guard:
     def __init__(self, accountant: str) -> None:
         self.accountant = accountant
         self.evaluations = 0
-        self.smallest_sigma = math.inf
 
     def check(self, history: History) -> None:
         self.evaluations += 1
@@ -210,7 +228,6 @@ class _Guard:
                 f"the search did not converge within {MAX_CALIBRATION_EVALUATIONS} epsilon evaluations"
             )
         sigma = min(s for s, _, _ in history)
-        self.smallest_sigma = min(self.smallest_sigma, sigma)
         if sigma < MIN_CALIBRATED_NOISE_MULTIPLIER:
             raise _CalibrationStop(
                 f"reaching it would need a noise multiplier below {MIN_CALIBRATED_NOISE_MULTIPLIER:g}, i.e. "
@@ -287,8 +304,11 @@ def calibrate_noise_multiplier(
         f"target_epsilon={target_epsilon:g}, target_delta={target_delta:g}, sample_rate={sample_rate:g}, "
         f"steps={steps}, accountant={accountant!r}"
     )
-    # Cheap reachability check first: the most noise Opacus would try.
-    floor = _epsilon_of_history([(MAX_SIGMA, sample_rate, steps)], target_delta, accountant)
+    # Cheap reachability check first: the most noise Opacus would try. (At huge sigma the RDP optimum sits at the
+    # largest order and Opacus warns about it; that is expected here.)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Optimal order is the")
+        floor = _epsilon_of_history([(MAX_SIGMA, sample_rate, steps)], target_delta, accountant)
     if floor > target_epsilon:
         raise PrivacyConfigError(
             f"cannot reach {where}: even a noise multiplier of {MAX_SIGMA:g} gives epsilon = {floor:.4g} (the "
@@ -299,17 +319,19 @@ def calibrate_noise_multiplier(
     guard = _Guard(accountant)
     token = _ACTIVE_GUARD.set(guard)
     try:
-        sigma = get_noise_multiplier(
-            target_epsilon=target_epsilon,
-            target_delta=target_delta,
-            sample_rate=sample_rate,
-            steps=steps,
-            accountant=_guarded_mechanism(accountant),
-            epsilon_tolerance=epsilon_tolerance * target_epsilon,
-        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Optimal order is the")
+            sigma = get_noise_multiplier(
+                target_epsilon=target_epsilon,
+                target_delta=target_delta,
+                sample_rate=sample_rate,
+                steps=steps,
+                accountant=_guarded_mechanism(accountant),
+                epsilon_tolerance=epsilon_tolerance * target_epsilon,
+            )
     except _CalibrationStop as stop:
         raise PrivacyConfigError(
-            f"cannot calibrate the noise multiplier for {where}: {stop}. Such an epsilon gives no meaningful "
+            f"cannot calibrate the noise multiplier for {where}: {stop}. A target this loose gives no meaningful "
             "privacy; lower target_epsilon, or pass noise_multiplier directly."
         ) from None
     except ValueError as err:  # Opacus: "The privacy budget is too low."

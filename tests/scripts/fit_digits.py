@@ -15,7 +15,16 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_privdec import DecentralizedPushSumStrategy, DecentralizedSGDStrategy
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_privdec import (
+    DecentralizedPushSumStrategy,
+    DecentralizedSGDStrategy,
+    DP2SGDStrategy,
+    DPCSGPStrategy,
+    PrivacyBudgetCallback,
+    PrivSGPStrategy,
+)
 from lightning_privdec.data.digits import DigitsClassifier, DigitsDataModule, accuracy
 
 
@@ -33,16 +42,29 @@ class StallAfterEpoch(Callback):
             time.sleep(3600)
 
 
+NON_PRIVATE = {"push_sum": DecentralizedPushSumStrategy, "dpsgd": DecentralizedSGDStrategy}
+PRIVATE = {"dp_csgp": DPCSGPStrategy, "privsgp": PrivSGPStrategy, "dp2sgd": DP2SGDStrategy}
+
+
 def make_strategy(args: argparse.Namespace):  # noqa: ANN201
     if args.strategy == "ddp":
         return "ddp"
-    cls = {"push_sum": DecentralizedPushSumStrategy, "dpsgd": DecentralizedSGDStrategy}[args.strategy]
-    return cls(topology=args.topology, compressor=args.compressor, consensus_step=args.gamma, seed=args.seed)
+    common = dict(topology=args.topology, compressor=args.compressor, consensus_step=args.gamma, seed=args.seed)
+    if args.strategy in NON_PRIVATE:
+        return NON_PRIVATE[args.strategy](**common)
+    return PRIVATE[args.strategy](
+        **common,
+        max_grad_norm=args.clip,
+        noise_multiplier=args.noise_multiplier,
+        target_epsilon=args.epsilon,
+        target_delta=args.delta,
+        noise_seed=args.noise_seed,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", default="push_sum", choices=["push_sum", "dpsgd", "ddp"])
+    parser.add_argument("--strategy", default="push_sum", choices=["ddp", *NON_PRIVATE, *PRIVATE])
     parser.add_argument("--topology", default="exponential-one-peer")
     parser.add_argument("--compressor", default=None)
     parser.add_argument("--gamma", type=float, default=1.0)
@@ -56,6 +78,12 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", type=Path, default=None)
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--stall-at-epoch", type=int, default=None)
+    parser.add_argument("--epsilon", type=float, default=None)
+    parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--noise-multiplier", type=float, default=None)
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--noise-seed", type=int, default=None)
+    parser.add_argument("--csv", action="store_true", help="log to a CSVLogger under --out")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -65,6 +93,8 @@ def main() -> None:
     callbacks: list[Callback] = []
     if args.ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, save_top_k=-1, every_n_epochs=1))
+    if args.strategy in PRIVATE:
+        callbacks.append(PrivacyBudgetCallback(log_every_n_steps=5))
     if args.stall_at_epoch is not None:
         callbacks.append(StallAfterEpoch(args.stall_at_epoch, args.out / "stalled"))
     trainer = L.Trainer(
@@ -73,7 +103,8 @@ def main() -> None:
         strategy=make_strategy(args),
         max_epochs=args.max_epochs,
         callbacks=callbacks,
-        logger=False,
+        logger=CSVLogger(args.out, name="csv", version=0) if args.csv else False,
+        log_every_n_steps=5,
         enable_checkpointing=args.ckpt_dir is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -101,6 +132,17 @@ def main() -> None:
         "rounds": gossip.round if gossip is not None else None,
         "collectives": collectives,
     }
+    engine = getattr(strategy, "privacy", None)
+    if engine is not None:
+        result.update(
+            epsilon=engine.epsilon(),
+            ledger_steps=engine.ledger.steps,
+            noise_multiplier=engine.noise_multiplier,
+            sample_rate=engine.sample_rate,
+            stopped_at_step=next(
+                (c.stopped_at_step for c in trainer.callbacks if isinstance(c, PrivacyBudgetCallback)), None
+            ),
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save(result, args.out / f"rank{rank}.pt")
     if rank == 0:

@@ -1,0 +1,1 @@
+"""Command-line tools of lightning_privdec (``privdec-account``)."""

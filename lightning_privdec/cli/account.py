@@ -1,0 +1,215 @@
+"""``privdec-account``: privacy accounting from the command line.
+
+Subcommands (one per mechanism; each registers itself in :data:`SUBCOMMANDS`)::
+
+    privdec-account dpsgd --noise-multiplier 1.1 --sample-rate 0.01 --steps 1000 --delta 1e-5      # -> epsilon
+    privdec-account dpsgd --target-epsilon 3 --sample-rate 0.01 --steps 1000 --delta 1e-5 --json  # -> sigma
+
+To add a subcommand (e.g. ``secldp``, ``dyn-d2p``), write ``add_arguments(parser)`` and ``run(args) -> dict`` and
+decorate a :class:`Subcommand` instance with :func:`register`; ``run`` returns the JSON record and raises
+:class:`~lightning_privdec.privacy.PrivacyConfigError` on bad input (exit code 2, message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_privdec.privacy.accountants import ACCOUNTANTS, calibrate_noise_multiplier, epsilon_for
+from lightning_privdec.privacy.errors import PrivacyConfigError
+
+__all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "main", "register"]
+
+PROG = "privdec-account"
+EXIT_USAGE = 2
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One ``privdec-account`` subcommand: its arguments, its computation, and how to print its result."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], dict[str, Any]]
+    describe: Callable[[dict[str, Any]], str]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def register(subcommand: Subcommand) -> Subcommand:
+    """Add a subcommand to ``privdec-account``."""
+    if subcommand.name in SUBCOMMANDS:
+        raise ValueError(f"subcommand {subcommand.name!r} is already registered")
+    SUBCOMMANDS[subcommand.name] = subcommand
+    return subcommand
+
+
+# ---- argument types: reject bad numbers at parse time with a clear message ------------------------------------
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A sampling rate in (0, 1]."""
+    value = _finite(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
+    return value
+
+
+def open_probability(text: str) -> float:
+    """A delta in (0, 1)."""
+    value = _finite(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must lie strictly between 0 and 1, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def add_accounting_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--sample-rate``, ``--steps``, ``--delta``, ``--accountant``: shared by subsampled-Gaussian subcommands."""
+    parser.add_argument(
+        "--sample-rate", type=probability, required=True, metavar="Q",
+        help="Poisson sampling rate q = B / J over the node's shard of J examples",
+    )
+    parser.add_argument("--steps", type=positive_int, required=True, metavar="T", help="number of steps")
+    parser.add_argument("--delta", type=open_probability, required=True, metavar="D", help="delta of (epsilon, delta)")
+    parser.add_argument(
+        "--accountant", choices=ACCOUNTANTS, default="rdp",
+        help="rdp (Mironov et al. 2019, default), prv (Gopi et al. 2021) or gdp (Dong et al. 2019, approximate)",
+    )
+
+
+# ---- dpsgd ----------------------------------------------------------------------------------------------------
+def _dpsgd_arguments(parser: argparse.ArgumentParser) -> None:
+    level = parser.add_mutually_exclusive_group(required=True)
+    level.add_argument(
+        "--noise-multiplier", type=nonnegative_float, metavar="S",
+        help="sigma: noise std / max_grad_norm; prints the epsilon it gives",
+    )
+    level.add_argument(
+        "--target-epsilon", type=positive_float, metavar="E",
+        help="budget epsilon; prints the smallest noise multiplier that meets it (within 1%%)",
+    )
+    add_accounting_arguments(parser)
+
+
+def _dpsgd_run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.noise_multiplier is None:
+        sigma = calibrate_noise_multiplier(
+            args.target_epsilon, args.delta, args.sample_rate, args.steps, accountant=args.accountant
+        )
+    else:
+        sigma = args.noise_multiplier
+    epsilon = epsilon_for(sigma, args.sample_rate, args.steps, args.delta, accountant=args.accountant)
+    return {
+        "epsilon": epsilon,
+        "noise_multiplier": sigma,
+        "delta": args.delta,
+        "steps": args.steps,
+        "sample_rate": args.sample_rate,
+        "accountant": args.accountant,
+    }
+
+
+def _dpsgd_describe(result: dict[str, Any]) -> str:
+    return (
+        f"epsilon = {result['epsilon']:.4f} at delta = {result['delta']:g} for noise_multiplier = "
+        f"{result['noise_multiplier']:.4f}, sample_rate = {result['sample_rate']:g}, steps = {result['steps']} "
+        f"({result['accountant']} accountant, DP-SGD with Poisson sampling)"
+    )
+
+
+register(
+    Subcommand(
+        name="dpsgd",
+        help="DP-SGD (Abadi et al. 2016): epsilon for a noise multiplier, or the noise multiplier for an epsilon",
+        add_arguments=_dpsgd_arguments,
+        run=_dpsgd_run,
+        describe=_dpsgd_describe,
+    )
+)
+
+
+# ---- entry point ----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Per-node privacy accounting for lightning_privdec (sample-level (epsilon, delta)-DP)."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for subcommand in SUBCOMMANDS.values():
+        sub = subparsers.add_parser(subcommand.name, help=subcommand.help, description=subcommand.help)
+        subcommand.add_arguments(sub)
+        sub.add_argument("--json", action="store_true", help="print one JSON object instead of a sentence")
+        sub.set_defaults(subcommand=subcommand)
+    return parser
+
+
+def _json_number(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``privdec-account``; returns the exit code (0, or 2 for bad input with the reason on stderr)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits with 2 and a usage message on malformed arguments
+    subcommand: Subcommand = args.subcommand
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="GDP accounting is experimental")
+            warnings.filterwarnings("ignore", message="the 'gdp' accountant")  # replaced by the note below
+            result = subcommand.run(args)
+    except PrivacyConfigError as err:
+        print(f"{PROG} {subcommand.name}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    if getattr(args, "accountant", None) == "gdp":
+        print(
+            f"{PROG}: note: the gdp accountant is a central-limit approximation and can under-estimate epsilon",
+            file=sys.stderr,
+        )
+    if args.json:
+        print(json.dumps({k: _json_number(v) for k, v in result.items()}))
+    else:
+        print(subcommand.describe(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

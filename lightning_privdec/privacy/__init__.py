@@ -1,0 +1,49 @@
+"""What is protected, and how much has been spent: local DP-SGD for every node of a decentralized run.
+
+Every node clips its own per-sample gradients, adds its own Gaussian noise (local DP against its neighbours;
+Abadi et al. 2016), Poisson-samples its own shard, and accounts for its own budget with Opacus's accountants
+(RDP: Mironov 2017, Mironov, Talwar, Zhang 2019; PRV: Gopi et al. 2021; GDP: Dong, Roth, Su 2019).
+
+Building blocks, in the order a strategy calls them:
+
+* :func:`check_private_model` / :class:`PerSampleGradients` - validate the model, attach per-sample gradient hooks;
+* :func:`poisson_dataloader` - Poisson batches of the node's shard (empty batches included);
+* :func:`privatize_gradients` with :func:`node_noise_generator` - clip, sum, noise, scale into ``p.grad``;
+* :class:`PrivacyLedger`, :func:`epsilon_for`, :func:`calibrate_noise_multiplier` - accounting;
+* :class:`PrivacyParameters` - the user's ``max_grad_norm=``, ``noise_multiplier=``/``target_epsilon=`` ... keywords.
+"""
+
+from lightning_privdec.privacy.accountants import (
+    ACCOUNTANTS,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    epsilon_for,
+    make_accountant,
+)
+from lightning_privdec.privacy.config import DEFAULT_DELTA, PrivacyParameters
+from lightning_privdec.privacy.dp_step import DPStepStats, node_noise_generator, privatize_gradients
+from lightning_privdec.privacy.engine import NodePrivacyEngine
+from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.per_sample import GRAD_SAMPLE_MODES, PerSampleGradients, check_private_model
+from lightning_privdec.privacy.sampling import PoissonBatchSampler, node_shard_indices, poisson_dataloader
+
+__all__ = [
+    "ACCOUNTANTS",
+    "DEFAULT_DELTA",
+    "GRAD_SAMPLE_MODES",
+    "NodePrivacyEngine",
+    "DPStepStats",
+    "PerSampleGradients",
+    "PoissonBatchSampler",
+    "PrivacyConfigError",
+    "PrivacyLedger",
+    "PrivacyParameters",
+    "calibrate_noise_multiplier",
+    "check_private_model",
+    "epsilon_for",
+    "make_accountant",
+    "node_noise_generator",
+    "node_shard_indices",
+    "poisson_dataloader",
+    "privatize_gradients",
+]

@@ -1,0 +1,134 @@
+"""The user-facing DP-SGD parameters (``max_grad_norm=``, ``noise_multiplier=``, ``target_epsilon=``, ...)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from lightning_privdec.privacy.accountants import (
+    ACCOUNTANTS,
+    _check_sample_rate,
+    _check_steps,
+    calibrate_noise_multiplier,
+)
+from lightning_privdec.privacy.errors import PrivacyConfigError
+
+__all__ = ["DEFAULT_DELTA", "PrivacyParameters"]
+
+#: delta used to *report* epsilon when only a noise multiplier is given (see PrivacyParameters.delta_for_reporting)
+DEFAULT_DELTA = 1e-5
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(float(value))
+
+
+@dataclass
+class PrivacyParameters:
+    """Per-node DP-SGD parameters: clip each per-sample gradient to ``max_grad_norm`` (C), add N(0, sigma^2 C^2 I).
+
+    Give ``noise_multiplier`` (sigma), or a budget ``target_epsilon`` + ``target_delta`` from which sigma is
+    calibrated for the run's sampling rate and number of steps (Abadi et al. 2016, Sec. 3.1; accounting by the
+    named Opacus accountant). The guarantee is per node, for one example of that node's shard.
+
+    Args:
+        max_grad_norm: the clipping bound C (> 0).
+        noise_multiplier: sigma (>= 0; 0 means no privacy, epsilon = inf). With ``target_epsilon`` too, sigma is
+            used as given and the budget only caps training (PrivacyBudgetCallback stops before it is exceeded).
+        target_epsilon: the per-node budget epsilon (> 0); needs ``target_delta``. Alone, sigma is calibrated so
+            that the planned steps spend exactly this budget.
+        target_delta: the budget's delta in (0, 1); with ``noise_multiplier`` it is only the delta at which epsilon is
+            reported.
+        accountant: ``"rdp"`` (default), ``"prv"`` or ``"gdp"``.
+    """
+
+    max_grad_norm: float
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    target_delta: float | None = None
+    accountant: str = "rdp"
+
+    DEFAULT_DELTA: ClassVar[float] = DEFAULT_DELTA
+
+    def validate(self) -> PrivacyParameters:
+        """Check the parameters; raise :class:`PrivacyConfigError` saying what is wrong and how to fix it."""
+        if not _is_number(self.max_grad_norm) or self.max_grad_norm <= 0:
+            raise PrivacyConfigError(
+                f"max_grad_norm must be a positive number, got {self.max_grad_norm!r}; it is the per-sample "
+                "clipping bound C (DP-CSGP uses 1.5 for ResNet-18/CIFAR-10, 0.5 for an MLP on MNIST)"
+            )
+        if self.accountant not in ACCOUNTANTS:
+            raise PrivacyConfigError(
+                f"unknown accountant {self.accountant!r}; choose one of "
+                f"{', '.join(repr(a) for a in ACCOUNTANTS)}"
+            )
+        has_sigma = self.noise_multiplier is not None
+        has_eps = self.target_epsilon is not None
+        if not has_sigma and not has_eps:
+            raise PrivacyConfigError(
+                "no privacy level given: pass noise_multiplier=..., or target_epsilon=... and target_delta=... "
+                "(e.g. target_epsilon=3.0, target_delta=1e-5)"
+            )
+        if self.target_delta is not None and (
+            not _is_number(self.target_delta) or not 0.0 < float(self.target_delta) < 1.0
+        ):
+            raise PrivacyConfigError(
+                f"target_delta must lie strictly between 0 and 1, got {self.target_delta!r}; choose it below 1/J "
+                "for a shard of J examples (e.g. 1e-5)"
+            )
+        if has_eps:
+            if not _is_number(self.target_epsilon) or self.target_epsilon <= 0:
+                raise PrivacyConfigError(
+                    f"target_epsilon must be a positive number, got {self.target_epsilon!r} (e.g. 1.0, 3.0 or 8.0)"
+                )
+            if self.target_delta is None:
+                raise PrivacyConfigError(
+                    f"target_epsilon={self.target_epsilon!r} needs target_delta: pass target_delta=... "
+                    "(below 1/J for a shard of J examples, e.g. 1e-5)"
+                )
+        if has_sigma:
+            if not _is_number(self.noise_multiplier) or self.noise_multiplier < 0:
+                raise PrivacyConfigError(
+                    f"noise_multiplier must be a number >= 0, got {self.noise_multiplier!r}; it is sigma, the "
+                    "noise standard deviation in units of max_grad_norm (typically 0.5 to 2)"
+                )
+            if self.noise_multiplier == 0:
+                warnings.warn(
+                    "noise_multiplier=0 adds no noise: training clips gradients but is NOT differentially private "
+                    "(epsilon = inf)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        return self
+
+    @property
+    def delta_for_reporting(self) -> float:
+        """``target_delta`` if given, else :data:`DEFAULT_DELTA` (1e-5).
+
+        With only a noise multiplier there is no budget delta; epsilon is still reported, at 1e-5, the usual choice
+        for datasets of up to ~10^5 examples. Pass ``target_delta`` (below 1/J for a shard of J examples) to report
+        at another delta.
+        """
+        return float(self.target_delta) if self.target_delta is not None else DEFAULT_DELTA
+
+    def resolve(self, sample_rate: float, steps: int) -> float:
+        """The noise multiplier for a run of ``steps`` steps at Poisson rate ``sample_rate``: given, or calibrated.
+
+        Calibration finds the smallest sigma with epsilon(sigma, q, T, target_delta) <= target_epsilon (within 1%),
+        with :func:`calibrate_noise_multiplier`.
+        """
+        self.validate()
+        sample_rate = _check_sample_rate(sample_rate)
+        steps = _check_steps(steps, minimum=1)
+        if self.noise_multiplier is not None:
+            return float(self.noise_multiplier)
+        assert self.target_epsilon is not None and self.target_delta is not None
+        return calibrate_noise_multiplier(
+            float(self.target_epsilon),
+            float(self.target_delta),
+            sample_rate,
+            steps,
+            accountant=self.accountant,
+        )

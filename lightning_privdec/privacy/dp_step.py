@@ -1,0 +1,194 @@
+"""One node's DP-SGD gradient: clip per-sample gradients, sum, add this node's own Gaussian noise, scale.
+
+Abadi et al. 2016, Algorithm 1, with Poisson sampling at rate q over the node's shard of J examples::
+
+    g_i  <- g_i * min(1, C / ||g_i||)                 (flat clipping: the norm over ALL parameters jointly)
+    g~   <- (sum_i g_i + N(0, sigma^2 C^2 I)) / (q J)  (noise on the sum; divide by the EXPECTED batch size)
+
+Dividing by the expected batch size ``q J`` (not the realised one) keeps each example's influence at most C / (qJ),
+which is what the accountant assumes; an empty Poisson batch releases pure noise.
+
+In decentralized learning every node runs this with its *own* generator (:func:`node_noise_generator`), i.e. local
+DP: each node's released update is private by itself. (Opacus's distributed optimizer instead adds noise on rank 0
+only, which is central DP for an all-reduced sum and is not private here.)
+
+Typical use inside a strategy's ``optimizer_step``, between backward and the optimizer update::
+
+    stats = privatize_gradients(psg.parameters, psg.per_sample_grads(), max_grad_norm=C, noise_multiplier=sigma,
+                                expected_batch_size=q * J, generator=generator)
+    psg.clear()
+    ledger.record(sigma, q)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_privdec.privacy.errors import PrivacyConfigError
+
+__all__ = ["DPStepStats", "node_noise_generator", "privatize_gradients"]
+
+_NOISE_DOMAIN = b"lightning_privdec.privacy.noise"
+
+
+@dataclass(frozen=True)
+class DPStepStats:
+    """Diagnostics of one privatized step (NOT private themselves: log them only for debugging / monitoring).
+
+    Norm statistics are 0-dim tensors on the gradients' device, so computing them never forces a host sync; call
+    :meth:`to_dict` for Python floats.
+    """
+
+    batch_size: int
+    mean_norm: Tensor
+    max_norm: Tensor
+    clipped_fraction: Tensor
+    noise_std: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "batch_size": float(self.batch_size),
+            "mean_norm": float(self.mean_norm),
+            "max_norm": float(self.max_norm),
+            "clipped_fraction": float(self.clipped_fraction),
+            "noise_std": float(self.noise_std),
+        }
+
+
+def node_noise_generator(
+    device: torch.device | str, seed: int | None, rank: int, stream: str = "noise"
+) -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` that belongs to ONE node (process ``rank``).
+
+    * ``seed=None`` (the default to use in training): seeded from ``os.urandom``. The noise must be unknown to
+      every other node: Lightning's ``seed_everything`` gives all ranks the same global seed, so noise drawn from
+      the global RNG would be identical on every node, and a neighbour could subtract it from the update it
+      receives, leaving no privacy at all. Fresh OS entropy per node (and per run) rules that out.
+    * ``seed=int``: deterministic, derived from ``(seed, rank)`` by SHA-256 with a domain tag, so different ranks
+      get different, unrelated streams and the stream differs from anything else seeded with ``seed``. For
+      reproducible tests and debugging only: whoever knows the seed knows the noise. ``stream`` names independent
+      streams of one node (``"noise"``, ``"sampling"``).
+
+    Note that torch's generators are not cryptographically secure PRNGs; the seed is unguessable, but the stream
+    could in principle be recovered from many outputs (see Opacus's ``secure_mode`` discussion).
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise PrivacyConfigError(f"rank must be a non-negative integer, got {rank!r}")
+    if seed is None:
+        value = int.from_bytes(os.urandom(8), "little")
+    else:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise PrivacyConfigError(f"seed must be an int or None, got {seed!r}")
+        suffix = f"/{seed}/{rank}" if stream == "noise" else f"/{stream}/{seed}/{rank}"
+        digest = hashlib.sha256(_NOISE_DOMAIN + suffix.encode()).digest()
+        value = int.from_bytes(digest[:8], "little")
+    generator = torch.Generator(device=torch.device(device))
+    generator.manual_seed(value & ((1 << 63) - 1))
+    return generator
+
+
+def _check_positive(value: float, name: str, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PrivacyConfigError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not (value >= 0 if allow_zero else value > 0) or value != value or value == float("inf"):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise PrivacyConfigError(f"{name} must be finite and {bound}, got {value!r}")
+    return value
+
+
+def _gaussian(numel: int, std: float, generator: torch.Generator, dtype: torch.dtype, device: torch.device) -> Tensor:
+    noise = torch.randn(numel, generator=generator, device=generator.device, dtype=dtype)
+    return noise.mul_(std).to(device, non_blocking=True)
+
+
+@torch.no_grad()
+def privatize_gradients(
+    params: Sequence[Tensor],
+    grad_samples: Sequence[Tensor],
+    *,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    generator: torch.Generator,
+) -> DPStepStats:
+    """Write this node's DP-SGD gradient into every ``p.grad`` (Abadi et al. 2016, Algorithm 1, lines 4-6).
+
+    Args:
+        params: the trainable parameters, in the same order as ``grad_samples``.
+        grad_samples: per-sample gradients, ``grad_samples[k].shape == (B, *params[k].shape)``; ``B`` may be 0.
+        max_grad_norm: C; each example's gradient, flattened over ALL parameters jointly, is scaled by
+            ``min(1, C / (||g_i|| + 1e-6))`` (Opacus's flat clipping).
+        noise_multiplier: sigma; ``N(0, sigma^2 C^2 I)`` is added to the clipped sum (0 adds nothing).
+        expected_batch_size: ``q J``; the noisy sum is divided by it, not by the realised batch size ``B``.
+        generator: THIS node's generator (:func:`node_noise_generator`). Noise is drawn on its device and moved to
+            the parameters' device if they differ.
+
+    Whatever ``p.grad`` held before (e.g. NaN from the mean loss of an empty batch) is overwritten.
+    """
+    max_grad_norm = _check_positive(max_grad_norm, "max_grad_norm")
+    noise_multiplier = _check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
+    expected_batch_size = _check_positive(expected_batch_size, "expected_batch_size")
+    params, grad_samples = list(params), list(grad_samples)
+    if len(params) != len(grad_samples):
+        raise PrivacyConfigError(
+            f"got {len(params)} parameters but {len(grad_samples)} per-sample gradients; pass them in the same order"
+        )
+    if not params:
+        raise PrivacyConfigError("no parameters to privatize")
+    batch_sizes = {int(g.shape[0]) for g in grad_samples}
+    if len(batch_sizes) != 1:
+        raise PrivacyConfigError(f"per-sample gradients disagree on the batch size: {sorted(batch_sizes)}")
+    (batch_size,) = batch_sizes
+    for k, (p, g) in enumerate(zip(params, grad_samples)):
+        if tuple(g.shape[1:]) != tuple(p.shape):
+            raise PrivacyConfigError(
+                f"per-sample gradient {k} has shape {tuple(g.shape)}, expected ({batch_size}, *{tuple(p.shape)})"
+            )
+
+    device = params[0].device
+    if batch_size > 0:
+        # ||g_i|| over all parameters jointly, computed in float32 at least
+        norm_dtype = torch.promote_types(grad_samples[0].dtype, torch.float32)
+        per_param = torch.stack(
+            [
+                torch.linalg.vector_norm(g.reshape(batch_size, -1), ord=2, dim=1, dtype=norm_dtype).to(device)
+                for g in grad_samples
+            ],
+            dim=1,
+        )
+        norms = torch.linalg.vector_norm(per_param, ord=2, dim=1)
+        factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        mean_norm, max_norm = norms.mean(), norms.max()
+        clipped = (norms > max_grad_norm).to(norm_dtype).mean()
+    else:
+        factor = torch.zeros(0, device=device)
+        mean_norm = max_norm = clipped = torch.zeros((), device=device)
+
+    std = noise_multiplier * max_grad_norm
+    noise: Tensor | None = None
+    if std > 0:
+        total = sum(p.numel() for p in params)
+        noise = _gaussian(total, std, generator, params[0].dtype, device)
+
+    offset = 0
+    for p, g in zip(params, grad_samples):
+        g = g.to(device=p.device, dtype=p.dtype)
+        summed = torch.einsum("i,i...->...", factor.to(device=p.device, dtype=p.dtype), g)
+        if noise is not None:
+            summed.add_(noise[offset : offset + p.numel()].view_as(p).to(device=p.device, dtype=p.dtype))
+        offset += p.numel()
+        summed.div_(expected_batch_size)
+        if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
+            p.grad.copy_(summed)
+        else:
+            p.grad = summed
+    return DPStepStats(
+        batch_size=batch_size, mean_norm=mean_norm, max_norm=max_norm, clipped_fraction=clipped, noise_std=std
+    )

@@ -1,0 +1,186 @@
+"""One node's DP-SGD machinery, as the private strategies drive it once per optimizer step.
+
+Per step (Abadi et al. 2016, Alg. 1, on this node's shard only): Poisson-sample a batch at rate q = B / J, compute
+per-sample gradients, clip each to C, sum, add this node's own N(0, sigma^2 C^2 I), divide by the expected batch
+size qJ, and record the step in this node's ledger. Every node runs its own engine: the noise never comes from a
+shared or central source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_privdec.privacy.accountants import PrivacyLedger
+from lightning_privdec.privacy.config import PrivacyParameters
+from lightning_privdec.privacy.dp_step import DPStepStats, node_noise_generator, privatize_gradients
+from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.per_sample import PerSampleGradients, check_private_model
+from lightning_privdec.privacy.sampling import node_shard_indices, poisson_dataloader
+
+
+class NodePrivacyEngine:
+    """Per-sample clipping, per-node noise, Poisson sampling and the privacy ledger of one node.
+
+    Args:
+        parameters: the user's privacy parameters (validated here).
+        rank: this node's id (keys its own noise and sampling streams).
+        device: where the noise is drawn (the model's device).
+        grad_sample_mode: ``"hooks"`` (Opacus's per-layer rules) or ``"functorch"``.
+        noise_seed: ``None`` (default) seeds noise and sampling from OS entropy; an int makes them reproducible
+            (tests only: whoever knows the seed knows the noise).
+    """
+
+    def __init__(
+        self,
+        parameters: PrivacyParameters,
+        *,
+        rank: int,
+        device: torch.device,
+        grad_sample_mode: str = "hooks",
+        noise_seed: int | None = None,
+    ) -> None:
+        self.parameters = parameters.validate()
+        self.rank = rank
+        self.grad_sample_mode = grad_sample_mode
+        self.noise_generator = node_noise_generator(device, noise_seed, rank, stream="noise")
+        self.sampling_generator = node_noise_generator("cpu", noise_seed, rank, stream="sampling")
+        self.ledger = PrivacyLedger(parameters.accountant, delta=parameters.delta_for_reporting)
+        self.per_sample: PerSampleGradients | None = None
+        self.noise_multiplier: float | None = None
+        self.sample_rate: float | None = None
+        self.expected_batch_size: float | None = None
+        self.planned_steps: int | None = None
+        self._plan: tuple[int, float] | None = None  # (planned steps, q) that noise_multiplier was set for
+        self.last_step: DPStepStats | None = None
+
+    # ---- setup ---------------------------------------------------------------------------------------------------
+    def attach(self, module: nn.Module, fix_model: bool = False) -> None:
+        """Validate (or fix) the model for per-sample DP and attach per-sample gradient hooks to it in place."""
+        check_private_model(module, fix=fix_model)
+        self.per_sample = PerSampleGradients(module, mode=self.grad_sample_mode)
+
+    def private_dataloader(self, dataloader: DataLoader, planned_steps: int) -> DataLoader:
+        """Replace the node's training loader by Poisson sampling of its shard, and fix sigma for the plan.
+
+        The batches per epoch stay those of the user's loader (identical on every node, so all nodes gossip the same
+        number of rounds); q = B / J uses this node's own shard size J.
+        """
+        batch_size = dataloader.batch_size
+        if batch_size is None:
+            raise PrivacyConfigError(
+                "the training DataLoader has no batch_size (a custom batch_sampler?): private strategies need "
+                "DataLoader(dataset, batch_size=B) to set the Poisson sampling rate q = B / J"
+            )
+        sampler = dataloader.sampler
+        num_examples = len(dataloader.dataset)  # type: ignore[arg-type]
+        if isinstance(sampler, DistributedSampler):  # Lightning decides the shard; padding duplicates are dropped
+            shard = node_shard_indices(num_examples, sampler.rank, sampler.num_replicas)
+        else:
+            shard = list(range(num_examples))
+        shard_size = len(shard)
+        if not 0 < batch_size <= shard_size:
+            raise PrivacyConfigError(
+                f"batch_size={batch_size} does not fit node {self.rank}'s shard of {shard_size} examples; "
+                "use a batch size between 1 and the shard size, or fewer nodes"
+            )
+        self.sample_rate = batch_size / shard_size
+        private = poisson_dataloader(
+            dataloader, shard, self.sample_rate, generator=self.sampling_generator, steps_per_epoch=len(dataloader)
+        )
+        self.expected_batch_size = self.sample_rate * shard_size
+        self._plan_noise(planned_steps)
+        return private
+
+    def _plan_noise(self, planned_steps: int) -> None:
+        """Fix sigma for a plan of ``planned_steps`` steps in all, counting the steps the ledger has already spent.
+
+        A fresh run calibrates to the target over the whole plan. A resumed run with the same plan keeps its sigma
+        (the same trajectory); with a longer or shorter plan it calibrates the remaining steps so that history plus
+        remainder spends the target, never more.
+        """
+        assert self.sample_rate is not None
+        plan = (planned_steps, self.sample_rate)
+        spent = self.ledger.steps
+        if self.parameters.noise_multiplier is not None or spent == 0:
+            self.noise_multiplier = self.parameters.resolve(self.sample_rate, planned_steps)
+        elif self._plan == plan and self.noise_multiplier is not None:
+            pass  # resumed with the plan sigma was calibrated for
+        else:
+            self.noise_multiplier = self._calibrate_remaining(max(1, planned_steps - spent))
+        self._plan = plan
+        self.planned_steps = planned_steps
+
+    def _calibrate_remaining(self, remaining: int) -> float:
+        target = float(self.parameters.target_epsilon)  # type: ignore[arg-type]
+        q = self.sample_rate
+        assert q is not None
+        if self.ledger.epsilon() >= target:
+            raise PrivacyConfigError(
+                f"node {self.rank} has already spent epsilon={self.ledger.epsilon():.4f} of target_epsilon={target}: "
+                "there is no budget left to train on; raise target_epsilon or start a new run on new data"
+            )
+        low, high = 1e-3, 1.0
+        while self.ledger.epsilon_if(high, q, remaining) > target:
+            high *= 2.0
+            if high > 1e6:
+                raise PrivacyConfigError(f"no noise multiplier fits the remaining budget of node {self.rank}")
+        for _ in range(60):  # bisection on a quantity monotone in sigma
+            mid = (low + high) / 2
+            low, high = (mid, high) if self.ledger.epsilon_if(mid, q, remaining) > target else (low, mid)
+        return high
+
+    # ---- the step ------------------------------------------------------------------------------------------------
+    def privatize(self) -> DPStepStats:
+        """Clip, sum, noise and scale this step's per-sample gradients into ``p.grad``; record the step."""
+        if self.per_sample is None or self.noise_multiplier is None:
+            raise RuntimeError("NodePrivacyEngine.privatize called before attach() and private_dataloader()")
+        assert self.sample_rate is not None and self.expected_batch_size is not None
+        self.last_step = privatize_gradients(
+            self.per_sample.parameters,
+            self.per_sample.per_sample_grads(),
+            max_grad_norm=self.parameters.max_grad_norm,
+            noise_multiplier=self.noise_multiplier,
+            expected_batch_size=self.expected_batch_size,
+            generator=self.noise_generator,
+        )
+        self.per_sample.clear()
+        self.ledger.record(self.noise_multiplier, self.sample_rate)
+        return self.last_step
+
+    # ---- budget --------------------------------------------------------------------------------------------------
+    @property
+    def delta(self) -> float:
+        return self.parameters.delta_for_reporting
+
+    def epsilon(self) -> float:
+        """Epsilon this node's data has spent so far (at :attr:`delta`), from the accountant."""
+        return self.ledger.epsilon()
+
+    def next_step_exceeds_budget(self) -> bool:
+        """Whether one more step would take this node past ``target_epsilon`` (False without a target)."""
+        target = self.parameters.target_epsilon
+        if target is None or self.noise_multiplier is None or self.sample_rate is None:
+            return False
+        return self.ledger.epsilon_if(self.noise_multiplier, self.sample_rate) > target
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "ledger": self.ledger.state_dict(),
+            "noise_multiplier": self.noise_multiplier,
+            "plan": list(self._plan) if self._plan is not None else None,
+            "noise_generator": self.noise_generator.get_state(),
+            "sampling_generator": self.sampling_generator.get_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.ledger.load_state_dict(state["ledger"])
+        self.noise_multiplier = state["noise_multiplier"]
+        self._plan = (int(state["plan"][0]), float(state["plan"][1])) if state["plan"] is not None else None
+        self.noise_generator.set_state(state["noise_generator"])
+        self.sampling_generator.set_state(state["sampling_generator"])

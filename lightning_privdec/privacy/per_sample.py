@@ -1,0 +1,310 @@
+"""Per-sample gradients for DP-SGD on a module Lightning already holds (Opacus's hooks, attached in place).
+
+DP-SGD (Abadi et al. 2016, Algorithm 1) clips each example's gradient, so it needs gradients per example, not only
+their sum. Opacus computes them with forward/backward hooks (``opacus.grad_sample``); here they are attached to the
+existing module object, so Lightning, the optimizer and the strategy keep holding the same module and parameters,
+and the LightningModule's own ``training_step`` (``self(x)``) fills ``param.grad_sample``.
+
+Layers that mix examples within a batch (BatchNorm) or that Opacus cannot differentiate per example are rejected
+before training by :func:`check_private_model`, which can also replace them in place.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from opacus.grad_sample.utils import prepare_module
+from opacus.utils.module_utils import has_trainable_params, trainable_modules
+from opacus.validators import ModuleValidator
+from torch import Tensor, nn
+
+from lightning_privdec.privacy.errors import PrivacyConfigError
+
+__all__ = ["GRAD_SAMPLE_MODES", "PerSampleGradients", "check_private_model"]
+
+GradSampleMode = Literal["hooks", "functorch", "ghost"]
+GRAD_SAMPLE_MODES: tuple[str, ...] = ("hooks", "functorch", "ghost")
+
+#: normalisations that mix the examples of a batch even without trainable parameters
+_BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
+
+_FIX_HINT = (
+    "Fix: call check_private_model(model, fix=True) (or pass fix_model=True to the strategy), which replaces them "
+    "in place (BatchNorm -> GroupNorm, nn.LSTM -> opacus.layers.DPLSTM, ...); or use "
+    "opacus.validators.ModuleValidator.fix(model), which returns a fixed copy, before building the Trainer."
+)
+
+
+@dataclass(frozen=True)
+class _Offence:
+    name: str
+    module: nn.Module
+    reason: str
+    fixable: bool
+
+    def describe(self) -> str:
+        how = "fixable" if self.fixable else "no automatic fix: replace it by hand"
+        return f"  - {self.name or '<root>'} ({type(self.module).__name__}): {self.reason} [{how}]"
+
+
+def _first_sentence(error: Exception) -> str:
+    text = str(error).strip()
+    end = text.find(". ")
+    return text if end < 0 else text[: end + 1]
+
+
+def _offences(module: nn.Module) -> list[_Offence]:
+    """Layers incompatible with per-sample DP, by Opacus's ``ModuleValidator`` registry plus its buffer rule."""
+    found: dict[int, _Offence] = {}
+    for name, sub in module.named_modules():
+        validator = ModuleValidator.VALIDATORS.get(type(sub))
+        # Opacus validates trainable layers only; a BatchNorm without affine parameters mixes examples just the same
+        if validator is not None and (has_trainable_params(sub) or isinstance(sub, _BATCH_NORMS)):
+            errors = validator(sub)
+            if errors:
+                found[id(sub)] = _Offence(
+                    name, sub, _first_sentence(errors[0]), fixable=type(sub) in ModuleValidator.FIXERS
+                )
+    for name, sub in trainable_modules(module):  # opacus.GradSampleModule's strict rule
+        if id(sub) not in found and any(True for _ in sub.buffers()):
+            buffers = ", ".join(n for n, _ in sub.named_buffers())
+            if not any(id(m) in found for m in sub.modules()):
+                found[id(sub)] = _Offence(
+                    name,
+                    sub,
+                    f"a trainable layer with buffers ({buffers}), which Opacus cannot privatize",
+                    fixable=False,
+                )
+    return list(found.values())
+
+
+def _replace_in_place(root: nn.Module, old: nn.Module, new: nn.Module) -> list[str]:
+    """Point every parent reference to ``old`` (shared submodules included) at ``new``; return the names."""
+    names = []
+    for parent_name, parent in root.named_modules(remove_duplicate=False):
+        for child_name, child in list(parent.named_children()):
+            if child is old:
+                setattr(parent, child_name, new)
+                names.append(f"{parent_name}.{child_name}" if parent_name else child_name)
+    return names
+
+
+def _drop_disabled_running_stats(module: nn.Module) -> None:
+    """Opacus's InstanceNorm fixer turns ``track_running_stats`` off but keeps the buffers, which its own
+    ``GradSampleModule(strict=True)`` then rejects; unregister them as PyTorch does for such layers."""
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm) and not module.track_running_stats:
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            if module._buffers.get(name) is not None:
+                module.register_buffer(name, None)
+
+
+def _like(new: nn.Module, old: nn.Module) -> nn.Module:
+    reference = next(iter(old.parameters()), None)
+    if reference is None:
+        reference = next(iter(old.buffers()), None)
+    if reference is not None:
+        new.to(device=reference.device)
+        if reference.is_floating_point():
+            new.to(dtype=reference.dtype)
+    new.train(old.training)
+    _drop_disabled_running_stats(new)
+    return new
+
+
+def _short(module: nn.Module) -> str:
+    return f"{type(module).__name__}({module.extra_repr()})"
+
+
+def check_private_model(module: nn.Module, fix: bool = False) -> nn.Module:
+    """Check that per-sample DP-SGD (Abadi et al. 2016) is well defined for ``module``; optionally fix it IN PLACE.
+
+    Uses Opacus's ``ModuleValidator`` validators (BatchNorm, InstanceNorm with running stats, nn.LSTM/GRU/
+    MultiheadAttention, ...) plus Opacus's rule that trainable layers may not hold buffers. With ``fix=True`` each
+    fixable layer is replaced by ``ModuleValidator.FIXERS`` (BatchNorm -> GroupNorm, as ``ModuleValidator.fix``)
+    through ``setattr`` on its parents, so ``module`` stays the same object (Lightning holds it) and the function
+    returns it; a warning lists the replacements. Call it before the optimizer is created: replaced layers have new
+    (freshly initialised) parameters.
+
+    Raises:
+        PrivacyConfigError: naming the offending layers and the fix, when ``fix=False`` and layers are
+            incompatible, or when some cannot be fixed automatically.
+    """
+    offences = _offences(module)
+    if not offences:
+        return module
+    if not fix:
+        raise PrivacyConfigError(
+            "the model has layers incompatible with per-sample differential privacy:\n"
+            + "\n".join(o.describe() for o in offences)
+            + "\n"
+            + _FIX_HINT
+        )
+    unfixable = [o for o in offences if not o.fixable or o.module is module]
+    if unfixable:
+        raise PrivacyConfigError(
+            "these layers are incompatible with per-sample differential privacy and cannot be fixed in place:\n"
+            + "\n".join(o.describe() for o in unfixable)
+            + "\nReplace them by hand (e.g. BatchNorm -> GroupNorm or LayerNorm; a root-level BatchNorm must be "
+            "wrapped in a parent module first)."
+        )
+    replaced = []
+    for offence in offences:
+        new = _like(ModuleValidator.FIXERS[type(offence.module)](offence.module), offence.module)
+        for name in _replace_in_place(module, offence.module, new):
+            replaced.append(f"{name}: {_short(offence.module)} -> {_short(new)}")
+    warnings.warn(
+        "check_private_model(fix=True) replaced layers incompatible with per-sample differential privacy, in "
+        "place: " + "; ".join(replaced) + ". The new layers have freshly initialised parameters; create the "
+        "optimizer after this call.",
+        UserWarning,
+        stacklevel=2,
+    )
+    remaining = _offences(module)
+    if remaining:
+        raise PrivacyConfigError(
+            "after replacing the fixable layers, these remain incompatible with per-sample differential privacy:\n"
+            + "\n".join(o.describe() for o in remaining)
+        )
+    return module
+
+
+class PerSampleGradients:
+    """Opacus's per-sample gradient hooks attached to ``module`` in place (the module object is not replaced).
+
+    Uses ``opacus.grad_sample.prepare_module(module, mode, wrap_model=False)``, i.e. ``opacus.GradSampleModule``'s
+    hooks without the wrapper: after a forward and backward pass of ``module`` (or of any code calling it, such as
+    a LightningModule's ``training_step`` calling ``self(x)``) in training mode, every trainable parameter holds
+    ``p.grad_sample`` of shape ``(B, *p.shape)``.
+
+    Args:
+        module: the model; validated with :func:`check_private_model` when ``strict``.
+        mode: ``"hooks"`` (Opacus's per-layer formulas; functorch for layers without one), ``"functorch"``
+            (``force_functorch=True``: vmap/grad for every layer). ``"ghost"`` (ghost clipping) is not supported:
+            it needs a per-sample loss for its second backward pass, and a Lightning closure only yields the
+            reduced loss.
+        loss_reduction: how the loss reduces over the batch, ``"mean"`` (Lightning's usual mean loss) or ``"sum"``;
+            Opacus rescales backprops by B for ``"mean"`` so the results are true per-example gradients.
+        batch_first: whether inputs have the batch in dimension 0.
+        strict: validate the model first (recommended).
+        allow_grad_accumulation: allow several backward passes before :meth:`clear`; their samples are then
+            concatenated. Off by default: with Poisson sampling every step must be exactly one sampled batch.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mode: GradSampleMode = "hooks",
+        *,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        batch_first: bool = True,
+        strict: bool = True,
+        allow_grad_accumulation: bool = False,
+    ) -> None:
+        if mode == "ghost":
+            raise NotImplementedError(
+                "mode='ghost' (Opacus's ghost clipping, GradSampleModuleFastGradientClipping) is not supported: it "
+                "needs the per-sample losses for a second, reweighted backward pass, but a Lightning closure only "
+                "returns the reduced loss. Use mode='hooks' (default) or mode='functorch'."
+            )
+        if mode not in ("hooks", "functorch"):
+            raise PrivacyConfigError(
+                f"unknown per-sample gradient mode {mode!r}; choose 'hooks' (default) or 'functorch'"
+            )
+        if loss_reduction not in ("mean", "sum"):
+            raise PrivacyConfigError(
+                f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}: how training_step's loss reduces "
+                "over the batch"
+            )
+        if strict:
+            check_private_model(module)
+        if hasattr(module, "autograd_grad_sample_hooks"):
+            raise PrivacyConfigError(
+                f"{type(module).__name__} already has Opacus per-sample hooks attached; call detach() on the "
+                "existing PerSampleGradients (or remove the other hooks) first"
+            )
+        if not any(p.requires_grad for p in module.parameters()):
+            raise PrivacyConfigError("the model has no trainable parameters: there is nothing to privatize")
+        self.module = module
+        self.mode = mode
+        self.loss_reduction = loss_reduction
+        self._hooks = prepare_module(
+            module,
+            grad_sample_mode=mode,
+            wrap_model=False,
+            batch_first=batch_first,
+            loss_reduction=loss_reduction,
+            strict=strict,
+        )
+        if not allow_grad_accumulation:
+            self._hooks.forbid_grad_accumulation()
+        self._attached = True
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """Trainable parameters, in ``module.parameters()`` order (the order of :meth:`per_sample_grads`)."""
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    def per_sample_grads(self) -> list[Tensor]:
+        """``[g_p of shape (B, *p.shape) for p in parameters]`` from the last backward pass(es).
+
+        Parameters the batch did not reach get zeros. When no parameter got per-sample gradients (an empty Poisson
+        batch whose step skipped backward) every entry is an empty ``(0, *p.shape)`` tensor, so the DP step
+        releases pure noise.
+        """
+        params = self.parameters
+        samples: list[Tensor | None] = []
+        for p in params:
+            gs = getattr(p, "grad_sample", None)
+            if isinstance(gs, (list, tuple)):
+                gs = torch.cat(list(gs), dim=0) if gs else None
+            samples.append(gs)
+        sizes = {int(g.shape[0]) for g in samples if g is not None}
+        if len(sizes) > 1:
+            raise RuntimeError(
+                f"per-sample gradients of different batch sizes {sorted(sizes)}: some parameters kept samples from "
+                "an earlier step. Call clear() after every optimizer step."
+            )
+        batch_size = sizes.pop() if sizes else 0
+        return [
+            g if g is not None else torch.zeros((batch_size, *p.shape), dtype=p.dtype, device=p.device)
+            for p, g in zip(params, samples)
+        ]
+
+    def clear(self) -> None:
+        """Forget the stored per-sample gradients and activations (call after every optimizer step)."""
+        for p in self.module.parameters():
+            if hasattr(p, "grad_sample"):
+                p.grad_sample = None
+            if hasattr(p, "_current_grad_sample"):
+                del p._current_grad_sample
+            if p.requires_grad:
+                p._forward_counter = 0
+        for m in self.module.modules():
+            if hasattr(m, "activations"):
+                del m.activations
+            if hasattr(m, "max_batch_len"):
+                del m.max_batch_len
+
+    def detach(self) -> None:
+        """Remove the hooks and every attribute Opacus added; the module is as before. Idempotent."""
+        if not self._attached:
+            return
+        self.clear()
+        self._hooks.cleanup()
+        self._attached = False
+
+    def __enter__(self) -> PerSampleGradients:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        return f"PerSampleGradients({type(self.module).__name__}, mode={self.mode!r}, attached={self._attached})"

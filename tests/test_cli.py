@@ -1,0 +1,109 @@
+"""Tests for the ``privdec-account`` command line (lightning_privdec.cli.account)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from lightning_privdec.cli.account import SUBCOMMANDS, main
+from lightning_privdec.privacy import epsilon_for
+
+KEYS = {"epsilon", "noise_multiplier", "delta", "steps", "sample_rate", "accountant"}
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Optimal order is the"),
+    pytest.mark.filterwarnings("ignore:GDP accounting is experimental"),
+]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_privdec.cli.account", *args],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+
+
+def test_console_script_is_declared() -> None:
+    (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "privdec-account"]
+    assert script.value == "lightning_privdec.cli.account:main"
+    assert "dpsgd" in SUBCOMMANDS
+
+
+def test_epsilon_from_noise_multiplier_json() -> None:
+    done = run_cli("dpsgd", "--noise-multiplier", "1.1", "--sample-rate", "0.01", "--steps", "1000",
+                   "--delta", "1e-5", "--json")
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert set(record) == KEYS
+    assert record["epsilon"] == pytest.approx(epsilon_for(1.1, 0.01, 1000, 1e-5, "rdp"), rel=1e-12)
+    assert record["noise_multiplier"] == 1.1 and record["delta"] == 1e-5
+    assert record["steps"] == 1000 and record["sample_rate"] == 0.01 and record["accountant"] == "rdp"
+
+
+def test_noise_multiplier_from_target_epsilon_json() -> None:
+    done = run_cli("dpsgd", "--target-epsilon", "2.0", "--sample-rate", "0.02", "--steps", "300",
+                   "--delta", "1e-5", "--accountant", "prv", "--json")
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert set(record) == KEYS and record["accountant"] == "prv"
+    achieved = epsilon_for(record["noise_multiplier"], 0.02, 300, 1e-5, "prv")
+    assert 0.99 * 2.0 <= achieved <= 2.0
+    assert record["epsilon"] == pytest.approx(achieved, rel=1e-12)
+
+
+def test_bad_input_exits_with_code_2() -> None:
+    done = run_cli("dpsgd", "--noise-multiplier", "1.0", "--sample-rate", "1.5", "--steps", "100",
+                   "--delta", "1e-5")
+    assert done.returncode == 2 and done.stdout == ""
+    assert "--sample-rate: must lie in (0, 1], got 1.5" in done.stderr
+
+
+def test_unreachable_target_exits_with_code_2() -> None:
+    done = run_cli("dpsgd", "--target-epsilon", "0.001", "--sample-rate", "0.01", "--steps", "1000",
+                   "--delta", "1e-5", "--json")
+    assert done.returncode == 2 and done.stdout == ""
+    assert "cannot reach target_epsilon=0.001" in done.stderr
+
+
+# ---- in-process: the same main() the console script calls ----------------------------------------------------
+def test_readable_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dpsgd", "--noise-multiplier", "1.0", "--sample-rate", "0.01", "--steps", "100",
+                 "--delta", "1e-5", "--accountant", "gdp"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("epsilon = ") and "gdp accountant" in out
+    assert "approximation" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["dpsgd", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-5"],
+         "one of the arguments --noise-multiplier --target-epsilon is required"),
+        (["dpsgd", "--noise-multiplier", "1", "--target-epsilon", "1", "--sample-rate", "0.01", "--steps", "10",
+          "--delta", "1e-5"], "not allowed with argument"),
+        (["dpsgd", "--noise-multiplier", "-1", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-5"],
+         "must be >= 0"),
+        (["dpsgd", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "0", "--delta", "1e-5"],
+         "must be a positive integer"),
+        (["dpsgd", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "10", "--delta", "1"],
+         "must lie strictly between 0 and 1"),
+        (["dpsgd", "--noise-multiplier", "x", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-5"],
+         "expected a number"),
+        (["dpsgd", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-5",
+          "--accountant", "moments"], "invalid choice: 'moments'"),
+        (["dpsgd", "--target-epsilon", "1e4", "--sample-rate", "0.01", "--steps", "1000", "--delta", "1e-5",
+          "--accountant", "gdp"], "cannot calibrate"),
+        ([], "required"),
+    ],
+)
+def test_bad_input_messages(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        code = main(args)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+    assert message in capsys.readouterr().err
