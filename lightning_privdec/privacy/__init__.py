@@ -21,16 +21,22 @@ from lightning_privdec.privacy.accountants import (
     make_accountant,
 )
 from lightning_privdec.privacy.config import DEFAULT_DELTA, PrivacyParameters
-from lightning_privdec.privacy.dp_step import DPStepStats, node_noise_generator, privatize_gradients
+from lightning_privdec.privacy.dp_step import DPStepStats, node_noise_generator, noise_clipped_sum, privatize_gradients
 from lightning_privdec.privacy.engine import NodePrivacyEngine
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.per_sample import GRAD_SAMPLE_MODES, PerSampleGradients, check_private_model
+from lightning_privdec.privacy.per_sample import (
+    GRAD_SAMPLE_MODES,
+    GhostClipping,
+    PerSampleGradients,
+    check_private_model,
+)
 from lightning_privdec.privacy.sampling import PoissonBatchSampler, node_shard_indices, poisson_dataloader
 
 __all__ = [
     "ACCOUNTANTS",
     "DEFAULT_DELTA",
     "GRAD_SAMPLE_MODES",
+    "GhostClipping",
     "NodePrivacyEngine",
     "DPStepStats",
     "PerSampleGradients",
@@ -42,6 +48,7 @@ __all__ = [
     "check_private_model",
     "epsilon_for",
     "make_accountant",
+    "noise_clipped_sum",
     "node_noise_generator",
     "node_shard_indices",
     "poisson_dataloader",

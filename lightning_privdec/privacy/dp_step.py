@@ -32,7 +32,7 @@ from torch import Tensor
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
-__all__ = ["DPStepStats", "node_noise_generator", "privatize_gradients"]
+__all__ = ["DPStepStats", "node_noise_generator", "noise_clipped_sum", "privatize_gradients"]
 
 _NOISE_DOMAIN = b"lightning_privdec.privacy.noise"
 
@@ -108,6 +108,67 @@ def _gaussian(numel: int, std: float, generator: torch.Generator, dtype: torch.d
     return noise.mul_(std).to(device, non_blocking=True)
 
 
+def _noise_and_scale_into_grads(
+    params: Sequence[Tensor],
+    clipped_sums: Sequence[Tensor],
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    generator: torch.Generator,
+) -> float:
+    """p.grad <- (clipped sum + N(0, sigma^2 C^2 I)) / (q J) for every parameter; returns the noise std sigma C."""
+    std = noise_multiplier * max_grad_norm
+    noise: Tensor | None = None
+    if std > 0:
+        noise = _gaussian(sum(p.numel() for p in params), std, generator, params[0].dtype, params[0].device)
+    offset = 0
+    for p, summed in zip(params, clipped_sums):
+        if noise is not None:
+            summed = summed + noise[offset : offset + p.numel()].view_as(p).to(device=p.device, dtype=p.dtype)
+        offset += p.numel()
+        summed = summed / expected_batch_size
+        if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
+            p.grad.copy_(summed)
+        else:
+            p.grad = summed
+    return std
+
+
+def _norm_stats(norms: Tensor, max_grad_norm: float, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    if norms.numel() == 0:
+        zero = torch.zeros((), device=device)
+        return zero, zero, zero
+    return norms.mean(), norms.max(), (norms > max_grad_norm).float().mean()
+
+
+@torch.no_grad()
+def noise_clipped_sum(
+    params: Sequence[Tensor],
+    per_sample_norms: Tensor,
+    *,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    generator: torch.Generator,
+) -> DPStepStats:
+    """Finish a DP-SGD step whose ``p.grad`` already holds the sum of clipped per-sample gradients (ghost clipping).
+
+    Adds this node's N(0, sigma^2 C^2 I) and divides by q J, exactly as :func:`privatize_gradients` does after its
+    own clipping; ``per_sample_norms`` (the unclipped norms) only feed the statistics.
+    """
+    max_grad_norm = _check_positive(max_grad_norm, "max_grad_norm")
+    noise_multiplier = _check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
+    expected_batch_size = _check_positive(expected_batch_size, "expected_batch_size")
+    params = list(params)
+    sums = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    std = _noise_and_scale_into_grads(params, sums, max_grad_norm, noise_multiplier, expected_batch_size, generator)
+    mean_norm, max_norm, clipped = _norm_stats(per_sample_norms, max_grad_norm, params[0].device)
+    return DPStepStats(
+        batch_size=int(per_sample_norms.numel()), mean_norm=mean_norm, max_norm=max_norm, clipped_fraction=clipped,
+        noise_std=std,
+    )
+
+
 @torch.no_grad()
 def privatize_gradients(
     params: Sequence[Tensor],
@@ -164,31 +225,16 @@ def privatize_gradients(
             dim=1,
         )
         norms = torch.linalg.vector_norm(per_param, ord=2, dim=1)
-        factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-        mean_norm, max_norm = norms.mean(), norms.max()
-        clipped = (norms > max_grad_norm).to(norm_dtype).mean()
     else:
-        factor = torch.zeros(0, device=device)
-        mean_norm = max_norm = clipped = torch.zeros((), device=device)
+        norms = torch.zeros(0, device=device)
+    factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    mean_norm, max_norm, clipped = _norm_stats(norms, max_grad_norm, device)
 
-    std = noise_multiplier * max_grad_norm
-    noise: Tensor | None = None
-    if std > 0:
-        total = sum(p.numel() for p in params)
-        noise = _gaussian(total, std, generator, params[0].dtype, device)
-
-    offset = 0
-    for p, g in zip(params, grad_samples):
-        g = g.to(device=p.device, dtype=p.dtype)
-        summed = torch.einsum("i,i...->...", factor.to(device=p.device, dtype=p.dtype), g)
-        if noise is not None:
-            summed.add_(noise[offset : offset + p.numel()].view_as(p).to(device=p.device, dtype=p.dtype))
-        offset += p.numel()
-        summed.div_(expected_batch_size)
-        if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
-            p.grad.copy_(summed)
-        else:
-            p.grad = summed
+    summed = [
+        torch.einsum("i,i...->...", factor.to(device=p.device, dtype=p.dtype), g.to(device=p.device, dtype=p.dtype))
+        for p, g in zip(params, grad_samples)
+    ]
+    std = _noise_and_scale_into_grads(params, summed, max_grad_norm, noise_multiplier, expected_batch_size, generator)
     return DPStepStats(
         batch_size=batch_size, mean_norm=mean_norm, max_norm=max_norm, clipped_fraction=clipped, noise_std=std
     )

@@ -17,9 +17,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_privdec.privacy.accountants import PrivacyLedger
 from lightning_privdec.privacy.config import PrivacyParameters
-from lightning_privdec.privacy.dp_step import DPStepStats, node_noise_generator, privatize_gradients
+from lightning_privdec.privacy.dp_step import (
+    DPStepStats,
+    node_noise_generator,
+    noise_clipped_sum,
+    privatize_gradients,
+)
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.per_sample import PerSampleGradients, check_private_model
+from lightning_privdec.privacy.per_sample import GhostClipping, PerSampleGradients, check_private_model
 from lightning_privdec.privacy.sampling import node_shard_indices, poisson_dataloader
 
 
@@ -30,7 +35,8 @@ class NodePrivacyEngine:
         parameters: the user's privacy parameters (validated here).
         rank: this node's id (keys its own noise and sampling streams).
         device: where the noise is drawn (the model's device).
-        grad_sample_mode: ``"hooks"`` (Opacus's per-layer rules) or ``"functorch"``.
+        grad_sample_mode: ``"hooks"`` (Opacus's per-layer rules), ``"functorch"``, or ``"ghost"`` (ghost clipping:
+            no per-sample gradients in memory; ``training_step`` must return per-sample losses).
         noise_seed: ``None`` (default) seeds noise and sampling from OS entropy; an int makes them reproducible
             (tests only: whoever knows the seed knows the noise).
     """
@@ -47,10 +53,14 @@ class NodePrivacyEngine:
         self.parameters = parameters.validate()
         self.rank = rank
         self.grad_sample_mode = grad_sample_mode
+        self.noise_seed = noise_seed
         self.noise_generator = node_noise_generator(device, noise_seed, rank, stream="noise")
         self.sampling_generator = node_noise_generator("cpu", noise_seed, rank, stream="sampling")
         self.ledger = PrivacyLedger(parameters.accountant, delta=parameters.delta_for_reporting)
         self.per_sample: PerSampleGradients | None = None
+        self.ghost: GhostClipping | None = None
+        self._module: nn.Module | None = None
+        self._ghost_norms: torch.Tensor | None = None
         self.noise_multiplier: float | None = None
         self.sample_rate: float | None = None
         self.expected_batch_size: float | None = None
@@ -61,10 +71,32 @@ class NodePrivacyEngine:
     # ---- setup ---------------------------------------------------------------------------------------------------
     def attach(self, module: nn.Module, fix_model: bool = False) -> None:
         """Validate (or fix) the model for per-sample DP and attach per-sample gradient hooks to it in place."""
+        if self._module is module:
+            return  # a second fit of the same model: hooks and ledger carry on
+        self.detach()
         check_private_model(module, fix=fix_model)
-        self.per_sample = PerSampleGradients(module, mode=self.grad_sample_mode)
+        self._module = module
+        if self.grad_sample_mode == "ghost":
+            self.ghost = GhostClipping(module, self.parameters.max_grad_norm)
+        else:
+            self.per_sample = PerSampleGradients(module, mode=self.grad_sample_mode)
 
-    def private_dataloader(self, dataloader: DataLoader, planned_steps: int) -> DataLoader:
+    def detach(self) -> None:
+        """Remove the per-sample hooks from the model they are attached to (the ledger stays)."""
+        for hooks in (self.per_sample, self.ghost):
+            if hooks is not None:
+                hooks.detach()
+        self.per_sample = self.ghost = None
+        self._module = None
+
+    def ghost_backward(self, per_sample_losses: torch.Tensor) -> None:
+        """Ghost clipping's two backward passes; ``p.grad`` then holds the sum of clipped per-sample gradients."""
+        assert self.ghost is not None
+        self._ghost_norms = self.ghost.backward(per_sample_losses)
+
+    def private_dataloader(
+        self, dataloader: DataLoader, planned_steps: int, world_size: int = 1, node_local_data: bool = False
+    ) -> DataLoader:
         """Replace the node's training loader by Poisson sampling of its shard, and fix sigma for the plan.
 
         The batches per epoch stay those of the user's loader (identical on every node, so all nodes gossip the same
@@ -80,8 +112,15 @@ class NodePrivacyEngine:
         num_examples = len(dataloader.dataset)  # type: ignore[arg-type]
         if isinstance(sampler, DistributedSampler):  # Lightning decides the shard; padding duplicates are dropped
             shard = node_shard_indices(num_examples, sampler.rank, sampler.num_replicas)
+        elif world_size == 1 or node_local_data:
+            shard = list(range(num_examples))  # the loader already holds only this node's data
         else:
-            shard = list(range(num_examples))
+            raise PrivacyConfigError(
+                "the training DataLoader has no DistributedSampler, so every node would sample the WHOLE dataset and "
+                "each example would be released by all nodes (the per-node epsilon would understate its loss). "
+                "Keep Lightning's use_distributed_sampler=True, or, if each process really loads only its own "
+                "data, pass node_local_data=True to the strategy"
+            )
         shard_size = len(shard)
         if not 0 < batch_size <= shard_size:
             raise PrivacyConfigError(
@@ -137,18 +176,26 @@ class NodePrivacyEngine:
     # ---- the step ------------------------------------------------------------------------------------------------
     def privatize(self) -> DPStepStats:
         """Clip, sum, noise and scale this step's per-sample gradients into ``p.grad``; record the step."""
-        if self.per_sample is None or self.noise_multiplier is None:
+        if (self.per_sample is None and self.ghost is None) or self.noise_multiplier is None:
             raise RuntimeError("NodePrivacyEngine.privatize called before attach() and private_dataloader()")
         assert self.sample_rate is not None and self.expected_batch_size is not None
-        self.last_step = privatize_gradients(
-            self.per_sample.parameters,
-            self.per_sample.per_sample_grads(),
+        dp = dict(
             max_grad_norm=self.parameters.max_grad_norm,
             noise_multiplier=self.noise_multiplier,
             expected_batch_size=self.expected_batch_size,
             generator=self.noise_generator,
         )
-        self.per_sample.clear()
+        if self.ghost is not None:
+            if self._ghost_norms is None:  # training_step returned None: no backward, release pure noise
+                for p in self.ghost.parameters:
+                    p.grad = torch.zeros_like(p)
+                self._ghost_norms = torch.zeros(0, device=self.ghost.parameters[0].device)
+            self.last_step = noise_clipped_sum(self.ghost.parameters, self._ghost_norms, **dp)
+            self._ghost_norms = None
+        else:
+            assert self.per_sample is not None
+            self.last_step = privatize_gradients(self.per_sample.parameters, self.per_sample.per_sample_grads(), **dp)
+            self.per_sample.clear()
         self.ledger.record(self.noise_multiplier, self.sample_rate)
         return self.last_step
 
@@ -170,17 +217,30 @@ class NodePrivacyEngine:
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """The ledger and the plan. Generator states only with a fixed ``noise_seed`` (tests): a torch generator's
+        state reveals its seed, and with it this node's past and future noise and batches, so secure runs never
+        write it anywhere (a resumed secure run draws fresh OS entropy)."""
+        state: dict[str, Any] = {
             "ledger": self.ledger.state_dict(),
             "noise_multiplier": self.noise_multiplier,
             "plan": list(self._plan) if self._plan is not None else None,
-            "noise_generator": self.noise_generator.get_state(),
-            "sampling_generator": self.sampling_generator.get_state(),
         }
+        if self.noise_seed is not None:
+            state["noise_generator"] = self.noise_generator.get_state()
+            state["sampling_generator"] = self.sampling_generator.get_state()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue a checkpointed ledger. Never rolls back: a ledger with fewer steps than this one is refused."""
+        saved_steps = sum(int(t) for _, _, t in state["ledger"]["history"])
+        if saved_steps < self.ledger.steps:
+            raise PrivacyConfigError(
+                f"node {self.rank}: the checkpoint's privacy ledger has {saved_steps} steps but this node has already "
+                f"spent {self.ledger.steps}; restoring it would forget spent privacy. Resume into a fresh Trainer."
+            )
         self.ledger.load_state_dict(state["ledger"])
         self.noise_multiplier = state["noise_multiplier"]
         self._plan = (int(state["plan"][0]), float(state["plan"][1])) if state["plan"] is not None else None
-        self.noise_generator.set_state(state["noise_generator"])
-        self.sampling_generator.set_state(state["sampling_generator"])
+        if self.noise_seed is not None and "noise_generator" in state:
+            self.noise_generator.set_state(state["noise_generator"])
+            self.sampling_generator.set_state(state["sampling_generator"])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from opacus.grad_sample import GradSampleHooksFastGradientClipping
 from opacus.grad_sample.utils import prepare_module
 from opacus.utils.module_utils import has_trainable_params, trainable_modules
 from opacus.validators import ModuleValidator
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
-__all__ = ["GRAD_SAMPLE_MODES", "PerSampleGradients", "check_private_model"]
+__all__ = ["GRAD_SAMPLE_MODES", "GhostClipping", "PerSampleGradients", "check_private_model"]
 
 GradSampleMode = Literal["hooks", "functorch", "ghost"]
 GRAD_SAMPLE_MODES: tuple[str, ...] = ("hooks", "functorch", "ghost")
@@ -182,9 +183,7 @@ class PerSampleGradients:
     Args:
         module: the model; validated with :func:`check_private_model` when ``strict``.
         mode: ``"hooks"`` (Opacus's per-layer formulas; functorch for layers without one), ``"functorch"``
-            (``force_functorch=True``: vmap/grad for every layer). ``"ghost"`` (ghost clipping) is not supported:
-            it needs a per-sample loss for its second backward pass, and a Lightning closure only yields the
-            reduced loss.
+            (``force_functorch=True``: vmap/grad for every layer). Ghost clipping is :class:`GhostClipping`.
         loss_reduction: how the loss reduces over the batch, ``"mean"`` (Lightning's usual mean loss) or ``"sum"``;
             Opacus rescales backprops by B for ``"mean"`` so the results are true per-example gradients.
         batch_first: whether inputs have the batch in dimension 0.
@@ -203,15 +202,10 @@ class PerSampleGradients:
         strict: bool = True,
         allow_grad_accumulation: bool = False,
     ) -> None:
-        if mode == "ghost":
-            raise NotImplementedError(
-                "mode='ghost' (Opacus's ghost clipping, GradSampleModuleFastGradientClipping) is not supported: it "
-                "needs the per-sample losses for a second, reweighted backward pass, but a Lightning closure only "
-                "returns the reduced loss. Use mode='hooks' (default) or mode='functorch'."
-            )
         if mode not in ("hooks", "functorch"):
             raise PrivacyConfigError(
-                f"unknown per-sample gradient mode {mode!r}; choose 'hooks' (default) or 'functorch'"
+                f"unknown per-sample gradient mode {mode!r}; choose 'hooks' (default) or 'functorch' (ghost clipping: "
+                "GhostClipping)"
             )
         if loss_reduction not in ("mean", "sum"):
             raise PrivacyConfigError(
@@ -308,3 +302,66 @@ class PerSampleGradients:
 
     def __repr__(self) -> str:
         return f"PerSampleGradients({type(self.module).__name__}, mode={self.mode!r}, attached={self._attached})"
+
+
+class GhostClipping:
+    """Ghost clipping (Li et al. 2022; Bu et al. 2023) through Opacus's hooks, attached to ``module`` in place.
+
+    Per-sample gradients are never materialised: a first backward pass of the summed per-sample losses lets Opacus's
+    hooks compute every example's gradient norm (for linear layers from activations and backprops alone), then a
+    second backward pass of sum_i min(1, C / ||g_i||) * loss_i leaves the sum of CLIPPED per-sample gradients in
+    ``p.grad``. Memory stays at one gradient per parameter instead of B. It needs the per-sample losses, so
+    ``training_step`` must return ``loss`` with ``reduction="none"`` (shape ``(B,)``).
+    """
+
+    def __init__(self, module: nn.Module, max_grad_norm: float) -> None:
+        check_private_model(module)
+        self.module = module
+        self.max_grad_norm = float(max_grad_norm)
+        self._hooks = GradSampleHooksFastGradientClipping(
+            module, loss_reduction="sum", max_grad_norm=self.max_grad_norm, use_ghost_clipping=True
+        )
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters, in ``module.parameters()`` order."""
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def backward(self, per_sample_losses: Tensor) -> Tensor:
+        """Leave sum_i clip(g_i) in every ``p.grad``; return the unclipped per-sample gradient norms."""
+        if per_sample_losses.dim() != 1:
+            self._forget_forward()
+            raise PrivacyConfigError(
+                "ghost clipping needs the per-sample losses: return `F.cross_entropy(logits, y, reduction='none')` "
+                f"(shape (batch,)) from training_step; got a loss of shape {tuple(per_sample_losses.shape)}"
+            )
+        params = self.parameters
+        if per_sample_losses.numel() == 0:  # an empty Poisson batch: nothing to clip, the step is pure noise
+            self._forget_forward()
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            return per_sample_losses.detach().new_zeros(0)
+        per_sample_losses.sum().backward(retain_graph=True)  # hooks record the per-sample norms
+        norms = self._hooks.get_norm_sample().detach()
+        coefficients = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad = None
+        self._hooks.disable_hooks()
+        try:
+            (coefficients.to(per_sample_losses.dtype) * per_sample_losses).sum().backward()
+        finally:
+            self._hooks.enable_hooks()
+        return norms
+
+    def _forget_forward(self) -> None:
+        """Drop what the hooks captured in a forward pass that gets no ghost backward (else the next forward
+        looks like parameter tying to Opacus)."""
+        for module in self.module.modules():
+            if hasattr(module, "activations"):
+                module.activations = []
+        for p in self.parameters:
+            p._forward_counter = 0  # type: ignore[attr-defined]
+
+    def detach(self) -> None:
+        """Remove the hooks from the module."""
+        self._hooks.cleanup()

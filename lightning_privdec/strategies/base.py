@@ -15,7 +15,6 @@ checkpointing; training itself only talks to graph neighbours.
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -40,8 +39,6 @@ from lightning_privdec.comm import TorchDistributedExchange
 from lightning_privdec.compression import Compressor, build_compressor
 from lightning_privdec.strategies.flat_parameters import FlatParameters
 from lightning_privdec.topology import Topology, TopologyError, build_topology
-
-log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_privdec"
 
@@ -203,7 +200,17 @@ class DecentralizedStrategy(DDPStrategy):
         if flat is None or gossip is None:
             raise RuntimeError(f"{type(self).__name__}.optimizer_step called before setup")
 
+        calls = 0
+
         def gradients_then_numerator() -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} evaluated the closure twice in one step (LBFGS-style line search): "
+                    f"{type(self).__name__} needs one forward/backward per step (one private release, one gossip "
+                    "round). Use a first-order optimizer such as SGD or Adam."
+                )
             loss = closure()  # forward + backward at z = x / y
             self.transform_gradients()
             flat.buffer.copy_(gossip.x)  # the optimizer updates the numerator x
@@ -265,14 +272,18 @@ class DecentralizedStrategy(DDPStrategy):
             )
         return saved["nodes"][self.global_rank]
 
+    def _fitting(self) -> bool:
+        module = self.lightning_module
+        return module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
         node = self._node_state_from(checkpoint)
         if node is None:
             return
-        if self.gossip is not None:
+        if self._fitting() and self.gossip is not None:  # resuming training: the node's whole state
             self.load_node_state_dict(node)
-        else:  # evaluating a checkpoint without training: each node loads its own de-biased model
+        else:  # evaluating a checkpoint: each node loads its own de-biased model and nothing else
             self._load_debiased_parameters(node)
 
     def _load_debiased_parameters(self, node: Mapping[str, Any]) -> None:
@@ -286,7 +297,7 @@ class DecentralizedStrategy(DDPStrategy):
                 offset += p.numel()
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        node = self._node_state_from(checkpoint)
+        node = self._node_state_from(checkpoint) if self._fitting() else None
         if node is None:
             super().load_optimizer_state_dict(checkpoint)
             return

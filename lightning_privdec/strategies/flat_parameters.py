@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 
 class FlatParameters:
@@ -35,20 +35,3 @@ class FlatParameters:
                 view.copy_(p)
                 p.data = view
                 offset += p.numel()
-
-    def gradient(self) -> Tensor:
-        """The gradients as one flat tensor (zeros where a parameter got none)."""
-        return torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.parameters]
-        )
-
-    def set_gradient(self, flat_gradient: Tensor) -> None:
-        """Write a flat gradient back into the parameters' ``.grad``."""
-        offset = 0
-        for p in self.parameters:
-            chunk = flat_gradient[offset : offset + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = chunk.clone()
-            else:
-                p.grad.copy_(chunk)
-            offset += p.numel()

@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_privdec.privacy import NodePrivacyEngine, PrivacyConfigError, PrivacyParameters
@@ -25,10 +28,14 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         noise_multiplier: sigma; or give ``target_epsilon`` and ``target_delta`` and sigma is calibrated before
             training from the planned steps (``max_steps``, or ``max_epochs`` x batches per epoch) and q = B / J.
         accountant: ``"rdp"``, ``"prv"`` or ``"gdp"`` (Opacus's accountants).
-        grad_sample_mode: ``"hooks"`` (default) or ``"functorch"`` per-sample gradients.
+        grad_sample_mode: ``"hooks"`` (default) or ``"functorch"`` per-sample gradients, or ``"ghost"``: ghost
+            clipping (no per-sample gradients in memory), for which ``training_step`` returns the per-sample losses
+            (``reduction="none"``, shape ``(batch,)``).
         fix_model: replace layers incompatible with per-sample DP (BatchNorm -> GroupNorm) instead of raising.
         noise_seed: ``None`` (default, secure): noise and sampling from OS entropy; an int: reproducible streams
             derived from (seed, rank), for tests only.
+        node_local_data: each process's training loader already holds only that node's data (no
+            DistributedSampler); otherwise a missing sampler is refused, as every node would sample every example.
         Other arguments: see :class:`DecentralizedStrategy`.
     """
 
@@ -45,6 +52,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         grad_sample_mode: str = "hooks",
         fix_model: bool = False,
         noise_seed: int | None = None,
+        node_local_data: bool = False,
         **kwargs: Any,
     ) -> None:
         # the privacy parameters are checked first, before any process or graph exists
@@ -59,17 +67,21 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         self.grad_sample_mode = grad_sample_mode
         self.fix_model = fix_model
         self.noise_seed = noise_seed
+        self.node_local_data = node_local_data
         self.privacy: NodePrivacyEngine | None = None
+        self.budget_stopped_at_step: int | None = None
 
     def configure_ddp(self) -> None:
-        # Fix and hook the model before its parameters are broadcast, flattened and handed to the optimizer.
-        self.privacy = NodePrivacyEngine(
-            self.privacy_parameters,
-            rank=self.global_rank,
-            device=self.root_device,
-            grad_sample_mode=self.grad_sample_mode,
-            noise_seed=self.noise_seed,
-        )
+        # Fix and hook the model before its parameters are broadcast, flattened and handed to the optimizer. The engine
+        # (and its ledger) lives as long as the strategy: a second fit() keeps counting.
+        if self.privacy is None:
+            self.privacy = NodePrivacyEngine(
+                self.privacy_parameters,
+                rank=self.global_rank,
+                device=self.root_device,
+                grad_sample_mode=self.grad_sample_mode,
+                noise_seed=self.noise_seed,
+            )
         self.privacy.attach(self.model, fix_model=self.fix_model)
         super().configure_ddp()
 
@@ -81,6 +93,11 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 f"{type(self).__name__} supports automatic optimization only: with manual optimization the "
                 "strategy cannot tell which backward passes make one private step. Remove "
                 "`self.automatic_optimization = False`."
+            )
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise PrivacyConfigError(
+                "precision='16-mixed' scales the loss, so per-sample gradients would be clipped before unscaling "
+                "(an effective bound of C / scale). Use precision='32-true' or 'bf16-mixed' with private strategies."
             )
         if trainer.accumulate_grad_batches != 1:
             raise PrivacyConfigError(
@@ -98,7 +115,33 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 f"private strategies need a torch DataLoader for training (got {type(dataloader).__name__}) to "
                 "Poisson-sample each node's shard"
             )
-        return self.privacy.private_dataloader(dataloader, self._planned_steps(trainer, len(dataloader)))
+        problem: Exception | None = None
+        try:
+            private = self.privacy.private_dataloader(
+                dataloader, self._planned_steps(trainer, len(dataloader)), self.world_size, self.node_local_data
+            )
+            if self.privacy.ledger.steps == 0 and self.privacy.next_step_exceeds_budget():
+                raise PrivacyConfigError(
+                    f"target_epsilon={self.privacy_parameters.target_epsilon} cannot pay for a single step with "
+                    f"noise_multiplier={self.privacy.noise_multiplier:.4g} at sample rate "
+                    f"{self.privacy.sample_rate:.4g}; raise the noise multiplier or the budget"
+                )
+        except PrivacyConfigError as exc:
+            problem = exc
+        # one node's configuration error stops every node here, instead of leaving the others waiting for it
+        if self.reduce_boolean_decision(problem is not None, all=False):
+            raise problem or PrivacyConfigError("another node's privacy setup failed; see its error message")
+        return private
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        loaders = trainer.fit_loop._combined_loader
+        if loaders is not None and len(loaders.flattened) > 1:
+            raise PrivacyConfigError(
+                f"private strategies train on ONE DataLoader; got {len(loaders.flattened)}. Each would have its own "
+                "sampling rate q while the accountant records one per step: combine the datasets into one loader."
+            )
 
     @staticmethod
     def _planned_steps(trainer: pl.Trainer, batches_per_epoch: int) -> int:
@@ -108,6 +151,11 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         elif limit is not None and limit < 1.0:
             batches_per_epoch = max(1, int(batches_per_epoch * limit))
         epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
+        if epochs == 1000 and (trainer.max_steps is None or trainer.max_steps < 0):
+            rank_zero_warn(
+                "the privacy budget is planned over Lightning's default of max_epochs=1000; set max_epochs or "
+                "max_steps to the training you intend, or sigma will be far larger than needed"
+            )
         by_epochs = epochs * batches_per_epoch if epochs >= 0 else None
         if trainer.max_steps is not None and trainer.max_steps >= 0:
             return trainer.max_steps if by_epochs is None else min(trainer.max_steps, by_epochs)
@@ -119,6 +167,41 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         return by_epochs
 
     # ---- the step ------------------------------------------------------------------------------------------------
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The private step, kept within ``target_epsilon``.
+
+        After each step all nodes decide together whether one more step would take any node past the target; if so
+        training stops there, on every node at the same step. A step that would exceed the budget anyway (Lightning's
+        ``min_epochs``/``min_steps`` keep the loop running) is refused: no data is touched and nothing is released.
+        """
+        if self._budget_exhausted():
+            return None
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._budget_exhausted(steps_done=1)
+        return output
+
+    def _budget_exhausted(self, steps_done: int = 0) -> bool:
+        assert self.privacy is not None
+        if self.privacy_parameters.target_epsilon is None:
+            return False
+        if not self.reduce_boolean_decision(self.privacy.next_step_exceeds_budget(), all=False):
+            return False
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and not trainer.should_stop:
+            trainer.should_stop = True
+            self.budget_stopped_at_step = trainer.global_step + steps_done
+            rank_zero_info(
+                f"{type(self).__name__}: stopping after step {self.budget_stopped_at_step}: one more step would take "
+                f"a node past target_epsilon={self.privacy_parameters.target_epsilon} (delta={self.privacy.delta})"
+            )
+        return True
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self.privacy is None or self.privacy.ghost is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.privacy.ghost_backward(closure_loss)  # two passes: per-sample norms, then the clipped sum
+        return closure_loss
+
     def transform_gradients(self) -> None:
         assert self.privacy is not None
         self.privacy.privatize()

@@ -59,6 +59,7 @@ def make_strategy(args: argparse.Namespace):  # noqa: ANN201
         target_epsilon=args.epsilon,
         target_delta=args.delta,
         noise_seed=args.noise_seed,
+        grad_sample_mode=args.grad_sample_mode,
     )
 
 
@@ -83,12 +84,13 @@ def main() -> None:
     parser.add_argument("--noise-multiplier", type=float, default=None)
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--noise-seed", type=int, default=None)
+    parser.add_argument("--grad-sample-mode", default="hooks", choices=["hooks", "functorch", "ghost"])
     parser.add_argument("--csv", action="store_true", help="log to a CSVLogger under --out")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     L.seed_everything(args.seed, verbose=False)
-    model = DigitsClassifier(lr=args.lr, momentum=args.momentum)
+    model = DigitsClassifier(lr=args.lr, momentum=args.momentum, per_sample_loss=args.grad_sample_mode == "ghost")
     data = DigitsDataModule(batch_size=args.batch_size, seed=0)
     callbacks: list[Callback] = []
     if args.ckpt_dir is not None:
