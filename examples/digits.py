@@ -20,24 +20,16 @@ import time
 import lightning as L
 import torch
 
-from lightning_privdec import (
-    DecentralizedPushSumStrategy,
-    DecentralizedSGDStrategy,
-    DP2SGDStrategy,
-    DPCSGPStrategy,
-    PrivacyBudgetCallback,
-    PrivSGPStrategy,
-)
+from lightning_privdec import PrivacyBudgetCallback
+from lightning_privdec.strategies import NON_PRIVATE_STRATEGIES, PRIVATE_STRATEGIES
 from lightning_privdec.data.digits import DigitsClassifier, DigitsDataModule, accuracy
 
-PRIVATE = {"dp_csgp": DPCSGPStrategy, "privsgp": PrivSGPStrategy, "dp2sgd": DP2SGDStrategy}
-NON_PRIVATE = {"push_sum": DecentralizedPushSumStrategy, "dpsgd": DecentralizedSGDStrategy}
 DEFAULT_TOPOLOGY = {"dp2sgd": "ring", "dpsgd": "ring"}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", default="dp_csgp", choices=sorted(PRIVATE) + sorted(NON_PRIVATE))
+    p.add_argument("--strategy", default="dp_csgp", choices=sorted(PRIVATE_STRATEGIES) + sorted(NON_PRIVATE_STRATEGIES))
     p.add_argument("--topology", default=None, help="graph name (default: exponential; ring for dp2sgd/dpsgd)")
     p.add_argument("--compressor", default=None, help="none, randk:R, topk:R, qsgd:B, sign (dp_csgp: randk:0.5)")
     p.add_argument("--gamma", type=float, default=None, help="consensus step of compressed gossip (default 1, 0.5 for RandK(0.5))")
@@ -61,9 +53,9 @@ def build_strategy(args: argparse.Namespace):  # noqa: ANN201
         compressor = "randk:0.5" if args.strategy == "dp_csgp" else "none"
     gamma = args.gamma if args.gamma is not None else (0.5 if compressor.startswith("randk:0.5") else 1.0)
     common = dict(topology=topology, compressor=compressor, consensus_step=gamma, seed=args.seed)
-    if args.strategy in NON_PRIVATE:
-        return NON_PRIVATE[args.strategy](**common)
-    return PRIVATE[args.strategy](
+    if args.strategy in NON_PRIVATE_STRATEGIES:
+        return NON_PRIVATE_STRATEGIES[args.strategy](**common)
+    return PRIVATE_STRATEGIES[args.strategy](
         **common,
         max_grad_norm=args.clip,
         target_epsilon=args.epsilon,
@@ -74,7 +66,7 @@ def build_strategy(args: argparse.Namespace):  # noqa: ANN201
 
 def main() -> None:
     args = parse_args()
-    private = args.strategy in PRIVATE
+    private = args.strategy in PRIVATE_STRATEGIES
     lr = args.lr if args.lr is not None else (0.5 if private else 0.1)
     torch.set_num_threads(1)
     L.seed_everything(args.seed, verbose=False)

@@ -11,7 +11,15 @@ from lightning_privdec.strategies.push_sum import DecentralizedPushSumStrategy, 
 for _strategy in (DecentralizedPushSumStrategy, DecentralizedSGDStrategy):
     _strategy.register_strategies(StrategyRegistry)
 
+#: the strategies by the short names examples and command lines use
+NON_PRIVATE_STRATEGIES = {"push_sum": DecentralizedPushSumStrategy, "dpsgd": DecentralizedSGDStrategy}
+PRIVATE_STRATEGIES = {"dp_csgp": DPCSGPStrategy, "privsgp": PrivSGPStrategy, "dp2sgd": DP2SGDStrategy}
+STRATEGIES = {**NON_PRIVATE_STRATEGIES, **PRIVATE_STRATEGIES}
+
 __all__ = [
+    "NON_PRIVATE_STRATEGIES",
+    "PRIVATE_STRATEGIES",
+    "STRATEGIES",
     "DP2SGDStrategy",
     "DPCSGPStrategy",
     "DecentralizedPushSumStrategy",

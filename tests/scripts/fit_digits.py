@@ -17,14 +17,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_privdec import (
-    DecentralizedPushSumStrategy,
-    DecentralizedSGDStrategy,
-    DP2SGDStrategy,
-    DPCSGPStrategy,
-    PrivacyBudgetCallback,
-    PrivSGPStrategy,
-)
+from lightning_privdec import PrivacyBudgetCallback
+from lightning_privdec.strategies import NON_PRIVATE_STRATEGIES, PRIVATE_STRATEGIES
 from lightning_privdec.data.digits import DigitsClassifier, DigitsDataModule, accuracy
 
 
@@ -42,17 +36,15 @@ class StallAfterEpoch(Callback):
             time.sleep(3600)
 
 
-NON_PRIVATE = {"push_sum": DecentralizedPushSumStrategy, "dpsgd": DecentralizedSGDStrategy}
-PRIVATE = {"dp_csgp": DPCSGPStrategy, "privsgp": PrivSGPStrategy, "dp2sgd": DP2SGDStrategy}
 
 
 def make_strategy(args: argparse.Namespace):  # noqa: ANN201
     if args.strategy == "ddp":
         return "ddp"
     common = dict(topology=args.topology, compressor=args.compressor, consensus_step=args.gamma, seed=args.seed)
-    if args.strategy in NON_PRIVATE:
-        return NON_PRIVATE[args.strategy](**common)
-    return PRIVATE[args.strategy](
+    if args.strategy in NON_PRIVATE_STRATEGIES:
+        return NON_PRIVATE_STRATEGIES[args.strategy](**common)
+    return PRIVATE_STRATEGIES[args.strategy](
         **common,
         max_grad_norm=args.clip,
         noise_multiplier=args.noise_multiplier,
@@ -65,7 +57,7 @@ def make_strategy(args: argparse.Namespace):  # noqa: ANN201
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", default="push_sum", choices=["ddp", *NON_PRIVATE, *PRIVATE])
+    parser.add_argument("--strategy", default="push_sum", choices=["ddp", *NON_PRIVATE_STRATEGIES, *PRIVATE_STRATEGIES])
     parser.add_argument("--topology", default="exponential-one-peer")
     parser.add_argument("--compressor", default=None)
     parser.add_argument("--gamma", type=float, default=1.0)
@@ -95,7 +87,7 @@ def main() -> None:
     callbacks: list[Callback] = []
     if args.ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, save_top_k=-1, every_n_epochs=1))
-    if args.strategy in PRIVATE:
+    if args.strategy in PRIVATE_STRATEGIES:
         callbacks.append(PrivacyBudgetCallback(log_every_n_steps=5))
     if args.stall_at_epoch is not None:
         callbacks.append(StallAfterEpoch(args.stall_at_epoch, args.out / "stalled"))
