@@ -3,6 +3,7 @@
     python examples/digits.py                                   # DP-CSGP, RandK(0.5), 4 nodes, epsilon = 3
     python examples/digits.py --strategy privsgp --epsilon 1
     python examples/digits.py --strategy dp_csgp --compressor qsgd:8 --epsilon 8
+    python examples/digits.py --strategy decor --epsilon 3      # Decor on a ring, eavesdropper SecLDP
     python examples/digits.py --strategy push_sum               # non-private baseline
 
 Each node trains on its own shard (1,347 training images split over the nodes), gossips with its graph neighbours
@@ -24,7 +25,7 @@ from lightning_privdec import PrivacyBudgetCallback
 from lightning_privdec.strategies import NON_PRIVATE_STRATEGIES, PRIVATE_STRATEGIES
 from lightning_privdec.data.digits import DigitsClassifier, DigitsDataModule, accuracy
 
-DEFAULT_TOPOLOGY = {"dp2sgd": "ring", "dpsgd": "ring"}
+DEFAULT_TOPOLOGY = {"dp2sgd": "ring", "dpsgd": "ring", "decor": "ring"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -36,7 +37,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--epsilon", type=float, default=3.0, help="per-node target epsilon (default 3)")
     p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
     p.add_argument("--clip", type=float, default=1.0, help="per-sample clipping bound C (default 1.0)")
-    p.add_argument("--accountant", default="rdp", choices=["rdp", "prv", "gdp"])
+    p.add_argument("--accountant", default="rdp", choices=["rdp", "prv", "gdp"], help="DP-SGD strategies' accountant")
+    p.add_argument("--adversary", default="eavesdropper", help="decor: eavesdropper, curious or a number of colluders")
+    p.add_argument("--baseline", default=None, choices=["ldp", "cdp"], help="decor: the paper's LDP or CDP baseline")
     p.add_argument("--nodes", type=int, default=4, help="number of nodes = CPU processes (default 4)")
     p.add_argument("--epochs", type=int, default=30, help="training epochs (default 30)")
     p.add_argument("--batch-size", type=int, default=32, help="expected per-node batch size B (q = B / J)")
@@ -55,12 +58,12 @@ def build_strategy(args: argparse.Namespace):  # noqa: ANN201
     common = dict(topology=topology, compressor=compressor, consensus_step=gamma, seed=args.seed)
     if args.strategy in NON_PRIVATE_STRATEGIES:
         return NON_PRIVATE_STRATEGIES[args.strategy](**common)
+    if args.strategy == "decor":  # SecLDP accounting against the chosen adversary
+        extra = dict(adversary=int(args.adversary) if args.adversary.isdigit() else args.adversary, baseline=args.baseline)
+    else:
+        extra = dict(accountant=args.accountant)
     return PRIVATE_STRATEGIES[args.strategy](
-        **common,
-        max_grad_norm=args.clip,
-        target_epsilon=args.epsilon,
-        target_delta=args.delta,
-        accountant=args.accountant,
+        **common, **extra, max_grad_norm=args.clip, target_epsilon=args.epsilon, target_delta=args.delta
     )
 
 

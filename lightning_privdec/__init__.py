@@ -4,6 +4,7 @@ from lightning_privdec.callbacks import PrivacyBudgetCallback
 from lightning_privdec.compression import QSGD, Identity, RandK, Sign, TopK
 from lightning_privdec.privacy import PrivacyConfigError
 from lightning_privdec.strategies import (
+    CorrelatedNoiseStrategy,
     DecentralizedPushSumStrategy,
     DecentralizedSGDStrategy,
     DecentralizedStrategy,
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "QSGD",
+    "CorrelatedNoiseStrategy",
     "DP2SGDStrategy",
     "DPCSGPStrategy",
     "PrivSGPStrategy",

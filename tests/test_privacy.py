@@ -442,39 +442,32 @@ def test_poisson_dataloader_takes_an_unpadded_shard_from_a_distributed_sampler()
 
 
 # ============================================================================ a real Lightning fit
-class DPStepCallback(pl.Callback):
-    """The strategy's future job, done from a callback: privatize between backward and the optimizer update."""
-
-    def __init__(self, sample_rate: float, shard_size: int) -> None:
-        self.sample_rate, self.shard_size = sample_rate, shard_size
-        self.ledger = PrivacyLedger("rdp", delta=1e-5)
+class RecordBatchSizes(pl.Callback):
+    def __init__(self) -> None:
         self.batch_sizes: list[int] = []
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.psg = PerSampleGradients(pl_module)
-        self.generator = node_noise_generator(pl_module.device, seed=0, rank=trainer.global_rank)
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: object) -> None:
-        stats = privatize_gradients(self.psg.parameters, self.psg.per_sample_grads(), max_grad_norm=1.0,
-                                    noise_multiplier=1.0, expected_batch_size=self.sample_rate * self.shard_size,
-                                    generator=self.generator)
-        self.psg.clear()
-        self.ledger.record(1.0, self.sample_rate)
-        self.batch_sizes.append(stats.batch_size)
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        self.batch_sizes.append(trainer.strategy.privacy.last_step.batch_size)
 
 
-def test_lightning_fit_with_private_steps_and_empty_batches() -> None:
+def test_private_strategy_fit_in_one_process_with_empty_poisson_batches() -> None:
+    """PrivSGPStrategy on one node: one ledger entry per step, empty batches train, epsilon is the accountant's."""
+    from lightning_privdec import PrivSGPStrategy
+
     model = MLP(root_parameter=True)
     x, y = batch(20, seed=2)
-    loader = poisson_dataloader(DataLoader(TensorDataset(x, y), batch_size=4), None, 0.05,
-                                node_noise_generator("cpu", 0, 0), steps_per_epoch=12)
-    callback = DPStepCallback(0.05, 20)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
-    trainer.fit(model, loader)
-    assert callback.ledger.steps == 12 and 0 in callback.batch_sizes and max(callback.batch_sizes) > 0
+    strategy = PrivSGPStrategy(max_grad_norm=1.0, noise_multiplier=1.0, noise_seed=0)
+    record = RecordBatchSizes()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[record])
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=1))  # q = 1/20: many batches are empty
+    engine = strategy.privacy
+    assert engine.sample_rate == pytest.approx(0.05)
+    assert engine.ledger.steps == trainer.global_step == 20
+    assert 0 in record.batch_sizes and max(record.batch_sizes) > 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert callback.ledger.epsilon() == pytest.approx(epsilon_for(1.0, 0.05, 12, 1e-5))
+    assert engine.epsilon() == pytest.approx(epsilon_for(1.0, 0.05, 20, 1e-5))
 
 
 # ============================================================================ accounting

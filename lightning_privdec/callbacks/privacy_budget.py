@@ -71,7 +71,7 @@ class PrivacyBudgetCallback(Callback):
                 "privacy/delta": engine.delta,
                 "privacy/noise_multiplier": float(engine.noise_multiplier or 0.0),
                 "privacy/sample_rate": float(engine.sample_rate or 0.0),
-                "privacy/steps": float(engine.ledger.steps),
+                "privacy/steps": float(engine.steps),
             }
         )
         if final:  # hooks outside the training step cannot use self.log: write to the loggers directly

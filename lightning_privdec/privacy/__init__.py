@@ -30,9 +30,42 @@ from lightning_privdec.privacy.per_sample import (
     PerSampleGradients,
     check_private_model,
 )
+from lightning_privdec.privacy.pairwise import (
+    CorrelatedNoise,
+    PairwiseSecrets,
+    exchange_public_keys,
+    simulate_key_agreement,
+    verify_agreement,
+)
 from lightning_privdec.privacy.sampling import PoissonBatchSampler, node_shard_indices, poisson_dataloader
 
+from lightning_privdec.privacy.secldp import (
+    CalibrationResult,
+    calibrate_secldp,
+    cdp_sigma,
+    eps_step_for,
+    ldp_sigma,
+    secldp_epsilon,
+    secldp_epsilon_example_level,
+    secldp_step,
+    secldp_step_bound,
+)
+
 __all__ = [
+    "CalibrationResult",
+    "CorrelatedNoise",
+    "PairwiseSecrets",
+    "calibrate_secldp",
+    "cdp_sigma",
+    "eps_step_for",
+    "exchange_public_keys",
+    "ldp_sigma",
+    "secldp_epsilon",
+    "secldp_epsilon_example_level",
+    "secldp_step",
+    "secldp_step_bound",
+    "simulate_key_agreement",
+    "verify_agreement",
     "ACCOUNTANTS",
     "DEFAULT_DELTA",
     "GRAD_SAMPLE_MODES",

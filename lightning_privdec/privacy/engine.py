@@ -204,6 +204,11 @@ class NodePrivacyEngine:
     def delta(self) -> float:
         return self.parameters.delta_for_reporting
 
+    @property
+    def steps(self) -> int:
+        """Private steps this node has taken (all fits and resumes together)."""
+        return self.ledger.steps
+
     def epsilon(self) -> float:
         """Epsilon this node's data has spent so far (at :attr:`delta`), from the accountant."""
         return self.ledger.epsilon()

@@ -3,6 +3,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_privdec.strategies.base import DecentralizedStrategy
+from lightning_privdec.strategies.decor import CorrelatedNoiseStrategy
 from lightning_privdec.strategies.dp_csgp import DP2SGDStrategy, DPCSGPStrategy, PrivSGPStrategy
 from lightning_privdec.strategies.flat_parameters import FlatParameters
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
@@ -13,13 +14,19 @@ for _strategy in (DecentralizedPushSumStrategy, DecentralizedSGDStrategy):
 
 #: the strategies by the short names examples and command lines use
 NON_PRIVATE_STRATEGIES = {"push_sum": DecentralizedPushSumStrategy, "dpsgd": DecentralizedSGDStrategy}
-PRIVATE_STRATEGIES = {"dp_csgp": DPCSGPStrategy, "privsgp": PrivSGPStrategy, "dp2sgd": DP2SGDStrategy}
+PRIVATE_STRATEGIES = {
+    "dp_csgp": DPCSGPStrategy,
+    "privsgp": PrivSGPStrategy,
+    "dp2sgd": DP2SGDStrategy,
+    "decor": CorrelatedNoiseStrategy,
+}
 STRATEGIES = {**NON_PRIVATE_STRATEGIES, **PRIVATE_STRATEGIES}
 
 __all__ = [
     "NON_PRIVATE_STRATEGIES",
     "PRIVATE_STRATEGIES",
     "STRATEGIES",
+    "CorrelatedNoiseStrategy",
     "DP2SGDStrategy",
     "DPCSGPStrategy",
     "DecentralizedPushSumStrategy",

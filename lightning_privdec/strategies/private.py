@@ -75,15 +75,19 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         # Fix and hook the model before its parameters are broadcast, flattened and handed to the optimizer. The engine
         # (and its ledger) lives as long as the strategy: a second fit() keeps counting.
         if self.privacy is None:
-            self.privacy = NodePrivacyEngine(
-                self.privacy_parameters,
-                rank=self.global_rank,
-                device=self.root_device,
-                grad_sample_mode=self.grad_sample_mode,
-                noise_seed=self.noise_seed,
-            )
+            self.privacy = self.make_privacy_engine()
         self.privacy.attach(self.model, fix_model=self.fix_model)
         super().configure_ddp()
+
+    def make_privacy_engine(self) -> NodePrivacyEngine:
+        """This node's privacy engine (per-node DP-SGD); Decor's strategy returns its own."""
+        return NodePrivacyEngine(
+            self.privacy_parameters,
+            rank=self.global_rank,
+            device=self.root_device,
+            grad_sample_mode=self.grad_sample_mode,
+            noise_seed=self.noise_seed,
+        )
 
     def _check_optimization(self, trainer: pl.Trainer) -> None:
         super()._check_optimization(trainer)
@@ -120,7 +124,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             private = self.privacy.private_dataloader(
                 dataloader, self._planned_steps(trainer, len(dataloader)), self.world_size, self.node_local_data
             )
-            if self.privacy.ledger.steps == 0 and self.privacy.next_step_exceeds_budget():
+            if self.privacy.steps == 0 and self.privacy.next_step_exceeds_budget():
                 raise PrivacyConfigError(
                     f"target_epsilon={self.privacy_parameters.target_epsilon} cannot pay for a single step with "
                     f"noise_multiplier={self.privacy.noise_multiplier:.4g} at sample rate "
@@ -131,6 +135,9 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         # one node's configuration error stops every node here, instead of leaving the others waiting for it
         if self.reduce_boolean_decision(problem is not None, all=False):
             raise problem or PrivacyConfigError("another node's privacy setup failed; see its error message")
+        if self.privacy_parameters.target_epsilon is not None:  # a later fit may have budget left (a longer plan)
+            spent = self.reduce_boolean_decision(self.privacy.next_step_exceeds_budget(), all=False)
+            self.budget_stopped_at_step = self.budget_stopped_at_step if spent else None
         return private
 
     def on_train_start(self) -> None:
@@ -173,28 +180,29 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         After each step all nodes decide together whether one more step would take any node past the target; if so
         training stops there, on every node at the same step. A step that would exceed the budget anyway (Lightning's
         ``min_epochs``/``min_steps`` keep the loop running) is refused: no data is touched and nothing is released.
+        A new ``fit`` re-checks the budget at setup (a budget that cannot pay for one step is refused there).
         """
-        if self._budget_exhausted():
-            return None
+        if self.budget_stopped_at_step is not None:  # the shared decision taken after the last step
+            self.lightning_module.trainer.should_stop = True
+            return None  # every node refuses the same steps: no data touched, nothing released
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._budget_exhausted(steps_done=1)
+        self._check_budget_after_step()
         return output
 
-    def _budget_exhausted(self, steps_done: int = 0) -> bool:
+    def _check_budget_after_step(self) -> None:
+        """All nodes decide together (one-bit all-reduce) whether one more step would exceed the target."""
         assert self.privacy is not None
         if self.privacy_parameters.target_epsilon is None:
-            return False
+            return
         if not self.reduce_boolean_decision(self.privacy.next_step_exceeds_budget(), all=False):
-            return False
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and not trainer.should_stop:
-            trainer.should_stop = True
-            self.budget_stopped_at_step = trainer.global_step + steps_done
-            rank_zero_info(
-                f"{type(self).__name__}: stopping after step {self.budget_stopped_at_step}: one more step would take "
-                f"a node past target_epsilon={self.privacy_parameters.target_epsilon} (delta={self.privacy.delta})"
-            )
-        return True
+            return
+        trainer = self.lightning_module.trainer
+        trainer.should_stop = True
+        self.budget_stopped_at_step = trainer.global_step + 1
+        rank_zero_info(
+            f"{type(self).__name__}: stopping after step {self.budget_stopped_at_step}: one more step would take a "
+            f"node past target_epsilon={self.privacy_parameters.target_epsilon} (delta={self.privacy.delta})"
+        )
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self.privacy is None or self.privacy.ghost is None:

@@ -44,14 +44,17 @@ def make_strategy(args: argparse.Namespace):  # noqa: ANN201
     common = dict(topology=args.topology, compressor=args.compressor, consensus_step=args.gamma, seed=args.seed)
     if args.strategy in NON_PRIVATE_STRATEGIES:
         return NON_PRIVATE_STRATEGIES[args.strategy](**common)
+    if args.strategy == "decor":
+        noise = dict(sigma_cdp=args.sigma_cdp, sigma_cor=args.sigma_cor, adversary=args.adversary, baseline=args.baseline)
+    else:
+        noise = dict(noise_multiplier=args.noise_multiplier, grad_sample_mode=args.grad_sample_mode)
     return PRIVATE_STRATEGIES[args.strategy](
         **common,
+        **noise,
         max_grad_norm=args.clip,
-        noise_multiplier=args.noise_multiplier,
         target_epsilon=args.epsilon,
         target_delta=args.delta,
         noise_seed=args.noise_seed,
-        grad_sample_mode=args.grad_sample_mode,
     )
 
 
@@ -76,6 +79,10 @@ def main() -> None:
     parser.add_argument("--noise-multiplier", type=float, default=None)
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--noise-seed", type=int, default=None)
+    parser.add_argument("--sigma-cdp", type=float, default=None)
+    parser.add_argument("--sigma-cor", type=float, default=None)
+    parser.add_argument("--adversary", default="eavesdropper")
+    parser.add_argument("--baseline", default=None, choices=["ldp", "cdp"])
     parser.add_argument("--grad-sample-mode", default="hooks", choices=["hooks", "functorch", "ghost"])
     parser.add_argument("--csv", action="store_true", help="log to a CSVLogger under --out")
     args = parser.parse_args()
@@ -130,7 +137,9 @@ def main() -> None:
     if engine is not None:
         result.update(
             epsilon=engine.epsilon(),
-            ledger_steps=engine.ledger.steps,
+            ledger_steps=engine.steps,
+            sigma_cdp=getattr(engine, "sigma_cdp", None),
+            sigma_cor=getattr(engine, "sigma_cor", None),
             noise_multiplier=engine.noise_multiplier,
             sample_rate=engine.sample_rate,
             stopped_at_step=next(

@@ -1,0 +1,140 @@
+"""Decor: decentralized SGD with pairwise-cancelling correlated noise (Allouah et al., ICML 2024).
+
+Per round each node clips its gradient, adds sum_{j in N_i} v_ij (v_ij = -v_ji, drawn from a secret only the two
+ends of edge {i, j} share) plus its own independent noise, takes a local step and gossips with a symmetric
+doubly-stochastic W (Algorithm 1). The correlated noise cancels in the network average, so the average model only
+carries the small independent noise, while every single message stays private against the chosen adversary (SecLDP).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import networkx as nx
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_privdec.privacy import PrivacyConfigError
+from lightning_privdec.privacy.decor_engine import DecorPrivacyEngine
+from lightning_privdec.privacy.pairwise import PairwiseSecrets, exchange_public_keys, verify_agreement
+from lightning_privdec.privacy.secldp import collusion_level
+from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
+
+
+class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
+    """Decor over an undirected graph, with SecLDP accounting.
+
+    Args:
+        sigma_cdp, sigma_cor: noise standard deviations (independent, correlated), in the units of the clipped sum of
+            per-example gradients (``clipping="per_sample"``) or of the clipped batch gradient (``"user"``). Or
+            give ``target_epsilon`` and ``target_delta`` and the pair is calibrated before training.
+        adversary: ``"eavesdropper"`` (sees every message, knows no secret), ``"curious"`` (each node knows its own
+            secrets; needs a 2-connected graph) or an integer q of colluding nodes.
+        clipping: ``"per_sample"`` (example-level privacy, Poisson sampling) or ``"user"`` (user-level privacy).
+        baseline: ``"ldp"`` (sigma_cor = 0, independent noise at the local-DP level, any undirected topology) or
+            ``"cdp"`` (sigma_cor = 0, sigma_LDP / sqrt(n): the paper's CDP level, defined on the complete graph and
+            usable on any graph as an accuracy reference; its epsilon is central DP of the network average, not a
+            per-message guarantee): the paper's two baselines, calibrated from the budget.
+        key_file_dir: keep each node's X25519 private key in ``<dir>/node_<rank>.key`` (mode 0600, outside the
+            checkpoint) so that a resumed run re-derives the same pairwise streams; by default a resumed run agrees
+            on fresh keys (privacy is the same; bit-exact replay of the noise is lost).
+    """
+
+    default_weights = "metropolis"
+    required_mixing = "doubly"
+    requires_symmetric_graph = True
+
+    def __init__(
+        self,
+        topology: Any = "ring",
+        compressor: Any = None,
+        *,
+        max_grad_norm: float,
+        sigma_cdp: float | None = None,
+        sigma_cor: float | None = None,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
+        adversary: str | int = "eavesdropper",
+        clipping: str = "per_sample",
+        baseline: str | None = None,
+        key_file_dir: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if (sigma_cdp is None) == (target_epsilon is None):
+            raise PrivacyConfigError(
+                "give the noise levels (sigma_cdp=..., sigma_cor=...) or a budget (target_epsilon=..., "
+                "target_delta=...), not both and not neither"
+            )
+        if sigma_cdp is not None and (sigma_cdp <= 0 or (sigma_cor is not None and sigma_cor < 0)):
+            raise PrivacyConfigError(f"need sigma_cdp > 0 and sigma_cor >= 0, got {sigma_cdp}, {sigma_cor}")
+        if clipping not in ("per_sample", "user"):
+            raise PrivacyConfigError(f"clipping must be 'per_sample' or 'user', got {clipping!r}")
+        if not (adversary in ("eavesdropper", "curious") or (isinstance(adversary, int) and adversary >= 0)):
+            raise PrivacyConfigError(
+                f"adversary must be 'eavesdropper', 'curious' or a number of colluding nodes, got {adversary!r}"
+            )
+        if baseline not in (None, "ldp", "cdp"):
+            raise PrivacyConfigError(f"baseline must be None, 'ldp' or 'cdp', got {baseline!r}")
+        if baseline is not None and target_epsilon is None:
+            raise PrivacyConfigError(f"baseline={baseline!r} is calibrated from target_epsilon and target_delta")
+        self.sigma_cdp, self.sigma_cor, self.baseline = sigma_cdp, sigma_cor, baseline
+        self.adversary, self.clipping, self.key_file_dir = adversary, clipping, key_file_dir
+        super().__init__(
+            topology,
+            compressor,
+            max_grad_norm=max_grad_norm,
+            noise_multiplier=None if sigma_cdp is None else sigma_cdp / max_grad_norm,
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            **kwargs,
+        )
+
+    def _build_topology(self, world_size: int):  # type: ignore[no-untyped-def]
+        topology = super()._build_topology(world_size)
+        graph = nx.Graph(topology.union_graph())
+        q = collusion_level(self.adversary, world_size)  # type: ignore[arg-type]
+        if q >= 1 and world_size > 2 and not nx.is_biconnected(graph):
+            raise PrivacyConfigError(
+                f"adversary={self.adversary!r} needs a 2-connected graph: on {topology.name} some node has a "
+                "neighbour whose removal disconnects it, and that neighbour can subtract all of its correlated noise. "
+                "Use 'ring', 'torus' or 'complete', or adversary='eavesdropper'."
+            )
+        return topology
+
+    def make_privacy_engine(self) -> DecorPrivacyEngine:
+        assert self.topology is not None
+        engine = DecorPrivacyEngine(
+            self.privacy_parameters,
+            graph=nx.Graph(self.topology.union_graph()),
+            adversary=self.adversary,
+            sigma_cdp=self.sigma_cdp,
+            sigma_cor=self.sigma_cor,
+            clipping=self.clipping,
+            baseline=self.baseline,
+            rank=self.global_rank,
+            device=self.root_device,
+            noise_seed=self.noise_seed,
+        )
+        # Pairwise secrets: real X25519 key agreement with every neighbour (public keys travel, secrets never do).
+        neighbours = sorted(nx.Graph(self.topology.union_graph()).neighbors(self.global_rank))
+        key_file = None if self.key_file_dir is None else f"{self.key_file_dir}/node_{self.global_rank}.key"
+        secrets = PairwiseSecrets(self.global_rank, neighbours, key_file=key_file)
+        secrets.agree(exchange_public_keys(secrets))
+        verify_agreement(secrets)
+        engine.secrets = secrets
+        return engine
+
+    def process_dataloader(self, dataloader: object) -> object:
+        loader = super().process_dataloader(dataloader)
+        engine = self.privacy
+        if isinstance(engine, DecorPrivacyEngine) and engine.calibration is not None:
+            c = engine.calibration
+            options = ", ".join(
+                f"({a.sigma_cdp:.3g}, {a.sigma_cor:.3g})" for a in c.alternatives if a.feasible and a.sigma_cor is not None
+            )
+            rank_zero_info(
+                f"Decor calibration for epsilon={c.target_epsilon} (delta={c.delta}, {c.steps} steps, "
+                f"adversary={c.adversary}): chosen sigma_cdp={engine.sigma_cdp:.4g}, sigma_cor={engine.sigma_cor:.4g}"
+                f"{' (baseline ' + self.baseline + ')' if self.baseline else ''}; LDP level {c.sigma_ldp:.4g}, "
+                f"CDP level {c.sigma_cdp_floor:.4g}; other feasible (sigma_cdp, sigma_cor): {options or 'none'}"
+            )
+        return loader
