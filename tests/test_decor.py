@@ -86,3 +86,19 @@ def test_decor_beats_ldp_on_the_same_ring_at_epsilon_3_and_the_baselines_are_cal
     assert cdp[0]["sigma_cdp"] == pytest.approx(ldp[0]["sigma_cdp"] / 2, rel=1e-6)  # sigma_LDP / sqrt(n), n = 4
     for run in (decor, ldp, cdp):
         assert 2.9 < run[0]["epsilon"] <= 3.0
+
+
+@pytest.mark.multiprocess
+def test_a_resumed_decor_run_with_key_files_rederives_the_same_streams(tmp_path):
+    common = ["--strategy", "decor", "--topology", "ring", "--epsilon", "3", "--lr", "0.5", "--max-epochs", "3",
+              "--noise-seed", "5", "--key-dir", str(tmp_path / "keys")]
+    straight = fit_digits(tmp_path / "straight", *common, "--ckpt-dir", str(tmp_path / "ckpt"))
+    keys = sorted(p.name for p in (tmp_path / "keys").iterdir())
+    assert keys == [f"node_{i}.key" for i in range(4)]
+    assert all(((tmp_path / "keys" / k).stat().st_mode & 0o777) == 0o600 for k in keys)
+    checkpoint = next((tmp_path / "ckpt").glob("epoch=0-*.ckpt"))
+    assert b"node_0.key" not in checkpoint.read_bytes()
+    resumed = fit_digits(tmp_path / "resumed", *common, "--resume", str(checkpoint))
+    for a, b in zip(straight, resumed):
+        assert b["ledger_steps"] == a["ledger_steps"]  # the round counter continued
+        assert (a["params"] == b["params"]).all()  # same pairwise secrets, same per-round streams

@@ -171,7 +171,7 @@ class DecorPrivacyEngine(NodePrivacyEngine):
 
     # ---- checkpoints (no secrets: a resumed run agrees on new pairwise keys) ---------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self._steps, "sigma_cdp": self.sigma_cdp, "sigma_cor": self.sigma_cor}
+        return {"steps": self._steps, "sigma_cdp": self.sigma_cdp, "sigma_cor": self.sigma_cor, **self._generator_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if int(state["steps"]) < self._steps:
@@ -181,3 +181,4 @@ class DecorPrivacyEngine(NodePrivacyEngine):
             )
         self._steps = int(state["steps"])
         self.sigma_cdp, self.sigma_cor = state["sigma_cdp"], state["sigma_cor"]
+        self._load_generator_state(state)

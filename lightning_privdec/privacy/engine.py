@@ -230,10 +230,21 @@ class NodePrivacyEngine:
             "noise_multiplier": self.noise_multiplier,
             "plan": list(self._plan) if self._plan is not None else None,
         }
-        if self.noise_seed is not None:
-            state["noise_generator"] = self.noise_generator.get_state()
-            state["sampling_generator"] = self.sampling_generator.get_state()
+        state.update(self._generator_state())
         return state
+
+    def _generator_state(self) -> dict[str, Any]:
+        if self.noise_seed is None:
+            return {}
+        return {
+            "noise_generator": self.noise_generator.get_state(),
+            "sampling_generator": self.sampling_generator.get_state(),
+        }
+
+    def _load_generator_state(self, state: Mapping[str, Any]) -> None:
+        if self.noise_seed is not None and "noise_generator" in state:
+            self.noise_generator.set_state(state["noise_generator"])
+            self.sampling_generator.set_state(state["sampling_generator"])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue a checkpointed ledger. Never rolls back: a ledger with fewer steps than this one is refused."""
@@ -246,6 +257,4 @@ class NodePrivacyEngine:
         self.ledger.load_state_dict(state["ledger"])
         self.noise_multiplier = state["noise_multiplier"]
         self._plan = (int(state["plan"][0]), float(state["plan"][1])) if state["plan"] is not None else None
-        if self.noise_seed is not None and "noise_generator" in state:
-            self.noise_generator.set_state(state["noise_generator"])
-            self.sampling_generator.set_state(state["sampling_generator"])
+        self._load_generator_state(state)

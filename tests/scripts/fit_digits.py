@@ -45,7 +45,8 @@ def make_strategy(args: argparse.Namespace):  # noqa: ANN201
     if args.strategy in NON_PRIVATE_STRATEGIES:
         return NON_PRIVATE_STRATEGIES[args.strategy](**common)
     if args.strategy == "decor":
-        noise = dict(sigma_cdp=args.sigma_cdp, sigma_cor=args.sigma_cor, adversary=args.adversary, baseline=args.baseline)
+        noise = dict(sigma_cdp=args.sigma_cdp, sigma_cor=args.sigma_cor, adversary=args.adversary, baseline=args.baseline,
+                     key_file_dir=args.key_dir)
     else:
         noise = dict(noise_multiplier=args.noise_multiplier, grad_sample_mode=args.grad_sample_mode)
     return PRIVATE_STRATEGIES[args.strategy](
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--sigma-cor", type=float, default=None)
     parser.add_argument("--adversary", default="eavesdropper")
     parser.add_argument("--baseline", default=None, choices=["ldp", "cdp"])
+    parser.add_argument("--key-dir", default=None, help="decor: keep each node's X25519 key in this directory")
     parser.add_argument("--grad-sample-mode", default="hooks", choices=["hooks", "functorch", "ghost"])
     parser.add_argument("--csv", action="store_true", help="log to a CSVLogger under --out")
     args = parser.parse_args()
