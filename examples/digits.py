@@ -116,6 +116,8 @@ def main() -> None:
         "delta": args.delta if private else None,
         "epsilon_per_node": epsilons,
         "noise_multiplier": trainer.strategy.privacy.noise_multiplier if private else None,
+        "sigma_cdp": getattr(trainer.strategy.privacy, "sigma_cdp", None) if private else None,
+        "sigma_cor": getattr(trainer.strategy.privacy, "sigma_cor", None) if private else None,
         "steps": trainer.global_step,
         "test_acc_per_node": node_acc,
         "test_acc_average_model": accuracy(average, test_x, test_y),
@@ -131,7 +133,10 @@ def main() -> None:
         eps = f"  epsilon={epsilons[i]:.3f} (delta={args.delta:g})" if private else ""
         print(f"  node {i}: test accuracy {acc:.4f}{eps}  sent {sent[i] / 1e6:.2f} MB")
     print(f"  network-average model: test accuracy {result['test_acc_average_model']:.4f}")
-    if private:
+    if args.strategy == "decor":
+        print(f"  Decor noise sigma_cdp={result['sigma_cdp']:.3f}, sigma_cor={result['sigma_cor']:.3f} (SecLDP against "
+              f"{args.adversary}, calibrated for epsilon={args.epsilon})")
+    elif private:
         print(f"  noise multiplier sigma={result['noise_multiplier']:.3f} (calibrated for epsilon={args.epsilon}, {args.accountant})")
 
 
