@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.multiprocess import SCRIPT, fit_digits, relative_consensus_distance
+from tests.multiprocess import SCRIPT, clean_environment, fit_digits, relative_consensus_distance
 
 pytestmark = pytest.mark.multiprocess
 
@@ -49,6 +49,7 @@ def test_checkpoint_kill_resume_gives_the_same_parameters_as_an_uninterrupted_ru
     crashed = subprocess.Popen(
         [*command, "--out", str(tmp_path / "crashed"), "--ckpt-dir", str(tmp_path / "ckpt"), "--stall-at-epoch", "2"],
         start_new_session=True,
+        env=clean_environment(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
