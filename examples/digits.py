@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="expected per-node batch size B (q = B / J)")
     p.add_argument("--lr", type=float, default=None, help="SGD learning rate (default 0.5 private, 0.1 non-private)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--strategy-kwargs", default="{}", help='extra strategy arguments as JSON, e.g. \'{"rho_c": 2}\'')
     p.add_argument("--json", action="store_true", help="print one JSON line with the results")
     return p.parse_args()
 
@@ -56,6 +57,7 @@ def build_strategy(args: argparse.Namespace):  # noqa: ANN201
         compressor = "randk:0.5" if args.strategy == "dp_csgp" else "none"
     gamma = args.gamma if args.gamma is not None else (0.5 if compressor.startswith("randk:0.5") else 1.0)
     common = dict(topology=topology, compressor=compressor, consensus_step=gamma, seed=args.seed)
+    common.update(json.loads(args.strategy_kwargs))
     if args.strategy in NON_PRIVATE_STRATEGIES:
         return NON_PRIVATE_STRATEGIES[args.strategy](**common)
     if args.strategy == "decor":  # SecLDP accounting against the chosen adversary

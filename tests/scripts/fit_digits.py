@@ -7,6 +7,7 @@ starts the other ranks, exactly as for a user's script.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ def make_strategy(args: argparse.Namespace):  # noqa: ANN201
     if args.strategy == "ddp":
         return "ddp"
     common = dict(topology=args.topology, compressor=args.compressor, consensus_step=args.gamma, seed=args.seed)
+    common.update(json.loads(args.strategy_kwargs))
     if args.strategy in NON_PRIVATE_STRATEGIES:
         return NON_PRIVATE_STRATEGIES[args.strategy](**common)
     if args.strategy == "decor":
@@ -86,6 +88,7 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, choices=["ldp", "cdp"])
     parser.add_argument("--key-dir", default=None, help="decor: keep each node's X25519 key in this directory")
     parser.add_argument("--grad-sample-mode", default="hooks", choices=["hooks", "functorch", "ghost"])
+    parser.add_argument("--strategy-kwargs", default="{}", help="JSON object of extra strategy arguments")
     parser.add_argument("--csv", action="store_true", help="log to a CSVLogger under --out")
     args = parser.parse_args()
 
