@@ -4,6 +4,7 @@
     python examples/digits.py --strategy privsgp --epsilon 1
     python examples/digits.py --strategy dp_csgp --compressor qsgd:8 --epsilon 8
     python examples/digits.py --strategy decor --epsilon 3      # Decor on a ring, eavesdropper SecLDP
+    python examples/digits.py --strategy dyn_d2p --epsilon 1 --strategy-kwargs '{"rho_c": 2, "rho_mu": 2}'
     python examples/digits.py --strategy push_sum               # non-private baseline
 
 Each node trains on its own shard (1,347 training images split over the nodes), gossips with its graph neighbours
@@ -25,7 +26,9 @@ from lightning_privdec import PrivacyBudgetCallback
 from lightning_privdec.strategies import NON_PRIVATE_STRATEGIES, PRIVATE_STRATEGIES
 from lightning_privdec.data.digits import DigitsClassifier, DigitsDataModule, accuracy
 
-DEFAULT_TOPOLOGY = {"dp2sgd": "ring", "dpsgd": "ring", "decor": "ring"}
+DEFAULT_TOPOLOGY = {
+    "dp2sgd": "ring", "dpsgd": "ring", "decor": "ring", "dyn_d2p": "exponential-one-peer", "cpgt": "ring",
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -107,6 +110,10 @@ def main() -> None:
     if private:
         engine = trainer.strategy.privacy
         epsilons = trainer.strategy.all_gather(torch.tensor([engine.epsilon()], dtype=torch.float64)).reshape(-1).tolist()
+    paper_epsilons = None  # Dyn-D2P also offers the paper's CLT value (an approximation, not the epsilon spent)
+    if private and callable(getattr(trainer.strategy.privacy, "paper_epsilon", None)):
+        paper = torch.tensor([trainer.strategy.privacy.paper_epsilon()], dtype=torch.float64)
+        paper_epsilons = trainer.strategy.all_gather(paper).reshape(-1).tolist()
     if not trainer.is_global_zero:
         return
     result = {
@@ -115,11 +122,13 @@ def main() -> None:
         "compressor": str(trainer.strategy.compressor),
         "nodes": args.nodes,
         "target_epsilon": args.epsilon if private else None,
-        "delta": args.delta if private else None,
+        "delta": trainer.strategy.privacy.delta if private else None,  # 0 for pure-DP strategies (CPGT)
         "epsilon_per_node": epsilons,
+        "epsilon_paper_clt_per_node": paper_epsilons,
         "noise_multiplier": trainer.strategy.privacy.noise_multiplier if private else None,
         "sigma_cdp": getattr(trainer.strategy.privacy, "sigma_cdp", None) if private else None,
         "sigma_cor": getattr(trainer.strategy.privacy, "sigma_cor", None) if private else None,
+        "noise_split": getattr(trainer.strategy.privacy, "split", None) if private else None,
         "steps": trainer.global_step,
         "test_acc_per_node": node_acc,
         "test_acc_average_model": accuracy(average, test_x, test_y),

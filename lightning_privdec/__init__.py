@@ -4,24 +4,30 @@ from lightning_privdec.callbacks import PrivacyBudgetCallback
 from lightning_privdec.compression import QSGD, Identity, RandK, Sign, TopK
 from lightning_privdec.privacy import PrivacyConfigError
 from lightning_privdec.strategies import (
+    CPGTStrategy,
     CorrelatedNoiseStrategy,
     DecentralizedPushSumStrategy,
     DecentralizedSGDStrategy,
     DecentralizedStrategy,
     DP2SGDStrategy,
     DPCSGPStrategy,
+    DynD2PStrategy,
     PrivSGPStrategy,
+    PrivSGPVRStrategy,
 )
 from lightning_privdec.topology import Topology, TopologyError, build_topology
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPGTStrategy",
     "QSGD",
     "CorrelatedNoiseStrategy",
     "DP2SGDStrategy",
     "DPCSGPStrategy",
+    "DynD2PStrategy",
     "PrivSGPStrategy",
+    "PrivSGPVRStrategy",
     "PrivacyBudgetCallback",
     "PrivacyConfigError",
     "DecentralizedPushSumStrategy",

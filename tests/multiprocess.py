@@ -1,4 +1,4 @@
-"""Helpers for tests that launch real multi-process Lightning runs of tests/scripts/fit_digits.py."""
+"""Helpers for tests that launch real multi-process Lightning runs of the scripts in tests/scripts/."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def clean_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
 
 
-def fit_digits(out: Path, *args: str, devices: int = 4, timeout: float = 300) -> list[dict]:
+def fit_digits(out: Path, *args: str, devices: int = 4, timeout: float = 300, script: Path = SCRIPT) -> list[dict]:
     """Run the digits training on ``devices`` CPU processes (gloo) and return every rank's result."""
-    command = [sys.executable, str(SCRIPT), "--devices", str(devices), "--out", str(out), *args]
+    command = [sys.executable, str(script), "--devices", str(devices), "--out", str(out), *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=clean_environment())
     if result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")

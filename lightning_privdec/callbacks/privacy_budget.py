@@ -21,7 +21,11 @@ class PrivacyBudgetCallback(Callback):
 
     Logged keys (every ``log_every_n_steps`` optimizer steps and at the end of training):
     ``privacy/epsilon/node_<i>`` for every node, ``privacy/epsilon_max``, ``privacy/epsilon_min``, ``privacy/delta``,
-    ``privacy/noise_multiplier``, ``privacy/sample_rate``, ``privacy/steps``.
+    ``privacy/noise_multiplier``, ``privacy/sample_rate``, ``privacy/steps``. Engines with a schedule that also offer
+    the paper's own (approximate) accounting (Dyn-D2P: ``paper_epsilon()``, ``current_clip``, ``current_noise_std``)
+    add ``privacy/epsilon_paper_clt/node_<i>`` and ``privacy/epsilon_paper_clt_max`` (the paper's CLT value, NOT the
+    epsilon spent, which stays ``privacy/epsilon/...``), and ``privacy/max_grad_norm``, ``privacy/noise_std`` (the
+    clip and noise std of the next step).
     """
 
     def __init__(self, log_every_n_steps: int = 10) -> None:
@@ -74,6 +78,13 @@ class PrivacyBudgetCallback(Callback):
                 "privacy/steps": float(engine.steps),
             }
         )
+        if callable(getattr(engine, "paper_epsilon", None)):  # same engine type on every node: the gather matches
+            local = torch.tensor([engine.paper_epsilon()], dtype=torch.float64, device=trainer.strategy.root_device)
+            paper = trainer.strategy.all_gather(local).reshape(-1).tolist()
+            metrics.update({f"privacy/epsilon_paper_clt/node_{i}": eps for i, eps in enumerate(paper)})
+            metrics["privacy/epsilon_paper_clt_max"] = max(paper)
+            metrics["privacy/max_grad_norm"] = float(engine.current_clip)
+            metrics["privacy/noise_std"] = float(engine.current_noise_std)
         if final:  # hooks outside the training step cannot use self.log: write to the loggers directly
             if trainer.is_global_zero:
                 for logger in trainer.loggers:

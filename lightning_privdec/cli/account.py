@@ -6,6 +6,12 @@ Subcommands (one per mechanism; each registers itself in :data:`SUBCOMMANDS`)::
     privdec-account dpsgd --target-epsilon 3 --sample-rate 0.01 --steps 1000 --delta 1e-5 --json  # -> sigma
     privdec-account secldp --topology ring --nodes 16 --sigma-cdp 90 --sigma-cor 700 --clip 1 --steps 1000 \\
         --delta 1e-5 --json                                                                  # -> epsilon (Decor)
+    privdec-account dyn-d2p --target-epsilon 1 --delta 1e-5 --steps 330 --sample-rate 0.095 --clip 1 --json
+                                                              # -> Dyn-D2P schedule, paper and rigorous epsilon
+    privdec-account cpgt --alpha 0.1 --lipschitz 2.5 --q 0.99 --noise-x 100 --noise-y 100 --sensitivity 0.9 --json
+                                                              # -> CPGT's pure epsilon (delta = 0)
+    privdec-account privsgp-vr --target-epsilon 3 --sample-rate 0.095 --steps 330 --delta 1e-5 --json
+                                                              # -> PrivSGP-VR's noise, split, sound and paper epsilon
 
 To add a subcommand (e.g. ``secldp``, ``dyn-d2p``), write ``add_arguments(parser)`` and ``run(args) -> dict`` and
 decorate a :class:`Subcommand` instance with :func:`register`; ``run`` returns the JSON record and raises
@@ -293,6 +299,35 @@ register(
         run=_secldp_run,
         describe=_secldp_describe,
     )
+)
+
+
+# ---- dyn-d2p (lightning_privdec/cli/dyn_d2p.py) ----------------------------------------------------------------
+from lightning_privdec.cli import dyn_d2p as _dyn_d2p  # noqa: E402
+
+register(
+    Subcommand(
+        name=_dyn_d2p.NAME, help=_dyn_d2p.HELP, add_arguments=_dyn_d2p.add_arguments, run=_dyn_d2p.run,
+        describe=_dyn_d2p.describe,
+    )
+)
+
+
+# ---- cpgt (lightning_privdec/cli/cpgt.py) -----------------------------------------------------------------------
+from lightning_privdec.cli import cpgt as _cpgt  # noqa: E402
+
+register(
+    Subcommand(name=_cpgt.NAME, help=_cpgt.HELP, add_arguments=_cpgt.add_arguments, run=_cpgt.run,
+               describe=_cpgt.describe)
+)
+
+
+# ---- privsgp-vr (lightning_privdec/cli/privsgp_vr.py) -------------------------------------------------------------
+from lightning_privdec.cli import privsgp_vr as _privsgp_vr  # noqa: E402
+
+register(
+    Subcommand(name=_privsgp_vr.NAME, help=_privsgp_vr.HELP, add_arguments=_privsgp_vr.add_arguments,
+               run=_privsgp_vr.run, describe=_privsgp_vr.describe)
 )
 
 

@@ -1,5 +1,12 @@
-"""Data helpers: the bundled handwritten-digits task used by the quick start, tests and benchmarks."""
+"""Data helpers: the bundled handwritten-digits task (quick start, tests, benchmarks) and non-IID partitions."""
 
 from lightning_privdec.data.digits import DigitsClassifier, DigitsDataModule
+from lightning_privdec.data.partition import DirichletPartitionSampler, dirichlet_partition, label_histograms
 
-__all__ = ["DigitsClassifier", "DigitsDataModule"]
+__all__ = [
+    "DigitsClassifier",
+    "DigitsDataModule",
+    "DirichletPartitionSampler",
+    "dirichlet_partition",
+    "label_histograms",
+]

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_privdec.data.partition import DirichletPartitionSampler
+
 
 def load_digits_tensors(seed: int = 0, test_fraction: float = 0.25) -> dict[str, tuple[Tensor, Tensor]]:
     """Standardised features and labels, split into a fixed train and test set."""
@@ -31,12 +33,17 @@ def load_digits_tensors(seed: int = 0, test_fraction: float = 0.25) -> dict[str,
 
 
 class DigitsDataModule(L.LightningDataModule):
-    """Train and test loaders; under a distributed strategy Lightning shards the training set over the nodes."""
+    """Train and test loaders; under a distributed strategy Lightning shards the training set over the nodes.
 
-    def __init__(self, batch_size: int = 32, seed: int = 0) -> None:
+    ``partition_alpha``: split the training set across the nodes by a Dirichlet(alpha) label partition (non-IID,
+    :class:`~lightning_privdec.data.DirichletPartitionSampler`) instead of Lightning's IID shards.
+    """
+
+    def __init__(self, batch_size: int = 32, seed: int = 0, partition_alpha: float | None = None) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.seed = seed
+        self.partition_alpha = partition_alpha
         self.tensors: dict[str, tuple[Tensor, Tensor]] = {}
 
     def setup(self, stage: str | None = None) -> None:
@@ -44,7 +51,11 @@ class DigitsDataModule(L.LightningDataModule):
             self.tensors = load_digits_tensors(self.seed)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(*self.tensors["train"]), batch_size=self.batch_size, shuffle=True)
+        train = TensorDataset(*self.tensors["train"])
+        if self.partition_alpha is None:
+            return DataLoader(train, batch_size=self.batch_size, shuffle=True)
+        sampler = DirichletPartitionSampler(self.tensors["train"][1], alpha=self.partition_alpha, seed=self.seed)
+        return DataLoader(train, batch_size=self.batch_size, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return self.test_dataloader()

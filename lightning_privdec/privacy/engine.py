@@ -25,7 +25,7 @@ from lightning_privdec.privacy.dp_step import (
 )
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.per_sample import GhostClipping, PerSampleGradients, check_private_model
-from lightning_privdec.privacy.sampling import node_shard_indices, poisson_dataloader
+from lightning_privdec.privacy.sampling import poisson_dataloader, sampler_shard_indices
 
 
 class NodePrivacyEngine:
@@ -111,7 +111,7 @@ class NodePrivacyEngine:
         sampler = dataloader.sampler
         num_examples = len(dataloader.dataset)  # type: ignore[arg-type]
         if isinstance(sampler, DistributedSampler):  # Lightning decides the shard; padding duplicates are dropped
-            shard = node_shard_indices(num_examples, sampler.rank, sampler.num_replicas)
+            shard = sampler_shard_indices(sampler, num_examples)
         elif world_size == 1 or node_local_data:
             shard = list(range(num_examples))  # the loader already holds only this node's data
         else:

@@ -9,7 +9,8 @@ Each node samples its own shard with its own generator, so batch membership is s
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
-__all__ = ["PoissonBatchSampler", "node_shard_indices", "poisson_dataloader"]
+__all__ = ["PoissonBatchSampler", "node_shard_indices", "poisson_dataloader", "sampler_shard_indices"]
 
 
 def _secure_generator() -> torch.Generator:
@@ -73,6 +74,23 @@ class PoissonBatchSampler(UniformWithReplacementSampler):
         """q J, the divisor of the DP step."""
         return self.sample_rate * self.num_samples
 
+    def record_batches(self) -> deque[list[int]]:
+        """Keep every batch this sampler yields, in order, in the returned FIFO (for algorithms that must know WHICH
+        examples a step used, e.g. PrivSGP-VR's gradient table). The consumer pops one batch per step; batches the
+        DataLoader prefetched but never trained on are dropped when the next epoch's iterator starts."""
+        if getattr(self, "_yielded", None) is None:
+            self._yielded: deque[list[int]] = deque()
+        return self._yielded
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yielded = getattr(self, "_yielded", None)
+        if yielded is not None:
+            yielded.clear()  # a new epoch: whatever the last one prefetched was never trained on
+        for indices in super().__iter__():
+            if yielded is not None:
+                yielded.append(indices)
+            yield indices
+
 
 def node_shard_indices(num_samples: int, rank: int, world_size: int) -> list[int]:
     """Node ``rank``'s disjoint shard of ``range(num_samples)``: ``rank, rank + world_size, ...``.
@@ -83,6 +101,18 @@ def node_shard_indices(num_samples: int, rank: int, world_size: int) -> list[int
     if not 0 <= rank < world_size:
         raise PrivacyConfigError(f"rank must lie in [0, world_size={world_size}), got {rank}")
     return list(range(rank, num_samples, world_size))
+
+
+def sampler_shard_indices(sampler: DistributedSampler, num_samples: int) -> list[int]:
+    """The examples a ``DistributedSampler`` gives its rank, without padding or repetition.
+
+    A sampler that states its node's examples (``node_indices``, e.g. a non-IID partition) is taken at its word;
+    otherwise the strided shard of :func:`node_shard_indices`.
+    """
+    node_indices = getattr(sampler, "node_indices", None)
+    if node_indices is not None:
+        return sorted(set(int(i) for i in node_indices))
+    return node_shard_indices(num_samples, sampler.rank, sampler.num_replicas)
 
 
 def _empty_batch_collate(dataset: Dataset, collate_fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
@@ -127,8 +157,7 @@ def poisson_dataloader(
             "Poisson sampling needs a map-style dataset (with __len__ and __getitem__); got an IterableDataset"
         )
     if shard_indices is None and isinstance(dataloader.sampler, DistributedSampler):
-        sampler = dataloader.sampler
-        shard_indices = node_shard_indices(len(dataset), sampler.rank, sampler.num_replicas)
+        shard_indices = sampler_shard_indices(dataloader.sampler, len(dataset))
     shard: Dataset = dataset if shard_indices is None else Subset(dataset, list(shard_indices))
     if len(shard) == 0:
         raise PrivacyConfigError("this node's shard is empty: every node needs at least one example")

@@ -3,10 +3,13 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_privdec.strategies.base import DecentralizedStrategy
+from lightning_privdec.strategies.cpgt import CPGTStrategy
 from lightning_privdec.strategies.decor import CorrelatedNoiseStrategy
 from lightning_privdec.strategies.dp_csgp import DP2SGDStrategy, DPCSGPStrategy, PrivSGPStrategy
+from lightning_privdec.strategies.dyn_d2p import DynD2PStrategy
 from lightning_privdec.strategies.flat_parameters import FlatParameters
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
+from lightning_privdec.strategies.privsgp_vr import PrivSGPVRStrategy
 from lightning_privdec.strategies.push_sum import DecentralizedPushSumStrategy, DecentralizedSGDStrategy
 
 for _strategy in (DecentralizedPushSumStrategy, DecentralizedSGDStrategy):
@@ -19,10 +22,14 @@ PRIVATE_STRATEGIES = {
     "privsgp": PrivSGPStrategy,
     "dp2sgd": DP2SGDStrategy,
     "decor": CorrelatedNoiseStrategy,
+    "dyn_d2p": DynD2PStrategy,
+    "privsgp_vr": PrivSGPVRStrategy,
+    "cpgt": CPGTStrategy,
 }
 STRATEGIES = {**NON_PRIVATE_STRATEGIES, **PRIVATE_STRATEGIES}
 
 __all__ = [
+    "CPGTStrategy",
     "NON_PRIVATE_STRATEGIES",
     "PRIVATE_STRATEGIES",
     "STRATEGIES",
@@ -32,7 +39,9 @@ __all__ = [
     "DecentralizedPushSumStrategy",
     "DecentralizedSGDStrategy",
     "DecentralizedStrategy",
+    "DynD2PStrategy",
     "FlatParameters",
     "PrivSGPStrategy",
+    "PrivSGPVRStrategy",
     "PrivateDecentralizedStrategy",
 ]

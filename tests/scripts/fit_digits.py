@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--compressor", default=None)
     parser.add_argument("--gamma", type=float, default=1.0)
     parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--num-nodes", type=int, default=1, help="machines (torchrun --nnodes)")
     parser.add_argument("--max-epochs", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--momentum", type=float, default=0.0)
@@ -106,6 +107,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=make_strategy(args),
         max_epochs=args.max_epochs,
         callbacks=callbacks,
@@ -145,6 +147,7 @@ def main() -> None:
             ledger_steps=engine.steps,
             sigma_cdp=getattr(engine, "sigma_cdp", None),
             sigma_cor=getattr(engine, "sigma_cor", None),
+            noise_split=getattr(engine, "split", None),
             noise_multiplier=engine.noise_multiplier,
             sample_rate=engine.sample_rate,
             stopped_at_step=next(

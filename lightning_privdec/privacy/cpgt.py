@@ -1,0 +1,255 @@
+"""Pure epsilon-DP of CPGT (Xie, Yi, Wang, Cao, Ren: "Compressed Differentially Private Distributed Optimization with
+Linear Convergence"), Theorem 2, and a sound re-derivation of it.
+
+Setting (the paper's Assumptions 1 and 4 and Definition 1): every f_i is L-smooth; two function sets are adjacent when
+one agent's function changes from f to f' with ``max_x ||grad f'(x) - grad f(x)|| <= sensitivity`` (the paper's
+"delta": an adjacency distance, NOT the delta of (epsilon, delta)-DP; CPGT is pure epsilon-DP, delta = 0), and the
+two differ by a linear term, so ``grad f' - grad f = c`` is constant (Assumption 4). Agent i adds Laplace noise of
+scales ``noise_x q^k`` to its state and ``noise_y q^k`` to its tracking variable at round k (Algorithm 1, line 5).
+
+The proof (Appendix C, via Ding et al. 2021, Thm. 5) couples the two runs so that every message is identical: the
+noise absorbs the state differences, Delta_x(k) = -alpha Delta_y(k-1) and
+Delta_y(k+1) = grad f(x'(k+1)) - grad f(x(k+1)) - (grad f(x'(k)) - grad f(x(k))), Delta_y(0) = c.
+With a_k >= ||Delta_y(k)||:
+
+    a_0 = sensitivity,  a_{k+1} <= alpha L (a_k + a_{k-1})                                      (a_{-1} = 0)
+    epsilon = sum_k ||Delta_x(k)||_1 / (noise_x q^k) + ||Delta_y(k)||_1 / (noise_y q^k)      (Laplace density ratio)
+
+Summing the recursion gives S = sum_k a_k / q^k = q^2 delta / (q^2 - alpha L - q alpha L), finite exactly when
+q > (alpha L + sqrt(alpha^2 L^2 + 4 alpha L)) / 2 (the growth rate of a_k), and
+
+    epsilon = (alpha / (q noise_x) + 1 / noise_y) * S                                       (:func:`cpgt_epsilon`)
+
+whereas the paper's eq. (23) writes tau = alpha / noise_x + 1 / noise_y (:func:`theorem2_epsilon`): Delta_x(k) is
+absorbed by the noise of round k, whose scale is noise_x q^k, while it is bounded by a_{k-1}, one round older, so
+the x-part carries 1/q. The recursion is tight (a scalar quadratic attains it), so eq. (23) understates the proof's
+bound by that factor. Second, the Laplace density ratio is governed by l1 norms while the paper's norms are l2: with
+an l2 sensitivity and an l2 smoothness constant, ||v||_1 <= sqrt(d) ||v||_2 multiplies epsilon by sqrt(d)
+(``norm_factor``); with l1 quantities (an l1 sensitivity and L for the l1 norm) the factor is 1.
+
+:func:`cpgt_epsilon_after` sums the same coupling over a finite number of rounds, and optionally without
+Assumption 4 (then the change of the gradient difference adds up to 2 * sensitivity per round): the only bound that
+applies to non-convex models trained with clipped gradients, for which Assumption 4 does not hold.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from lightning_privdec.privacy.errors import PrivacyConfigError
+
+__all__ = [
+    "ACCOUNTING",
+    "calibrate_cpgt_noise",
+    "check_theorem2",
+    "clipping_sensitivity",
+    "cpgt_epsilon",
+    "cpgt_epsilon_after",
+    "cpgt_epsilon_for",
+    "min_noise_decay",
+    "laplace_norm_factor",
+    "theorem2_epsilon",
+]
+
+#: how a CPGT run is accounted: the sound closed form, the paper's eq. (23) verbatim, or the finite-horizon coupling
+#: without Assumption 4
+ACCOUNTING = ("sound", "theorem2", "finite")
+Accounting = Literal["sound", "theorem2", "finite"]
+
+
+def _positive(value: float, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise PrivacyConfigError(f"CPGT: {name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def min_noise_decay(alpha: float, lipschitz: float) -> float:
+    """(alpha L + sqrt(alpha^2 L^2 + 4 alpha L)) / 2: the growth rate of the coupling's shifts; q must exceed it."""
+    al = alpha * lipschitz
+    return (al + math.sqrt(al * al + 4.0 * al)) / 2.0
+
+
+def check_theorem2(alpha: float, lipschitz: float, q: float) -> None:
+    """Theorem 2's conditions: alpha < 1/(2L) and q in ((alpha L + sqrt(alpha^2 L^2 + 4 alpha L)) / 2, 1).
+
+    Raises :class:`PrivacyConfigError` naming the violated condition, its numbers, and how to fix it.
+    """
+    alpha = _positive(alpha, "the step size alpha (the SGD learning rate)")
+    lipschitz = _positive(lipschitz, "the smoothness constant L (lipschitz)")
+    q = _positive(q, "the noise decay rate q (noise_decay)")
+    if alpha * lipschitz >= 0.5:
+        raise PrivacyConfigError(
+            f"CPGT Theorem 2 needs alpha < 1/(2L): alpha = {alpha:g} and L = {lipschitz:g} give alpha L = "
+            f"{alpha * lipschitz:.4g} >= 0.5. Use a step size alpha (the SGD learning rate) below "
+            f"{0.5 / lipschitz:.4g}."
+        )
+    low = min_noise_decay(alpha, lipschitz)
+    if not low < q < 1.0:
+        raise PrivacyConfigError(
+            f"CPGT Theorem 2 needs the noise decay q in ((alpha L + sqrt(alpha^2 L^2 + 4 alpha L)) / 2, 1) = "
+            f"({low:.4g}, 1) for alpha = {alpha:g}, L = {lipschitz:g}; got q = {q:g}. "
+            + (
+                f"Choose q (noise_decay) between {low:.4g} and 1."
+                if low < 1.0
+                else "No q < 1 works: lower the step size alpha."
+            )
+        )
+
+
+def _series(alpha: float, lipschitz: float, q: float, sensitivity: float) -> float:
+    """S = sum_k a_k / q^k = q^2 delta / (q^2 - alpha L - q alpha L) for the coupling's recursion."""
+    al = alpha * lipschitz
+    return q * q * sensitivity / (q * q - al - q * al)
+
+
+def theorem2_epsilon(
+    *, alpha: float, lipschitz: float, q: float, noise_x: float, noise_y: float, sensitivity: float
+) -> float:
+    """The paper's eq. (23), verbatim: tau q^2 delta / (q^2 - alpha L - q alpha L), tau = alpha/d_x + 1/d_y.
+
+    Kept for comparison with the paper; it understates the bound its proof gives (see :func:`cpgt_epsilon`).
+    """
+    check_theorem2(alpha, lipschitz, q)
+    tau = alpha / _positive(noise_x, "noise_x") + 1.0 / _positive(noise_y, "noise_y")
+    return tau * _series(alpha, lipschitz, q, _positive(sensitivity, "the sensitivity (adjacency distance)"))
+
+
+def cpgt_epsilon(
+    *,
+    alpha: float,
+    lipschitz: float,
+    q: float,
+    noise_x: float,
+    noise_y: float,
+    sensitivity: float,
+    norm_factor: float = 1.0,
+) -> float:
+    """Epsilon of the whole (infinite) CPGT run under Assumptions 1 and 4: the proof of Theorem 2 carried out.
+
+    ``norm_factor * (alpha / (q noise_x) + 1 / noise_y) * q^2 delta / (q^2 - alpha L - q alpha L)``;
+    ``norm_factor`` is sqrt(d) for an l2 sensitivity and l2 smoothness constant, 1 for l1 ones
+    (:func:`laplace_norm_factor`).
+    """
+    check_theorem2(alpha, lipschitz, q)
+    tau = alpha / (q * _positive(noise_x, "noise_x")) + 1.0 / _positive(noise_y, "noise_y")
+    series = _series(alpha, lipschitz, q, _positive(sensitivity, "the sensitivity (adjacency distance)"))
+    return _positive(norm_factor, "norm_factor") * tau * series
+
+
+def cpgt_epsilon_after(
+    steps: int,
+    *,
+    alpha: float,
+    lipschitz: float,
+    q: float,
+    noise_x: float,
+    noise_y: float,
+    sensitivity: float,
+    norm_factor: float = 1.0,
+    linear_difference: bool = True,
+) -> float:
+    """Epsilon of the first ``steps`` rounds of CPGT from the coupling of Theorem 2's proof, summed numerically.
+
+    Needs no condition on alpha or q (finitely many rounds). With ``linear_difference=True`` (Assumption 4) it
+    increases to :func:`cpgt_epsilon` as ``steps`` grows; with ``False`` the gradient difference may change between
+    rounds (clipped gradients of a neural network), which adds 2 * sensitivity to the recursion every round.
+    Returns ``math.inf`` when the bound overflows.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise PrivacyConfigError(f"CPGT: steps must be an integer >= 0, got {steps!r}")
+    alpha = _positive(alpha, "the step size alpha")
+    al = alpha * _positive(lipschitz, "the smoothness constant L")
+    q = _positive(q, "the noise decay rate q")
+    if q > 1.0:
+        raise PrivacyConfigError(f"CPGT: the noise decay rate q must be <= 1, got {q}")
+    d_x, d_y = _positive(noise_x, "noise_x"), _positive(noise_y, "noise_y")
+    delta = _positive(sensitivity, "the sensitivity (adjacency distance)")
+    drift = 0.0 if linear_difference else 2.0 * delta
+    if steps == 0:
+        return 0.0
+    epsilon = delta / d_y  # round 0: Delta_x(0) = 0, ||Delta_y(0)|| <= delta
+    a_older, a_last = 0.0, delta  # bounds on ||Delta_y(k-2)||, ||Delta_y(k-1)||
+    log_q = math.log(q)
+    for k in range(1, steps):
+        a_k = al * (a_last + a_older) + drift
+        try:
+            epsilon += (alpha * a_last / d_x + a_k / d_y) * math.exp(-k * log_q)
+        except OverflowError:
+            return math.inf
+        if not math.isfinite(epsilon):
+            return math.inf
+        a_older, a_last = a_last, a_k
+    return _positive(norm_factor, "norm_factor") * epsilon
+
+
+def laplace_norm_factor(dimension: int, norm: str = "l2") -> float:
+    """sqrt(d) when the sensitivity and L are l2 quantities (the Laplace loss is an l1 norm), 1 for l1 quantities."""
+    if norm == "l1":
+        return 1.0
+    if norm != "l2":
+        raise PrivacyConfigError(f"CPGT: sensitivity_norm must be 'l2' or 'l1', got {norm!r}")
+    if isinstance(dimension, bool) or not isinstance(dimension, int) or dimension < 1:
+        raise PrivacyConfigError(f"CPGT: the dimension must be a positive integer, got {dimension!r}")
+    return math.sqrt(dimension)
+
+
+def clipping_sensitivity(max_grad_norm: float, expected_batch_size: float) -> float:
+    """2 C / (q J): how far one replaced example can move a node's clipped, averaged gradient (l2).
+
+    Per-sample gradients are clipped to C and their sum is divided by the expected batch size q J (J for full
+    batches), so replacing one example changes the average by at most 2 C / (q J) at any point x.
+    """
+    return 2.0 * _positive(max_grad_norm, "max_grad_norm") / _positive(expected_batch_size, "expected_batch_size")
+
+
+def cpgt_epsilon_for(
+    accounting: Accounting,
+    *,
+    steps: int | None,
+    alpha: float,
+    lipschitz: float,
+    q: float,
+    noise_x: float,
+    noise_y: float,
+    sensitivity: float,
+    norm_factor: float = 1.0,
+) -> float:
+    """Epsilon by the chosen accounting: ``"sound"`` and ``"theorem2"`` cover the whole run (``steps`` unused),
+    ``"finite"`` covers ``steps`` rounds without Assumption 4."""
+    common = dict(alpha=alpha, lipschitz=lipschitz, q=q, noise_x=noise_x, noise_y=noise_y, sensitivity=sensitivity)
+    if accounting == "sound":
+        return cpgt_epsilon(**common, norm_factor=norm_factor)
+    if accounting == "theorem2":
+        return theorem2_epsilon(**common)
+    if accounting == "finite":
+        if steps is None:
+            raise PrivacyConfigError("CPGT: accounting='finite' needs the number of steps")
+        return cpgt_epsilon_after(steps, **common, norm_factor=norm_factor, linear_difference=False)
+    raise PrivacyConfigError(f"CPGT: accounting must be one of {ACCOUNTING}, got {accounting!r}")
+
+
+def calibrate_cpgt_noise(
+    target_epsilon: float,
+    accounting: Accounting,
+    *,
+    steps: int | None,
+    alpha: float,
+    lipschitz: float,
+    q: float,
+    sensitivity: float,
+    norm_factor: float = 1.0,
+) -> float:
+    """The noise scale d = noise_x = noise_y that spends exactly ``target_epsilon`` (every bound is proportional to
+    1/d when both scales are d, so this is a division, not a search)."""
+    target = _positive(target_epsilon, "target_epsilon")
+    at_one = cpgt_epsilon_for(
+        accounting, steps=steps, alpha=alpha, lipschitz=lipschitz, q=q, noise_x=1.0, noise_y=1.0,
+        sensitivity=sensitivity, norm_factor=norm_factor,
+    )
+    if not math.isfinite(at_one):
+        raise PrivacyConfigError(
+            f"CPGT: the finite-horizon bound overflows for {steps} steps at q = {q:g}: no noise level reaches "
+            f"target_epsilon = {target:g}; use fewer steps or a decay rate q closer to 1"
+        )
+    return at_one / target

@@ -1,0 +1,195 @@
+"""One node's privacy machinery for CPGT: per-sample clipping WITHOUT Gaussian noise, and Theorem 2's pure epsilon.
+
+The Laplace noise of CPGT is added by the algorithm itself (to the state and the tracking variable, Algorithm 1
+line 5, :class:`~lightning_privdec.algorithms.cpgt.CPGTGossip`); this engine only bounds how much one example can
+move the node's gradient: per-sample gradients clipped to C, summed and divided by the expected batch size q J, so
+the adjacency distance of Definition 1 is ``2 C / (q J)`` (q = 1 for full batches). Poisson sampling, the node's
+shard and the per-sample machinery are the DP-SGD engine's (:class:`NodePrivacyEngine`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lightning_privdec.privacy.config import PrivacyParameters
+from lightning_privdec.privacy.cpgt import (
+    ACCOUNTING,
+    calibrate_cpgt_noise,
+    check_theorem2,
+    clipping_sensitivity,
+    cpgt_epsilon_for,
+    laplace_norm_factor,
+)
+from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum, privatize_gradients
+from lightning_privdec.privacy.engine import NodePrivacyEngine
+from lightning_privdec.privacy.errors import PrivacyConfigError
+
+
+class CPGTPrivacyEngine(NodePrivacyEngine):
+    """Clipping, sampling and CPGT's accounting for one node.
+
+    Args:
+        parameters: ``max_grad_norm`` (C) and ``noise_multiplier=0`` (no Gaussian noise); the budget, if any, is
+            ``target_epsilon`` here.
+        noise_x, noise_y: the Laplace scales d_x, d_y; ``None`` (both) calibrates d_x = d_y to ``target_epsilon``.
+        noise_decay: q.
+        lipschitz: L, the smoothness constant of the node's (clipped, averaged) gradient: an assumption the user
+            makes (see docs/privacy.md).
+        sensitivity: the adjacency distance; ``None`` derives 2 C / (q J) from the clipping.
+        sensitivity_norm: ``"l2"`` (clipping bounds the l2 norm; the Laplace loss needs l1: a factor sqrt(d)) or
+            ``"l1"`` (the sensitivity and L are l1 quantities).
+        accounting: ``"sound"`` (default): the whole-run bound of Theorem 2's proof; ``"theorem2"``: the paper's
+            eq. (23) verbatim; ``"finite"``: the coupling summed over the steps taken, without Assumption 4.
+        target_epsilon: refuse to train when the run's epsilon exceeds it (whole-run accountings), or stop before
+            exceeding it (``"finite"``).
+    """
+
+    def __init__(
+        self,
+        parameters: PrivacyParameters,
+        *,
+        rank: int,
+        device: torch.device,
+        grad_sample_mode: str = "hooks",
+        noise_seed: int | None = None,
+        noise_x: float | None,
+        noise_y: float | None,
+        noise_decay: float,
+        lipschitz: float,
+        sensitivity: float | None = None,
+        sensitivity_norm: str = "l2",
+        accounting: str = "sound",
+        target_epsilon: float | None = None,
+    ) -> None:
+        super().__init__(parameters, rank=rank, device=device, grad_sample_mode=grad_sample_mode, noise_seed=noise_seed)
+        if accounting not in ACCOUNTING:
+            raise PrivacyConfigError(f"CPGT: accounting must be one of {ACCOUNTING}, got {accounting!r}")
+        self.noise_x, self.noise_y = noise_x, noise_y
+        self.noise_decay, self.lipschitz = noise_decay, lipschitz
+        self.sensitivity_given, self.sensitivity = sensitivity, sensitivity
+        self.sensitivity_norm, self.accounting = sensitivity_norm, accounting
+        self.target_epsilon = target_epsilon
+        self.alpha: float | None = None
+        self.dimension: int | None = None
+        self.norm_factor: float | None = None
+        self.run_epsilon: float | None = None  # the whole-run bound (sound or theorem2 accountings)
+        self.epsilon_theorem2: float | None = None  # the paper's eq. (23), for reference
+        self.noise_multiplier = 0.0  # no Gaussian noise: reported as 0 by the budget callback
+        self._steps = 0
+
+    def configure(self, *, step_size: float, dimension: int) -> None:
+        """alpha (the SGD learning rate) and d (the number of trainable parameters); checks Theorem 2's conditions."""
+        self.alpha, self.dimension = float(step_size), int(dimension)
+        self.norm_factor = laplace_norm_factor(self.dimension, self.sensitivity_norm)
+        if self.accounting != "finite":
+            check_theorem2(self.alpha, self.lipschitz, self.noise_decay)
+
+    # ---- planning ------------------------------------------------------------------------------------------------
+    def _plan_noise(self, planned_steps: int) -> None:
+        if self.alpha is None or self.norm_factor is None:
+            raise RuntimeError("CPGTPrivacyEngine.configure(step_size=..., dimension=...) must run before planning")
+        assert self.expected_batch_size is not None
+        self.noise_multiplier = 0.0
+        self.planned_steps = planned_steps
+        if self.sensitivity_given is None:
+            self.sensitivity = clipping_sensitivity(self.parameters.max_grad_norm, self.expected_batch_size)
+        common = dict(alpha=self.alpha, lipschitz=self.lipschitz, q=self.noise_decay, sensitivity=self.sensitivity)
+        if self.noise_x is None:  # calibrate d_x = d_y = d to the target over the plan
+            assert self.target_epsilon is not None
+            d = calibrate_cpgt_noise(
+                self.target_epsilon, self.accounting, steps=max(1, planned_steps), norm_factor=self.norm_factor,
+                **common,  # type: ignore[arg-type]
+            )
+            self.noise_x = self.noise_y = d
+        assert self.noise_y is not None
+        if self.accounting != "finite":
+            self.run_epsilon = self._epsilon_after(None)
+            if self.target_epsilon is not None and self.run_epsilon > self.target_epsilon * (1 + 1e-9):
+                raise PrivacyConfigError(
+                    f"CPGT: noise_x = {self.noise_x:g}, noise_y = {self.noise_y:g} give epsilon = "
+                    f"{self.run_epsilon:.4g} ({self.accounting} accounting) > target_epsilon = "
+                    f"{self.target_epsilon:g}; "
+                    "raise the noise scales or the budget, or give only target_epsilon to calibrate them"
+                )
+            self.epsilon_theorem2 = cpgt_epsilon_for(
+                "theorem2", steps=None, noise_x=self.noise_x, noise_y=self.noise_y, **common  # type: ignore[arg-type]
+            )
+
+    def _epsilon_after(self, steps: int | None) -> float:
+        assert self.alpha is not None and self.noise_x is not None and self.noise_y is not None
+        assert self.sensitivity is not None and self.norm_factor is not None
+        return cpgt_epsilon_for(
+            self.accounting,  # type: ignore[arg-type]
+            steps=steps, alpha=self.alpha, lipschitz=self.lipschitz, q=self.noise_decay, noise_x=self.noise_x,
+            noise_y=self.noise_y, sensitivity=self.sensitivity,
+            norm_factor=1.0 if self.accounting == "theorem2" else self.norm_factor,
+        )
+
+    # ---- the step: clipping only (the Laplace noise is the algorithm's) ------------------------------------------
+    def privatize(self) -> DPStepStats:
+        """p.grad <- sum of per-sample gradients clipped to C, divided by q J: the node's gradient g_k."""
+        if self.per_sample is None and self.ghost is None:
+            raise RuntimeError("CPGTPrivacyEngine.privatize called before attach() and private_dataloader()")
+        assert self.expected_batch_size is not None
+        clip = dict(
+            max_grad_norm=self.parameters.max_grad_norm, noise_multiplier=0.0,
+            expected_batch_size=self.expected_batch_size, generator=self.noise_generator,
+        )
+        if self.ghost is not None:
+            if self._ghost_norms is None:
+                for p in self.ghost.parameters:
+                    p.grad = torch.zeros_like(p)
+                self._ghost_norms = torch.zeros(0, device=self.ghost.parameters[0].device)
+            self.last_step = noise_clipped_sum(self.ghost.parameters, self._ghost_norms, **clip)
+            self._ghost_norms = None
+        else:
+            assert self.per_sample is not None
+            self.last_step = privatize_gradients(self.per_sample.parameters, self.per_sample.per_sample_grads(), **clip)
+            self.per_sample.clear()
+        self._steps += 1
+        return self.last_step
+
+    # ---- accounting ----------------------------------------------------------------------------------------------
+    @property
+    def delta(self) -> float:
+        return 0.0  # pure epsilon-DP
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    def epsilon(self) -> float:
+        """Epsilon spent: 0 before the first message; then the whole-run bound (constant: it covers every round,
+        past and future), or with ``accounting="finite"`` the bound of the rounds taken so far."""
+        if self._steps == 0 or self.noise_x is None:
+            return 0.0
+        return self.run_epsilon if self.run_epsilon is not None else self._epsilon_after(self._steps)
+
+    def next_step_exceeds_budget(self) -> bool:
+        if self.target_epsilon is None or self.noise_x is None or self.accounting != "finite":
+            return False
+        return self._epsilon_after(self._steps + 1) > self.target_epsilon
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self._steps,
+            "noise": [self.noise_x, self.noise_y],
+            "sensitivity": self.sensitivity,
+            **self._generator_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if int(state["steps"]) < self._steps:
+            raise PrivacyConfigError(
+                f"node {self.rank}: the checkpoint has {state['steps']} CPGT steps but this node has already taken "
+                f"{self._steps}; restoring it would forget spent privacy. Resume into a fresh Trainer."
+            )
+        self._steps = int(state["steps"])
+        noise_x, noise_y = state["noise"]
+        if noise_x is not None:  # a calibrated scale is kept: the run goes on with the noise it has used
+            self.noise_x, self.noise_y = float(noise_x), float(noise_y)
+        self._load_generator_state(state)

@@ -1,0 +1,150 @@
+"""PrivSGP-VR (Zhu, Huang, Wang, Xu, IJCAI 2024): stochastic gradient push with SAGA variance reduction and local DP.
+
+Algorithm 1, per node i and step k:
+
+    1-3    the SAGA table at z^0: every example's clipped gradient, one pass over the shard before the first step
+           (SagaPrivacyEngine.fill_table, run from on_train_start)
+    5-8    Poisson batch, g = SAGA correction with the table before its update, table update, this node's own noise
+           (SagaPrivacyEngine.privatize, run by PrivateDecentralizedStrategy.transform_gradients)
+    9      x_i^{k+1/2} = x_i^k - gamma g~              (the user's optimizer applied to the numerator)
+    10-14  push-sum over a time-varying directed graph with column-stochastic P^k, exact messages: x, w mixed,
+           z = x / w (lightning_privdec.algorithms.push_sum, run by the base strategy after the update)
+
+Differences from the paper, on purpose: per-sample clipping to C instead of assumed bounded gradients (so every table
+entry is bounded, which the accounting needs); Poisson mini-batches at q = B / J instead of one example; noise
+calibrated by a sound numerical accountant that charges the table mean at every step instead of Theorem 2's formula
+(``accounting="paper"`` reproduces the latter for comparison; docs/privacy.md, "PrivSGP-VR").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_privdec.privacy.saga_engine import DEFAULT_MAX_TABLE_BYTES, SagaPrivacyEngine, check_saga_options
+from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
+
+
+@contextmanager
+def _logging_silenced(module: torch.nn.Module) -> Iterator[None]:
+    """``self.log`` / ``self.log_dict`` do nothing inside (the table pass is not a training step to report)."""
+    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log
+        del module.log_dict
+
+
+class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
+    """PrivSGP-VR: push-sum SGP over a time-varying directed graph + the SAGA-corrected, noised gradient.
+
+    Example::
+
+        PrivSGPVRStrategy(topology="exponential-one-peer", max_grad_norm=1.0, target_epsilon=3.0,
+                          target_delta=1e-5)
+
+    Args:
+        accounting: ``"sound"`` (default; the table mean is charged at every step, the sampled correction with
+            amplification, noise split optimally between the two), ``"paper"`` (Theorem 2's formula: sensitivity 3C
+            amplified at rate q; reported for comparison, not a proven guarantee) or ``"no_amplification"``.
+        max_table_bytes: the table holds J x d clipped gradients per node; above this many bytes the run is refused
+            before training (default 2 GiB).
+        table_init: ``"full"`` (the paper: every example's gradient at z^0, one extra pass over the shard before the
+            first step, and again after a resume) or ``"zeros"`` (a standard SAGA start; no extra pass).
+        table_dtype: storage precision of the table; ``torch.bfloat16`` halves its memory (rows are re-clipped after
+            the cast, so the privacy bound holds).
+        noise_multiplier: s / C, the std of the noise on the released sum in units of C (or give the budget).
+        Other arguments: see :class:`PrivateDecentralizedStrategy` (``max_grad_norm``, ``target_epsilon``,
+        ``target_delta``, ``accountant`` ("rdp" or "prv"), ``grad_sample_mode`` ("hooks" or "functorch"; ghost clipping
+        has no per-sample gradients to store and is refused), ...).
+
+    Checkpoints hold the ledger, the noise, the split and everything the other strategies keep, never the table (it
+    is per-sample-gradient data): a resumed run rebuilds it at the resumed parameters.
+    """
+
+    default_weights = "push-sum"
+    required_mixing = "column"
+    requires_symmetric_graph = False
+
+    def __init__(
+        self,
+        topology: Any = "exponential-one-peer",
+        compressor: Any = None,
+        *,
+        accounting: str = "sound",
+        max_table_bytes: float = DEFAULT_MAX_TABLE_BYTES,
+        table_init: str = "full",
+        table_dtype: torch.dtype = torch.float32,
+        **kwargs: Any,
+    ) -> None:
+        check_saga_options(
+            accounting=accounting, accountant=kwargs.get("accountant", "rdp"), max_table_bytes=max_table_bytes,
+            table_init=table_init, table_dtype=table_dtype, grad_sample_mode=kwargs.get("grad_sample_mode", "hooks"),
+        )
+        self.accounting, self.max_table_bytes = accounting, max_table_bytes
+        self.table_init, self.table_dtype = table_init, table_dtype
+        super().__init__(topology, compressor, **kwargs)
+
+    def make_privacy_engine(self) -> SagaPrivacyEngine:
+        return SagaPrivacyEngine(
+            self.privacy_parameters,
+            accounting=self.accounting,
+            max_table_bytes=self.max_table_bytes,
+            table_init=self.table_init,
+            table_dtype=self.table_dtype,
+            rank=self.global_rank,
+            device=self.root_device,
+            grad_sample_mode=self.grad_sample_mode,
+            noise_seed=self.noise_seed,
+        )
+
+    def process_dataloader(self, dataloader: object) -> object:
+        loader = super().process_dataloader(dataloader)
+        engine = self.privacy
+        if isinstance(engine, SagaPrivacyEngine) and loader is not dataloader and engine.noise_multiplier is not None:
+            entries = ", ".join(f"({s:.4g}, q={q:.4g})" for s, q in engine.noise.entries(engine.sample_rate))
+            rank_zero_info(
+                f"PrivSGP-VR: noise std {engine.noise_multiplier:.4g} C on the released sum "
+                f"(accounting={engine.accounting!r}"
+                + (f", split rho={engine.split:.3f}" if engine.split is not None else "")
+                + (", joint analysis: one Gaussian, sensitivity (2 - q) C"
+                   if engine.accounting == "sound" and engine.split is None else "")
+                + f"); per step the ledger composes {entries}; table {engine.table.num_rows} x {engine.table.dim} "
+                f"({engine.table.nbytes / 1024**2:.1f} MiB, {str(engine.table_dtype).replace('torch.', '')}, "
+                f"init {engine.table_init!r})"
+            )
+        return loader
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        engine = self.privacy
+        assert isinstance(engine, SagaPrivacyEngine)
+        if not engine.table_ready:
+            self._fill_table(engine)
+
+    def _fill_table(self, engine: SagaPrivacyEngine) -> None:
+        """Algorithm 1, lines 1-3 at the current (common, or resumed) parameters, with the user's training_step."""
+        module = self.lightning_module
+        assert module is not None
+        was_training = module.training
+        module.train()
+
+        def backward(batch: Any) -> bool:
+            output = self.training_step(self.batch_to_device(batch), 0)
+            loss = output.get("loss") if isinstance(output, dict) else output
+            if loss is None:
+                return False
+            loss.backward()
+            return True
+
+        try:
+            with _logging_silenced(module), torch.enable_grad():
+                engine.fill_table(backward)
+        finally:
+            module.train(was_training)

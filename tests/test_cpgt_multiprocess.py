@@ -1,0 +1,51 @@
+"""CPGTStrategy trained for real on 4 CPU processes (gloo) on scikit-learn's digits, resumed, and refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_privdec.privacy.cpgt import cpgt_epsilon, laplace_norm_factor
+from tests.multiprocess import fit_digits
+
+pytestmark = pytest.mark.multiprocess
+
+NOISE = {"noise_x": 0.01, "noise_y": 0.01, "noise_decay": 0.5, "lipschitz": 0.1}
+COMMON = ["--strategy", "cpgt", "--topology", "ring", "--lr", "0.5", "--batch-size", "336", "--clip", "1.0",
+          "--noise-seed", "3", "--strategy-kwargs", str(NOISE).replace("'", '"')]
+
+
+def test_cpgt_trains_digits_reports_its_epsilon_and_resumes_every_nodes_state(tmp_path):
+    first = fit_digits(tmp_path / "first", *COMMON, "--max-epochs", "25", "--ckpt-dir", str(tmp_path / "ckpt"))
+    dimension = first[0]["params"].numel()
+    for node in first:
+        assert node["test_acc"] > 0.5  # chance is 0.1
+        assert node["global_step"] == node["rounds"] == node["ledger_steps"] == 50  # full batch: 2 steps per epoch
+        # the only messages: two uncompressed float32 differences to each of the 2 ring neighbours per round
+        assert node["bytes_sent"] == 50 * 2 * 2 * 4 * dimension
+        # the epsilon the engine reports is Theorem 2's bound for this run: alpha = lr, adjacency 2C / (qJ)
+        expected = cpgt_epsilon(  # q J = the batch size B = 336 (Poisson at q = B / J, full batch up to one example)
+            alpha=0.5, lipschitz=0.1, q=0.5, noise_x=0.01, noise_y=0.01, sensitivity=2 * 1.0 / 336,
+            norm_factor=laplace_norm_factor(dimension, "l2"),
+        )
+        assert node["epsilon"] == pytest.approx(expected, rel=1e-9)
+        assert node["noise_multiplier"] == 0.0
+    # the nodes track each other: the models agree closely after 50 rounds of gradient tracking
+    params = torch.stack([node["params"] for node in first])
+    assert (params - params.mean(0)).norm() / params.mean(0).norm() < 0.05
+
+    checkpoint = next((tmp_path / "ckpt").glob("epoch=19-*.ckpt"))
+    resumed = fit_digits(tmp_path / "resumed", *COMMON, "--max-epochs", "25", "--resume", str(checkpoint))
+    for a, b in zip(first, resumed):
+        assert b["ledger_steps"] == b["rounds"] == 50  # the counts continued
+        assert b["bytes_sent"] == a["bytes_sent"]
+        assert torch.equal(a["params"], b["params"])  # x, u, replicas, noise and sampling streams restored
+        assert b["epsilon"] == a["epsilon"]
+
+
+def test_cpgt_refuses_a_step_size_outside_theorem_2_at_setup(tmp_path):
+    options = ["complete" if a == "ring" else a for a in COMMON] + ["--lr", "10"]
+    with pytest.raises(AssertionError) as failure:  # fit_digits raises with the processes' output
+        fit_digits(tmp_path / "bad", *options, "--max-epochs", "1", devices=2)
+    assert "CPGT Theorem 2 needs alpha < 1/(2L): alpha = 10 and L = 0.1 give alpha L = 1 >= 0.5" in str(failure.value)
+    assert "Use a step size alpha (the SGD learning rate) below 5" in str(failure.value)

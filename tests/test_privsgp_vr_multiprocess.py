@@ -1,0 +1,57 @@
+"""PrivSGP-VR trained for real on 4 CPU processes (gloo) on scikit-learn's digits, then resumed from a checkpoint."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from opacus.accountants import RDPAccountant
+
+from tests.multiprocess import fit_digits
+
+pytestmark = pytest.mark.multiprocess
+
+
+def floating_tensors(obj):  # noqa: ANN001, ANN201
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from floating_tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from floating_tensors(value)
+
+
+def test_privsgp_vr_trains_digits_reports_its_accountants_epsilon_and_resumes_without_a_table(tmp_path):
+    common = ["--strategy", "privsgp_vr", "--epsilon", "3", "--lr", "0.5", "--noise-seed", "5"]
+    first = fit_digits(tmp_path / "first", *common, "--max-epochs", "2", "--ckpt-dir", str(tmp_path / "ckpt"))
+    steps = 2 * 11
+    for node in first:
+        assert node["test_acc"] > 0.5  # chance is 0.1
+        assert node["global_step"] == node["ledger_steps"] == steps
+        # the reported epsilon is Opacus's RDP composition of the two mechanisms of every step
+        m, q, rho = node["noise_multiplier"], node["sample_rate"], node["noise_split"]
+        assert q == pytest.approx(32 / 337) and 0 < rho < 1
+        hand = RDPAccountant()
+        hand.history = [(m * math.sqrt(rho) / 2, q, steps), (m * math.sqrt(1 - rho) / q, 1.0, steps)]
+        assert node["epsilon"] == pytest.approx(hand.get_epsilon(1e-5), rel=1e-9)
+        assert 0.99 * 3.0 <= node["epsilon"] <= 3.0
+
+    # the checkpoint holds every node's state but no gradient table (337 x 4,810 floats per node)
+    checkpoint = next((tmp_path / "ckpt").glob("epoch=0-*.ckpt"))
+    saved = torch.load(checkpoint, weights_only=False)
+    dimension = first[0]["params"].numel()
+    assert max(t.numel() for t in floating_tensors(saved)) <= dimension
+    assert all("table" not in node["privacy"] for node in saved["lightning_privdec"]["nodes"])
+
+    resumed = fit_digits(tmp_path / "resumed", *common, "--max-epochs", "2", "--resume", str(checkpoint))
+    for a, b in zip(first, resumed):
+        assert b["global_step"] == b["ledger_steps"] == steps  # the ledger continued from step 11
+        assert b["epsilon"] == pytest.approx(a["epsilon"], rel=1e-9)  # same plan: same noise and split
+        assert b["noise_split"] == a["noise_split"]
+        assert b["test_acc"] > 0.5
+    # the table is rebuilt at the resumed parameters (not restored), so the trajectory departs from the first run's
+    assert any(not torch.equal(a["params"], b["params"]) for a, b in zip(first, resumed))
