@@ -87,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wandb", action="store_true", help="log to Weights & Biases (WANDB_MODE=offline works too)")
     p.add_argument("--wandb-project", default="lightning-privdec")
     p.add_argument("--log-dir", type=Path, default=Path("lightning_logs"), help="CSV logs when not using W&B")
+    p.add_argument("--log-every-n-steps", type=int, default=10, help="privacy, bytes and consensus logging interval")
     p.add_argument("--eval-average", action="store_true", help="validate the network-average model")
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -251,9 +252,14 @@ def main(argv: list[str] | None = None) -> None:
     L.seed_everything(args.seed, verbose=False)
     private = args.strategy in PRIVATE_STRATEGIES
     throughput = Throughput()
-    callbacks: list[Callback] = [ConsensusErrorCallback(every_n_steps=50), CommunicationCostCallback(), throughput]
+    every = args.log_every_n_steps
+    callbacks: list[Callback] = [
+        ConsensusErrorCallback(every_n_steps=every),  # one model-sized all-reduce per log step, for monitoring
+        CommunicationCostCallback(every_n_steps=every),
+        throughput,
+    ]
     if private:
-        callbacks.append(PrivacyBudgetCallback(log_every_n_steps=10))
+        callbacks.append(PrivacyBudgetCallback(log_every_n_steps=every))
     if args.eval_average:
         callbacks.append(NetworkAverageEvaluation())
     if args.wandb:
@@ -270,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         max_steps=args.max_steps,
         callbacks=callbacks,
         logger=logger,
-        log_every_n_steps=10,
+        log_every_n_steps=every,
         enable_checkpointing=not args.synthetic,
         enable_progress_bar=not args.json,
         enable_model_summary=False,
