@@ -105,3 +105,29 @@ def test_private_strategy_arguments_are_checked_when_it_is_built():
         DPCSGPStrategy(max_grad_norm=1.0, target_epsilon=3.0)
     with pytest.raises(PrivacyConfigError, match="target_epsilon"):
         DPCSGPStrategy(max_grad_norm=1.0, target_epsilon=-1.0, target_delta=1e-5)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_budget_check_counts_steps_but_agrees_with_the_accountant_at_every_step(accountant):
+    # a fixed sigma with a target: the budget runs out after some tens of steps
+    e = engine(noise_multiplier=1.5, target_epsilon=2.0, target_delta=1e-5, accountant=accountant)
+    e.private_dataloader(loader(n=400, batch_size=10), planned_steps=1000)  # q = 0.1: about 20 steps fit
+    q, sigma = e.sample_rate, e.noise_multiplier
+    for step in range(200):
+        exact = e.ledger.epsilon_if(sigma, q) > 2.0
+        assert e.next_step_exceeds_budget() == exact, step
+        if exact:
+            break
+        e.ledger.record(sigma, q)
+    assert exact and 10 < step < 200  # the boundary was crossed inside the loop
+    assert e.epsilon() <= 2.0
+    # a checkpointed ledger with fewer steps and another sigma: the count starts over
+    saved = e.state_dict()
+    fresh = engine(noise_multiplier=1.5, target_epsilon=2.0, target_delta=1e-5, accountant=accountant)
+    fresh.private_dataloader(loader(n=400, batch_size=10), planned_steps=1000)
+    assert not fresh.next_step_exceeds_budget()
+    fresh.load_state_dict(saved)
+    assert fresh.next_step_exceeds_budget()
+    fresh.noise_multiplier = 20.0  # far more noise per step: more steps fit again
+    assert fresh.ledger.epsilon_if(20.0, q) <= 2.0
+    assert not fresh.next_step_exceeds_budget()

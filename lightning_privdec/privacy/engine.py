@@ -67,6 +67,8 @@ class NodePrivacyEngine:
         self.planned_steps: int | None = None
         self._plan: tuple[int, float] | None = None  # (planned steps, q) that noise_multiplier was set for
         self.last_step: DPStepStats | None = None
+        # ((sigma, q), ledger steps when counted, further steps at (sigma, q) that fit the target)
+        self._certified: tuple[tuple[float, float], int, int] | None = None
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def attach(self, module: nn.Module, fix_model: bool = False) -> None:
@@ -214,11 +216,38 @@ class NodePrivacyEngine:
         return self.ledger.epsilon()
 
     def next_step_exceeds_budget(self) -> bool:
-        """Whether one more step would take this node past ``target_epsilon`` (False without a target)."""
+        """Whether one more step would take this node past ``target_epsilon`` (False without a target).
+
+        Runs after every training step, so it must not recompute the accountant over the whole history each time:
+        for the current (sigma, q) it finds once how many more such steps fit into the target (epsilon grows with the
+        number of steps) and then only counts. The count is redone whenever sigma, q or the ledger change otherwise.
+        """
         target = self.parameters.target_epsilon
         if target is None or self.noise_multiplier is None or self.sample_rate is None:
             return False
-        return self.ledger.epsilon_if(self.noise_multiplier, self.sample_rate) > target
+        key = (self.noise_multiplier, self.sample_rate)
+        certified = self._certified
+        if certified is None or certified[0] != key or self.ledger.steps < certified[1]:
+            certified = self._certified = (key, self.ledger.steps, self._steps_within(target, *key))
+        _, base, fitting = certified
+        return self.ledger.steps - base + 1 > fitting
+
+    def _steps_within(self, target: float, noise_multiplier: float, sample_rate: float) -> int:
+        """The largest n >= 0 such that n more steps at (sigma, q) keep the ledger's epsilon <= target."""
+        def fits(n: int) -> bool:
+            return self.ledger.epsilon_if(noise_multiplier, sample_rate, n) <= target
+
+        if not fits(1):
+            return 0
+        low, high = 1, 2  # fits(low) holds; grow high until it fails
+        while fits(high):
+            low, high = high, high * 2
+            if high > 1 << 40:
+                return high
+        while high - low > 1:  # bisection: fits(low), not fits(high)
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -255,6 +284,7 @@ class NodePrivacyEngine:
                 f"spent {self.ledger.steps}; restoring it would forget spent privacy. Resume into a fresh Trainer."
             )
         self.ledger.load_state_dict(state["ledger"])
+        self._certified = None
         self.noise_multiplier = state["noise_multiplier"]
         self._plan = (int(state["plan"][0]), float(state["plan"][1])) if state["plan"] is not None else None
         self._load_generator_state(state)
