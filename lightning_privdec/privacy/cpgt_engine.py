@@ -23,7 +23,7 @@ from lightning_privdec.privacy.cpgt import (
     cpgt_epsilon_for,
     laplace_norm_factor,
 )
-from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum, privatize_gradients
+from lightning_privdec.privacy.dp_step import DPStepStats
 from lightning_privdec.privacy.engine import NodePrivacyEngine
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
@@ -134,21 +134,7 @@ class CPGTPrivacyEngine(NodePrivacyEngine):
         if self.per_sample is None and self.ghost is None:
             raise RuntimeError("CPGTPrivacyEngine.privatize called before attach() and private_dataloader()")
         assert self.expected_batch_size is not None
-        clip = dict(
-            max_grad_norm=self.parameters.max_grad_norm, noise_multiplier=0.0,
-            expected_batch_size=self.expected_batch_size, generator=self.noise_generator,
-        )
-        if self.ghost is not None:
-            if self._ghost_norms is None:
-                for p in self.ghost.parameters:
-                    p.grad = torch.zeros_like(p)
-                self._ghost_norms = torch.zeros(0, device=self.ghost.parameters[0].device)
-            self.last_step = noise_clipped_sum(self.ghost.parameters, self._ghost_norms, **clip)
-            self._ghost_norms = None
-        else:
-            assert self.per_sample is not None
-            self.last_step = privatize_gradients(self.per_sample.parameters, self.per_sample.per_sample_grads(), **clip)
-            self.per_sample.clear()
+        self.last_step = self._clip_and_noise(self.parameters.max_grad_norm, noise_multiplier=0.0)
         self._steps += 1
         return self.last_step
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from lightning_privdec.privacy.config import PrivacyParameters
-from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum, privatize_gradients
+from lightning_privdec.privacy.dp_step import DPStepStats
 from lightning_privdec.privacy.dyn_d2p import (
     DynD2PSchedule,
     ScheduleLedger,
@@ -165,21 +165,9 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
         assert self.sample_rate is not None and self.expected_batch_size is not None
         k = self.steps
         clip, noise_multiplier = schedule.clip(k), schedule.noise_multiplier(k)
-        dp = dict(max_grad_norm=clip, noise_multiplier=noise_multiplier, expected_batch_size=self.expected_batch_size,
-                  generator=self.noise_generator)
-        if self.ghost is not None:
-            if self._ghost_norms is None:  # training_step returned None: no backward, release pure noise
-                for p in self.ghost.parameters:
-                    p.grad = torch.zeros_like(p)
-                self._ghost_norms = torch.zeros(0, device=self.ghost.parameters[0].device)
-            elif self.ghost.max_grad_norm != clip:
-                raise RuntimeError(f"ghost clipping ran at C={self.ghost.max_grad_norm:g}, but step {k} needs C_k={clip:g}")
-            self.last_step = noise_clipped_sum(self.ghost.parameters, self._ghost_norms, **dp)
-            self._ghost_norms = None
-        else:
-            assert self.per_sample is not None
-            self.last_step = privatize_gradients(self.per_sample.parameters, self.per_sample.per_sample_grads(), **dp)
-            self.per_sample.clear()
+        if self.ghost is not None and self._ghost_norms is not None and self.ghost.max_grad_norm != clip:
+            raise RuntimeError(f"ghost clipping ran at C={self.ghost.max_grad_norm:g}, but step {k} needs C_k={clip:g}")
+        self.last_step = self._clip_and_noise(clip, noise_multiplier)
         self.ledger.record(noise_multiplier, self.sample_rate)
         self.noise_multiplier = schedule.noise_multiplier(k + 1)
         return self.last_step

@@ -180,10 +180,18 @@ class NodePrivacyEngine:
         """Clip, sum, noise and scale this step's per-sample gradients into ``p.grad``; record the step."""
         if (self.per_sample is None and self.ghost is None) or self.noise_multiplier is None:
             raise RuntimeError("NodePrivacyEngine.privatize called before attach() and private_dataloader()")
-        assert self.sample_rate is not None and self.expected_batch_size is not None
+        assert self.sample_rate is not None
+        self.last_step = self._clip_and_noise(self.parameters.max_grad_norm, self.noise_multiplier)
+        self.ledger.record(self.noise_multiplier, self.sample_rate)
+        return self.last_step
+
+    def _clip_and_noise(self, max_grad_norm: float, noise_multiplier: float) -> DPStepStats:
+        """p.grad <- (sum of per-sample gradients clipped to C + N(0, sigma^2 C^2 I)) / qJ, in either per-sample mode
+        (per-sample gradients, or ghost clipping's clipped sum). Records nothing: the caller accounts for the step."""
+        assert self.expected_batch_size is not None
         dp = dict(
-            max_grad_norm=self.parameters.max_grad_norm,
-            noise_multiplier=self.noise_multiplier,
+            max_grad_norm=max_grad_norm,
+            noise_multiplier=noise_multiplier,
             expected_batch_size=self.expected_batch_size,
             generator=self.noise_generator,
         )
@@ -192,14 +200,13 @@ class NodePrivacyEngine:
                 for p in self.ghost.parameters:
                     p.grad = torch.zeros_like(p)
                 self._ghost_norms = torch.zeros(0, device=self.ghost.parameters[0].device)
-            self.last_step = noise_clipped_sum(self.ghost.parameters, self._ghost_norms, **dp)
+            stats = noise_clipped_sum(self.ghost.parameters, self._ghost_norms, **dp)
             self._ghost_norms = None
-        else:
-            assert self.per_sample is not None
-            self.last_step = privatize_gradients(self.per_sample.parameters, self.per_sample.per_sample_grads(), **dp)
-            self.per_sample.clear()
-        self.ledger.record(self.noise_multiplier, self.sample_rate)
-        return self.last_step
+            return stats
+        assert self.per_sample is not None
+        stats = privatize_gradients(self.per_sample.parameters, self.per_sample.per_sample_grads(), **dp)
+        self.per_sample.clear()
+        return stats
 
     # ---- budget --------------------------------------------------------------------------------------------------
     @property
