@@ -1,47 +1,74 @@
-"""Per-step wall time and bytes on the wire: Lightning DDP vs push-sum gossip, on N CPU processes.
+"""Per-step wall time on N CPU processes: Lightning DDP, Opacus DP-SGD on DDP, push-sum and every private strategy.
 
 What it measures
 ----------------
 The same model (an MLP, 784-H-H/2-10, about 1.3M parameters with the default H=1024), the same synthetic data
-(fixed seed, batch 64 per process) and the same optimizer (plain SGD) are trained for ``--warmup + --steps`` steps
-under five strategies, each in its own fresh N-process Lightning run (gloo on CPU):
+(fixed seed, batch 64 per process) and the same optimizer (plain SGD, lr 0.01) are trained for ``--warmup + --steps``
+steps under each configuration, each in its own fresh N-process Lightning run (gloo on CPU):
 
-    ddp        Lightning's DDPStrategy (gradient all-reduce)
-    push_sum   DecentralizedPushSumStrategy("exponential-one-peer"), uncompressed
-    randk      ... with RandK(0.1)
-    topk       ... with TopK(0.01)
-    qsgd       ... with QSGD(8)
+    non-private   ddp         Lightning's DDPStrategy (gradient all-reduce)
+                  push_sum    DecentralizedPushSumStrategy("exponential-one-peer"), uncompressed
+                  randk, topk, qsgd   ... with RandK(0.1), TopK(0.01), QSGD(8)
+    private       opacus_ddp  Opacus's own distributed DP-SGD inside Lightning's DDPStrategy: opacus.GradSampleModule
+                              hooks, opacus.distributed.DPDDP instead of torch DDP, opacus.optimizers.
+                              DistributedDPOptimizer (per-rank flat clipping, noise on rank 0 only, all-reduce of the
+                              clipped sums), Opacus's RDP accountant stepped by the optimizer, Poisson batches from
+                              opacus.data_loader.DPDataLoader(distributed=True). The central-DP reference.
+                  dp_csgp     DPCSGPStrategy, RandK(0.5), consensus step 0.5
+                  privsgp     PrivSGPStrategy (DP-CSGP without compression)
+                  dyn_d2p     DynD2PStrategy (target epsilon 3, delta 1e-5: its clip/noise schedule needs a budget)
+                  privsgp_vr  PrivSGPVRStrategy, SAGA table initialised to zeros, on a smaller shard (see below)
+                  cpgt        CPGTStrategy, ring, Laplace noise_x = noise_y = 0.01, q = 0.9, L = 1,
+                              accounting="finite" (the default accounting needs full batches)
+                  decor       CorrelatedNoiseStrategy, ring, sigma_cdp = sigma_cor = 1 (X25519 + ChaCha20 noise)
+
+Every private run clips per-sample gradients at C = 1 with noise multiplier sigma = 1 (given, so no calibration runs
+before training; Dyn-D2P derives its schedule from its budget, CPGT adds Laplace noise in the gossip instead) and
+Poisson-samples each node's shard of J = 2048 examples at q = 64 / 2048, as the Opacus run does (its distributed
+Poisson sampler gives every rank the same J and q). Each private step still records itself in the node's ledger,
+and Dyn-D2P checks its budget after every step (a one-bit all-reduce): that is part of the cost being measured.
+PrivSGP-VR keeps a J x d gradient table per node (10.9 GB at J = 2048), so it trains on J = ``--vr-examples`` (128:
+683 MB per node) at q = 64 / J; its step does the same per-sample work plus the table update. The directed
+strategies use push-sum's topology (one peer per round); CPGT and Decor need an undirected graph (ring: 2 peers).
+The private strategies use the library's default per-sample mode unless ``--grad-sample-mode`` says otherwise.
 
 For every rank a callback takes ``time.perf_counter()`` at ``on_train_batch_start`` and ``on_train_batch_end``
-(forward + backward + optimizer step + gossip; data loading excluded), drops the first ``--warmup`` steps and keeps
-the median of the rest. The table shows rank 0's median, the maximum of the ranks' medians, and both as a ratio to
-the DDP run of the same invocation. For push-sum runs it also reports the median time spent inside
-``strategy.gossip.step`` (compression + exchange + mixing) and inside the exchange itself.
+(forward + backward + clipping and noise + optimizer step + gossip; data loading excluded), drops the first
+``--warmup`` steps and keeps the median of the rest. The table shows rank 0's median, the maximum of the ranks'
+medians, and both as ratios to the DDP run and to the Opacus-on-DDP run of the same invocation. For gossip runs it
+also reports the median time inside ``strategy.gossip.step`` and inside the exchange itself, and the bytes each node
+sent per step (measured by the exchange; for push-sum runs compared with the stated size
+``out_degree x (compressor.encoded_nbytes(d) + 8)``).
 
-Bytes per node per step are *measured* for push-sum (``strategy.gossip.exchange.traffic``: bytes_sent / rounds,
-averaged over ranks) and compared with the stated size ``out_degree x (compressor.encoded_nbytes(d) + 8)`` (8 bytes:
-the float64 push-sum weight; dense: 4d + 8). For DDP the ring all-reduce volume ``2 (N-1)/N x 4d`` is shown as an
-*estimate*: it is not measured (gloo picks its own algorithm).
+Per-sample modes (``--modes``, on by default): one process, the same MLP and a batch of 64, the median CPU time of
+forward + backward + clipping + noise for each ``grad_sample_mode`` of the library's privacy engine
+(``bookkeeping``, ``hooks``, ``functorch``, ``ghost``), next to a non-private forward + backward and to Opacus's own
+single-process DP-SGD (GradSampleModule hooks or expanded weights + DPOptimizer's clip, noise and scale); it also
+checks that every engine mode produces the same clipped sum as ``hooks`` (noise off).
 
-Targets (from the issue): uncompressed push-sum no slower than 1.2x DDP; measured bytes within 5% of the stated size.
+Targets (from the issue): uncompressed push-sum <= 1.2x DDP; each private strategy <= 1.1x Opacus-on-DDP; bytes on
+the wire within 5% of the stated size.
 
 How to run
 ----------
-    python benchmarks/step_time.py                      # all five configs, 4 processes, 10 warm-up + 100 steps
-    python benchmarks/step_time.py --configs ddp,push_sum --steps 200 --json results.json
-    python benchmarks/step_time.py --hidden 2048        # a bigger model (about 3.7M parameters)
+    python benchmarks/step_time.py                      # everything: 12 configs on 4 processes + per-sample modes
     python benchmarks/step_time.py --repeats 3          # interleaved repeats, medians over runs (less noise)
+    python benchmarks/step_time.py --configs ddp,opacus_ddp,privsgp --steps 100
+    python benchmarks/step_time.py --modes-only         # only the single-process per-sample mode comparison
+    python benchmarks/step_time.py --grad-sample-mode hooks   # the private strategies with Opacus's hooks
 
-The parent process never builds a Trainer: it re-runs this file as a child with ``--config NAME --out FILE`` for
-each configuration; Lightning's subprocess launcher then starts ranks 1..N-1 of that child. Every rank uses
-``torch.set_num_threads(1)``. With 4 processes on a 2-core machine the timings are noisy and include CPU contention
-between ranks (each rank gets about half a core), and whatever else runs on the machine shifts them further;
-compare ratios within one invocation only, and use ``--repeats`` when the machine is shared.
+It prints the tables, writes ``benchmarks/step_time.png`` and appends the tables with this machine's description to
+``benchmarks/RESULTS.md`` (``--no-record``: print only). The parent process never builds a Trainer: it re-runs this
+file as a child with ``--config NAME --out FILE`` for each configuration; Lightning's subprocess launcher then starts
+ranks 1..N-1 of that child. Every rank uses ``torch.set_num_threads(1)``. With 4 processes on a 2-core machine the
+timings include CPU contention between ranks (each rank gets about half a core), and whatever else runs on the
+machine shifts them further; compare ratios within one invocation only, and use ``--repeats`` when it is shared.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -51,27 +78,41 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CONFIGS: dict[str, str | None] = {  # name -> compressor spec; "ddp" is Lightning's own strategy
-    "ddp": None,
-    "push_sum": None,
-    "randk": "randk:0.1",
-    "topk": "topk:0.01",
-    "qsgd": "qsgd:8",
-}
-LABELS = {
-    "ddp": "DDP",
-    "push_sum": "push-sum (uncompressed)",
-    "randk": "push-sum + RandK(0.1)",
-    "topk": "push-sum + TopK(0.01)",
-    "qsgd": "push-sum + QSGD(8)",
-}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Config:
+    label: str
+    family: str  # "ddp", "opacus", "gossip" (non-private push-sum) or "private" (ours)
+    compressor: str | None = None
+    topology: str | None = None
+
+
 TOPOLOGY = "exponential-one-peer"
-INPUT_DIM, NUM_CLASSES = 784, 10
+CONFIGS: dict[str, Config] = {
+    "ddp": Config("DDP", "ddp"),
+    "push_sum": Config("push-sum (uncompressed)", "gossip", None, TOPOLOGY),
+    "randk": Config("push-sum + RandK(0.1)", "gossip", "randk:0.1", TOPOLOGY),
+    "topk": Config("push-sum + TopK(0.01)", "gossip", "topk:0.01", TOPOLOGY),
+    "qsgd": Config("push-sum + QSGD(8)", "gossip", "qsgd:8", TOPOLOGY),
+    "opacus_ddp": Config("Opacus DP-SGD on DDP", "opacus"),
+    "dp_csgp": Config("DP-CSGP + RandK(0.5)", "private", "randk:0.5", TOPOLOGY),
+    "privsgp": Config("PrivSGP", "private", None, TOPOLOGY),
+    "dyn_d2p": Config("Dyn-D2P", "private", None, TOPOLOGY),
+    "privsgp_vr": Config("PrivSGP-VR", "private", None, TOPOLOGY),
+    "cpgt": Config("CPGT (ring)", "private", None, "ring"),
+    "decor": Config("Decor (ring)", "private", None, "ring"),
+}
+INPUT_DIM, NUM_CLASSES, LR = 784, 10, 0.01
+CLIP, SIGMA = 1.0, 1.0  # C and sigma of every Gaussian-noise run (ours and Opacus's)
 WEIGHT_BYTES = 8  # the push-sum weight y travels as one float64
-TIME_TARGET, BYTES_TOLERANCE = 1.2, 0.05
+PUSH_SUM_TARGET, OPACUS_TARGET, BYTES_TOLERANCE = 1.2, 1.1, 0.05
+BATCHES_PER_EPOCH = 32  # J = batch x 32 examples per node: q = 1/32
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -81,33 +122,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=100, help="timed steps per run (after warm-up)")
-    parser.add_argument("--warmup", type=int, default=10, help="steps dropped before timing")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per run (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps dropped before timing")
     parser.add_argument("--devices", type=int, default=4, help="CPU processes per run")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list out of {','.join(CONFIGS)}")
     parser.add_argument("--hidden", type=int, default=1024, help="first hidden width H of the MLP 784-H-H/2-10")
-    parser.add_argument("--batch-size", type=int, default=64, help="per process")
+    parser.add_argument("--batch-size", type=int, default=64, help="per process (expected size for Poisson runs)")
+    parser.add_argument("--vr-examples", type=int, default=128, help="PrivSGP-VR's shard J per node (table J x d)")
+    parser.add_argument("--grad-sample-mode", default=None, help="per-sample mode of our private strategies "
+                        "(bookkeeping, hooks, functorch, ghost); default: the library's default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="runs per config, interleaved; medians are reported")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed for one configuration")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for one configuration")
+    parser.add_argument("--modes", action=argparse.BooleanOptionalAction, default=True,
+                        help="also compare the per-sample modes in one process (default: on)")
+    parser.add_argument("--modes-only", action="store_true", help="only the per-sample mode comparison")
+    parser.add_argument("--mode-steps", type=int, default=10, help="timed steps per per-sample mode")
     parser.add_argument("--json", type=Path, default=None, help="also write all results to this file")
-    # internal: one configuration in one Lightning run (set by the parent)
+    parser.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "step_time.png")
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "RESULTS.md")
+    parser.add_argument("--no-record", action="store_true", help="print only: no plot, nothing appended")
+    # internal: one configuration in one Lightning run, or the mode comparison (set by the parent)
     parser.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--modes-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.config_list = [c.strip() for c in args.configs.split(",") if c.strip()]
+    args.config_list = [] if args.modes_only else [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.config_list + ([args.config] if args.config else []) if c not in CONFIGS]
     if unknown:
         parser.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
-    if args.steps < 1 or args.warmup < 0 or args.devices < 2 or args.repeats < 1:
-        parser.error("need --steps >= 1, --warmup >= 0, --devices >= 2 and --repeats >= 1")
+    if args.steps < 1 or args.warmup < 0 or args.devices < 2 or args.repeats < 1 or args.mode_steps < 1:
+        parser.error("need --steps >= 1, --warmup >= 0, --devices >= 2, --repeats >= 1 and --mode-steps >= 1")
+    if not 0 < args.batch_size <= args.vr_examples:
+        parser.error(f"--vr-examples ({args.vr_examples}) must be at least --batch-size ({args.batch_size})")
+    modes = ("bookkeeping", "hooks", "functorch", "ghost")
+    if args.grad_sample_mode is not None and args.grad_sample_mode not in modes:
+        parser.error(f"--grad-sample-mode must be one of {modes}")
     return args
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # child: one configuration, one N-process Lightning run (this code runs on every rank)
 # ---------------------------------------------------------------------------------------------------------------------
-def build_model(hidden: int, lr: float = 0.01):  # noqa: ANN201
+def build_model(hidden: int, per_sample_loss: bool = False):  # noqa: ANN201
     import lightning as L
     import torch
     from torch import nn
@@ -123,12 +180,15 @@ def build_model(hidden: int, lr: float = 0.01):  # noqa: ANN201
                 nn.Linear(hidden // 2, NUM_CLASSES),
             )
 
+        def forward(self, inputs):  # noqa: ANN001, ANN201
+            return self.net(inputs)
+
         def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
-            inputs, targets = batch
-            return nn.functional.cross_entropy(self.net(inputs), targets)  # nothing logged: no extra collectives
+            inputs, targets = batch  # nothing logged: no extra collectives
+            return nn.functional.cross_entropy(self(inputs), targets, reduction="none" if per_sample_loss else "mean")
 
         def configure_optimizers(self):  # noqa: ANN201
-            return torch.optim.SGD(self.parameters(), lr=lr)
+            return torch.optim.SGD(self.parameters(), lr=LR)
 
     return MLP()
 
@@ -146,14 +206,68 @@ def build_loader(batch_size: int, devices: int, batches_per_epoch: int, seed: in
     return DataLoader(TensorDataset(inputs, targets), batch_size=batch_size, shuffle=True, drop_last=True)
 
 
-def build_strategy(config: str):  # noqa: ANN201
+def build_opacus_strategy(batch_size: int):  # noqa: ANN201
+    """Opacus's distributed DP-SGD (``PrivacyEngine.make_private`` on a DPDDP model, done by hand) in Lightning DDP."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from opacus import GradSampleModule
+    from opacus.accountants import RDPAccountant
+    from opacus.data_loader import DPDataLoader
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+    from opacus.optimizers import DistributedDPOptimizer
+
+    class OpacusDDPStrategy(DDPStrategy):
+        def _setup_model(self, model):  # noqa: ANN001, ANN202
+            # DPDDP broadcasts rank 0's parameters once and adds no gradient hooks: the optimizer all-reduces
+            return DPDDP(GradSampleModule(model))
+
+        def setup_optimizers(self, trainer) -> None:  # noqa: ANN001
+            super().setup_optimizers(trainer)
+            self.accountant = RDPAccountant()
+            self.optimizers = [
+                DistributedDPOptimizer(
+                    optimizer, noise_multiplier=SIGMA, max_grad_norm=CLIP, expected_batch_size=batch_size,
+                    loss_reduction="mean",
+                )
+                for optimizer in self.optimizers
+            ]
+
+        def process_dataloader(self, dataloader):  # noqa: ANN001, ANN202
+            trainer = self.lightning_module.trainer
+            if not trainer.training:
+                return dataloader
+            # as make_private(poisson_sampling=True) on a distributed model: q = 1 / len(loader) on every rank
+            loader = DPDataLoader.from_data_loader(dataloader, distributed=True)
+            for optimizer in self.optimizers:
+                optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=1 / len(dataloader)))
+            return loader
+
+    return OpacusDDPStrategy()
+
+
+def build_strategy(config: str, args: argparse.Namespace):  # noqa: ANN201
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_privdec import DecentralizedPushSumStrategy
+    from lightning_privdec.strategies import STRATEGIES
 
-    if config == "ddp":
+    spec = CONFIGS[config]
+    if spec.family == "ddp":
         return DDPStrategy()
-    return DecentralizedPushSumStrategy(topology=TOPOLOGY, compressor=CONFIGS[config], seed=0)
+    if spec.family == "opacus":
+        return build_opacus_strategy(args.batch_size)
+    if spec.family == "gossip":
+        return STRATEGIES["push_sum"](topology=spec.topology, compressor=spec.compressor, seed=0)
+    common: dict[str, Any] = dict(topology=spec.topology, compressor=spec.compressor, seed=0, max_grad_norm=CLIP)
+    if args.grad_sample_mode is not None and config != "decor":  # Decor's engine always uses hooks
+        common["grad_sample_mode"] = args.grad_sample_mode
+    extra: dict[str, Any] = {
+        "dp_csgp": dict(noise_multiplier=SIGMA, consensus_step=0.5),
+        "privsgp": dict(noise_multiplier=SIGMA),
+        "dyn_d2p": dict(target_epsilon=3.0, target_delta=1e-5),
+        "privsgp_vr": dict(noise_multiplier=SIGMA, table_init="zeros"),
+        "cpgt": dict(noise_x=0.01, noise_y=0.01, noise_decay=0.9, lipschitz=1.0, accounting="finite"),
+        "decor": dict(sigma_cdp=SIGMA * CLIP, sigma_cor=SIGMA * CLIP),
+    }[config]
+    return STRATEGIES[config](**common, **extra)
 
 
 def _timed(fn, record: list[float]):  # noqa: ANN001, ANN202
@@ -178,6 +292,7 @@ def make_step_timer(warmup: int):  # noqa: ANN201
             self.steps: list[float] = []
             self.gossip: list[float] = []
             self.exchange: list[float] = []
+            self.batch_sizes: list[int] = []
             # batch start -> next batch start: the step plus data loading and Lightning's per-step SIGTERM broadcast
             self.iterations: list[float] = []
             self._start: float | None = None
@@ -193,6 +308,7 @@ def make_step_timer(warmup: int):  # noqa: ANN201
             if self._start is not None:
                 self.iterations.append(now - self._start)
             self._start = now
+            self.batch_sizes.append(int(batch[0].shape[0]))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
             self.steps.append(time.perf_counter() - self._start)
@@ -207,6 +323,7 @@ def make_step_timer(warmup: int):  # noqa: ANN201
                 "median_gossip_ms": median_ms(self.gossip),
                 "median_exchange_ms": median_ms(self.exchange),
                 "median_iteration_ms": median_ms(self.iterations),
+                "mean_batch": statistics.mean(self.batch_sizes[warmup:] or [0]),
                 "timed_steps": max(0, len(self.steps) - warmup),
             }
 
@@ -223,18 +340,15 @@ def expected_push_sum_bytes(strategy: Any, rank: int, d: int) -> float:
     return out_degree * (payload + WEIGHT_BYTES)
 
 
-def rank_result(trainer: Any, timer: Any, d: int) -> dict[str, Any]:
+def rank_result(trainer: Any, timer: Any, d: int, config: str) -> dict[str, Any]:
     """Everything this rank measured."""
     result = {"rank": trainer.global_rank, "global_step": trainer.global_step, **timer.summary()}
     gossip = getattr(trainer.strategy, "gossip", None)
     if gossip is not None:
         traffic = gossip.exchange.traffic
-        result.update(
-            bytes_sent=traffic.bytes_sent,
-            bytes_received=traffic.bytes_received,
-            rounds=traffic.rounds,
-            expected_bytes_per_step=expected_push_sum_bytes(trainer.strategy, trainer.global_rank, d),
-        )
+        result.update(bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received, rounds=traffic.rounds)
+        if config not in ("cpgt", "decor"):  # push-sum messages: (payload, y)
+            result["expected_bytes_per_step"] = expected_push_sum_bytes(trainer.strategy, trainer.global_rank, d)
     return result
 
 
@@ -248,15 +362,17 @@ def run_child(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     L.seed_everything(args.seed, verbose=False)
-    model = build_model(args.hidden)
+    model = build_model(args.hidden, per_sample_loss=args.grad_sample_mode == "ghost" and args.config != "decor"
+                        and CONFIGS[args.config].family == "private")
     d = sum(p.numel() for p in model.parameters() if p.requires_grad)
     timer = make_step_timer(args.warmup)
     total_steps = args.warmup + args.steps
-    loader = build_loader(args.batch_size, args.devices, min(total_steps, 32), args.seed)
+    batches = args.vr_examples // args.batch_size if args.config == "privsgp_vr" else BATCHES_PER_EPOCH
+    loader = build_loader(args.batch_size, args.devices, batches, args.seed)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=build_strategy(args.config),
+        strategy=build_strategy(args.config, args),
         max_steps=total_steps,
         max_epochs=-1,
         callbacks=[timer],
@@ -269,7 +385,7 @@ def run_child(args: argparse.Namespace) -> None:
     )
     trainer.fit(model, train_dataloaders=loader)
 
-    mine = rank_result(trainer, timer, d)
+    mine = rank_result(trainer, timer, d, args.config)
     ranks: list[Any] = [None] * trainer.world_size
     dist.all_gather_object(ranks, mine)  # after training: not part of any timed step
     if trainer.global_rank == 0:
@@ -278,28 +394,134 @@ def run_child(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# child: the per-sample modes in one process
+# ---------------------------------------------------------------------------------------------------------------------
+def run_modes_child(args: argparse.Namespace) -> None:
+    """Median forward + backward + clip + noise per per-sample mode (one process, one thread); writes JSON."""
+    import torch
+    from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
+    from opacus.optimizers import DPOptimizer
+    from torch import nn
+
+    from lightning_privdec.privacy import NodePrivacyEngine, PrivacyParameters
+    from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    gen = torch.Generator().manual_seed(args.seed)
+    inputs = torch.randn(args.batch_size, INPUT_DIM, generator=gen)
+    targets = torch.randint(0, NUM_CLASSES, (args.batch_size,), generator=gen)
+
+    def fresh_model():  # noqa: ANN202
+        torch.manual_seed(args.seed)
+        return build_model(args.hidden)
+
+    def timed(step) -> float:  # noqa: ANN001
+        for _ in range(2):
+            step()
+        times = []
+        for _ in range(args.mode_steps):  # CPU time of this one-thread process: robust to load from other processes
+            start = time.process_time()
+            step()
+            times.append(time.process_time() - start)
+        return 1e3 * statistics.median(times)
+
+    rows: list[dict[str, Any]] = []
+    model = fresh_model()
+
+    def plain() -> None:
+        model.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(inputs), targets).backward()
+
+    rows.append({"mode": "non-private forward + backward", "ms": timed(plain), "max_abs_diff": None})
+
+    clipped: dict[str, list[torch.Tensor]] = {}
+    for mode in GRAD_SAMPLE_MODES:
+        model = fresh_model()
+        engine = NodePrivacyEngine(PrivacyParameters(max_grad_norm=CLIP, noise_multiplier=SIGMA), rank=0,
+                                   device=torch.device("cpu"), grad_sample_mode=mode, noise_seed=0)
+        engine.attach(model)
+        engine.noise_multiplier, engine.sample_rate = SIGMA, args.batch_size / 2048
+        engine.expected_batch_size = float(args.batch_size)
+
+        def step(engine=engine, model=model, mode=mode, noise=True) -> None:  # noqa: ANN001
+            model.zero_grad(set_to_none=True)
+            if mode == "ghost":
+                engine.ghost_backward(nn.functional.cross_entropy(model(inputs), targets, reduction="none"))
+            else:
+                nn.functional.cross_entropy(model(inputs), targets).backward()
+            if noise:
+                engine.privatize()
+            else:  # the clipped sum alone, for the equality check
+                engine._clip_and_noise(CLIP, 0.0)
+
+        ms = timed(step)
+        step(noise=False)
+        clipped[mode] = [p.grad.detach().clone() for p in model.parameters()]
+        engine.detach()
+        label = f"engine {mode!r}" + (" (default)" if mode == DEFAULT_GRAD_SAMPLE_MODE else "")
+        rows.append({"mode": label, "ms": ms, "engine_mode": mode})
+    for row in rows:
+        if "engine_mode" in row:
+            diffs = [(a - b).abs().max().item() for a, b in zip(clipped[row["engine_mode"]], clipped["hooks"])]
+            row["max_abs_diff"] = max(diffs)
+
+    for name, wrap in (("Opacus GradSampleModule (hooks) + DPOptimizer", GradSampleModule),
+                       ("Opacus expanded weights (ew) + DPOptimizer", GradSampleModuleExpandedWeights)):
+        model = fresh_model()
+        wrapped = wrap(model, batch_first=True, loss_reduction="mean")
+        optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=LR), noise_multiplier=SIGMA,
+                                max_grad_norm=CLIP, expected_batch_size=args.batch_size)
+
+        def opacus_step(wrapped=wrapped, optimizer=optimizer) -> None:  # noqa: ANN001
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(wrapped(inputs), targets).backward()
+            optimizer.pre_step()  # clip, accumulate, noise, scale (the step itself is left out, as above)
+
+        rows.append({"mode": name, "ms": timed(opacus_step), "max_abs_diff": None})
+    args.out.write_text(json.dumps(rows, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # parent: run every configuration, then summarise
 # ---------------------------------------------------------------------------------------------------------------------
+def _child_command(args: argparse.Namespace, *extra: str) -> list[str]:
+    cmd = [
+        sys.executable, os.path.abspath(__file__), *extra,
+        "--devices", str(args.devices), "--steps", str(args.steps), "--warmup", str(args.warmup),
+        "--hidden", str(args.hidden), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
+        "--vr-examples", str(args.vr_examples), "--mode-steps", str(args.mode_steps),
+    ]  # fmt: skip
+    if args.grad_sample_mode is not None:
+        cmd += ["--grad-sample-mode", args.grad_sample_mode]
+    return cmd
+
+
+def _run_child(cmd: list[str], out: Path, what: str, timeout: float) -> tuple[Any, float]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd + ["--out", str(out)], capture_output=True, text=True, timeout=timeout, env=env)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0 or not out.exists():
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(out.read_text()), elapsed
+
+
 def run_config(config: str, args: argparse.Namespace) -> dict[str, Any]:
     """Launch one child run (fresh processes) and return its JSON results."""
     with tempfile.TemporaryDirectory(prefix="step_time_") as tmp:
-        out = Path(tmp) / f"{config}.json"
-        cmd = [
-            sys.executable, os.path.abspath(__file__),
-            "--config", config, "--out", str(out),
-            "--devices", str(args.devices), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--hidden", str(args.hidden), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
-        ]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-        elapsed = time.perf_counter() - start
-        if proc.returncode != 0 or not out.exists():
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-            raise RuntimeError(f"config {config!r} failed (exit {proc.returncode}):\n{tail}")
-        result = json.loads(out.read_text())
+        result, elapsed = _run_child(_child_command(args, "--config", config), Path(tmp) / "out.json",
+                                     f"config {config!r}", args.timeout)
     result["wall_s"] = elapsed
     return result
+
+
+def run_modes(args: argparse.Namespace) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="step_time_modes_") as tmp:
+        rows, _ = _run_child(_child_command(args, "--modes-child"), Path(tmp) / "out.json", "per-sample modes",
+                             args.timeout)
+    return rows
 
 
 def summarise_run(result: dict[str, Any]) -> dict[str, Any]:
@@ -314,16 +536,18 @@ def summarise_run(result: dict[str, Any]) -> dict[str, Any]:
         "gossip_ms": ranks[0].get("median_gossip_ms"),
         "exchange_ms": ranks[0].get("median_exchange_ms"),
         "iteration_ms": ranks[0].get("median_iteration_ms"),
+        "mean_batch": statistics.mean(r["mean_batch"] for r in ranks),
         "wall_s": result["wall_s"],
         "runs_rank0_ms": [ranks[0]["median_step_ms"]],
+        "measured_bytes": None,
+        "expected_bytes": None,
     }
-    if result["config"] == "ddp":
-        summary.update(measured_bytes=None, expected_bytes=2 * (n - 1) / n * 4 * d)
-    else:
-        summary.update(
-            measured_bytes=statistics.mean(r["bytes_sent"] / r["rounds"] for r in ranks),
-            expected_bytes=statistics.mean(r["expected_bytes_per_step"] for r in ranks),
-        )
+    if result["config"] in ("ddp", "opacus_ddp"):
+        summary["expected_bytes"] = 2 * (n - 1) / n * 4 * d  # ring all-reduce estimate (not measured)
+    elif "rounds" in ranks[0]:
+        summary["measured_bytes"] = statistics.mean(r["bytes_sent"] / max(1, r["rounds"]) for r in ranks)
+        if "expected_bytes_per_step" in ranks[0]:
+            summary["expected_bytes"] = statistics.mean(r["expected_bytes_per_step"] for r in ranks)
     return summary
 
 
@@ -346,6 +570,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def machine_description(args: argparse.Namespace) -> list[str]:
     import lightning
+    import opacus
     import torch
 
     cpu = "unknown CPU"
@@ -357,12 +582,17 @@ def machine_description(args: argparse.Namespace) -> list[str]:
     except OSError:
         cpu = platform.processor() or cpu
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = " / ".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    mode = args.grad_sample_mode or "library default"
     return [
-        f"machine: {cpu}, {cores} usable cores ({os.cpu_count()} logical); {platform.platform()}",
-        f"software: python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}",
+        f"machine: {platform.machine()}, {cpu}, {cores} usable cores ({os.cpu_count()} logical); "
+        f"{platform.platform()}; load average at start {load}",
+        f"software: python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}, "
+        f"opacus {opacus.__version__}",
         f"setup: {args.devices} CPU processes (gloo), torch.set_num_threads(1) per rank, MLP 784-{args.hidden}-"
-        f"{args.hidden // 2}-10, batch {args.batch_size}/process, SGD, topology {TOPOLOGY}, "
-        f"{args.warmup} warm-up + {args.steps} timed steps",
+        f"{args.hidden // 2}-10, batch {args.batch_size}/process, SGD, {args.warmup} warm-up + {args.steps} timed "
+        f"steps; private runs: C = {CLIP}, sigma = {SIGMA}, Poisson q = 1/{BATCHES_PER_EPOCH} (PrivSGP-VR: "
+        f"q = {args.batch_size}/{args.vr_examples}), per-sample mode: {mode}",
     ]
 
 
@@ -370,32 +600,39 @@ def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _ratio(s: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    if ref is None:
+        return "n/a"
+    return f"{s['rank0_ms'] / ref['rank0_ms']:.2f}x / {s['max_rank_ms'] / ref['max_rank_ms']:.2f}x"
+
+
 def _bytes_cells(s: dict[str, Any]) -> tuple[str, str, str]:
-    if s["measured_bytes"] is None:
-        return "not measured", f"{s['expected_bytes']:,.0f} (estimated, ring)", "n/a"
-    diff = (s["measured_bytes"] - s["expected_bytes"]) / s["expected_bytes"]
+    measured, expected = s["measured_bytes"], s["expected_bytes"]
+    if measured is None:
+        return "not measured", ("n/a" if expected is None else f"{expected:,.0f} (ring estimate)"), "n/a"
+    if expected is None:
+        return f"{measured:,.0f}", "n/a", "n/a"
+    diff = (measured - expected) / expected
     verdict = "PASS" if abs(diff) <= BYTES_TOLERANCE else "FAIL"
-    return f"{s['measured_bytes']:,.0f}", f"{s['expected_bytes']:,.0f}", f"{100 * diff:+.2f}% {verdict}"
+    return f"{measured:,.0f}", f"{expected:,.0f}", f"{100 * diff:+.2f}% {verdict}"
 
 
 def format_report(summaries: list[dict[str, Any]], num_params: int, devices: int) -> list[str]:
-    ddp = next((s for s in summaries if s["config"] == "ddp"), None)
+    by_name = {s["config"]: s for s in summaries}
+    ddp, opacus = by_name.get("ddp"), by_name.get("opacus_ddp")
     lines = [
-        f"model parameters d = {num_params:,}; bytes are per node per step",
+        f"model parameters d = {num_params:,}; ratios: rank 0's median / the slowest rank's median",
         "",
-        "| config | median step ms (rank0) | max-over-ranks median ms | ratio to DDP (rank0 / max) "
-        "| bytes/node/step measured | expected | diff |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| config | median step ms (rank0) | max-over-ranks median ms | vs DDP | vs Opacus-on-DDP | mean batch "
+        "| bytes/node/step measured | stated | diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
-        if ddp is not None:
-            ratio = f"{s['rank0_ms'] / ddp['rank0_ms']:.2f}x / {s['max_rank_ms'] / ddp['max_rank_ms']:.2f}x"
-        else:
-            ratio = "n/a (no ddp run)"
         measured, expected, diff = _bytes_cells(s)
+        vs_opacus = _ratio(s, opacus) if CONFIGS[s["config"]].family in ("private", "opacus") else "-"
         lines.append(
-            f"| {LABELS[s['config']]} | {s['rank0_ms']:.1f} | {s['max_rank_ms']:.1f} | {ratio} "
-            f"| {measured} | {expected} | {diff} |"
+            f"| {CONFIGS[s['config']].label} | {s['rank0_ms']:.1f} | {s['max_rank_ms']:.1f} | {_ratio(s, ddp)} "
+            f"| {vs_opacus} | {s['mean_batch']:.1f} | {measured} | {expected} | {diff} |"
         )
     lines += [
         "",
@@ -408,12 +645,13 @@ def format_report(summaries: list[dict[str, Any]], num_params: int, devices: int
     ]
     for s in summaries:
         per_rank = ", ".join(f"{v:.1f}" for v in s["per_rank_ms"])
-        gossip = _fmt(s["gossip_ms"], ".1f") if s["gossip_ms"] is not None else "n/a (all-reduce in backward)"
+        family = CONFIGS[s["config"]].family
+        gossip = _fmt(s["gossip_ms"], ".1f") if family in ("gossip", "private") else "n/a (all-reduce)"
         lines.append(
             f"| {s['config']} | {per_rank} | {_fmt(s['iteration_ms'], '.1f')} | {gossip} "
             f"| {_fmt(s['exchange_ms'], '.1f')} | {s['wall_s']:.1f} |"
         )
-    lines += ["", *target_lines(summaries, ddp)]
+    lines += ["", *target_lines(summaries, ddp, opacus)]
     lines.append(
         f"note: {devices} processes share {len(os.sched_getaffinity(0))} cores here, so ranks pre-empt each other; "
         "step times carry CPU contention, and load from other work on the machine can move a run by tens of percent. "
@@ -422,34 +660,106 @@ def format_report(summaries: list[dict[str, Any]], num_params: int, devices: int
     return lines
 
 
-def target_lines(summaries: list[dict[str, Any]], ddp: dict[str, Any] | None) -> list[str]:
-    lines = []
-    push_sum = next((s for s in summaries if s["config"] == "push_sum"), None)
-    if ddp is not None and push_sum is not None:
-        ratio = push_sum["rank0_ms"] / ddp["rank0_ms"]
-        worst = push_sum["max_rank_ms"] / ddp["max_rank_ms"]
-        verdict = "MET" if ratio <= TIME_TARGET else "NOT MET"
-        lines.append(
-            f"uncompressed push-sum / DDP = {ratio:.2f}x (target <= {TIME_TARGET}x): {verdict}"
-            f"   [max-over-ranks medians: {worst:.2f}x]"
-        )
-        if len(push_sum["runs_rank0_ms"]) > 1:
-            ratios = ", ".join(f"{p / q:.2f}x" for p, q in zip(push_sum["runs_rank0_ms"], ddp["runs_rank0_ms"]))
-            lines.append(f"  per repeat (rank0): {ratios}")
+def target_lines(summaries: list[dict[str, Any]], ddp: dict[str, Any] | None, opacus: dict[str, Any] | None) -> list[str]:
+    def verdict(s: dict[str, Any], ref: dict[str, Any], target: float, what: str) -> list[str]:
+        ratio, worst = s["rank0_ms"] / ref["rank0_ms"], s["max_rank_ms"] / ref["max_rank_ms"]
+        out = [
+            f"{CONFIGS[s['config']].label} / {what} = {ratio:.2f}x (target <= {target}x): "
+            f"{'MET' if ratio <= target else 'NOT MET'}   [max-over-ranks medians: {worst:.2f}x]"
+        ]
+        if len(s["runs_rank0_ms"]) > 1:
+            ratios = ", ".join(f"{p / q:.2f}x" for p, q in zip(s["runs_rank0_ms"], ref["runs_rank0_ms"]))
+            out.append(f"  per repeat (rank0): {ratios}")
+        return out
+
+    lines: list[str] = []
     for s in summaries:
-        if s["measured_bytes"] is not None:
+        family = CONFIGS[s["config"]].family
+        if s["config"] == "push_sum" and ddp is not None:
+            lines += verdict(s, ddp, PUSH_SUM_TARGET, "DDP")
+        if family == "private" and opacus is not None:
+            lines += verdict(s, opacus, OPACUS_TARGET, "Opacus-on-DDP")
+    for s in summaries:
+        if s["measured_bytes"] is not None and s["expected_bytes"] is not None:
             diff = (s["measured_bytes"] - s["expected_bytes"]) / s["expected_bytes"]
-            verdict = "MET" if abs(diff) <= BYTES_TOLERANCE else "NOT MET"
             lines.append(
-                f"{LABELS[s['config']]}: measured bytes within {100 * BYTES_TOLERANCE:.0f}% of stated size "
-                f"({100 * diff:+.2f}%): {verdict}"
+                f"{CONFIGS[s['config']].label}: measured bytes within {100 * BYTES_TOLERANCE:.0f}% of stated size "
+                f"({100 * diff:+.2f}%): {'MET' if abs(diff) <= BYTES_TOLERANCE else 'NOT MET'}"
             )
     return lines
 
 
-def run_parent(args: argparse.Namespace) -> None:
+def format_modes(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    base = rows[0]["ms"]
+    lines = [
+        f"Per-sample modes: one process, one thread, MLP 784-{args.hidden}-{args.hidden // 2}-10, batch "
+        f"{args.batch_size}, C = {CLIP}, sigma = {SIGMA}; median CPU time (user + system, page faults included) of "
+        f"{args.mode_steps} steps of forward + backward + clip + noise + scale (no optimizer step). 'max abs diff': "
+        "largest difference of the clipped sum (noise off) from mode 'hooks' on the same batch.",
+        "",
+        "| mode | median CPU ms | vs non-private | max abs diff vs hooks |",
+        "|---|---:|---:|---:|",
+    ]
+    for row in rows:
+        diff = "-" if row.get("max_abs_diff") is None else f"{row['max_abs_diff']:.1e}"
+        lines.append(f"| {row['mode']} | {row['ms']:.1f} | {row['ms'] / base:.2f}x | {diff} |")
+    return lines
+
+
+def write_plot(path: Path, summaries: list[dict[str, Any]], modes: list[dict[str, Any]] | None) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install 'lightning-privdec[examples]'): no plot")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = int(bool(summaries)) + int(bool(modes))
+    fig, axes = plt.subplots(1, panels, figsize=(7.5 * panels, 5), squeeze=False)
+    colors = {"ddp": "tab:gray", "gossip": "tab:blue", "opacus": "tab:red", "private": "tab:green"}
+    k = 0
+    if summaries:
+        ax = axes[0][k]
+        k += 1
+        names = [s["config"] for s in summaries]
+        ax.bar(range(len(names)), [s["rank0_ms"] for s in summaries],
+               color=[colors[CONFIGS[n].family] for n in names])
+        ax.scatter(range(len(names)), [s["max_rank_ms"] for s in summaries], color="k", marker="_", s=200,
+                   label="slowest rank's median", zorder=3)
+        by_name = {s["config"]: s for s in summaries}
+        if "ddp" in by_name:
+            ax.axhline(PUSH_SUM_TARGET * by_name["ddp"]["rank0_ms"], color="tab:blue", linestyle=":",
+                       label=f"{PUSH_SUM_TARGET}x DDP (push-sum target)")
+        if "opacus_ddp" in by_name:
+            ax.axhline(OPACUS_TARGET * by_name["opacus_ddp"]["rank0_ms"], color="tab:red", linestyle="--",
+                       label=f"{OPACUS_TARGET}x Opacus-on-DDP (private target)")
+        ax.set_xticks(range(len(names)), names, rotation=40, ha="right")
+        ax.set_yscale("log")
+        ax.set_ylabel("median step time, rank 0 (ms)")
+        ax.set_title("4 CPU processes: DDP (gray), push-sum (blue), Opacus (red), ours private (green)", fontsize=9)
+        ax.legend(fontsize=8)
+    if modes:
+        ax = axes[0][k]
+        ax.barh(range(len(modes)), [r["ms"] for r in modes], color="tab:purple")
+        ax.set_yticks(range(len(modes)), [r["mode"] for r in modes], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("median CPU ms per step (one process, one thread)")
+        ax.set_title("per-sample gradient modes: forward + backward + clip + noise", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def command_line(argv: list[str]) -> str:
+    return "python benchmarks/step_time.py" + "".join(f" {a}" for a in argv)
+
+
+def run_parent(args: argparse.Namespace, argv: list[str]) -> None:
     started = time.perf_counter()
-    for line in machine_description(args):
+    machine = machine_description(args)
+    for line in machine:
         print(line, flush=True)
     results: dict[str, list[dict[str, Any]]] = {config: [] for config in args.config_list}
     for repeat in range(args.repeats):  # interleaved, so slow drifts in machine load hit every config alike
@@ -458,27 +768,56 @@ def run_parent(args: argparse.Namespace) -> None:
             print(f"running {label} ...", end=" ", flush=True)
             results[config].append(run_config(config, args))
             print(f"{results[config][-1]['wall_s']:.1f}s", flush=True)
+    modes = None
+    if args.modes or args.modes_only:
+        print("running the per-sample mode comparison ...", end=" ", flush=True)
+        start = time.perf_counter()
+        modes = run_modes(args)
+        print(f"{time.perf_counter() - start:.1f}s", flush=True)
     summaries = [summarise(runs) for runs in results.values()]
-    num_params = results[args.config_list[0]][0]["num_params"]
-    print()
-    for line in format_report(summaries, num_params, args.devices):
-        print(line)
+    report: list[str] = []
+    if summaries:
+        num_params = results[args.config_list[0]][0]["num_params"]
+        report += format_report(summaries, num_params, args.devices)
+    if modes:
+        report += ["", *format_modes(modes, args)]
     total = time.perf_counter() - started
+    print()
+    print("\n".join(report))
     print(f"total wall time: {total:.1f}s")
     if args.json is not None:
-        payload = {"machine": machine_description(args), "summaries": summaries, "raw": results, "total_s": total}
+        payload = {"machine": machine, "summaries": summaries, "modes": modes, "raw": results, "total_s": total}
         args.json.write_text(json.dumps(payload, indent=1))
         print(f"results written to {args.json}")
+    if args.no_record:
+        return
+    write_plot(args.plot, summaries, modes)
+    header = [
+        "",
+        f"## step_time.py — {datetime.date.today().isoformat()}",
+        "",
+        f"Command: `{command_line(argv)}` (total {total:.0f} s). The machine was shared with other work while this "
+        "ran unless stated otherwise.",
+        "",
+        *(f"- {line}" for line in machine),
+        "",
+    ]
+    with args.results.open("a") as f:
+        f.write("\n".join(header + report) + "\n")
+    print(f"appended to {args.results}")
 
 
 def main() -> None:
-    args = parse_args()
-    if args.config is not None:
+    argv = sys.argv[1:]
+    args = parse_args(argv)
+    if args.modes_child:
+        run_modes_child(args)
+    elif args.config is not None:
         if args.out is None:
             raise SystemExit("--config needs --out")
         run_child(args)
     else:
-        run_parent(args)
+        run_parent(args, argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """lightning-privdec: private decentralized learning as PyTorch Lightning strategies."""
 
 from lightning_privdec.callbacks import PrivacyBudgetCallback
+from lightning_privdec.comm.distributed import PeerFailureError
 from lightning_privdec.compression import QSGD, Identity, RandK, Sign, TopK
 from lightning_privdec.privacy import PrivacyConfigError
 from lightning_privdec.strategies import (
@@ -15,6 +16,7 @@ from lightning_privdec.strategies import (
     PrivSGPStrategy,
     PrivSGPVRStrategy,
 )
+from lightning_privdec.strategies.checks import NodeMismatchError, NonFiniteStepError
 from lightning_privdec.topology import Topology, TopologyError, build_topology
 
 __version__ = "0.1.0"
@@ -34,6 +36,9 @@ __all__ = [
     "DecentralizedSGDStrategy",
     "DecentralizedStrategy",
     "Identity",
+    "NodeMismatchError",
+    "NonFiniteStepError",
+    "PeerFailureError",
     "RandK",
     "Sign",
     "TopK",

@@ -79,7 +79,11 @@ def test_contraction(comp: Compressor, d: int, kind: str) -> None:
     assert 0.0 <= omega2 < 1.0
     bound = omega2 * norm2
     if is_random(comp):
-        n_keys = 100 if d <= 1000 else 8
+        # RandK on sparse_heavy at large d: one coordinate holds ~87% of ||x||^2 and RandK(0.1) keeps it with
+        # probability 0.1, so the error is bimodal; with 8 keys a uniform sampler fails this 4-stderr check ~40%
+        # of the time
+        heavy = kind == "sparse_heavy" and isinstance(comp, RandK)
+        n_keys = 100 if d <= 1000 else (400 if heavy else 8)
         rng = random.Random(1234 + d)
         errs = torch.tensor([sq_err(comp.compress(x, rng.getrandbits(63)), x) for _ in range(n_keys)])
         mean = float(errs.mean())

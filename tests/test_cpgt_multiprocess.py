@@ -11,21 +11,24 @@ from tests.multiprocess import fit_digits
 pytestmark = pytest.mark.multiprocess
 
 NOISE = {"noise_x": 0.01, "noise_y": 0.01, "noise_decay": 0.5, "lipschitz": 0.1}
-COMMON = ["--strategy", "cpgt", "--topology", "ring", "--lr", "0.5", "--batch-size", "336", "--clip", "1.0",
+COMMON = ["--strategy", "cpgt", "--topology", "ring", "--lr", "0.5", "--batch-size", "337", "--clip", "1.0",
           "--noise-seed", "3", "--strategy-kwargs", str(NOISE).replace("'", '"')]
 
 
 def test_cpgt_trains_digits_reports_its_epsilon_and_resumes_every_nodes_state(tmp_path):
-    first = fit_digits(tmp_path / "first", *COMMON, "--max-epochs", "25", "--ckpt-dir", str(tmp_path / "ckpt"))
+    first = fit_digits(tmp_path / "first", *COMMON, "--max-epochs", "50", "--ckpt-dir", str(tmp_path / "ckpt"))
     dimension = first[0]["params"].numel()
     for node in first:
         assert node["test_acc"] > 0.5  # chance is 0.1
-        assert node["global_step"] == node["rounds"] == node["ledger_steps"] == 50  # full batch: 2 steps per epoch
+        assert node["global_step"] == node["rounds"] == node["ledger_steps"] == 50  # full batch (B >= every shard, q = 1): 1 step per epoch
         # the only messages: two uncompressed float32 differences to each of the 2 ring neighbours per round
         assert node["bytes_sent"] == 50 * 2 * 2 * 4 * dimension
         # the epsilon the engine reports is Theorem 2's bound for this run: alpha = lr, adjacency 2C / (qJ)
-        expected = cpgt_epsilon(  # q J = the batch size B = 336 (Poisson at q = B / J, full batch up to one example)
-            alpha=0.5, lipschitz=0.1, q=0.5, noise_x=0.01, noise_y=0.01, sensitivity=2 * 1.0 / 336,
+        assert node["sample_rate"] == 1.0  # B >= every shard: the whole shard each step (1,347 examples = 3 x 337 + 336)
+        shard = node["expected_batch_size"]
+        assert shard in (336, 337)
+        expected = cpgt_epsilon(
+            alpha=0.5, lipschitz=0.1, q=0.5, noise_x=0.01, noise_y=0.01, sensitivity=2 * 1.0 / shard,
             norm_factor=laplace_norm_factor(dimension, "l2"),
         )
         assert node["epsilon"] == pytest.approx(expected, rel=1e-9)
@@ -34,8 +37,8 @@ def test_cpgt_trains_digits_reports_its_epsilon_and_resumes_every_nodes_state(tm
     params = torch.stack([node["params"] for node in first])
     assert (params - params.mean(0)).norm() / params.mean(0).norm() < 0.05
 
-    checkpoint = next((tmp_path / "ckpt").glob("epoch=19-*.ckpt"))
-    resumed = fit_digits(tmp_path / "resumed", *COMMON, "--max-epochs", "25", "--resume", str(checkpoint))
+    checkpoint = next((tmp_path / "ckpt").glob("epoch=39-*.ckpt"))
+    resumed = fit_digits(tmp_path / "resumed", *COMMON, "--max-epochs", "50", "--resume", str(checkpoint))
     for a, b in zip(first, resumed):
         assert b["ledger_steps"] == b["rounds"] == 50  # the counts continued
         assert b["bytes_sent"] == a["bytes_sent"]

@@ -102,3 +102,24 @@ def test_a_resumed_decor_run_with_key_files_rederives_the_same_streams(tmp_path)
     for a, b in zip(straight, resumed):
         assert b["ledger_steps"] == a["ledger_steps"]  # the round counter continued
         assert (a["params"] == b["params"]).all()  # same pairwise secrets, same per-round streams
+
+
+def test_the_budget_check_counts_the_steps_that_fit_and_agrees_with_the_accountant_at_every_step():
+    """next_step_exceeds_budget finds once how many steps fit the target; it must answer as the accountant would."""
+    import networkx as nx
+
+    from lightning_privdec.privacy import PrivacyParameters
+    from lightning_privdec.privacy.decor_engine import DecorPrivacyEngine
+
+    engine = DecorPrivacyEngine(
+        PrivacyParameters(max_grad_norm=1.0, target_epsilon=2.0, target_delta=1e-5), graph=nx.cycle_graph(4),
+        adversary="eavesdropper", sigma_cdp=20.0, sigma_cor=0.5, clipping="user", rank=0, device=torch.device("cpu"),
+    )
+    engine._plan_noise(5)  # 16 steps fit: the search doubles past the plan, then bisects
+    answers = []
+    for steps in range(60):
+        engine._steps = steps
+        direct = engine._epsilon_after(steps + 1) > 2.0
+        assert engine.next_step_exceeds_budget() == direct, steps
+        answers.append(direct)
+    assert not answers[0] and answers[-1]  # the boundary lies inside the range checked

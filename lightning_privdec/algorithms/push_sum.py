@@ -27,10 +27,24 @@ line 5 is w_i = x_i + gamma (sum_j a_ij x_hat_j - sum_k a_ki x_hat_ik): DP-CSGP 
 consensus step gamma < 1 (Koloskova et al. 2019) keeps aggressive compressors stable, and then y is mixed with the
 same effective matrix I + gamma (A - I), so z = x / y stays unbiased. With
 ``push_sum_weight=False`` the weight is neither sent nor mixed (y = 1): plain D-PSGD for doubly-stochastic A.
+
+Overlap (SGP's overlap variant, Assran et al. 2019, with bounded staleness tau >= 1): round k's messages are posted
+without waiting and mixed in tau steps later, so their transfer runs during the next tau forward/backward passes.
+At step k, with v_i = x_i^{k+1/2}:
+
+    v_i += sum_j a_ij(r) x_j(r),  w_i = y_i + sum_j a_ij(r) y_j(r)   for the rounds r <= k - tau still in flight
+    send {v_i, w_i} to out-neighbours (non-blocking)
+    x_i = a_ii(k) v_i,  y_i = a_ii(k) w_i,  z_i = x_i / y_i = v_i / w_i
+
+The network sum of x plus the messages in flight changes only by the local updates, and of y plus the weights in
+flight stays n, so z_i still reaches the exact average; every round is mixed exactly tau steps late (the paper's
+bound, always met), which keeps a run deterministic and resumable bit for bit. Overlap needs exact messages and the
+push-sum weight: a delayed message leaves the sender with its share a_ii x_i, which only y de-biases.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_privdec.comm import Exchange, TensorSpec
+from lightning_privdec.comm import Exchange, PendingRound, TensorSpec
 from lightning_privdec.compression import Compressor, Identity
 from lightning_privdec.topology import Topology
 
@@ -82,6 +96,14 @@ def plan_round(topology: Topology, rank: int, round_: int) -> RoundPlan:
     )
 
 
+@dataclass
+class InFlight:
+    """One round's messages posted but not yet mixed in (overlap)."""
+
+    round: int
+    messages: PendingRound
+
+
 class PushSumGossip:
     """One node's push-sum state (x, y and, with compression, the public copies x_hat) and its gossip round.
 
@@ -98,6 +120,8 @@ class PushSumGossip:
             nodes start from different points.
         seed: shared by all nodes; keys the compressor's randomness per (sender, channel, round).
         consensus_step: gamma in (0, 1] of line 5 (1 = DP-CSGP exactly); only used with a compressor.
+        staleness: 0 (default) mixes every round's messages in the round itself; tau >= 1 overlaps each round with
+            the next tau steps and mixes its messages tau steps late (exact push-sum only).
     """
 
     def __init__(
@@ -112,6 +136,7 @@ class PushSumGossip:
         reference: Tensor | None = None,
         seed: int = 0,
         consensus_step: float = 1.0,
+        staleness: int = 0,
     ) -> None:
         if x.dim() != 1:
             raise ValueError(f"push-sum gossips one flat vector; got shape {tuple(x.shape)}")
@@ -131,6 +156,32 @@ class PushSumGossip:
         self.own_copies: dict[int, Tensor] = {}  # x_hat_i per channel (BROADCAST, or receiver id on time-varying graphs)
         self.neighbour_copies: dict[int, Tensor] = {}  # x_hat_j (or x_hat_ji) per in-neighbour j
         self._plans: dict[int, RoundPlan] = {}
+        self.staleness = self._check_staleness(staleness)
+        self.in_flight: deque[InFlight] = deque()  # overlap: posted rounds, oldest first
+
+    def _check_staleness(self, staleness: int) -> int:
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"staleness must be an integer >= 0 (0: no overlap); got {staleness!r}")
+        if staleness == 0:
+            return 0
+        if self.compressor is not None:
+            raise ValueError(
+                "overlap (staleness > 0) needs exact messages: compressed gossip's error-feedback copies x_hat assume "
+                "every message is mixed in the round it was sent. Use compressor=None, or no overlap."
+            )
+        if not self.push_sum_weight:
+            raise ValueError(
+                "overlap (staleness > 0) needs the push-sum weight y: while its messages are in flight a node holds "
+                "only its share a_ii x_i, which y de-biases. Use column-stochastic mixing with push_sum_weight=True."
+            )
+        for k in range(self.topology.period):
+            if self.plan(k).self_weight <= 0.0:
+                raise ValueError(
+                    f"overlap (staleness > 0) needs every node to keep a share of its own mass, but a_ii = 0 for node "
+                    f"{self.rank} in round {k}: while the messages are in flight it would hold nothing (z = 0 / 0). "
+                    "Use mixing weights with a positive diagonal (e.g. weights='push-sum')."
+                )
+        return staleness
 
     # ----------------------------------------------------------------------------------------------------------------
     @property
@@ -156,10 +207,12 @@ class PushSumGossip:
     def step(self, x_half: Tensor) -> None:
         """One gossip round on x_i^{t+1/2} (the numerator after the local update); updates x, y and the copies."""
         plan = self.plan(self.round)
-        if self.compressor is None:
-            self._exact_round(x_half, plan)
-        else:
+        if self.compressor is not None:
             self._compressed_round(x_half, plan)
+        elif self.staleness:
+            self._overlap_round(x_half, plan)
+        else:
+            self._exact_round(x_half, plan)
         self.round += 1
 
     def _weight_message(self) -> list[Tensor]:
@@ -186,6 +239,39 @@ class PushSumGossip:
         for j in plan.in_peers:
             self.x.add_(received[j][0], alpha=plan.in_weights[j])
         self._mix_weights(plan, received)
+
+    # ---- overlap: SGP with non-blocking messages mixed tau steps late ----------------------------------------------
+    def _overlap_round(self, x_half: Tensor, plan: RoundPlan) -> None:
+        """Mix the rounds r <= k - tau into (v, w), post {v, w} without waiting, keep x = a_ii v and y = a_ii w."""
+        v, w = self._mix_in_flight(x_half, self.y, through_round=self.round - self.staleness)
+        message_specs = [TensorSpec.of(v), *self._weight_specs()]
+        messages = self.exchange.start(
+            {k: [v, w] for k in plan.out_peers},
+            {j: message_specs for j in plan.in_peers},
+            tag=self.round % (self.staleness + 1),  # the rounds in flight together never share a tag
+        )
+        self.in_flight.append(InFlight(self.round, messages))
+        torch.mul(v, plan.self_weight, out=self.x)
+        self.y = w * plan.self_weight
+
+    def _mix_in_flight(self, x: Tensor, y: Tensor, through_round: int) -> tuple[Tensor, Tensor]:
+        """x + sum_j a_ij(r) x_j(r) and y + sum_j a_ij(r) y_j(r) over the rounds r <= through_round in flight (waits
+        for them, oldest first); ``x`` itself is left unchanged."""
+        mixed = x
+        while self.in_flight and self.in_flight[0].round <= through_round:
+            flight = self.in_flight.popleft()
+            plan = self.plan(flight.round)
+            received = flight.messages.wait()
+            if mixed is x:
+                mixed = x.clone()
+            for j in plan.in_peers:
+                mixed.add_(received[j][0], alpha=plan.in_weights[j])
+                y = y + plan.in_weights[j] * received[j][-1]
+        return mixed, y
+
+    def flush(self) -> None:
+        """Wait for every round still in flight and mix it in now (end of training): x and y then hold all the mass."""
+        self.x, self.y = self._mix_in_flight(self.x, self.y, through_round=self.round)
 
     # ---- compressed: DP-CSGP Algorithm 1, lines 1-7 -----------------------------------------------------------------
     def _channel(self, receiver: int) -> int:
@@ -232,7 +318,9 @@ class PushSumGossip:
 
     # ---- checkpointing ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """The node's state; with overlap it waits for the rounds in flight and keeps their messages, unmixed, so a
+        resumed run mixes them at the same step as an uninterrupted one."""
+        state = {
             "round": self.round,
             "x": self.x.detach().cpu().clone(),
             "y": self.y.detach().cpu().clone(),
@@ -240,6 +328,15 @@ class PushSumGossip:
             "neighbour_copies": {j: t.detach().cpu().clone() for j, t in self.neighbour_copies.items()},
             "traffic": self.exchange.traffic.state_dict(),
         }
+        if self.in_flight:
+            state["in_flight"] = [
+                {
+                    "round": flight.round,
+                    "received": {j: [t.detach().cpu().clone() for t in m] for j, m in flight.messages.wait().items()},
+                }
+                for flight in self.in_flight
+            ]
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         device = self.x.device
@@ -249,3 +346,12 @@ class PushSumGossip:
         self.own_copies = {int(c): t.to(device).clone() for c, t in state["own_copies"].items()}
         self.neighbour_copies = {int(j): t.to(device).clone() for j, t in state["neighbour_copies"].items()}
         self.exchange.traffic.load_state_dict(state["traffic"])
+        self.in_flight = deque(
+            InFlight(
+                int(flight["round"]),
+                PendingRound.arrived({int(j): [t.to(device) for t in m] for j, m in flight["received"].items()}),
+            )
+            for flight in state.get("in_flight", [])
+        )
+        if not self.staleness:  # resumed without overlap: mix what the overlapping run left in flight now
+            self.flush()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -67,7 +67,44 @@ class Exchange(abc.ABC):
     ) -> dict[int, list[Tensor]]:
         """Run one round of point-to-point messages and return what arrived, by sender."""
 
+    def start(
+        self,
+        outgoing: Mapping[int, Sequence[Tensor]],
+        incoming: Mapping[int, Sequence[TensorSpec]],
+        tag: int = 0,
+    ) -> PendingRound:
+        """Post one round without waiting for it (non-blocking send and receive); ``wait()`` on the result.
+
+        The tensors of ``outgoing`` are copied before this returns, so the caller may change them at once. Rounds
+        posted with different ``tag`` may be in flight together. This default runs the round at once (blocking);
+        the distributed and loopback exchanges really overlap it with whatever the caller does next.
+        """
+        received = self.exchange(outgoing, incoming)
+        return PendingRound(lambda: received)
+
     def _check_peers(self, outgoing: Mapping[int, Sequence[Tensor]], incoming: Mapping[int, object]) -> None:
         for peer in list(outgoing) + list(incoming):
             if not 0 <= peer < self.world_size or peer == self.rank:
                 raise ValueError(f"node {self.rank}: invalid peer {peer} (world size {self.world_size})")
+
+
+class PendingRound:
+    """One round's messages in flight. ``wait()`` blocks until this node's sends have left and its receives have
+    arrived, and returns what arrived, by sender; later calls return the same tensors."""
+
+    def __init__(self, complete: Callable[[], dict[int, list[Tensor]]]) -> None:
+        self._complete: Callable[[], dict[int, list[Tensor]]] | None = complete
+        self._received: dict[int, list[Tensor]] | None = None
+
+    @classmethod
+    def arrived(cls, received: dict[int, list[Tensor]]) -> PendingRound:
+        """A round whose messages are already here (restored from a checkpoint)."""
+        pending = cls(lambda: received)
+        pending.wait()
+        return pending
+
+    def wait(self) -> dict[int, list[Tensor]]:
+        if self._complete is not None:
+            self._received, self._complete = self._complete(), None
+        assert self._received is not None
+        return self._received

@@ -3,47 +3,125 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_privdec.comm.base import Exchange
+from lightning_privdec.comm.base import Exchange, PendingRound
 from lightning_privdec.comm.wire import TensorSpec, message_nbytes, pack, unpack
+
+
+class PeerFailureError(RuntimeError):
+    """A gossip round failed because a neighbour died or did not answer within the process group's timeout."""
+
+    @classmethod
+    def during_round(cls, rank: int, peers: Sequence[int], cause: BaseException) -> PeerFailureError:
+        reason = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else type(cause).__name__
+        return cls(
+            f"node {rank} lost contact with its gossip neighbours {list(peers)}: a neighbour process died or did not "
+            f"answer within the timeout (the strategy's peer_timeout, else timeout). Backend error: {reason}. Look for "
+            "the first error in the other nodes' logs, then restart all nodes and resume from the last checkpoint "
+            "(trainer.fit(..., ckpt_path=...))."
+        )
+
+
+class _Guarded:
+    """A torch.distributed work handle whose ``wait`` raises :class:`PeerFailureError` instead of a backend error."""
+
+    def __init__(self, work: Any, rank: int, peers: Sequence[int], timeout: timedelta | None) -> None:
+        self.work, self.rank, self.peers, self.timeout = work, rank, peers, timeout
+
+    def wait(self) -> Any:
+        try:  # gloo's point-to-point waits ignore the process group's timeout unless it is passed here
+            return self.work.wait() if self.timeout is None else self.work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise PeerFailureError.during_round(self.rank, self.peers, exc) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
 
 
 class TorchDistributedExchange(Exchange):
     """One ``batch_isend_irecv`` per round: an isend per out-neighbour and an irecv per in-neighbour.
 
+    ``exchange`` waits for the round; ``start`` returns at once with the work handles (SGP's overlap).
+
     Uses the default process group (no process group per edge, so no creation-order hangs). With NCCL the CUDA
     device of this rank must be set before the first round (Lightning's strategies do this at setup).
+
+    ``timeout``: the longest wait for one round's messages before :class:`PeerFailureError` (``None``: no limit).
     """
 
-    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, device: torch.device, group: dist.ProcessGroup | None = None, timeout: timedelta | None = None
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchDistributedExchange needs an initialised torch.distributed process group")
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.device = device
         self.group = group
+        self.timeout = timeout
 
     def exchange(
         self,
         outgoing: Mapping[int, Sequence[Tensor]],
         incoming: Mapping[int, Sequence[TensorSpec]],
     ) -> dict[int, list[Tensor]]:
+        works, send_buffers, recv_buffers = self._post(outgoing, incoming, tag=0, own_buffers=False)
+        for work in works:
+            work.wait()
+        self._record(send_buffers, recv_buffers)
+        return {peer: unpack(recv_buffers[peer], specs) for peer, specs in incoming.items()}
+
+    def start(
+        self,
+        outgoing: Mapping[int, Sequence[Tensor]],
+        incoming: Mapping[int, Sequence[TensorSpec]],
+        tag: int = 0,
+    ) -> PendingRound:
+        """The same ``batch_isend_irecv`` without waiting: gloo's and NCCL's own threads move the bytes meanwhile."""
+        works, send_buffers, recv_buffers = self._post(outgoing, incoming, tag=tag, own_buffers=True)
+        self._record(send_buffers, recv_buffers)
+
+        def complete() -> dict[int, list[Tensor]]:
+            for work in works:
+                work.wait()
+            return {peer: unpack(recv_buffers[peer], specs) for peer, specs in incoming.items()}
+
+        return PendingRound(complete)
+
+    def _post(
+        self,
+        outgoing: Mapping[int, Sequence[Tensor]],
+        incoming: Mapping[int, Sequence[TensorSpec]],
+        *,
+        tag: int,
+        own_buffers: bool,
+    ) -> tuple[list[Any], dict[int, Tensor], dict[int, Tensor]]:
         self._check_peers(outgoing, incoming)
         send_buffers = {peer: pack(tensors) for peer, tensors in outgoing.items()}
+        if own_buffers:  # a send still in flight must not read a tensor the caller goes on to change
+            send_buffers = {
+                peer: buf.clone() if len(outgoing[peer]) == 1 else buf for peer, buf in send_buffers.items()
+            }
         recv_buffers = {
             peer: torch.empty(message_nbytes(specs), dtype=torch.uint8, device=self.device)
             for peer, specs in incoming.items()
         }
-        ops = [dist.P2POp(dist.isend, buf, peer, self.group) for peer, buf in send_buffers.items()]
-        ops += [dist.P2POp(dist.irecv, buf, peer, self.group) for peer, buf in recv_buffers.items()]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        ops = [dist.P2POp(dist.isend, buf, peer, self.group, tag) for peer, buf in send_buffers.items()]
+        ops += [dist.P2POp(dist.irecv, buf, peer, self.group, tag) for peer, buf in recv_buffers.items()]
+        peers = sorted({*outgoing, *incoming})
+        try:
+            works = [_Guarded(w, self.rank, peers, self.timeout) for w in dist.batch_isend_irecv(ops)] if ops else []
+        except RuntimeError as exc:  # a send to a peer whose connection is already closed fails at once
+            raise PeerFailureError.during_round(self.rank, peers, exc) from exc
+        return works, send_buffers, recv_buffers
+
+    def _record(self, send_buffers: Mapping[int, Tensor], recv_buffers: Mapping[int, Tensor]) -> None:
         self.traffic.record(
             {peer: buf.numel() for peer, buf in send_buffers.items()},
             {peer: buf.numel() for peer, buf in recv_buffers.items()},
         )
-        return {peer: unpack(recv_buffers[peer], specs) for peer, specs in incoming.items()}

@@ -1,8 +1,9 @@
 """A loopback exchange: n simulated nodes in one process, one thread per node.
 
 The algorithm code is the same as in a multi-process run: every node calls ``exchange`` once per round and blocks
-until its in-neighbours' messages arrive. Messages are packed into byte buffers exactly as on the wire (and copied),
-so byte counts match the distributed exchange. Deterministic: each node's arithmetic does not depend on thread timing.
+until its in-neighbours' messages arrive (or ``start``, then ``wait`` later). Messages are packed into byte buffers
+exactly as on the wire (and copied), so byte counts match the distributed exchange. Deterministic: each node's
+arithmetic does not depend on thread timing.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import TypeVar
 
 from torch import Tensor
 
-from lightning_privdec.comm.base import Exchange
-from lightning_privdec.comm.wire import TensorSpec, pack, unpack
+from lightning_privdec.comm.base import Exchange, PendingRound
+from lightning_privdec.comm.wire import TensorSpec, message_nbytes, pack, unpack
 
 T = TypeVar("T")
 
@@ -33,11 +34,33 @@ class LoopbackExchange(Exchange):
         incoming: Mapping[int, Sequence[TensorSpec]],
     ) -> dict[int, list[Tensor]]:
         self._check_peers(outgoing, incoming)
+        sent = self._send(outgoing)
+        received, sizes = self._receive(incoming)
+        self.traffic.record(sent, sizes)
+        return received
+
+    def start(
+        self,
+        outgoing: Mapping[int, Sequence[Tensor]],
+        incoming: Mapping[int, Sequence[TensorSpec]],
+        tag: int = 0,
+    ) -> PendingRound:
+        """Post the messages now and collect them on ``wait()``. Each (sender, receiver) mailbox is first in, first
+        out, so rounds waited for in the order they were started need no tag."""
+        self._check_peers(outgoing, incoming)
+        sent = self._send(outgoing)
+        self.traffic.record(sent, {peer: message_nbytes(specs) for peer, specs in incoming.items()})
+        return PendingRound(lambda: self._receive(incoming)[0])
+
+    def _send(self, outgoing: Mapping[int, Sequence[Tensor]]) -> dict[int, int]:
         sent = {}
         for peer, tensors in outgoing.items():
             buffer = pack(tensors).clone()
             sent[peer] = buffer.numel()
             self._network._mailbox(self.rank, peer).put(buffer)
+        return sent
+
+    def _receive(self, incoming: Mapping[int, Sequence[TensorSpec]]) -> tuple[dict[int, list[Tensor]], dict[int, int]]:
         received, sizes = {}, {}
         for peer, specs in incoming.items():
             try:
@@ -49,8 +72,7 @@ class LoopbackExchange(Exchange):
                 ) from None
             sizes[peer] = buffer.numel()
             received[peer] = unpack(buffer, specs)
-        self.traffic.record(sent, sizes)
-        return received
+        return received, sizes
 
 
 class LoopbackNetwork:

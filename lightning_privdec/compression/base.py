@@ -11,11 +11,12 @@ Decentralized error-feedback schemes (CHOCO-SGD, Koloskova et al. 2019, Eq. (4)
 where CHOCO writes the same condition as ``(1 - delta) ||x||^2`` with
 ``delta = 1 - omega^2``. :meth:`Compressor.omega2` returns that constant.
 
-Randomness (RandK's coordinates, QSGD's dithering) is drawn from a
-``torch.Generator`` on the tensor's device seeded with a ``key`` that sender and
-receiver agree on for a given (sender, round), so indices never travel. Note
-that torch's CPU and CUDA generators produce different streams for the same
-seed: sender and receiver of one message must use the same device type.
+Randomness (RandK's coordinates, QSGD's dithering) is seeded with a ``key`` that
+sender and receiver agree on for a given (sender, round), so indices never
+travel. It comes from NumPy's PCG64 for CPU tensors (much faster than torch's
+CPU generator) and from a ``torch.Generator`` on the device otherwise, so the
+two streams differ for the same key: sender and receiver of one message must
+use the same device type (and the same NumPy / torch versions).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Compressor", "Identity", "PayloadSpec", "make_generator"]
+__all__ = ["Compressor", "Identity", "PayloadSpec", "make_generator", "seed_of"]
 
 #: Shapes and dtypes of payload tensors, in wire order.
 PayloadSpec = list[tuple[tuple[int, ...], torch.dtype]]
@@ -34,12 +35,17 @@ PayloadSpec = list[tuple[tuple[int, ...], torch.dtype]]
 _KEY_MASK = (1 << 63) - 1
 
 
-def make_generator(key: int, device: torch.device | str) -> torch.Generator:
-    """A ``torch.Generator`` on ``device`` seeded with ``key`` (reduced to 63 bits)."""
+def seed_of(key: int) -> int:
+    """``key`` reduced to the 63-bit seed every generator of a message is seeded with."""
     if isinstance(key, bool) or not isinstance(key, int):
         raise ValueError(f"key must be an int (a 63-bit seed), got {type(key).__name__}")
+    return key & _KEY_MASK
+
+
+def make_generator(key: int, device: torch.device | str) -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded with ``key`` (reduced to 63 bits)."""
     gen = torch.Generator(device=device)
-    gen.manual_seed(key & _KEY_MASK)
+    gen.manual_seed(seed_of(key))
     return gen
 
 

@@ -6,9 +6,10 @@ little-endian bit stream -- bit ``j`` of value ``i`` sits at stream position
 last byte is zero-padded. Hence ``n`` values of width ``w`` occupy exactly
 ``ceil(n * w / 8)`` bytes.
 
-All operations are vectorised torch ops (no Python loop over elements), so they
-run on CPU and CUDA alike and keep the input's device. Three code paths produce
-the same layout:
+All operations are vectorised (no Python loop over elements) and keep the
+input's device. CPU tensors go through NumPy's ``packbits``/``unpackbits``
+(``bitorder="little"`` is exactly this layout; one C pass); other devices use
+torch ops, with three code paths producing the same layout:
 
 * ``w % 8 == 0`` (8, 16, ...): split each value into ``w // 8`` bytes;
 * ``8 % w == 0`` (1, 2, 4): place ``8 // w`` values in each byte;
@@ -18,6 +19,7 @@ the same layout:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["MAX_WIDTH", "packed_nbytes", "pack_bits", "unpack_bits"]
@@ -39,6 +41,32 @@ def packed_nbytes(count: int, width: int) -> int:
     return (count * width + 7) // 8
 
 
+def _container(width: int) -> np.dtype:
+    """The little-endian unsigned integer type that holds one value of ``width`` bits."""
+    return np.dtype("<u1" if width <= 8 else "<u2" if width <= 16 else "<u4")
+
+
+def _pack_numpy(flat: torch.Tensor, width: int) -> torch.Tensor:
+    if width == 1:
+        bits = (flat.numpy() & 1).astype(np.uint8, copy=False) if flat.dtype != torch.bool else flat.numpy()
+    else:  # one row of little-endian bits per value, its first `width` bits kept
+        values = flat.numpy().astype(_container(width), copy=False)
+        bits = np.unpackbits(values.view(np.uint8).reshape(-1, values.itemsize), axis=1, bitorder="little")
+        bits = bits[:, :width]
+    return torch.from_numpy(np.packbits(bits.reshape(-1), bitorder="little"))
+
+
+def _unpack_numpy(packed: torch.Tensor, width: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    bits = np.unpackbits(packed.numpy(), count=count * width, bitorder="little")
+    if width == 1:
+        return torch.from_numpy(bits).to(dtype)
+    container = _container(width)
+    rows = np.zeros((count, 8 * container.itemsize), dtype=np.uint8)
+    rows[:, :width] = bits.reshape(count, width)
+    values = np.packbits(rows, axis=1, bitorder="little").view(container).reshape(-1)
+    return torch.from_numpy(values.astype(np.int64) if width > 8 else values).to(dtype)
+
+
 def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     """Pack non-negative integers ``< 2**width`` into a 1-D uint8 tensor.
 
@@ -55,13 +83,18 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     if values.is_floating_point() or values.is_complex():
         raise ValueError(f"pack_bits expects an integer or bool tensor, got dtype {values.dtype}")
     flat = values.reshape(-1)
+    if width == 8:  # one byte per value
+        return flat.to(torch.uint8)
+    if flat.device.type == "cpu":
+        return _pack_numpy(flat.contiguous(), width)
+    return _pack_torch(flat, width)
+
+
+def _pack_torch(flat: torch.Tensor, width: int) -> torch.Tensor:
     n = flat.numel()
     device = flat.device
-
     if width % 8 == 0:
         # One or more whole bytes per value: byte b of value i is (v >> 8b) & 0xFF.
-        if width == 8:
-            return flat.to(torch.uint8)
         shifts = torch.arange(0, width, 8, device=device, dtype=torch.int64)
         out = (flat.to(torch.int64).unsqueeze(1) >> shifts) & 0xFF
         return out.to(torch.uint8).reshape(-1)
@@ -86,16 +119,17 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     return (bits.reshape(-1, 8) << weights).sum(dim=1, dtype=torch.uint8)
 
 
-def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
+def unpack_bits(packed: torch.Tensor, width: int, count: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: read ``count`` values of ``width`` bits.
 
     Args:
         packed: 1-D uint8 tensor of length ``packed_nbytes(count, width)``.
         width: bits per value, ``1 <= width <= 32``.
         count: number of values to read (the trailing padding bits are ignored).
+        dtype: of the result (default int64; a float dtype skips the int64 intermediate for decoders).
 
     Returns:
-        int64 tensor of shape ``(count,)`` on ``packed.device``.
+        tensor of shape ``(count,)`` and ``dtype`` on ``packed.device``.
     """
     _check_width(width)
     expected = packed_nbytes(count, width)
@@ -105,9 +139,15 @@ def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
             f"{width} bits, got dtype={packed.dtype}, shape={tuple(packed.shape)}"
         )
     device = packed.device
-
     if width == 8:  # one byte per value: nothing to reassemble
-        return packed.to(torch.int64)
+        return packed.to(dtype)
+    if device.type == "cpu":
+        return _unpack_numpy(packed.contiguous(), width, count, dtype)
+    return _unpack_torch(packed, width, count).to(dtype)
+
+
+def _unpack_torch(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    device = packed.device
 
     if width % 8 == 0:
         nb = width // 8

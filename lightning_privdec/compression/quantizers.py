@@ -11,7 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import Compressor, PayloadSpec, _check_dim, make_generator
+import numpy as np
+
+from .base import Compressor, PayloadSpec, _check_dim, make_generator, seed_of
 from .bits import pack_bits, packed_nbytes, unpack_bits
 
 __all__ = ["QSGD", "Sign"]
@@ -20,6 +22,20 @@ __all__ = ["QSGD", "Sign"]
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     """Arithmetic precision: float64 stays float64, everything else (fp16/bf16/fp32) uses float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _uniform(d: int, key: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """U[0, 1)^d seeded with ``key``: NumPy's PCG64 on CPU (several times faster than torch's CPU generator),
+    torch's generator on other devices. Only the sender draws it, so the two need not agree."""
+    if device.type == "cpu":
+        return torch.from_numpy(np.random.default_rng(seed_of(key)).random(d, dtype=np.float64 if dtype ==
+                                torch.float64 else np.float32))
+    return torch.rand(d, generator=make_generator(key, device), device=device, dtype=dtype)
+
+
+def _signs(packed_signs: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """+1 / -1 per coordinate from the packed sign bits (bit 1 = negative)."""
+    return unpack_bits(packed_signs, 1, d, dtype=dtype).mul_(-2).add_(1)
 
 
 class QSGD(Compressor):
@@ -35,8 +51,9 @@ class QSGD(Compressor):
     Levels ``l = floor(s|x|/||x|| + u)`` lie in ``{0, ..., s}``, which needs
     exactly ``bits`` bits. Payload (``bits + 1`` bits per coordinate + 4 bytes):
     ``[levels (ceil(d*bits/8),) uint8, sign bits (ceil(d/8),) uint8, norm (1,) float32]``.
-    The dithering ``u`` is drawn from a generator on ``x.device`` seeded with
-    ``key``; decoding is deterministic and does not need it. ``x = 0`` decodes to 0.
+    The dithering ``u`` is drawn from a generator seeded with ``key`` (NumPy's on
+    CPU, torch's on other devices); decoding is deterministic and does not need it.
+    ``x = 0`` decodes to 0.
     The norm travels as float32, also for float64 inputs.
     """
 
@@ -72,10 +89,9 @@ class QSGD(Compressor):
         xw = x.to(work)
         norm = torch.linalg.vector_norm(xw)
         # Clamp avoids 0/0 for x = 0 (then all levels are 0) without a host sync.
-        ratio = xw.abs() / norm.clamp_min(torch.finfo(work).tiny)  # in [0, 1]
-        u = torch.rand(d, generator=make_generator(key, x.device), device=x.device, dtype=work)
+        scaled = xw.abs().mul_(self.s / norm.clamp_min(torch.finfo(work).tiny))  # s |x| / ||x|| in [0, s]
         # Clamp: float round-off in s*ratio + u can reach s + 1 when ratio == 1.
-        levels = torch.floor(ratio.mul_(self.s).add_(u)).clamp_(0, self.s)
+        levels = scaled.add_(_uniform(d, key, x.device, work)).floor_().clamp_(0, self.s)
         levels_int = levels.to(torch.uint8 if self.bits <= 8 else torch.int32)
         return [
             pack_bits(levels_int, self.bits),
@@ -93,10 +109,9 @@ class QSGD(Compressor):
         self._check_payload(payload, d, dtype)
         packed_levels, packed_signs, norm = payload
         work = _work_dtype(dtype)
-        levels = unpack_bits(packed_levels, self.bits, d).to(work)
-        signs = 1 - 2 * unpack_bits(packed_signs, 1, d).to(work)  # bit 1 = negative
+        levels = unpack_bits(packed_levels, self.bits, d, dtype=work)
         scale = norm.to(work) / (self.tau(d) * self.s)
-        return (levels.mul_(signs).mul_(scale)).to(dtype)
+        return levels.mul_(_signs(packed_signs, d, work)).mul_(scale).to(dtype)
 
     def __repr__(self) -> str:
         return f"QSGD(bits={self.bits})"
@@ -139,5 +154,4 @@ class Sign(Compressor):
         self._check_payload(payload, d, dtype)
         packed_signs, scale = payload
         work = _work_dtype(dtype)
-        signs = 1 - 2 * unpack_bits(packed_signs, 1, d).to(work)  # bit 1 = negative
-        return signs.mul_(scale.to(work)).to(dtype)
+        return _signs(packed_signs, d, work).mul_(scale.to(work)).to(dtype)

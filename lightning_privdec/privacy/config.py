@@ -113,6 +113,28 @@ class PrivacyParameters:
         """
         return float(self.target_delta) if self.target_delta is not None else DEFAULT_DELTA
 
+    def check_delta(self, shard_size: int, rank: int = 0) -> None:
+        """Refuse ``target_delta >= 1/J`` for a shard of J examples; warn if the default reporting delta is.
+
+        (epsilon, delta)-DP with delta >= 1/J allows releasing one whole example of the shard outright (the
+        "name and shame" mechanism), so such a guarantee protects nobody.
+        """
+        if shard_size <= 0:
+            return
+        if self.target_delta is not None and float(self.target_delta) >= 1.0 / shard_size:
+            raise PrivacyConfigError(
+                f"target_delta={self.target_delta} is not below 1/J = {1.0 / shard_size:.3g} for node {rank}'s shard "
+                f"of J={shard_size} examples: with delta >= 1/J a mechanism may publish one example outright. Use "
+                f"target_delta <= {0.1 / shard_size:.1g} (a common choice is below 1/(10 J))"
+            )
+        if self.target_delta is None and DEFAULT_DELTA >= 1.0 / shard_size:
+            warnings.warn(
+                f"epsilon is reported at the default delta={DEFAULT_DELTA}, which is not below 1/J for node {rank}'s "
+                f"shard of J={shard_size} examples; pass target_delta below {1.0 / shard_size:.3g}",
+                UserWarning,
+                stacklevel=2,
+            )
+
     def resolve(self, sample_rate: float, steps: int) -> float:
         """The noise multiplier for a run of ``steps`` steps at Poisson rate ``sample_rate``: given, or calibrated.
 

@@ -88,6 +88,24 @@ class CPGTPrivacyEngine(NodePrivacyEngine):
             check_theorem2(self.alpha, self.lipschitz, self.noise_decay)
 
     # ---- planning ------------------------------------------------------------------------------------------------
+    def _batch_size_for_shard(self, batch_size: int, shard_size: int) -> int:
+        """Whole-run accountings need full batches: a batch size of at least the shard size means q = 1 (all of J).
+
+        Assumption 4 (one example moves the gradient by a constant vector) fails under mini-batches: the example is in
+        some batches and not in others, its difference enters the tracker afresh each time, under noise that decays to
+        zero. The privacy audit (docs/audit.md) measures epsilon >= 4.6 against a claimed 2 with q = 0.1.
+        """
+        if batch_size >= shard_size:
+            return shard_size
+        if self.accounting != "finite":
+            raise PrivacyConfigError(
+                f"CPGT: accounting={self.accounting!r} needs full batches (Assumption 4 fails under mini-batches: an "
+                f"example enters the tracker afresh each time it is sampled), but node {self.rank} would sample "
+                f"{batch_size} of its {shard_size} examples per step. Use a batch size of at least the largest "
+                "node's shard (every node then uses all of its data each step), or accounting='finite'"
+            )
+        return batch_size
+
     def _plan_noise(self, planned_steps: int) -> None:
         if self.alpha is None or self.norm_factor is None:
             raise RuntimeError("CPGTPrivacyEngine.configure(step_size=..., dimension=...) must run before planning")

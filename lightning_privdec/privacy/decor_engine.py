@@ -11,7 +11,8 @@ from torch import nn
 
 from lightning_privdec.algorithms.decor import decor_perturbation
 from lightning_privdec.privacy.config import PrivacyParameters
-from lightning_privdec.privacy.dp_step import DPStepStats, privatize_gradients
+from lightning_privdec.privacy.dp_step import DPStepStats
+from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.privacy.engine import NodePrivacyEngine
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.pairwise import CorrelatedNoise, PairwiseSecrets
@@ -57,12 +58,13 @@ class DecorPrivacyEngine(NodePrivacyEngine):
         device: torch.device,
         noise_seed: int | None = None,
     ) -> None:
-        super().__init__(parameters, rank=rank, device=device, grad_sample_mode="hooks", noise_seed=noise_seed)
+        super().__init__(parameters, rank=rank, device=device, grad_sample_mode=DEFAULT_GRAD_SAMPLE_MODE, noise_seed=noise_seed)
         self.graph, self.adversary, self.clipping, self.baseline = graph, adversary, clipping, baseline
         self.sigma_cdp, self.sigma_cor = sigma_cdp, sigma_cor
         self.secrets: PairwiseSecrets | None = None
         self.correlated: CorrelatedNoise | None = None
         self.calibration: CalibrationResult | None = None
+        self._within: tuple[tuple[Any, ...], int] | None = None  # cache of _steps_within
         self.epsilon_step: float | None = None
         self._steps = 0
 
@@ -120,11 +122,7 @@ class DecorPrivacyEngine(NodePrivacyEngine):
         C = self.parameters.max_grad_norm
         if self.clipping == "per_sample":
             assert self.per_sample is not None and self.expected_batch_size is not None
-            stats = privatize_gradients(
-                params, self.per_sample.per_sample_grads(), max_grad_norm=C, noise_multiplier=0.0,
-                expected_batch_size=self.expected_batch_size, generator=self.noise_generator,
-            )
-            self.per_sample.clear()
+            stats = self._clip_and_noise(C, noise_multiplier=0.0)  # p.grad = clipped sum / qJ
             scale = self.expected_batch_size  # the noise goes on the clipped sum, before the division
         else:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -167,7 +165,21 @@ class DecorPrivacyEngine(NodePrivacyEngine):
 
     def next_step_exceeds_budget(self) -> bool:
         target = self.parameters.target_epsilon
-        return target is not None and self.epsilon_step is not None and self._epsilon_after(self._steps + 1) > target
+        return target is not None and self.epsilon_step is not None and self._steps + 1 > self._steps_within(target)
+
+    def _steps_within(self, target: float) -> int:
+        """The most steps whose epsilon stays within ``target``; epsilon grows with the steps, so this is found once
+        per (step level, q, delta, target) by a doubling and bisection search instead of one accountant call per step."""
+        key = (self.epsilon_step, self.sample_rate, self.delta, self.level, target)
+        if self._within is None or self._within[0] != key:
+            fits, beyond = 0, max(1, int(self.planned_steps or 1))
+            while self._epsilon_after(beyond) <= target and beyond < 2**40:
+                fits, beyond = beyond, 2 * beyond
+            while beyond - fits > 1:
+                middle = (fits + beyond) // 2
+                fits, beyond = (middle, beyond) if self._epsilon_after(middle) <= target else (fits, middle)
+            self._within = (key, fits)
+        return self._within[1]
 
     # ---- checkpoints (no secrets: a resumed run agrees on new pairwise keys) ---------------------------------------
     def state_dict(self) -> dict[str, Any]:

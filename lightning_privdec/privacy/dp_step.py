@@ -32,7 +32,7 @@ from torch import Tensor
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
-__all__ = ["DPStepStats", "node_noise_generator", "noise_clipped_sum", "privatize_gradients"]
+__all__ = ["DPStepStats", "clip_and_accumulate", "node_noise_generator", "noise_clipped_sum", "privatize_gradients"]
 
 _NOISE_DOMAIN = b"lightning_privdec.privacy.noise"
 
@@ -116,21 +116,25 @@ def _noise_and_scale_into_grads(
     expected_batch_size: float,
     generator: torch.Generator,
 ) -> float:
-    """p.grad <- (clipped sum + N(0, sigma^2 C^2 I)) / (q J) for every parameter; returns the noise std sigma C."""
+    """p.grad <- (clipped sum + N(0, sigma^2 C^2 I)) / (q J) for every parameter; returns the noise std sigma C.
+
+    Writes into the existing ``p.grad`` where it fits (a clipped sum may BE ``p.grad``), so a step allocates only the
+    noise vector."""
     std = noise_multiplier * max_grad_norm
     noise: Tensor | None = None
     if std > 0:
         noise = _gaussian(sum(p.numel() for p in params), std, generator, params[0].dtype, params[0].device)
     offset = 0
     for p, summed in zip(params, clipped_sums):
+        grad = p.grad
+        if grad is None or grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
+            grad = torch.empty_like(p)
         if noise is not None:
-            summed = summed + noise[offset : offset + p.numel()].view_as(p).to(device=p.device, dtype=p.dtype)
+            torch.add(summed, noise[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype), out=grad)
+        elif summed is not grad:
+            grad.copy_(summed)
         offset += p.numel()
-        summed = summed / expected_batch_size
-        if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
-            p.grad.copy_(summed)
-        else:
-            p.grad = summed
+        p.grad = grad.div_(expected_batch_size)
     return std
 
 
@@ -139,6 +143,31 @@ def _norm_stats(norms: Tensor, max_grad_norm: float, device: torch.device) -> tu
         zero = torch.zeros((), device=device)
         return zero, zero, zero
     return norms.mean(), norms.max(), (norms > max_grad_norm).float().mean()
+
+
+@torch.no_grad()
+def clip_and_accumulate(
+    grad_samples: Sequence[Tensor], max_grad_norm: float, device: torch.device
+) -> tuple[list[Tensor], Tensor]:
+    """Abadi et al. 2016, Alg. 1, line 4 and the sum of line 5: ``(sum_i min(1, C / (||g_i|| + 1e-6)) g_i per
+    parameter, the norms ||g_i||)``, with ||g_i|| over ALL parameters jointly (Opacus's flat clipping), computed in
+    float32 at least. ``grad_samples[k]`` has shape ``(B, *shape_k)``; B may be 0 (sums of zeros)."""
+    batch_size = int(grad_samples[0].shape[0])
+    if batch_size > 0:
+        norm_dtype = torch.promote_types(grad_samples[0].dtype, torch.float32)
+        per_param = torch.stack(
+            [
+                torch.linalg.vector_norm(g.reshape(batch_size, -1), ord=2, dim=1, dtype=norm_dtype).to(device)
+                for g in grad_samples
+            ],
+            dim=1,
+        )
+        norms = torch.linalg.vector_norm(per_param, ord=2, dim=1)
+    else:
+        norms = torch.zeros(0, device=device)
+    factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    sums = [torch.einsum("i,i...->...", factor.to(device=g.device, dtype=g.dtype), g) for g in grad_samples]
+    return sums, norms
 
 
 @torch.no_grad()
@@ -213,27 +242,9 @@ def privatize_gradients(
                 f"per-sample gradient {k} has shape {tuple(g.shape)}, expected ({batch_size}, *{tuple(p.shape)})"
             )
 
-    device = params[0].device
-    if batch_size > 0:
-        # ||g_i|| over all parameters jointly, computed in float32 at least
-        norm_dtype = torch.promote_types(grad_samples[0].dtype, torch.float32)
-        per_param = torch.stack(
-            [
-                torch.linalg.vector_norm(g.reshape(batch_size, -1), ord=2, dim=1, dtype=norm_dtype).to(device)
-                for g in grad_samples
-            ],
-            dim=1,
-        )
-        norms = torch.linalg.vector_norm(per_param, ord=2, dim=1)
-    else:
-        norms = torch.zeros(0, device=device)
-    factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-    mean_norm, max_norm, clipped = _norm_stats(norms, max_grad_norm, device)
-
-    summed = [
-        torch.einsum("i,i...->...", factor.to(device=p.device, dtype=p.dtype), g.to(device=p.device, dtype=p.dtype))
-        for p, g in zip(params, grad_samples)
-    ]
+    summed, norms = clip_and_accumulate(grad_samples, max_grad_norm, params[0].device)
+    mean_norm, max_norm, clipped = _norm_stats(norms, max_grad_norm, params[0].device)
+    summed = [s.to(device=p.device, dtype=p.dtype) for p, s in zip(params, summed)]
     std = _noise_and_scale_into_grads(params, summed, max_grad_norm, noise_multiplier, expected_batch_size, generator)
     return DPStepStats(
         batch_size=batch_size, mean_norm=mean_norm, max_norm=max_norm, clipped_fraction=clipped, noise_std=std

@@ -24,8 +24,14 @@ from lightning_privdec.privacy.dp_step import (
     privatize_gradients,
 )
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.per_sample import GhostClipping, PerSampleGradients, check_private_model
+from lightning_privdec.privacy.per_sample import (
+    DEFAULT_GRAD_SAMPLE_MODE,
+    GhostClipping,
+    PerSampleGradients,
+    check_private_model,
+)
 from lightning_privdec.privacy.sampling import poisson_dataloader, sampler_shard_indices
+from lightning_privdec.privacy.write_ahead import strip_generators
 
 
 class NodePrivacyEngine:
@@ -35,8 +41,10 @@ class NodePrivacyEngine:
         parameters: the user's privacy parameters (validated here).
         rank: this node's id (keys its own noise and sampling streams).
         device: where the noise is drawn (the model's device).
-        grad_sample_mode: ``"hooks"`` (Opacus's per-layer rules), ``"functorch"``, or ``"ghost"`` (ghost clipping:
-            no per-sample gradients in memory; ``training_step`` must return per-sample losses).
+        grad_sample_mode: ``"bookkeeping"`` (default: one backward pass, per-sample norms and the clipped sum
+            without per-sample gradients in memory, any ``training_step``), ``"hooks"`` (Opacus's per-layer rules,
+            per-sample gradients materialised), ``"functorch"``, or ``"ghost"`` (ghost clipping: two backward passes;
+            ``training_step`` must return per-sample losses).
         noise_seed: ``None`` (default) seeds noise and sampling from OS entropy; an int makes them reproducible
             (tests only: whoever knows the seed knows the noise).
     """
@@ -47,7 +55,7 @@ class NodePrivacyEngine:
         *,
         rank: int,
         device: torch.device,
-        grad_sample_mode: str = "hooks",
+        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
         noise_seed: int | None = None,
     ) -> None:
         self.parameters = parameters.validate()
@@ -124,6 +132,7 @@ class NodePrivacyEngine:
                 "data, pass node_local_data=True to the strategy"
             )
         shard_size = len(shard)
+        batch_size = self._batch_size_for_shard(batch_size, shard_size)
         if not 0 < batch_size <= shard_size:
             raise PrivacyConfigError(
                 f"batch_size={batch_size} does not fit node {self.rank}'s shard of {shard_size} examples; "
@@ -136,6 +145,10 @@ class NodePrivacyEngine:
         self.expected_batch_size = self.sample_rate * shard_size
         self._plan_noise(planned_steps)
         return private
+
+    def _batch_size_for_shard(self, batch_size: int, shard_size: int) -> int:
+        """The expected batch size B this node samples with (q = B / J); engines with other sampling rules override."""
+        return batch_size
 
     def _plan_noise(self, planned_steps: int) -> None:
         """Fix sigma for a plan of ``planned_steps`` steps in all, counting the steps the ledger has already spent.
@@ -204,7 +217,11 @@ class NodePrivacyEngine:
             self._ghost_norms = None
             return stats
         assert self.per_sample is not None
-        stats = privatize_gradients(self.per_sample.parameters, self.per_sample.per_sample_grads(), **dp)
+        if self.per_sample.mode == "bookkeeping":  # clipped sum without per-sample gradients, then the same noise
+            norms = self.per_sample.clip_and_sum(max_grad_norm)
+            stats = noise_clipped_sum(self.per_sample.parameters, norms, **dp)
+        else:
+            stats = privatize_gradients(self.per_sample.parameters, self.per_sample.per_sample_grads(), **dp)
         self.per_sample.clear()
         return stats
 
@@ -295,3 +312,14 @@ class NodePrivacyEngine:
         self.noise_multiplier = state["noise_multiplier"]
         self._plan = (int(state["plan"][0]), float(state["plan"][1])) if state["plan"] is not None else None
         self._load_generator_state(state)
+
+    def accounting_state(self) -> dict[str, Any]:
+        """:meth:`state_dict` without generator states: what the write-ahead ledger writes before each release
+        (:mod:`lightning_privdec.privacy.write_ahead`)."""
+        return strip_generators(self.state_dict())
+
+    def load_accounting_state(self, state: Mapping[str, Any]) -> None:
+        """Take a later accounting state of the same run (the write-ahead ledger's): ledger, step count, plan and
+        noise levels. The model, the generators and the gossip keep the checkpoint's state."""
+        self.load_state_dict(strip_generators(state))
+        self._certified = None

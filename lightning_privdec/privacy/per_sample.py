@@ -5,6 +5,15 @@ their sum. Opacus computes them with forward/backward hooks (``opacus.grad_sampl
 existing module object, so Lightning, the optimizer and the strategy keep holding the same module and parameters,
 and the LightningModule's own ``training_step`` (``self(x)``) fills ``param.grad_sample``.
 
+The default mode, ``"bookkeeping"`` (Bu, Wang, Zha, Karypis 2023, "book-keeping" ghost clipping), keeps what those
+hooks capture (every layer's input ``a_i`` and output gradient ``g_i``) and computes nothing more during the
+backward pass. Once the pass is over it gets each example's gradient norm without materialising the gradient
+(for a linear layer ||g_i a_i^T||^2 = ||g_i||^2 ||a_i||^2; Goodfellow 2015, Li et al. 2022) and then the sum of
+CLIPPED gradients in one matrix product per layer, sum_i c_i g_i a_i^T = (c * G)^T A. The result is the same sum of
+clipped per-sample gradients as ``"hooks"`` (same flat clipping, same mean-loss convention, any training_step), with
+one backward pass and no (B, *p.shape) tensors; layers without such a formula fall back to Opacus's per-sample
+gradients for that layer only.
+
 Layers that mix examples within a batch (BatchNorm) or that Opacus cannot differentiate per example are rejected
 before training by :func:`check_private_model`, which can also replace them in place.
 """
@@ -16,18 +25,33 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from opacus.grad_sample import GradSampleHooksFastGradientClipping
+from opacus.grad_sample import GradSampleHooks, GradSampleHooksFastGradientClipping
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 from opacus.grad_sample.utils import prepare_module
-from opacus.utils.module_utils import has_trainable_params, trainable_modules
+from opacus.utils.module_utils import has_trainable_params, trainable_modules, trainable_parameters
 from opacus.validators import ModuleValidator
 from torch import Tensor, nn
 
+from lightning_privdec.privacy.dp_step import clip_and_accumulate
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
-__all__ = ["GRAD_SAMPLE_MODES", "GhostClipping", "PerSampleGradients", "check_private_model"]
+__all__ = [
+    "DEFAULT_GRAD_SAMPLE_MODE",
+    "GRAD_SAMPLE_MODES",
+    "GhostClipping",
+    "PerSampleGradients",
+    "check_private_model",
+]
 
-GradSampleMode = Literal["hooks", "functorch", "ghost"]
-GRAD_SAMPLE_MODES: tuple[str, ...] = ("hooks", "functorch", "ghost")
+GradSampleMode = Literal["bookkeeping", "hooks", "functorch", "ghost"]
+GRAD_SAMPLE_MODES: tuple[str, ...] = ("bookkeeping", "hooks", "functorch", "ghost")
+#: the fastest mode that keeps DP-SGD's semantics for every model (see benchmarks/step_time.py --modes-only)
+DEFAULT_GRAD_SAMPLE_MODE = "bookkeeping"
+_PER_SAMPLE_MODES = ("bookkeeping", "hooks", "functorch")  # modes of PerSampleGradients (ghost: GhostClipping)
+_GRAD_ACCUMULATION_ERROR = (
+    "Poisson sampling is not compatible with grad accumulation: a second backward pass before clear(). Take one "
+    "optimizer step per sampled batch."
+)
 
 #: normalisations that mix the examples of a batch even without trainable parameters
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
@@ -172,6 +196,172 @@ def check_private_model(module: nn.Module, fix: bool = False) -> nn.Module:
     return module
 
 
+@dataclass
+class _Record:
+    """What one backward hook call saw: the layer, its inputs a and its output gradients g (batch first; for a mean
+    loss already multiplied by B, so that they are per-example loss gradients), and the backward pass it belongs to."""
+
+    module: nn.Module
+    activations: list[Tensor]
+    backprops: Tensor
+    batch_size: int
+    backward_pass: int
+
+
+def _ghost_linear(record: _Record) -> bool:
+    """Whether ``record`` gets book-keeping's closed forms: an nn.Linear on (B, d) inputs, or on (B, T, d) inputs
+    when the T x T Gram matrices are smaller than a per-sample weight gradient (Li et al. 2022, Sec. 4)."""
+    if type(record.module) is not nn.Linear or record.backprops.dim() not in (2, 3):
+        return False
+    if record.backprops.dim() == 2:
+        return True
+    steps = record.backprops.shape[1]
+    return 2 * steps * steps <= record.module.in_features * record.module.out_features
+
+
+class _BookKeepingHooks(GradSampleHooks):
+    """Opacus's hooks whose backward hook only records (layer, a, g); see :meth:`clip_and_sum`.
+
+    Forward hooks, validation, functorch preparation of layers without a per-sample rule and the mean-loss rescaling
+    of g are Opacus's own (``GradSampleHooks``).
+    """
+
+    def __init__(self, module: nn.Module, *, batch_first: bool, loss_reduction: str, strict: bool) -> None:
+        self.records: list[_Record] = []
+        self._finished: set[int] = set()  # ids of parameters whose current backward pass is complete
+        self._pass = 0
+        super().__init__(module, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict)
+
+    def capture_backprops_hook(  # type: ignore[override]
+        self, module: nn.Module, _forward_input: Tensor, forward_output: Tensor, loss_reduction: str, batch_first: bool
+    ) -> None:
+        if not self.hooks_enabled:
+            return
+        params = [p for _, p in trainable_parameters(module)]
+        if any(id(p) in self._finished for p in params):  # a parameter is back for more: a new backward pass
+            if not self.grad_accumulation_allowed:
+                raise ValueError(_GRAD_ACCUMULATION_ERROR)
+            self._pass += 1
+            self._finished.clear()
+        activations, backprops = self.rearrange_grad_samples(
+            module=module, backprops=forward_output[0].detach(), loss_reduction=loss_reduction, batch_first=batch_first
+        )
+        self.records.append(_Record(module, activations, backprops, int(module.max_batch_len), self._pass))
+        for p in params:
+            p._forward_counter -= 1
+            if p._forward_counter == 0:
+                self._finished.add(id(p))
+        if len(module.activations) == 0 and hasattr(module, "max_batch_len"):
+            del module.max_batch_len
+
+    def forget(self) -> None:
+        self.records = []
+        self._finished.clear()
+        self._pass = 0
+
+    # ---- after the backward pass ---------------------------------------------------------------------------------
+    def _grad_samples(self, records: list[_Record]) -> dict[nn.Parameter, Tensor]:
+        """Per-sample gradients of the parameters the records touch (Opacus's per-layer rules, else functorch),
+        summed over a parameter's uses (tied weights, recurrent layers)."""
+        out: dict[nn.Parameter, Tensor] = {}
+        batch = max((r.batch_size for r in records), default=0)
+        for r in records:
+            sampler = self.GRAD_SAMPLERS.get(type(r.module), ft_compute_per_sample_gradient)
+            for p, gs in sampler(r.module, r.activations, r.backprops).items():
+                if not p.requires_grad:
+                    continue
+                if gs.shape[0] < batch:  # a shorter call (packed sequences): zero rows for the rest
+                    gs = torch.cat([gs, gs.new_zeros((batch - gs.shape[0], *gs.shape[1:]))])
+                out[p] = gs if p not in out else out[p] + gs  # usually one use per parameter: no copy
+        return out
+
+    def per_sample_grads(self, params: list[nn.Parameter]) -> list[Tensor]:
+        """Materialised per-sample gradients (backward passes concatenated), for callers that need them."""
+        passes = [[r for r in self.records if r.backward_pass == k] for k in range(self._pass + 1)]
+        passes = [records for records in passes if records]
+        out: list[list[Tensor]] = [[] for _ in params]
+        for records in passes:
+            samples, batch = self._grad_samples(records), max(r.batch_size for r in records)
+            for k, p in enumerate(params):
+                gs = samples.get(p)
+                out[k].append(gs if gs is not None else torch.zeros((batch, *p.shape), dtype=p.dtype, device=p.device))
+        return [
+            torch.cat(gs) if gs else torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+            for p, gs in zip(params, out)
+        ]
+
+    def clip_and_sum(self, params: list[nn.Parameter], max_grad_norm: float) -> Tensor:
+        """p.grad <- sum_i min(1, C / (||g_i|| + 1e-6)) g_i for every parameter, with ||g_i|| the norm over ALL
+        parameters jointly; returns the norms (float32 or wider), one per example of every backward pass."""
+        sums: dict[nn.Parameter, Tensor] = {}
+        all_norms = []
+        for k in range(self._pass + 1):
+            records = [r for r in self.records if r.backward_pass == k]
+            if records:
+                all_norms.append(self._clip_and_sum_pass(records, max_grad_norm, sums))
+        for p in params:
+            summed = sums.get(p)
+            if summed is None:
+                summed = torch.zeros_like(p)  # no example reached this parameter
+            if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
+                p.grad.copy_(summed)
+            else:
+                p.grad = summed
+        if not all_norms:
+            return torch.zeros(0, device=params[0].device)
+        return torch.cat(all_norms)
+
+    def _clip_and_sum_pass(self, records: list[_Record], max_grad_norm: float, sums: dict[nn.Parameter, Tensor]) -> Tensor:
+        uses: dict[int, int] = {}
+        for r in records:
+            for _, p in trainable_parameters(r.module):
+                uses[id(p)] = uses.get(id(p), 0) + 1
+        ghost = [
+            r for r in records if _ghost_linear(r) and all(uses[id(p)] == 1 for _, p in trainable_parameters(r.module))
+        ]
+        ghost_ids = {id(r) for r in ghost}
+        materialised = self._grad_samples([r for r in records if id(r) not in ghost_ids])
+        batch = max(r.batch_size for r in records)
+        dtype = torch.promote_types(records[0].backprops.dtype, torch.float32)
+        squared = torch.zeros(batch, dtype=dtype, device=records[0].backprops.device)
+        for r in ghost:  # ||g_i a_i^T||^2 and ||sum_t g_it||^2 from a and g alone
+            g, a = r.backprops, r.activations[0].to(r.backprops.dtype)
+            rows = slice(0, g.shape[0])
+            if g.dim() == 2:
+                g2 = torch.linalg.vector_norm(g, dim=1, dtype=dtype).square()
+                if r.module.weight.requires_grad:
+                    squared[rows] += g2 * torch.linalg.vector_norm(a, dim=1, dtype=dtype).square()
+                if r.module.bias is not None and r.module.bias.requires_grad:
+                    squared[rows] += g2
+            else:
+                if r.module.weight.requires_grad:
+                    squared[rows] += (torch.bmm(g, g.transpose(1, 2)) * torch.bmm(a, a.transpose(1, 2))).sum(
+                        dim=(1, 2), dtype=dtype
+                    )
+                if r.module.bias is not None and r.module.bias.requires_grad:
+                    squared[rows] += torch.linalg.vector_norm(g.sum(dim=1), dim=1, dtype=dtype).square()
+        for gs in materialised.values():
+            squared[: gs.shape[0]] += torch.linalg.vector_norm(gs.flatten(1), dim=1, dtype=dtype).square()
+        norms = squared.sqrt()
+        factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        for r in ghost:  # sum_i c_i g_i a_i^T = (c * G)^T A: one matrix product per layer
+            g, a = r.backprops, r.activations[0].to(r.backprops.dtype)
+            c = factor[: g.shape[0]].to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
+            weighted = (g * c).reshape(-1, g.shape[-1])
+            if r.module.weight.requires_grad:
+                _accumulate(sums, r.module.weight, weighted.t() @ a.reshape(-1, a.shape[-1]))
+            if r.module.bias is not None and r.module.bias.requires_grad:
+                _accumulate(sums, r.module.bias, weighted.sum(dim=0))
+        for p, gs in materialised.items():
+            _accumulate(sums, p, torch.einsum("i,i...->...", factor[: gs.shape[0]].to(gs.dtype), gs))
+        return norms
+
+
+def _accumulate(sums: dict[nn.Parameter, Tensor], p: nn.Parameter, value: Tensor) -> None:
+    value = value.to(p.dtype).view_as(p)
+    sums[p] = value if p not in sums else sums[p] + value
+
+
 class PerSampleGradients:
     """Opacus's per-sample gradient hooks attached to ``module`` in place (the module object is not replaced).
 
@@ -183,7 +373,10 @@ class PerSampleGradients:
     Args:
         module: the model; validated with :func:`check_private_model` when ``strict``.
         mode: ``"hooks"`` (Opacus's per-layer formulas; functorch for layers without one), ``"functorch"``
-            (``force_functorch=True``: vmap/grad for every layer). Ghost clipping is :class:`GhostClipping`.
+            (``force_functorch=True``: vmap/grad for every layer), or ``"bookkeeping"``: the hooks only record
+            every layer's inputs and output gradients, :meth:`clip_and_sum` then clips without materialising
+            per-sample gradients (see the module docstring), and :meth:`per_sample_grads` materialises them on
+            demand; ``p.grad_sample`` is not set. Ghost clipping with per-sample losses is :class:`GhostClipping`.
         loss_reduction: how the loss reduces over the batch, ``"mean"`` (Lightning's usual mean loss) or ``"sum"``;
             Opacus rescales backprops by B for ``"mean"`` so the results are true per-example gradients.
         batch_first: whether inputs have the batch in dimension 0.
@@ -202,10 +395,10 @@ class PerSampleGradients:
         strict: bool = True,
         allow_grad_accumulation: bool = False,
     ) -> None:
-        if mode not in ("hooks", "functorch"):
+        if mode not in _PER_SAMPLE_MODES:
             raise PrivacyConfigError(
-                f"unknown per-sample gradient mode {mode!r}; choose 'hooks' (default) or 'functorch' (ghost clipping: "
-                "GhostClipping)"
+                f"unknown per-sample gradient mode {mode!r}; choose 'hooks' (default), 'functorch' or 'bookkeeping' "
+                "(ghost clipping: GhostClipping)"
             )
         if loss_reduction not in ("mean", "sum"):
             raise PrivacyConfigError(
@@ -224,14 +417,20 @@ class PerSampleGradients:
         self.module = module
         self.mode = mode
         self.loss_reduction = loss_reduction
-        self._hooks = prepare_module(
-            module,
-            grad_sample_mode=mode,
-            wrap_model=False,
-            batch_first=batch_first,
-            loss_reduction=loss_reduction,
-            strict=strict,
-        )
+        self._bookkeeping: _BookKeepingHooks | None = None
+        if mode == "bookkeeping":
+            self._hooks = self._bookkeeping = _BookKeepingHooks(
+                module, batch_first=batch_first, loss_reduction=loss_reduction, strict=strict
+            )
+        else:
+            self._hooks = prepare_module(
+                module,
+                grad_sample_mode=mode,
+                wrap_model=False,
+                batch_first=batch_first,
+                loss_reduction=loss_reduction,
+                strict=strict,
+            )
         if not allow_grad_accumulation:
             self._hooks.forbid_grad_accumulation()
         self._attached = True
@@ -253,6 +452,8 @@ class PerSampleGradients:
         releases pure noise.
         """
         params = self.parameters
+        if self._bookkeeping is not None:
+            return self._bookkeeping.per_sample_grads(params)
         samples: list[Tensor | None] = []
         for p in params:
             gs = getattr(p, "grad_sample", None)
@@ -271,8 +472,29 @@ class PerSampleGradients:
             for p, g in zip(params, samples)
         ]
 
+    def clip_and_sum(self, max_grad_norm: float) -> Tensor:
+        """``p.grad <- sum_i min(1, C / (||g_i|| + 1e-6)) g_i`` (flat clipping: ||g_i|| over ALL parameters jointly,
+        as in :func:`~lightning_privdec.privacy.dp_step.privatize_gradients`); returns the norms ``||g_i||``.
+
+        Book-keeping never materialises the g_i (module docstring); the other modes clip their stored per-sample
+        gradients. An empty batch, or a step without backward, leaves zeros.
+        """
+        params = self.parameters
+        if self._bookkeeping is not None:
+            return self._bookkeeping.clip_and_sum(params, max_grad_norm)
+        sums, norms = clip_and_accumulate(self.per_sample_grads(), max_grad_norm, params[0].device)
+        for p, summed in zip(params, sums):
+            summed = summed.to(device=p.device, dtype=p.dtype)
+            if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
+                p.grad.copy_(summed)
+            else:
+                p.grad = summed
+        return norms
+
     def clear(self) -> None:
         """Forget the stored per-sample gradients and activations (call after every optimizer step)."""
+        if self._bookkeeping is not None:
+            self._bookkeeping.forget()
         for p in self.module.parameters():
             if hasattr(p, "grad_sample"):
                 p.grad_sample = None

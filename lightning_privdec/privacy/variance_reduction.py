@@ -102,7 +102,7 @@ class SagaTable:
         if index.numel() == 0:
             return
         new = self._fit(values.to(self.rows.device))
-        self.total += new.double().sum(0) - self.rows[index].double().sum(0)
+        self.total += new.sum(0, dtype=torch.float64) - self.rows[index].sum(0, dtype=torch.float64)
         self.rows[index] = new
 
     @torch.no_grad()

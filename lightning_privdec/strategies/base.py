@@ -37,6 +37,14 @@ import lightning.pytorch as pl
 from lightning_privdec.algorithms import PushSumGossip
 from lightning_privdec.comm import TorchDistributedExchange
 from lightning_privdec.compression import Compressor, build_compressor
+from lightning_privdec.strategies.checks import (
+    NonFiniteStepError,
+    check_same_configuration,
+    check_training_batches,
+    describe,
+    gather_from_nodes,
+    nonfinite_parameters,
+)
 from lightning_privdec.strategies.flat_parameters import FlatParameters
 from lightning_privdec.topology import Topology, TopologyError, build_topology
 
@@ -54,6 +62,14 @@ class DecentralizedStrategy(DDPStrategy):
         consensus_step: gamma of the compressed gossip (DP-CSGP Algorithm 1 line 5 uses 1). Aggressive compressors
             need gamma < 1 (CHOCO-SGD); see docs/compression.md for measured values.
         seed: shared by all nodes; keys compressor randomness and random graphs.
+        overlap: SGP's overlap: each round's messages travel during the next ``staleness`` forward/backward passes
+            and are mixed in ``staleness`` steps late (exact push-sum only; see
+            :mod:`lightning_privdec.algorithms.push_sum`).
+        staleness: tau >= 1, the steps a message is late with ``overlap=True``.
+        peer_timeout: how long a node waits for any other node (a gossip message, a collective) once training is set
+            up, before it stops with an error: a ``timedelta`` or seconds, longer than the slowest checkpoint write
+            or validation pass (the others wait that long). ``None`` keeps ``timeout`` (Lightning's, 30 minutes by
+            default), which also bounds the start-up rendezvous; see the README, "Reliability".
         Remaining arguments are Lightning's DDP ones (launcher, timeouts, process group backend).
     """
 
@@ -61,6 +77,14 @@ class DecentralizedStrategy(DDPStrategy):
     default_weights: str = "push-sum"
     required_mixing: Literal["column", "doubly", "row"] = "column"
     requires_symmetric_graph: bool = False
+    #: constructor arguments (stored under the same attribute name) that every node must share, beyond those
+    #: :meth:`configuration` lists itself; each class names its own, the check collects them over the MRO
+    shared_options: tuple[str, ...] = ("weights", "consensus_step", "seed", "staleness")
+    #: constructor arguments that may differ from node to node (never compared)
+    local_options: tuple[str, ...] = (
+        "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+        "process_group_backend", "timeout", "peer_timeout", "start_method",
+    )
 
     def __init__(
         self,
@@ -70,6 +94,8 @@ class DecentralizedStrategy(DDPStrategy):
         weights: str | Any | None = None,
         consensus_step: float = 1.0,
         seed: int = 0,
+        overlap: bool = False,
+        staleness: int = 1,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -77,6 +103,7 @@ class DecentralizedStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        peer_timeout: timedelta | float | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(
@@ -90,12 +117,18 @@ class DecentralizedStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.topology_spec = topology
+        if isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool):
+            peer_timeout = timedelta(seconds=peer_timeout)
+        if peer_timeout is not None and (not isinstance(peer_timeout, timedelta) or peer_timeout.total_seconds() <= 0):
+            raise ValueError(f"peer_timeout must be a positive timedelta or number of seconds, got {peer_timeout!r}")
+        self.peer_timeout: timedelta | None = peer_timeout
         self.compressor = build_compressor(compressor)
         self.weights = weights if weights is not None else self.default_weights
         if not 0.0 < consensus_step <= 1.0:
             raise ValueError(f"consensus_step (gamma) must be in (0, 1]; got {consensus_step}")
         self.consensus_step = float(consensus_step)
         self.seed = int(seed)
+        self.staleness = self._check_overlap(overlap, staleness)
         self.topology: Topology | None = None
         self.flat: FlatParameters | None = None
         self.gossip: PushSumGossip | None = None
@@ -108,12 +141,71 @@ class DecentralizedStrategy(DDPStrategy):
         topology.validate(world_size, mixing=self.required_mixing, require_symmetric=self.requires_symmetric_graph)
         return topology
 
+    def _check_overlap(self, overlap: bool, staleness: int) -> int:
+        """SGP's overlap only where delayed mixing is sound: exact push-sum messages. Returns tau (0: no overlap)."""
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False; got {overlap!r}")
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1:
+            raise ValueError(f"staleness (SGP's tau: steps a message is late) must be an int >= 1; got {staleness!r}")
+        if not overlap:
+            if staleness != 1:
+                raise ValueError(f"staleness={staleness} only applies with overlap=True: add overlap=True or drop it")
+            return 0
+        name = type(self).__name__
+        if self.required_mixing != "column":
+            raise ValueError(
+                f"{name} does not support overlap=True: it mixes without the push-sum weight, and while a node's "
+                "messages are in flight it holds only its own share a_ii x_i, which only that weight de-biases. Use a "
+                "push-sum strategy (DecentralizedPushSumStrategy, PrivSGPStrategy), or overlap=False."
+            )
+        if self.compressor is not None:
+            raise ValueError(
+                f"{name} with compressor={self.compressor} does not support overlap=True: the error-feedback copies "
+                "of compressed gossip assume every message is mixed in the round it was sent. Use compressor=None "
+                "(DP-CSGP without compression is PrivSGPStrategy), or overlap=False."
+            )
+        return staleness
+
     def setup_environment(self) -> None:
         # Validate the graph against the world size before the process group exists: every rank fails the same
         # way and nobody waits on a rendezvous that will never complete.
         world_size = self.num_nodes * self.num_processes
         self.topology = self._build_topology(world_size)
         super().setup_environment()
+        if self.peer_timeout is not None:  # the rendezvous above used `timeout`; from here on nodes wait this long
+            set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # torch < 2.10
+            set_timeout(self.peer_timeout)
+        self.check_same_configuration()
+
+    def configuration(self) -> dict[str, Any]:
+        """What every node must agree on: strategy arguments, the graph, the model's shapes and the Trainer's
+        training limits. Compared across nodes at setup by :meth:`check_same_configuration`."""
+        topology = self.topology
+        graph = topology and [sorted(topology.graph(k).edges) for k in range(topology.period)]
+        if topology is not None and topology.weight_rule == "custom":  # the user's own matrices, compared too
+            graph = (graph, [topology.mixing_matrix(k) for k in range(topology.period)])
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        configuration: dict[str, Any] = {
+            "strategy": type(self).__name__,
+            "world_size": self.world_size,
+            "topology": (getattr(topology, "name", None), getattr(topology, "weight_rule", None), graph),
+            "compressor": self.compressor,
+            "overlap": self.staleness > 0,
+            "model": module and [(n, tuple(p.shape), p.dtype) for n, p in module.named_parameters() if p.requires_grad],
+        }
+        for name in ("max_epochs", "max_steps", "limit_train_batches", "accumulate_grad_batches", "gradient_clip_val",
+                     "precision"):
+            configuration[f"Trainer.{name}"] = getattr(trainer, name, None)
+        for cls in type(self).__mro__:
+            configuration.update({name: getattr(self, name) for name in vars(cls).get("shared_options", ())})
+        return configuration
+
+    def check_same_configuration(self) -> None:
+        """Exchange :meth:`configuration` (short values as text, long ones as a SHA-256 digest) and raise
+        :class:`~lightning_privdec.strategies.checks.NodeMismatchError` on every node if any two nodes differ."""
+        mine = {name: describe(value) for name, value in self.configuration().items()}
+        check_same_configuration(gather_from_nodes(mine), self.global_rank)
 
     def configure_ddp(self) -> None:
         """Replaces DDP wrapping: common public initialisation, flat parameters, exchange and gossip state."""
@@ -121,8 +213,10 @@ class DecentralizedStrategy(DDPStrategy):
         assert self.topology is not None
         _sync_module_states(self.model)  # every node starts from rank 0's parameters (the public x^0)
         self.flat = FlatParameters(self.model)
-        exchange = TorchDistributedExchange(self.root_device)
+        exchange = TorchDistributedExchange(self.root_device, timeout=self.peer_timeout or self._timeout)
         self.gossip = self.build_gossip(self.flat.buffer, exchange)
+        if getattr(self.gossip, "staleness", 0) != self.staleness:
+            raise RuntimeError(f"{type(self).__name__}'s gossip does not implement overlap=True; use overlap=False")
         self._warn_about_unstable_compression(self.flat.numel)
 
     def build_gossip(self, x0: torch.Tensor, exchange: TorchDistributedExchange) -> PushSumGossip:
@@ -138,6 +232,7 @@ class DecentralizedStrategy(DDPStrategy):
             reference=x0,
             seed=self.seed,
             consensus_step=self.consensus_step,
+            staleness=self.staleness,
         )
 
     def _warn_about_unstable_compression(self, dimension: int) -> None:
@@ -185,7 +280,39 @@ class DecentralizedStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         pass
 
+    def process_dataloader(self, dataloader: object) -> object:
+        """Before training: every node must have training data, and the same number of batches per epoch (one
+        gossip round each); all nodes compare and raise the same error otherwise."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        if trainer is not None and trainer.training:
+            check_training_batches(gather_from_nodes(_batches_per_epoch(dataloader, trainer)), self.global_rank)
+        return super().process_dataloader(dataloader)
+
     # ---- the training step ---------------------------------------------------------------------------------------
+    #: whether a non-finite loss stops training (private strategies check only the privatized gradient: the mean
+    #: loss of an empty Poisson batch is NaN by construction)
+    stop_on_nonfinite_loss: bool = True
+
+    def _check_finite(self, loss: Any) -> None:
+        """Stop, on this node, at the first NaN or infinite loss or gradient, before the update or the gossip."""
+        assert self.lightning_module is not None
+        bad = nonfinite_parameters(list(self.lightning_module.named_parameters()))
+        bad_loss = self.stop_on_nonfinite_loss and isinstance(loss, torch.Tensor) and not torch.isfinite(loss).all()
+        if not bad and not bad_loss:
+            return
+        problems = [f"loss ({loss.detach().reshape(-1)[0].item()})"] if bad_loss else []
+        if bad:
+            problems.append(f"gradient of {', '.join(bad[:3])}" + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
+        what = " and ".join(problems)
+        step = self.lightning_module.trainer.global_step
+        raise NonFiniteStepError(
+            f"node {self.global_rank}, step {step}: non-finite {what}. Training stops here; nothing from this step "
+            "left the node (no update, no gossip), and the other nodes stop when they miss its messages. Usual causes: "
+            "a learning rate too large, NaN/inf in the input data, log(0) or division by zero in the loss. Fix it and "
+            "resume every node from the last checkpoint (trainer.fit(..., ckpt_path=...))."
+        )
+
     def transform_gradients(self) -> None:
         """Hook between backward and the optimizer update (per-sample clipping and noise in private strategies)."""
 
@@ -213,6 +340,7 @@ class DecentralizedStrategy(DDPStrategy):
                 )
             loss = closure()  # forward + backward at z = x / y
             self.transform_gradients()
+            self._check_finite(loss)  # nothing non-finite ever reaches the numerator or a neighbour
             flat.buffer.copy_(gossip.x)  # the optimizer updates the numerator x
             return loss
 
@@ -220,6 +348,12 @@ class DecentralizedStrategy(DDPStrategy):
         gossip.step(flat.buffer)  # x^{t+1/2} -> neighbours -> x^{t+1}, y^{t+1}
         gossip.debias_into(flat.buffer)  # the module holds z = x / y for the next forward
         return output
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.staleness and self.gossip is not None and self.flat is not None:
+            self.gossip.flush()  # overlap: mix the last rounds still in flight, so no node's final model misses them
+            self.gossip.debias_into(self.flat.buffer)
 
     # ---- checkpoints: every node's own state ---------------------------------------------------------------------
     @property
@@ -305,6 +439,20 @@ class DecentralizedStrategy(DDPStrategy):
             optimizer.load_state_dict(state)
             _optimizer_to_device(optimizer, self.root_device)
 
+
+
+def _batches_per_epoch(dataloader: object, trainer: pl.Trainer) -> int | None:
+    """Training batches this node takes per epoch (``limit_train_batches`` applied); None without a length."""
+    try:
+        batches = len(dataloader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    limit = trainer.limit_train_batches
+    if limit == 0:  # no training at all: nothing to agree on
+        return None
+    if isinstance(limit, int):
+        return min(batches, limit)
+    return int(batches * limit) if limit is not None and limit < 1.0 else batches
 
 
 def _rng_state() -> dict[str, Any]:

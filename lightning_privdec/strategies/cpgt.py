@@ -93,6 +93,8 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
     default_weights = "metropolis"
     required_mixing = "doubly"
     requires_symmetric_graph = True
+    shared_options = ("noise_x", "noise_y", "noise_decay", "lipschitz", "sensitivity", "sensitivity_norm", "accounting",
+                      "target_epsilon")
 
     def __init__(
         self,
@@ -242,8 +244,8 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
                     f"gradient map is L-smooth with L = {engine.lipschitz} (your assumption) and"
                     + (" one example changes it by a constant vector (Assumption 4, false for neural networks; "
                        "accounting='finite' drops it)" if engine.accounting != "finite" else " nothing more")
-                    + ". It does not cover a node's own final model x_i(K), which reveals its tracker: publish the "
-                    "network average instead."
+                    + ". It does not cover a node's own final model x_i(K), which reveals its tracker, nor the "
+                    "network average of the clean models: publish the noisy x^a the node already sent instead."
                 )
                 rank_zero_info(
                     f"CPGT: Laplace noise d_x = {engine.noise_x:.4g}, d_y = {engine.noise_y:.4g}, decay q = "
@@ -266,6 +268,7 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
                 "assumes a constant step size"
             )
         engine.privatize()
+        self.write_ahead_step()  # accounted on disk before the tracker's Laplace-noised messages leave
         grad = torch.cat([p.grad.reshape(-1) for p in flat.parameters])
         y = gossip.track(grad)
         offset = 0

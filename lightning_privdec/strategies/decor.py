@@ -42,6 +42,8 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
     default_weights = "metropolis"
     required_mixing = "doubly"
     requires_symmetric_graph = True
+    shared_options = ("sigma_cdp", "sigma_cor", "adversary", "clipping", "baseline")
+    local_options = ("key_file_dir",)  # a per-node path
 
     def __init__(
         self,

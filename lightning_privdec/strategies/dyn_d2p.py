@@ -58,6 +58,7 @@ class DynD2PStrategy(PrivateDecentralizedStrategy):
     default_weights = "push-sum"
     required_mixing = "column"
     requires_symmetric_graph = False
+    shared_options = ("rho_c", "rho_mu", "variant", "calibration")
 
     def __init__(
         self,

@@ -7,7 +7,9 @@ that follows only sees privatized updates, so it is post-processing: compression
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,7 +19,10 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_privdec.privacy import NodePrivacyEngine, PrivacyConfigError, PrivacyParameters
+from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
+from lightning_privdec.privacy.write_ahead import WriteAheadLedger, new_run_id
 from lightning_privdec.strategies.base import DecentralizedStrategy
+from lightning_privdec.strategies.checks import gather_from_nodes
 
 
 class PrivateDecentralizedStrategy(DecentralizedStrategy):
@@ -28,16 +33,32 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         noise_multiplier: sigma; or give ``target_epsilon`` and ``target_delta`` and sigma is calibrated before
             training from the planned steps (``max_steps``, or ``max_epochs`` x batches per epoch) and q = B / J.
         accountant: ``"rdp"``, ``"prv"`` or ``"gdp"`` (Opacus's accountants).
-        grad_sample_mode: ``"hooks"`` (default) or ``"functorch"`` per-sample gradients, or ``"ghost"``: ghost
-            clipping (no per-sample gradients in memory), for which ``training_step`` returns the per-sample losses
-            (``reduction="none"``, shape ``(batch,)``).
+        grad_sample_mode: ``"bookkeeping"`` (default: one backward pass, the clipped sum without per-sample
+            gradients in memory, any ``training_step``), ``"hooks"`` or ``"functorch"`` (per-sample gradients
+            materialised), or ``"ghost"``: ghost clipping (two backward passes), for which ``training_step`` returns
+            the per-sample losses (``reduction="none"``, shape ``(batch,)``). All clip the same way.
         fix_model: replace layers incompatible with per-sample DP (BatchNorm -> GroupNorm) instead of raising.
         noise_seed: ``None`` (default, secure): noise and sampling from OS entropy; an int: reproducible streams
             derived from (seed, rank), for tests only.
         node_local_data: each process's training loader already holds only that node's data (no
             DistributedSampler); otherwise a missing sampler is refused, as every node would sample every example.
+        ledger_dir: the write-ahead privacy ledger (:mod:`lightning_privdec.privacy.write_ahead`): before a step's
+            message leaves a node, the node's accounting state is written to ``<ledger_dir>/<run id>/node_<rank>.pt``,
+            so that a run resumed after a crash still counts the steps released after its checkpoint. ``True``
+            (default): next to the checkpoints (``<ModelCheckpoint.dirpath>/privacy_ledger``, or
+            ``<default_root_dir>/privacy_ledger`` without a checkpoint callback); a resumed run uses the directory
+            its checkpoint names. A path: there. ``False``/``None``: off (unsafe for resumes: steps released after
+            the last checkpoint are then not counted). Runs with a fixed ``noise_seed`` write none (a replayed step
+            redraws the checkpointed noise and batch).
         Other arguments: see :class:`DecentralizedStrategy`.
+
+    A NaN or infinite privatized gradient stops training on that node before the update leaves it (see
+    :class:`DecentralizedStrategy`); the step stays in the ledger (its batch was sampled: counting it is safe).
     """
+
+    shared_options = ("grad_sample_mode", "fix_model", "node_local_data")
+    local_options = ("ledger_dir",)  # a per-node path
+    stop_on_nonfinite_loss = False  # an empty Poisson batch has a NaN mean loss; its privatized gradient is checked
 
     def __init__(
         self,
@@ -49,10 +70,11 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         target_epsilon: float | None = None,
         target_delta: float | None = None,
         accountant: str = "rdp",
-        grad_sample_mode: str = "hooks",
+        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
         fix_model: bool = False,
         noise_seed: int | None = None,
         node_local_data: bool = False,
+        ledger_dir: str | os.PathLike | bool | None = True,
         **kwargs: Any,
     ) -> None:
         # the privacy parameters are checked first, before any process or graph exists
@@ -70,14 +92,26 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         self.node_local_data = node_local_data
         self.privacy: NodePrivacyEngine | None = None
         self.budget_stopped_at_step: int | None = None
+        self.ledger_dir = ledger_dir
+        self.write_ahead: WriteAheadLedger | None = None
+        self._ledger_run: str | None = None
 
     def configure_ddp(self) -> None:
         # Fix and hook the model before its parameters are broadcast, flattened and handed to the optimizer. The engine
         # (and its ledger) lives as long as the strategy: a second fit() keeps counting.
         if self.privacy is None:
             self.privacy = self.make_privacy_engine()
+            self._ledger_run = self.broadcast(new_run_id())  # a new run: a new write-ahead ledger, shared by all nodes
         self.privacy.attach(self.model, fix_model=self.fix_model)
         super().configure_ddp()
+
+    def configuration(self) -> dict[str, Any]:
+        configuration = super().configuration()
+        for name, value in vars(self.privacy_parameters).items():
+            configuration.setdefault(name, value)  # a subclass's own value of the same name (CPGT's) comes first
+        # whether the noise is seeded (tests) or drawn from OS entropy; a seed's value may differ per node
+        configuration["noise_seed"] = "fixed seed" if self.noise_seed is not None else "OS entropy"
+        return configuration
 
     def make_privacy_engine(self) -> NodePrivacyEngine:
         """This node's privacy engine (per-node DP-SGD); Decor's strategy returns its own."""
@@ -114,6 +148,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training or self.privacy is None:
             return dataloader
+        super().process_dataloader(dataloader)  # every node has data, and the same number of batches
         if not isinstance(dataloader, DataLoader):
             raise PrivacyConfigError(
                 f"private strategies need a torch DataLoader for training (got {type(dataloader).__name__}) to "
@@ -124,6 +159,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             private = self.privacy.private_dataloader(
                 dataloader, self._planned_steps(trainer, len(dataloader)), self.world_size, self.node_local_data
             )
+            self.privacy_parameters.check_delta(len(private.dataset), self.global_rank)  # type: ignore[arg-type]
             if self.privacy.steps == 0 and self.privacy.next_step_exceeds_budget():
                 raise PrivacyConfigError(
                     f"target_epsilon={self.privacy_parameters.target_epsilon} cannot pay for a single step with "
@@ -132,12 +168,24 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 )
         except PrivacyConfigError as exc:
             problem = exc
-        # one node's configuration error stops every node here, instead of leaving the others waiting for it
-        if self.reduce_boolean_decision(problem is not None, all=False):
-            raise problem or PrivacyConfigError("another node's privacy setup failed; see its error message")
+        # one node's configuration error stops every node here, with its message, instead of leaving the others
+        # waiting for it
+        failed = [(r, m) for r, m in enumerate(gather_from_nodes(problem and str(problem))) if m is not None]
+        if problem is not None:
+            raise problem
+        if failed:
+            raise PrivacyConfigError(f"node {failed[0][0]} cannot train privately, so no node starts: {failed[0][1]}")
         if self.privacy_parameters.target_epsilon is not None:  # a later fit may have budget left (a longer plan)
             spent = self.reduce_boolean_decision(self.privacy.next_step_exceeds_budget(), all=False)
-            self.budget_stopped_at_step = self.budget_stopped_at_step if spent else None
+            if not spent:
+                self.budget_stopped_at_step = None
+            elif self.budget_stopped_at_step is None:  # resumed with the budget spent (steps released after the
+                self.budget_stopped_at_step = trainer.global_step  # checkpoint count): no step is taken
+                trainer.should_stop = True
+                rank_zero_warn(
+                    f"{type(self).__name__}: target_epsilon={self.privacy_parameters.target_epsilon} is already spent "
+                    "(the ledger counts every step released so far): no step is taken in this fit"
+                )
         return private
 
     def on_train_start(self) -> None:
@@ -213,15 +261,47 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
     def transform_gradients(self) -> None:
         assert self.privacy is not None
         self.privacy.privatize()
+        self.write_ahead_step()
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def node_state_dict(self) -> dict[str, Any]:
         state = super().node_state_dict()
         assert self.privacy is not None
         state["privacy"] = self.privacy.state_dict()
+        ledger = self._write_ahead_ledger()
+        if ledger is not None:  # the resumed run reads (and continues) this node's file of this run
+            state["write_ahead"] = {"run": ledger.run_id, "dir": str(ledger.directory)}
         return state
 
     def load_node_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_node_state_dict(state)
         assert self.privacy is not None
         self.privacy.load_state_dict(state["privacy"])
+        saved = state.get("write_ahead")
+        if saved is not None and self._writes_ahead():
+            self._ledger_run = saved["run"]
+            directory = saved["dir"] if self.ledger_dir is True else self.ledger_dir
+            self.write_ahead = WriteAheadLedger(directory, saved["run"], self.global_rank)  # type: ignore[arg-type]
+            self.write_ahead.recover(self.privacy)  # steps released after the checkpoint stay counted
+
+    # ---- the write-ahead privacy ledger --------------------------------------------------------------------------
+    def _writes_ahead(self) -> bool:
+        return bool(self.ledger_dir) and self.noise_seed is None
+
+    def _write_ahead_ledger(self) -> WriteAheadLedger | None:
+        if self.write_ahead is None and self._writes_ahead() and self._ledger_run is not None:
+            directory = self.ledger_dir
+            if directory is True:
+                trainer = self.lightning_module.trainer
+                dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+                directory = Path(dirpath or trainer.default_root_dir) / "privacy_ledger"
+            self.write_ahead = WriteAheadLedger(directory, self._ledger_run, self.global_rank)  # type: ignore[arg-type]
+        return self.write_ahead
+
+    def write_ahead_step(self) -> None:
+        """Write this node's accounting state to its write-ahead ledger; runs after the private step is recorded
+        and before its message leaves the node."""
+        ledger = self._write_ahead_ledger()
+        if ledger is not None:
+            assert self.privacy is not None
+            ledger.write(self.privacy)

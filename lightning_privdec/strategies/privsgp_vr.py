@@ -71,6 +71,7 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
     default_weights = "push-sum"
     required_mixing = "column"
     requires_symmetric_graph = False
+    shared_options = ("accounting", "max_table_bytes", "table_init", "table_dtype")
 
     def __init__(
         self,

@@ -14,10 +14,14 @@ class DecentralizedPushSumStrategy(DecentralizedStrategy):
     push-sum weight y de-biases the numerator, so directed graphs converge to the exact average. With a
     ``compressor``, messages are compressed with error feedback as in DP-CSGP's Algorithm 1, lines 1-7.
 
+    ``overlap=True`` is SGP's overlap variant: each round's messages are sent without waiting, travel during the next
+    ``staleness`` (tau, default 1) forward/backward passes and are mixed in tau steps late; the push-sum weight keeps
+    the average exact (:mod:`lightning_privdec.algorithms.push_sum`). Exact messages only (no ``compressor``).
+
     Example::
 
         trainer = L.Trainer(accelerator="cpu", devices=4,
-                            strategy=DecentralizedPushSumStrategy(topology="exponential-one-peer"))
+                            strategy=DecentralizedPushSumStrategy(topology="exponential-one-peer", overlap=True))
     """
 
     strategy_name = "push_sum"

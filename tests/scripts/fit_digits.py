@@ -114,6 +114,7 @@ def main() -> None:
         logger=CSVLogger(args.out, name="csv", version=0) if args.csv else False,
         log_every_n_steps=5,
         enable_checkpointing=args.ckpt_dir is not None,
+        default_root_dir=args.out,  # the write-ahead privacy ledger of runs without checkpoints goes here
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -150,6 +151,7 @@ def main() -> None:
             noise_split=getattr(engine, "split", None),
             noise_multiplier=engine.noise_multiplier,
             sample_rate=engine.sample_rate,
+            expected_batch_size=engine.expected_batch_size,
             stopped_at_step=next(
                 (c.stopped_at_step for c in trainer.callbacks if isinstance(c, PrivacyBudgetCallback)), None
             ),

@@ -1,0 +1,133 @@
+"""Checks that every node runs the same training, made before the first step, and the non-finite guard of a step.
+
+Gossip only works if all nodes take the same number of steps with the same algorithm: a node that disagrees would
+leave its neighbours waiting for messages that never come. So at setup the nodes exchange a description of their
+configuration (:func:`gather_from_nodes`) and every node raises the same :class:`NodeMismatchError` naming the fields
+and ranks that differ; at the start of training they do the same for the number of training batches per epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "NodeMismatchError",
+    "NonFiniteStepError",
+    "check_same_configuration",
+    "check_training_batches",
+    "describe",
+    "gather_from_nodes",
+    "nonfinite_parameters",
+]
+
+#: longest value shown as text; longer ones (graphs, model shapes) travel as a SHA-256 digest
+_MAX_TEXT = 80
+
+
+class NodeMismatchError(ValueError):
+    """The nodes were started with configurations or data that cannot train together (raised on every node)."""
+
+
+class NonFiniteStepError(FloatingPointError):
+    """A node's loss or gradient is NaN or infinite; raised before anything from that step leaves the node."""
+
+
+def _canonical(value: Any) -> str:
+    """A text that is the same in every process for equal values (no memory addresses, no elided arrays)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        return f"array{value.shape}:{value.dtype}:" + hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(map(_canonical, value))
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if callable(value) and not isinstance(value, type) and hasattr(value, "__qualname__"):
+        return f"{value.__module__}.{value.__qualname__}"  # a function: its name, not its address
+    return repr(value)
+
+
+def describe(value: Any) -> str:
+    """A short, deterministic text for one configuration value: its repr, or a digest of a long one."""
+    text = _canonical(value)
+    if len(text) <= _MAX_TEXT:
+        return text
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def gather_from_nodes(value: Any) -> list[Any]:
+    """Every node's ``value`` by rank (one ``all_gather_object``); just ``[value]`` without a process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def check_same_configuration(configurations: Sequence[Mapping[str, str]], rank: int) -> None:
+    """Raise :class:`NodeMismatchError` unless every node described the same configuration.
+
+    ``configurations[r]`` is node r's ``{field: describe(value)}``; the message lists each differing field with the
+    ranks holding each value, so every node prints the same diagnosis.
+    """
+    fields = sorted(set().union(*configurations))
+    problems = []
+    for field in fields:
+        by_value: dict[str, list[int]] = {}
+        for r, configuration in enumerate(configurations):
+            by_value.setdefault(configuration.get(field, "<missing>"), []).append(r)
+        if len(by_value) > 1:
+            parts = "; ".join(f"{_ranks(ranks)}: {value}" for value, ranks in by_value.items())
+            problems.append(f"  {field} -> {parts}")
+    if problems:
+        raise NodeMismatchError(
+            f"node {rank}: the {len(configurations)} nodes were started with different configurations:\n"
+            + "\n".join(problems)
+            + "\nEvery node must run the same strategy arguments, Trainer limits and model (only the data shard, "
+            "devices, timeouts and per-node paths may differ): start all processes from the same script and command "
+            "line, then restart them together."
+        )
+
+
+def check_training_batches(batches: Sequence[int | None], rank: int) -> None:
+    """Raise :class:`NodeMismatchError` if a node has no training batch or the nodes' batches per epoch differ.
+
+    ``batches[r]`` is node r's number of training batches per epoch (``None``: its loader has no length, not checked).
+    Every step is one gossip round, so every node must take the same number of steps per epoch.
+    """
+    known = {r: b for r, b in enumerate(batches) if b is not None}
+    empty = [r for r, b in known.items() if b == 0]
+    if empty:
+        raise NodeMismatchError(
+            f"node {rank}: the training data of {_ranks(empty)} is empty (0 batches per epoch): an empty shard, or "
+            "drop_last=True with fewer examples than batch_size. Give every node at least one batch of data (a "
+            "larger dataset or fewer devices; with node_local_data, a non-empty dataset in every process)."
+        )
+    if len(set(known.values())) > 1:
+        counts = ", ".join(f"rank {r}: {b}" for r, b in known.items())
+        raise NodeMismatchError(
+            f"node {rank}: the nodes have different numbers of training batches per epoch ({counts}). Each step is "
+            "one gossip round, so a node with more batches would wait forever for neighbours that have finished. Keep "
+            "Lightning's DistributedSampler (use_distributed_sampler=True), or make every node's DataLoader yield the "
+            "same number of batches (equal shard sizes, or limit_train_batches / max_steps below the smallest)."
+        )
+
+
+def nonfinite_parameters(named_parameters: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the parameters whose gradient holds a NaN or an infinity (one host sync when all are finite)."""
+    with_grad = [(name, p.grad) for name, p in named_parameters if p.grad is not None]
+    if not with_grad:
+        return []
+    finite = torch.stack([torch.isfinite(g).all() for _, g in with_grad])
+    if bool(finite.all()):
+        return []
+    return [name for (name, _), ok in zip(with_grad, finite.tolist()) if not ok]

@@ -1,0 +1,117 @@
+"""A small multi-process run for the reliability tests: faults, configuration mismatches and determinism.
+
+Launched as ``python tests/scripts/fit_reliability.py --devices 4 --out DIR ...``; Lightning's subprocess launcher
+starts the other ranks. Every rank writes ``DIR/pid<r>`` at start and ``DIR/rank<r>_run<i>.pt`` (its parameters) after
+each run that ends normally.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_privdec.strategies import STRATEGIES
+from lightning_privdec.strategies.checks import NodeMismatchError
+
+
+class TinyClassifier(L.LightningModule):
+    """A small MLP on synthetic data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class FaultAtStep(Callback):
+    """At the start of step ``step``, node ``rank`` writes the time to ``marker`` and sends itself ``signum``:
+    SIGKILL (the process dies) or SIGSTOP (it hangs: alive, connections open, never answering)."""
+
+    def __init__(self, signum: int, rank: int, step: int, marker: Path) -> None:
+        self.signum, self.rank, self.step, self.marker = signum, rank, step, marker
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            self.marker.write_text(str(time.time()))
+            os.kill(os.getpid(), self.signum)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="push_sum", choices=list(STRATEGIES))
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--peer-timeout", type=float, default=None, help="the strategy's peer_timeout, in seconds")
+    parser.add_argument("--kill", type=int, nargs=2, default=None, metavar=("RANK", "STEP"), help="SIGKILL")
+    parser.add_argument("--hang", type=int, nargs=2, default=None, metavar=("RANK", "STEP"), help="SIGSTOP")
+    parser.add_argument("--strategy-kwargs", default="{}", help="JSON: arguments of every node's strategy")
+    parser.add_argument("--runs", type=int, default=1, help="train this many times, each from scratch")
+    parser.add_argument("--mismatch", default=None,
+                        help='JSON {"rank": {...}}: then one more run whose strategy these overrides make differ per '
+                             "node; each rank writes the error it raises to mismatch<rank>.txt")
+    args = parser.parse_args()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints where a hung node waits
+    rank = int(os.environ.get("LOCAL_RANK", 0))  # known before the launch: the launcher sets it for ranks >= 1
+    (args.out / f"pid{rank}").write_text(str(os.getpid()))
+    torch.set_num_threads(1)
+    kwargs = json.loads(args.strategy_kwargs)
+    if args.peer_timeout is not None:
+        kwargs["peer_timeout"] = timedelta(seconds=args.peer_timeout)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 8, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+    faults = ((signal.SIGKILL, args.kill), (signal.SIGSTOP, args.hang))
+    runs = [kwargs] * args.runs
+    if args.mismatch is not None:
+        runs.append({**kwargs, **json.loads(args.mismatch).get(str(rank), {})})
+    for run, run_kwargs in enumerate(runs):  # every run from scratch: seed, strategy, model, Trainer
+        L.seed_everything(0, verbose=False)
+        model = TinyClassifier()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=args.devices,
+            strategy=STRATEGIES[args.strategy](**run_kwargs),
+            max_steps=args.max_steps,
+            callbacks=[FaultAtStep(signum, *at, args.out / "fault") for signum, at in faults if at is not None],
+            logger=False,
+            enable_checkpointing=False,
+            default_root_dir=args.out,  # where a private run's write-ahead privacy ledger goes
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        try:
+            trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
+        except NodeMismatchError as error:
+            if run < args.runs:
+                raise
+            (args.out / f"mismatch{trainer.global_rank}.txt").write_text(f"step {trainer.global_step}: {error}")
+            continue
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        torch.save({"rank": trainer.global_rank, "params": params, "global_step": trainer.global_step},
+                   args.out / f"rank{trainer.global_rank}_run{run}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""SGP's overlap (non-blocking gossip mixed tau steps late): mass conservation, exact delay, resume, real processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_privdec.algorithms import PushSumGossip
+from lightning_privdec.comm import LoopbackNetwork, TorchDistributedExchange
+from lightning_privdec.strategies import (
+    CorrelatedNoiseStrategy,
+    CPGTStrategy,
+    DecentralizedPushSumStrategy,
+    DecentralizedSGDStrategy,
+    DPCSGPStrategy,
+    DynD2PStrategy,
+    PrivSGPStrategy,
+    PrivSGPVRStrategy,
+)
+from lightning_privdec.topology import build_topology
+from tests.multiprocess import fit_digits, relative_consensus_distance
+
+D, LR = 41, 0.05
+
+
+def start_points(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(D, generator=g, dtype=torch.float64) * (i + 1) for i in range(n)]
+
+
+def update(rank: int, step: int) -> torch.Tensor:
+    """A stand-in gradient, fixed per (node, step), so every run of the same schedule sees the same updates."""
+    return torch.randn(D, generator=torch.Generator().manual_seed(1000 * rank + step), dtype=torch.float64)
+
+
+def train(gossip: PushSumGossip, steps: range, lr: float) -> None:
+    for k in steps:
+        gossip.step(gossip.x - lr * update(gossip.rank, k))
+
+
+def in_flight_mass(gossip: PushSumGossip) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_j a_ij x_j and sum_j a_ij y_j over the messages the checkpoint state holds in flight for this node."""
+    x, y = torch.zeros(D, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    for flight in gossip.state_dict().get("in_flight", []):
+        plan = gossip.plan(flight["round"])
+        for j, (xj, yj) in flight["received"].items():
+            x, y = x + plan.in_weights[j] * xj, y + plan.in_weights[j] * yj
+    return x, y
+
+
+def run(n, topology, steps, *, staleness, lr=0.0, state=None, x0=None):
+    x0 = start_points(n) if x0 is None else x0
+
+    def node(rank, exchange):
+        gossip = PushSumGossip(x0[rank], rank=rank, topology=topology, exchange=exchange, staleness=staleness)
+        if state is not None:
+            gossip.load_state_dict(state[rank])
+        train(gossip, steps, lr)
+        return gossip
+
+    return LoopbackNetwork(n).run(node)
+
+
+@pytest.mark.parametrize("staleness", [1, 3])
+def test_the_network_sum_changes_only_by_the_updates_and_nodes_reach_the_exact_average(staleness):
+    n, steps = 6, 40
+    topology = build_topology("exponential-one-peer", n, weights="push-sum")
+    x0 = start_points(n)
+    nodes = run(n, topology, range(steps), staleness=staleness, lr=LR, x0=x0)
+    expected = sum(x0) - LR * sum(update(i, k) for i in range(n) for k in range(steps))
+    held = [in_flight_mass(g) for g in nodes]
+    assert all(float(y.sum()) > 0 for _, y in held)  # messages really are in flight at the end
+    assert torch.allclose(sum(g.x for g in nodes) + sum(x for x, _ in held), expected, rtol=0, atol=1e-12)
+    assert sum(float(g.y) + float(y) for g, (_, y) in zip(nodes, held)) == pytest.approx(n, abs=1e-12)
+    for g in nodes:  # flush mixes them in: no mass lost
+        g.flush()
+    assert torch.allclose(sum(g.x for g in nodes), expected, rtol=0, atol=1e-12)
+    # consensus on the exact average once the updates stop (lr = 0)
+    average = sum(x0) / n
+    for g in run(n, topology, range(300), staleness=staleness, x0=x0):
+        assert torch.allclose(g.z, average, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("staleness", [1, 2, 3])
+def test_every_round_is_mixed_exactly_tau_steps_late(staleness):
+    """Dense reference: v(k) = D(k-1) v(k-1) + O(k-tau) v(k-tau), A(k) = D(k) + O(k) (diagonal + off-diagonal)."""
+    n, steps = 5, 12
+    topology = build_topology("exponential-one-peer", n, weights="push-sum")
+    x0 = start_points(n)
+    v, w = [torch.stack(x0)], [torch.ones(n, 1, dtype=torch.float64)]
+    for k in range(1, steps):
+        a = torch.as_tensor(topology.mixing_matrix(k - 1), dtype=torch.float64)
+        v.append(torch.diag(a).unsqueeze(1) * v[k - 1])
+        w.append(torch.diag(a).unsqueeze(1) * w[k - 1])
+        if k - staleness >= 0:
+            a_late = torch.as_tensor(topology.mixing_matrix(k - staleness), dtype=torch.float64)
+            off = a_late - torch.diag(torch.diag(a_late))
+            v[k], w[k] = v[k] + off @ v[k - staleness], w[k] + off @ w[k - staleness]
+    nodes = run(n, topology, range(steps), staleness=staleness, x0=x0)
+    for i, g in enumerate(nodes):
+        assert torch.allclose(g.z, v[-1][i] / w[-1][i], rtol=1e-12, atol=0)
+        assert g.round == steps and len(g.in_flight) == staleness
+
+
+def test_overlap_with_tau_1_is_synchronous_push_sum_one_step_behind():
+    n = 6
+    topology = build_topology("exponential-one-peer", n, weights="push-sum")
+    overlap = run(n, topology, range(30), staleness=1)
+    synchronous = run(n, topology, range(29), staleness=0)
+    for a, b in zip(overlap, synchronous):
+        assert torch.allclose(a.z, b.z, rtol=1e-13, atol=0)
+
+
+def test_resuming_from_a_state_with_messages_in_flight_continues_the_same_trajectory():
+    n = 5
+    topology = build_topology("exponential-one-peer", n, weights="push-sum")
+    straight = run(n, topology, range(20), staleness=2, lr=LR)
+    first = run(n, topology, range(9), staleness=2, lr=LR)
+    states = [g.state_dict() for g in first]
+    assert all(len(s["in_flight"]) == 2 for s in states)
+    resumed = run(n, topology, range(9, 20), staleness=2, lr=LR, state=states)
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y) and a.round == b.round
+    # resumed without overlap, the messages left in flight are mixed in at once: nothing is lost
+    synchronous = run(n, topology, range(9, 9), staleness=0, state=states)
+    total = sum(g.x for g in first) + sum(in_flight_mass(g)[0] for g in first)
+    assert torch.allclose(sum(g.x for g in synchronous), total, rtol=0, atol=1e-12)
+    assert sum(float(g.y) for g in synchronous) == pytest.approx(n, abs=1e-12)
+
+
+def test_overlap_is_refused_where_delayed_mixing_is_not_sound():
+    private = dict(max_grad_norm=1.0, noise_multiplier=1.0)
+    assert DecentralizedPushSumStrategy().staleness == 0  # the default gossips synchronously
+    assert DecentralizedPushSumStrategy(overlap=True, staleness=2).staleness == 2
+    # noise is added before anything is sent: when a message is mixed is post-processing
+    assert PrivSGPStrategy(overlap=True, **private).staleness == 1
+    assert PrivSGPVRStrategy(overlap=True, **private).staleness == 1
+    assert DynD2PStrategy(overlap=True, max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5).staleness == 1
+    for make, message in [
+        (lambda: DecentralizedSGDStrategy(overlap=True), "push-sum weight"),
+        (lambda: DecentralizedPushSumStrategy(compressor="randk:0.1", overlap=True), "error-feedback"),
+        (lambda: DPCSGPStrategy(overlap=True, **private), "PrivSGPStrategy"),
+        (lambda: CorrelatedNoiseStrategy(overlap=True, max_grad_norm=1.0, sigma_cdp=1.0, sigma_cor=1.0), "weight"),
+        (lambda: CPGTStrategy(overlap=True, noise_decay=0.5, lipschitz=0.1, max_grad_norm=1.0, noise_x=0.1,
+                              noise_y=0.1), "weight"),
+        (lambda: DecentralizedPushSumStrategy(staleness=2), "only applies with overlap=True"),
+        (lambda: DecentralizedPushSumStrategy(overlap=True, staleness=0), "int >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            make()
+    no_self_weight = build_topology("directed-ring", 3, weights="push-sum")
+    no_self_weight.mixing_matrix = lambda k: torch.tensor([[0.0, 0, 1], [1, 0, 0], [0, 1, 0]])  # a_ii = 0
+    with pytest.raises(ValueError, match="a_ii = 0"):
+        LoopbackNetwork(3).run(
+            lambda r, ex: PushSumGossip(torch.zeros(2), rank=r, topology=no_self_weight, exchange=ex, staleness=1)
+        )
+
+
+# ---- real processes -------------------------------------------------------------------------------------------------
+def _gloo_node(rank: int, world: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    topology = build_topology("exponential-one-peer", world, weights="push-sum")
+    results = {}
+    for staleness in (1, 2):
+        gossip = PushSumGossip(start_points(world)[rank], rank=rank, topology=topology,
+                               exchange=TorchDistributedExchange(torch.device("cpu")), staleness=staleness)
+        for k in range(25):
+            gossip.step(gossip.x - LR * update(rank, k))
+            dist.all_reduce(torch.ones(1))  # a collective while messages are in flight, as Lightning does per step
+        results[staleness] = (gossip.x.clone(), gossip.y.clone(), in_flight_mass(gossip))
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_gloo_processes_mix_exactly_like_the_loopback_simulation(tmp_path):
+    world = 3
+    # fork: the children start with this process's imports instead of loading torch and Lightning again
+    mp.start_processes(_gloo_node, args=(world, f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=world,
+                       start_method="fork")
+    topology = build_topology("exponential-one-peer", world, weights="push-sum")
+    for staleness in (1, 2):
+        simulated = run(world, topology, range(25), staleness=staleness, lr=LR)
+        for rank, g in enumerate(simulated):
+            x, y, (in_x, in_y) = torch.load(tmp_path / f"rank{rank}.pt")[staleness]
+            assert torch.equal(x, g.x) and torch.equal(y, g.y)
+            assert torch.equal(in_x, in_flight_mass(g)[0]) and torch.equal(in_y, in_flight_mass(g)[1])
+
+
+@pytest.mark.multiprocess
+def test_lightning_overlap_trains_and_resumes_with_messages_in_flight_exactly(tmp_path):
+    common = ["--strategy-kwargs", '{"overlap": true}', "--max-epochs", "3", "--lr", "0.2"]
+    straight = fit_digits(tmp_path / "straight", *common, "--ckpt-dir", str(tmp_path / "ckpt"), devices=2)
+    checkpoint = next((tmp_path / "ckpt").glob("epoch=0-*.ckpt"))
+    resumed = fit_digits(tmp_path / "resumed", *common, "--resume", str(checkpoint), devices=2)
+    d = straight[0]["params"].numel()
+    for a, b in zip(straight, resumed):
+        assert a["test_acc"] > 0.85 and a["rounds"] == a["global_step"] > 0
+        assert a["bytes_sent"] == a["rounds"] * (4 * d + 8)  # one dense message (x and y) per round
+        assert torch.equal(a["params"], b["params"]), f"node {a['rank']} diverged after resume"
+    assert relative_consensus_distance(straight) < 0.02

@@ -1,0 +1,178 @@
+"""Book-keeping clipping (the default per-sample mode) against Opacus's per-sample gradients, and the CPU fast paths
+of the compressors against their reference implementations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_privdec.compression import TopK
+from lightning_privdec.compression.bits import _pack_numpy, _pack_torch, _unpack_numpy, _unpack_torch, pack_bits
+from lightning_privdec.privacy import NodePrivacyEngine, PerSampleGradients, PrivacyParameters
+from lightning_privdec.privacy.dp_step import clip_and_accumulate
+from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+
+
+class MLP(nn.Module):
+    """Linear layers (closed forms), a LayerNorm (per-sample fallback) and optionally a root parameter (functorch)."""
+
+    def __init__(self, root_parameter: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 3))
+        self.temperature = nn.Parameter(torch.ones(3)) if root_parameter else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        return out * self.temperature if self.temperature is not None else out
+
+
+class Tied(nn.Module):
+    """One Linear applied twice: its per-sample gradient is the sum of two outer products (no closed-form norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.a(torch.tanh(self.a(x)))))
+
+
+class Sequence(nn.Module):
+    """Embedding + Linear layers on (B, T, d) inputs: the T x T Gram-matrix norms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Embedding(20, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.embed(x))).mean(dim=1))
+
+
+class Conv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm, self.head = nn.Conv2d(1, 3, 3), nn.GroupNorm(1, 3), nn.Linear(48, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.conv(x)).flatten(1))
+
+
+def _batch(model: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    inputs = {
+        "mlp": lambda: torch.randn(n, 5, generator=g),
+        "mlp_root": lambda: torch.randn(n, 5, generator=g),
+        "tied": lambda: torch.randn(n, 4, generator=g),
+        "sequence": lambda: torch.randint(0, 20, (n, 4), generator=g),
+        "conv": lambda: torch.randn(n, 1, 6, 6, generator=g),
+    }[model]()
+    return inputs, torch.randint(0, 2, (n,), generator=g)
+
+
+def _model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return {"mlp": MLP, "mlp_root": lambda: MLP(True), "tied": Tied, "sequence": Sequence, "conv": Conv}[name]()
+
+
+@pytest.mark.parametrize(
+    "name, n, clip, reduction",
+    [("mlp", 7, 0.5, "mean"), ("mlp", 7, 3.0, "sum"), ("mlp", 0, 1.0, "mean"), ("mlp_root", 6, 1.0, "mean"),
+     ("tied", 6, 1.0, "mean"), ("sequence", 5, 1.0, "mean"), ("conv", 5, 3.0, "mean")],
+)  # fmt: skip
+def test_bookkeeping_clips_exactly_like_materialised_per_sample_gradients(
+    name: str, n: int, clip: float, reduction: str
+) -> None:
+    """sum_i min(1, C/||g_i||) g_i and the norms ||g_i|| agree with Opacus's per-sample gradients (mode 'hooks')."""
+    reference, model = _model(name), _model(name)
+    hooks = PerSampleGradients(reference, mode="hooks", loss_reduction=reduction)
+    book = PerSampleGradients(model, mode="bookkeeping", loss_reduction=reduction)
+    x, y = _batch(name, n)
+    for m in (reference, model):
+        F.cross_entropy(m(x), y, reduction=reduction).backward()
+    expected_sums, expected_norms = clip_and_accumulate(hooks.per_sample_grads(), clip, torch.device("cpu"))
+    for a, b in zip(hooks.per_sample_grads(), book.per_sample_grads()):  # materialised on demand
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    norms = book.clip_and_sum(clip)
+    torch.testing.assert_close(norms, expected_norms, atol=1e-5, rtol=1e-4)
+    assert n == 0 or 0 < int((norms > clip).sum()) <= n  # the cases clip at least one example
+    for expected, p in zip(expected_sums, book.parameters):
+        torch.testing.assert_close(p.grad, expected, atol=1e-5, rtol=1e-4)
+    assert not any(getattr(p, "grad_sample", None) is not None for p in model.parameters())
+    book.clear()
+    book.detach()
+    assert not hasattr(model, "autograd_grad_sample_hooks")
+
+
+def test_bookkeeping_backward_passes_guard_and_no_backward() -> None:
+    model, x, y = _model("mlp"), *_batch("mlp", 6)
+    book = PerSampleGradients(model, mode="bookkeeping")
+    assert torch.equal(book.clip_and_sum(1.0), torch.zeros(0))  # a step without backward: zeros, no examples
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in book.parameters)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(ValueError, match="grad accumulation"):  # a second backward before clear()
+        F.cross_entropy(model(x), y).backward()
+    book.detach()
+
+    reference, model = _model("mlp"), _model("mlp")
+    hooks = PerSampleGradients(reference, mode="hooks", allow_grad_accumulation=True)
+    book = PerSampleGradients(model, mode="bookkeeping", allow_grad_accumulation=True)
+    for m in (reference, model):  # two backward passes: their examples are concatenated
+        F.cross_entropy(m(x), y).backward()
+        F.cross_entropy(m(x[:2]), y[:2]).backward()
+    expected_sums, expected_norms = clip_and_accumulate(hooks.per_sample_grads(), 0.5, torch.device("cpu"))
+    torch.testing.assert_close(book.clip_and_sum(0.5), expected_norms)
+    for expected, p in zip(expected_sums, book.parameters):
+        torch.testing.assert_close(p.grad, expected)
+
+
+def test_the_engine_defaults_to_bookkeeping_and_releases_what_hooks_release() -> None:
+    assert DEFAULT_GRAD_SAMPLE_MODE == "bookkeeping"
+    x, y = _batch("mlp_root", 6)
+    grads = {}
+    for mode in ("bookkeeping", "hooks"):
+        model = _model("mlp_root")
+        kwargs = {} if mode == DEFAULT_GRAD_SAMPLE_MODE else {"grad_sample_mode": mode}
+        engine = NodePrivacyEngine(PrivacyParameters(max_grad_norm=0.5, noise_multiplier=1.0), rank=3,
+                                   device=torch.device("cpu"), noise_seed=7, **kwargs)
+        engine.attach(model)
+        assert engine.per_sample is not None and engine.per_sample.mode == mode
+        engine.noise_multiplier, engine.sample_rate, engine.expected_batch_size = 1.0, 0.1, 4.0
+        F.cross_entropy(model(x), y).backward()
+        stats = engine.privatize()  # same noise stream (seed, rank): the released gradients must agree
+        assert stats.batch_size == 6 and engine.steps == 1
+        grads[mode] = [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(grads["bookkeeping"], grads["hooks"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 5, 7, 11, 16, 24, 32])
+def test_numpy_bit_packing_matches_the_torch_path(width: int) -> None:
+    for n in (0, 1, 9, 1001):
+        values = torch.randint(0, 2**width, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.int64)
+        packed = _pack_torch(values, width)
+        assert torch.equal(_pack_numpy(values, width), packed)
+        assert torch.equal(_unpack_numpy(packed, width, n, torch.int64), _unpack_torch(packed, width, n))
+    signs = torch.randn(77) < 0
+    assert torch.equal(pack_bits(signs, 1), _pack_torch(signs, 1))
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "sorted", "strided", "ties"])
+def test_topk_threshold_path_keeps_exactly_the_largest(kind: str) -> None:
+    d, ratio = 200_003, 0.01
+    g = torch.Generator().manual_seed(1)
+    x = {
+        "gaussian": lambda: torch.randn(d, generator=g),
+        "sorted": lambda: torch.linspace(-1, 1, d),
+        "strided": lambda: torch.where(torch.arange(d) % 12 == 0, 10.0, torch.rand(d, generator=g)),  # beats sampling
+        "ties": lambda: torch.randint(0, 5, (d,), generator=g).float(),
+    }[kind]()
+    k = TopK(ratio).num_kept(d)
+    kept = TopK.kept_indices(x.abs(), k)
+    assert kept.numel() == k and kept.unique().numel() == k
+    threshold = torch.topk(x.abs(), k).values[-1]
+    assert bool((x.abs()[kept] >= threshold).all())  # a top-k set (ties may be broken either way)
+    assert int((x.abs() > threshold).sum()) <= k

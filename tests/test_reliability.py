@@ -1,0 +1,300 @@
+"""Bad input is refused before the first step on every node, non-finite steps stop the node that produced them, and
+checkpoints hold no per-sample gradients. One process each (the multi-process faults: test_reliability_multiprocess).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_privdec import (
+    CorrelatedNoiseStrategy,
+    DecentralizedPushSumStrategy,
+    DPCSGPStrategy,
+    PrivacyConfigError,
+    PrivSGPStrategy,
+    PrivSGPVRStrategy,
+)
+from lightning_privdec.privacy import PrivacyParameters
+from lightning_privdec.strategies import STRATEGIES, DecentralizedStrategy
+from lightning_privdec.strategies.checks import (
+    NodeMismatchError,
+    NonFiniteStepError,
+    check_same_configuration,
+    check_training_batches,
+    describe,
+)
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers"),
+    pytest.mark.filterwarnings("ignore:The number of training batches"),
+    pytest.mark.filterwarnings("ignore:Total length of `DataLoader`"),
+]
+
+
+class Classifier(pl.LightningModule):
+    """A small MLP; ``nan_at_step`` turns that step's inputs into NaN, ``batch_norm`` adds a BatchNorm1d."""
+
+    def __init__(self, batch_norm: bool = False, manual: bool = False, nan_at_step: int | None = None) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(8, 16)] + ([nn.BatchNorm1d(16)] if batch_norm else [])
+        self.net = nn.Sequential(*layers, nn.Tanh(), nn.Linear(16, 3))
+        self.automatic_optimization = not manual
+        self.nan_at_step = nan_at_step
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.trainer.global_step == self.nan_at_step:
+            x = x * float("nan")
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def data(n: int = 256, batch_size: int = 16) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()), batch_size=batch_size)
+
+
+def trainer(tmp_path: Path, strategy: object, checkpoints: bool = True, **kwargs: object) -> pl.Trainer:
+    """A one-node Trainer that logs every step to CSV under tmp_path and (by default) checkpoints every step."""
+    options = dict(max_steps=6, log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False)
+    every_step = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    return pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, logger=CSVLogger(tmp_path, name="log"),
+        callbacks=[every_step] if checkpoints else [], enable_checkpointing=checkpoints, **{**options, **kwargs},
+    )
+
+
+def written(tmp_path: Path) -> list[str]:
+    """Checkpoints and metric files a run left behind (hparams.yaml, written at setup, holds no training result)."""
+    return sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.suffix in (".ckpt", ".csv"))
+
+
+def private(**kwargs: object) -> PrivSGPStrategy:
+    return PrivSGPStrategy(**{"max_grad_norm": 1.0, "noise_multiplier": 1.0, "noise_seed": 0, **kwargs})
+
+
+# ============================================================================ the same configuration on every node
+REPRESENTATIVE = {
+    "push_sum": dict(),
+    "dpsgd": dict(),
+    "dp_csgp": dict(max_grad_norm=1.0, noise_multiplier=1.0),
+    "privsgp": dict(max_grad_norm=1.0, noise_multiplier=1.0),
+    "dp2sgd": dict(max_grad_norm=1.0, noise_multiplier=1.0),
+    "decor": dict(max_grad_norm=1.0, sigma_cdp=1.0, sigma_cor=1.0),
+    "dyn_d2p": dict(max_grad_norm=1.0, target_epsilon=1.0, target_delta=1e-5),
+    "privsgp_vr": dict(max_grad_norm=1.0, noise_multiplier=1.0),
+    "cpgt": dict(max_grad_norm=1.0, noise_x=0.1, noise_y=0.1, noise_decay=0.9, lipschitz=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_argument_is_compared_across_nodes_or_declared_local(name: str) -> None:
+    cls = STRATEGIES[name]
+    arguments = {
+        p.name
+        for klass in cls.__mro__ if isinstance(klass, type) and issubclass(klass, DecentralizedStrategy)
+        for p in inspect.signature(klass.__init__).parameters.values()
+        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"
+    }
+    strategy = cls(**REPRESENTATIVE[name])
+    local = {n for klass in cls.__mro__ for n in vars(klass).get("local_options", ())}
+    compared = set(strategy.configuration())
+    assert arguments - compared - local == set(), f"{cls.__name__}: add these to shared_options or local_options"
+    assert not compared & local
+
+
+def configuration(strategy: DecentralizedStrategy) -> dict[str, str]:
+    return {name: describe(value) for name, value in strategy.configuration().items()}
+
+
+def test_nodes_with_different_configurations_are_named_on_every_node() -> None:
+    base = configuration(DPCSGPStrategy(max_grad_norm=1.0, noise_multiplier=1.0, noise_seed=1))
+    other = configuration(DPCSGPStrategy(max_grad_norm=2.0, noise_multiplier=1.0, noise_seed=2, compressor="topk:0.1"))
+    check_same_configuration([base, base], rank=0)  # agreement passes
+    for rank in (0, 1, 2):
+        with pytest.raises(NodeMismatchError) as error:
+            check_same_configuration([base, other, base], rank=rank)
+        message = str(error.value)
+        assert message.startswith(f"node {rank}: the 3 nodes were started with different configurations")
+        assert "max_grad_norm -> ranks 0, 2: 1.0; rank 1: 2.0" in message
+        assert "compressor -> ranks 0, 2: RandK(ratio=0.5); rank 1: TopK(ratio=0.1)" in message.replace("'", "")
+        assert "noise_seed" not in message  # a per-node seed may differ; seeded vs OS entropy may not
+        assert "same script and command line" in message
+    secure = configuration(DPCSGPStrategy(max_grad_norm=1.0, noise_multiplier=1.0))
+    with pytest.raises(NodeMismatchError, match="noise_seed -> rank 0: 'fixed seed'; rank 1: 'OS entropy'"):
+        check_same_configuration([base, secure], rank=0)
+    # long values (graphs, model shapes) travel as digests, still compared
+    assert describe(list(range(100))).startswith("sha256:") and describe(list(range(100))) != describe(list(range(99)))
+    assert describe(1e-5) == "1e-05"
+
+
+def test_decor_key_files_may_live_in_a_different_directory_on_each_node() -> None:
+    a = configuration(CorrelatedNoiseStrategy(max_grad_norm=1.0, sigma_cdp=1.0, sigma_cor=1.0, key_file_dir="/a"))
+    b = configuration(CorrelatedNoiseStrategy(max_grad_norm=1.0, sigma_cdp=1.0, sigma_cor=1.0, key_file_dir="/b"))
+    check_same_configuration([a, b], rank=0)
+    c = configuration(CorrelatedNoiseStrategy(max_grad_norm=1.0, sigma_cdp=1.0, sigma_cor=2.0))
+    with pytest.raises(NodeMismatchError, match="sigma_cor -> rank 0: 1.0; rank 1: 2.0"):
+        check_same_configuration([a, c], rank=0)
+
+
+def test_nodes_must_have_data_and_the_same_number_of_batches() -> None:
+    check_training_batches([5, 5, 5], rank=0)
+    check_training_batches([5, None], rank=0)  # a loader without a length is not compared
+    with pytest.raises(NodeMismatchError, match=r"node 1: the training data of rank 2 is empty .*Give every node"):
+        check_training_batches([5, 5, 0, 5], rank=1)
+    with pytest.raises(NodeMismatchError, match=r"different numbers of training batches per epoch \(rank 0: 5, "
+                                                r"rank 1: 6\).*wait forever"):
+        check_training_batches([5, 6], rank=0)
+
+
+# ============================================================================ bad input: refused before the first step
+def empty_loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.zeros(0, 8), torch.zeros(0, dtype=torch.long)), batch_size=4)
+
+
+SETUP_ERRORS = {
+    "empty shard": (lambda: DecentralizedPushSumStrategy(), {}, {}, empty_loader, NodeMismatchError,
+                    "training data of rank 0 is empty"),
+    "empty private shard": (lambda: private(node_local_data=True), {}, {}, empty_loader, NodeMismatchError,
+                            "training data of rank 0 is empty"),
+    "delta >= 1/J": (lambda: private(target_delta=0.01), {}, {},
+                     lambda: data(n=256), PrivacyConfigError,
+                     r"target_delta=0.01 is not below 1/J = 0.00391 for node 0's shard of J=256 examples.*Use "
+                     r"target_delta <= 0.0004"),
+    "unreachable epsilon": (lambda: private(noise_multiplier=None, target_epsilon=1e-3, target_delta=1e-5),
+                            {}, {"max_steps": 500}, data, PrivacyConfigError, "cannot reach target_epsilon=0.001"),
+    "BatchNorm": (private, {"batch_norm": True}, {}, data, PrivacyConfigError, "net.1.*BatchNorm1d"),
+    "manual optimization": (private, {"manual": True}, {}, data, PrivacyConfigError,
+                            "automatic optimization only.*Remove `self.automatic_optimization = False`"),
+    "gradient accumulation": (private, {}, {"accumulate_grad_batches": 2}, data, PrivacyConfigError,
+                              "accumulate_grad_batches=2 .* Use a larger batch_size"),
+    "no planned end": (private, {}, {"max_steps": -1, "max_epochs": -1}, data, PrivacyConfigError,
+                       "set max_steps or max_epochs"),
+    "sync_batchnorm": (lambda: DecentralizedPushSumStrategy(), {"batch_norm": True}, {"sync_batchnorm": True},
+                       data, ValueError, "does not support sync_batchnorm.*Use GroupNorm"),
+}
+
+
+@pytest.mark.parametrize("case", list(SETUP_ERRORS))
+def test_bad_input_is_refused_before_the_first_step_and_nothing_is_written(case: str, tmp_path: Path) -> None:
+    make_strategy, model_kwargs, trainer_kwargs, loader, error, message = SETUP_ERRORS[case]
+    model = Classifier(**model_kwargs)
+    fit = trainer(tmp_path, make_strategy(), **trainer_kwargs)
+    with pytest.raises(error, match=message):
+        fit.fit(model, loader())
+    assert fit.global_step == 0
+    assert written(tmp_path) == []
+
+
+def test_delta_is_checked_against_the_shard_size() -> None:
+    params = PrivacyParameters(max_grad_norm=1.0, target_epsilon=1.0, target_delta=1e-3)
+    params.check_delta(999)
+    with pytest.raises(PrivacyConfigError, match="not below 1/J = 0.001 for node 3's shard of J=1000"):
+        params.check_delta(1000, rank=3)
+    with pytest.warns(UserWarning, match="default delta=1e-05, which is not below 1/J .* J=200000"):
+        PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0).check_delta(200_000)
+
+
+def test_peer_timeout_is_validated() -> None:
+    assert DecentralizedPushSumStrategy(peer_timeout=20).peer_timeout.total_seconds() == 20
+    with pytest.raises(ValueError, match="peer_timeout must be a positive"):
+        DecentralizedPushSumStrategy(peer_timeout=0)
+
+
+# ============================================================================ non-finite steps
+def test_a_nan_loss_stops_the_node_naming_node_and_step_before_anything_leaves_it(tmp_path: Path) -> None:
+    strategy = DecentralizedPushSumStrategy()
+    model = Classifier(nan_at_step=3)
+    fit = trainer(tmp_path, strategy, checkpoints=False)
+    with pytest.raises(NonFiniteStepError, match=r"node 0, step 3: non-finite loss \(nan\) and gradient of "
+                       r"net.0.weight, net.0.bias, net.2.weight and 1 more\. .*learning rate too large.*resume every"):
+        fit.fit(model, data())
+    assert strategy.gossip.round == 3  # steps 0, 1, 2 gossiped; step 3 neither updated nor gossiped
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert torch.isfinite(strategy.gossip.x).all()
+
+
+def test_a_nan_gradient_stops_a_private_node_and_its_sampled_step_stays_in_the_ledger(tmp_path: Path) -> None:
+    strategy = private()
+    model = Classifier(nan_at_step=3)
+    fit = trainer(tmp_path, strategy, checkpoints=False)
+    with pytest.raises(NonFiniteStepError, match=r"node 0, step 3: non-finite gradient of net.0.weight"):
+        fit.fit(model, data())
+    assert strategy.gossip.round == 3 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert strategy.privacy.ledger.steps == 4  # the failed step's batch was sampled: it is counted
+
+
+# ============================================================================ checkpoints: no per-sample gradients
+def tensors(obj: object, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in a nested checkpoint, with its path of keys (dict keys, list positions, attributes)."""
+    if isinstance(obj, torch.Tensor):
+        return [(path, obj)]
+    if isinstance(obj, dict):
+        return [t for k, v in obj.items() for t in tensors(v, f"{path}/{k}")]
+    if isinstance(obj, (list, tuple)):
+        return [t for i, v in enumerate(obj) for t in tensors(v, f"{path}/{i}")]
+    if hasattr(obj, "__dict__"):
+        return tensors(vars(obj), f"{path}.{type(obj).__name__}")
+    return []
+
+
+def per_sample_data(obj: object, num_params: int) -> list[str]:
+    """Paths that look like per-sample gradients: a name saying so, or a float tensor larger than the model (every
+    legitimate float tensor is at most one copy of the flat parameters: weights, optimizer state, gossip state)."""
+    found = []
+    for path, t in tensors(obj):
+        lowered = path.lower()
+        if "grad_sample" in lowered or "per_sample" in lowered or "table" in lowered:
+            found.append(path)
+        elif t.is_floating_point() and t.numel() > num_params:
+            found.append(f"{path} {tuple(t.shape)}")
+    return found
+
+
+class KeepPerSampleGradients(pl.Callback):
+    """Captures the live per-sample gradients (hooks) or SAGA table of one step, to prove the check can see them."""
+
+    def __init__(self) -> None:
+        self.live: object = None
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = trainer.strategy.privacy
+        if trainer.global_step == 2 and self.live is None:
+            table = getattr(engine, "table", None)
+            self.live = {"table": table.rows.clone()} if table is not None else {
+                "grads": [g.clone() for g in engine.per_sample.per_sample_grads()]}
+
+
+@pytest.mark.parametrize("strategy", [lambda: private(grad_sample_mode="hooks"),
+                                      lambda: PrivSGPVRStrategy(max_grad_norm=1.0, noise_multiplier=1.0)],
+                         ids=["per-sample gradients", "PrivSGP-VR table"])
+def test_checkpoints_of_private_runs_hold_no_per_sample_gradients(strategy, tmp_path: Path) -> None:
+    keep = KeepPerSampleGradients()
+    model = Classifier()
+    fit = trainer(tmp_path, strategy(), max_steps=4)
+    fit.callbacks.append(keep)
+    fit.fit(model, data(n=64))
+    num_params = sum(p.numel() for p in model.parameters())
+    assert per_sample_data(keep.live, num_params), "the check must recognise the run's own per-sample data"
+    checkpoints = sorted((tmp_path / "ckpt").glob("*.ckpt"))
+    assert len(checkpoints) == 4
+    for path in checkpoints:
+        checkpoint = torch.load(path, weights_only=False)
+        assert "lightning_privdec" in checkpoint  # the node's gossip, optimizer and privacy state are there ...
+        assert per_sample_data(checkpoint, num_params) == []  # ... but nothing per-sample

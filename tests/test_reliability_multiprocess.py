@@ -1,0 +1,153 @@
+"""Faults and agreement across real processes (gloo): a node killed or hung mid-training stops every other node with
+a clear error within the strategy's peer_timeout; nodes started with different configurations all stop at setup; the
+same seed gives every node the same trajectory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multiprocess import clean_environment
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = Path(__file__).parent / "scripts" / "fit_reliability.py"
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has exited
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+class Run:
+    """``fit_reliability.py`` on ``devices`` processes in a session of its own; times when each rank's process ended."""
+
+    def __init__(self, out: Path, *args: str, devices: int) -> None:
+        self.out, self.devices = out, devices
+        out.mkdir(parents=True)
+        self.log = out / "log.txt"
+        command = [sys.executable, str(SCRIPT), "--devices", str(devices), "--out", str(out), *args]
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(command, start_new_session=True, env=clean_environment(), stdout=log,
+                                            stderr=subprocess.STDOUT)
+
+    def wait_for_exits(self, ranks: list[int], timeout: float) -> dict[int, float]:
+        """Poll until the processes of ``ranks`` have ended; return when each was first seen gone."""
+        deadline, ended = time.time() + timeout, {}
+        while len(ended) < len(ranks) and time.time() < deadline:
+            self.process.poll()
+            for rank in ranks:
+                pid_file = self.out / f"pid{rank}"
+                if rank not in ended and pid_file.exists() and not alive(int(pid_file.read_text())):
+                    ended[rank] = time.time()
+            time.sleep(0.1)
+        return ended
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # the session: a stopped node, and anything left over
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=30)
+
+
+def fault_time(run: Run, timeout: float = 240) -> float:
+    marker = run.out / "fault"
+    deadline = time.time() + timeout
+    while not marker.exists() or not marker.read_text():
+        assert run.process.poll() is None, f"the run ended before its fault:\n{run.text()[-3000:]}"
+        assert time.time() < deadline, "the run never reached its fault"
+        time.sleep(0.1)
+    return float(marker.read_text())
+
+
+def test_a_killed_node_stops_every_other_node_with_a_clear_error(tmp_path):
+    peer_timeout, slack = 20.0, 40.0  # slack: raising, Lightning's teardown and exit on 2 loaded cores
+    run = Run(tmp_path / "run", "--kill", "1", "5", "--peer-timeout", str(peer_timeout), "--max-steps", "1000",
+              devices=3)
+    try:
+        killed = fault_time(run)
+        ended = run.wait_for_exits([0, 2], timeout=peer_timeout + slack)
+        log = run.text()
+        assert sorted(ended) == [0, 2], f"survivors running {peer_timeout + slack} s after the kill:\n{log[-3000:]}"
+        assert run.process.wait(timeout=30) != 0  # rank 0, the launching process, failed
+        for rank in (0, 2):
+            assert f"PeerFailureError: node {rank} lost contact with its gossip neighbours" in log, rank
+        assert "restart all nodes and resume from the last checkpoint" in log
+        # the dead process's sockets closed: detected at once, without waiting for the timeout
+        assert "Connection closed by peer" in log or "Connection reset by peer" in log
+        assert not list(run.out.glob("rank*_run0.pt"))  # nobody finished as if nothing had happened
+        print({rank: round(t - killed, 1) for rank, t in ended.items()})  # seconds from the kill to each exit
+    finally:
+        run.stop()
+
+
+def test_a_hung_node_stops_every_other_node_after_the_peer_timeout(tmp_path):
+    # SIGSTOP: the node is alive and its connections stay open, so only the timeout can end the others' waits
+    peer_timeout, slack = 10.0, 50.0
+    run = Run(tmp_path / "run", "--hang", "1", "5", "--peer-timeout", str(peer_timeout), "--max-steps", "1000",
+              devices=3)
+    try:
+        hung = fault_time(run)
+        ended = run.wait_for_exits([0, 2], timeout=peer_timeout + slack)
+        log = run.text()
+        assert sorted(ended) == [0, 2], f"survivors running {peer_timeout + slack} s after the hang:\n{log[-3000:]}"
+        assert min(ended.values()) - hung >= 0.9 * peer_timeout  # the timeout, not anything sooner, ended the wait
+        for rank in (0, 2):
+            assert f"PeerFailureError: node {rank} lost contact with its gossip neighbours" in log, rank
+        assert run.process.wait(timeout=30) != 0
+        assert "Timed out waiting" in log or "Application timeout" in log  # gloo's words for the timeout
+        print({rank: round(t - hung, 1) for rank, t in ended.items()})
+    finally:
+        run.stop()
+
+
+@pytest.fixture(scope="module")
+def two_runs_then_a_mismatch(tmp_path_factory):
+    """Two trainings from scratch (seed, strategy, model, Trainer) of DP-CSGP with RandK and a fixed noise seed on 2
+    nodes, then a third whose node 1 is given another max_grad_norm (and another noise seed, which may differ)."""
+    kwargs = {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "noise_seed": 7, "compressor": "randk:0.5"}
+    mismatch = {"1": {"max_grad_norm": 2.0, "noise_seed": 8}}
+    run = Run(tmp_path_factory.mktemp("runs") / "run", "--strategy", "dp_csgp", "--strategy-kwargs", json.dumps(kwargs),
+              "--runs", "2", "--max-steps", "20", "--mismatch", json.dumps(mismatch), devices=2)
+    try:
+        assert run.process.wait(timeout=300) == 0, run.text()[-3000:]
+        assert len(run.wait_for_exits([0, 1], timeout=30)) == 2
+        yield run
+    finally:
+        run.stop()
+
+
+def test_the_same_seed_gives_every_node_the_same_trajectory(two_runs_then_a_mismatch):
+    """Poisson sampling, noise, RandK and gossip repeat bit for bit on every node with a fixed noise_seed (the default,
+    noise_seed=None, draws from OS entropy: test_privacy.py::test_node_noise_generators_are_per_node)."""
+    out = two_runs_then_a_mismatch.out
+    first, second = ([torch.load(out / f"rank{r}_run{i}.pt") for r in range(2)] for i in range(2))
+    for a, b in zip(first, second):
+        assert a["global_step"] == b["global_step"] == 20
+        assert torch.equal(a["params"], b["params"]), f"node {a['rank']} took another trajectory"
+    assert not torch.equal(first[0]["params"], first[1]["params"])  # each node's own noise and batches
+
+
+def test_nodes_started_with_different_configurations_all_stop_at_setup(two_runs_then_a_mismatch):
+    out = two_runs_then_a_mismatch.out
+    assert not list(out.glob("rank*_run2.pt"))  # the third run trained on no node
+    for rank in (0, 1):
+        message = (out / f"mismatch{rank}.txt").read_text()
+        assert message.startswith(f"step 0: node {rank}: the 2 nodes were started with different configurations:")
+        assert "\n  max_grad_norm -> rank 0: 1.0; rank 1: 2.0\n" in message
+        assert "noise_seed ->" not in message
+        assert "start all processes from the same script and command line" in message

@@ -1,0 +1,182 @@
+"""The write-ahead privacy ledger: steps released after the last checkpoint stay counted after a crash and a resume."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_privdec.privacy import PrivacyConfigError, epsilon_for
+from lightning_privdec.privacy.write_ahead import GENERATOR_KEYS, WriteAheadLedger
+from tests.multiprocess import fit_digits
+from tests.test_dyn_d2p import planned_engine, take_step
+from tests.test_privacy_engine import attached_engine, loader, one_step
+
+
+def checkpoint(engine) -> dict:
+    buffer = io.BytesIO()
+    torch.save(engine.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def steps_until_budget(engine) -> int:
+    taken = 0
+    while not engine.next_step_exceeds_budget():
+        engine.ledger.record(engine.noise_multiplier, engine.sample_rate)  # what privatize() records
+        taken += 1
+    return taken
+
+
+def test_a_resumed_engine_counts_the_steps_released_after_its_checkpoint(tmp_path):
+    ledger = WriteAheadLedger(tmp_path, "run", rank=1)
+    e, model = attached_engine(target_epsilon=2.0, target_delta=1e-5)  # secure: OS entropy
+    e.private_dataloader(loader(), planned_steps=20, world_size=4)
+    sigma, q = e.noise_multiplier, e.sample_rate
+    saved = None
+    for k in range(1, 13):
+        one_step(e, model, torch.randn(4, 3), torch.randint(0, 2, (4,)))
+        ledger.write(e)  # before the step's message would leave the node
+        if k == 5:
+            saved = checkpoint(e)  # the last checkpoint; steps 6..12 are released, then the run crashes
+
+    resumed, _ = attached_engine(target_epsilon=2.0, target_delta=1e-5)
+    resumed.load_state_dict(saved)
+    assert resumed.steps == 5
+    with pytest.warns(UserWarning, match=r"node 1: 7 private steps were released after the checkpoint") as warned:
+        assert WriteAheadLedger(tmp_path, "run", rank=1).recover(resumed) == 7
+    assert resumed.steps == 12 and resumed.ledger.history == [(sigma, q, 12)]
+    assert resumed.epsilon() == pytest.approx(epsilon_for(sigma, q, 12, 1e-5), rel=1e-12)
+    assert f"epsilon spent so far is {resumed.epsilon():.4f}" in str(warned[0].message)
+
+    # the budget now includes the lost steps: the resumed run stops 7 steps earlier than one that forgot them
+    resumed.private_dataloader(loader(), planned_steps=20, world_size=4)
+    assert resumed.noise_multiplier == sigma  # the same plan keeps its sigma
+    forgetful, _ = attached_engine(target_epsilon=2.0, target_delta=1e-5)
+    forgetful.load_state_dict(saved)
+    forgetful.private_dataloader(loader(), planned_steps=20, world_size=4)
+    assert steps_until_budget(resumed) == steps_until_budget(forgetful) - 7
+    assert resumed.epsilon() <= 2.0 < resumed.ledger.epsilon_if(sigma, q, 1)
+
+    # a file that is not as far as the checkpoint changes nothing; the checkpoint's own count never rolls back
+    again, _ = attached_engine(target_epsilon=2.0, target_delta=1e-5)
+    again.load_state_dict(resumed.state_dict())
+    assert WriteAheadLedger(tmp_path, "run", rank=1).recover(again) == 0 and again.steps == resumed.steps
+
+
+def test_the_file_holds_accounting_only_never_generator_states_and_is_replaced_atomically(tmp_path):
+    e, model = attached_engine(noise_multiplier=1.0, seed=1234)  # even a seeded engine writes no generator state
+    e.private_dataloader(loader(), planned_steps=10, world_size=4)
+    assert "noise_generator" in e.state_dict()
+    ledger = WriteAheadLedger(tmp_path, "abc", rank=1)
+    one_step(e, model, torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    ledger.write(e)
+    assert sorted(p.name for p in (tmp_path / "abc").iterdir()) == ["node_1.pt"]  # no temporary file left behind
+    record = torch.load(ledger.path, weights_only=True)  # plain types only
+    assert record["steps"] == 1 and set(record["accounting"]) == {"ledger", "noise_multiplier", "plan"}
+    assert not set(GENERATOR_KEYS) & set(record["accounting"])
+    for generator in (e.noise_generator, e.sampling_generator):
+        assert generator.get_state().numpy().tobytes()[:64] not in ledger.path.read_bytes()
+    # a crash while writing leaves the previous complete file: the new state only appears by os.replace
+    inode = os.stat(ledger.path).st_ino
+    one_step(e, model, torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    ledger.write(e)
+    assert os.stat(ledger.path).st_ino != inode and torch.load(ledger.path, weights_only=True)["steps"] == 2
+    # another run's or node's file is refused, not merged
+    (tmp_path / "other").mkdir()
+    os.replace(ledger.path, tmp_path / "other" / "node_1.pt")
+    with pytest.raises(PrivacyConfigError, match="not node 1's write-ahead privacy ledger of run other"):
+        WriteAheadLedger(tmp_path, "other", rank=1).read()
+
+
+def test_dyn_d2p_resumes_its_schedule_at_the_released_step(tmp_path):
+    model = nn.Linear(3, 2)
+    e = planned_engine(model=model, planned_steps=8, seed=None)
+    ledger = WriteAheadLedger(tmp_path, "run", rank=1)
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    take_step(e, model, x, y, "hooks")
+    saved = checkpoint(e)
+    for _ in range(4):
+        take_step(e, model, x, y, "hooks")
+        ledger.write(e)
+    resumed = planned_engine(model=nn.Linear(3, 2), planned_steps=8, seed=None)
+    resumed.load_state_dict(saved)
+    with pytest.warns(UserWarning, match="4 private steps were released"):
+        ledger.recover(resumed)
+    assert resumed.steps == 5 and resumed.epsilon() == pytest.approx(e.schedule.rigorous_epsilon(1e-5, steps=5))
+    assert resumed.noise_multiplier == e.schedule.noise_multiplier(5)  # the schedule goes on at step 5, not 1
+
+
+def cpgt_engine():
+    from lightning_privdec.privacy import PrivacyParameters
+    from lightning_privdec.privacy.cpgt_engine import CPGTPrivacyEngine
+
+    e = CPGTPrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0), rank=0, device=torch.device("cpu"),
+                          noise_x=1.0, noise_y=1.0, noise_decay=0.9, lipschitz=1.0, accounting="finite")
+    e.configure(step_size=0.1, dimension=3)
+    data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
+    e.private_dataloader(torch.utils.data.DataLoader(data, batch_size=5), planned_steps=10)
+    return e
+
+
+def decor_engine():
+    import networkx as nx
+
+    from lightning_privdec.privacy import PrivacyParameters
+    from lightning_privdec.privacy.decor_engine import DecorPrivacyEngine
+
+    e = DecorPrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), graph=nx.cycle_graph(4),
+                           adversary="eavesdropper", sigma_cdp=1.0, sigma_cor=0.5, clipping="user", rank=0,
+                           device=torch.device("cpu"))
+    e._plan_noise(10)
+    return e
+
+
+@pytest.mark.parametrize("make", [cpgt_engine, decor_engine])
+def test_engines_that_count_steps_resume_at_the_released_count(tmp_path, make):
+    """CPGT (accounting='finite') and Decor (SecLDP) price the number of steps taken: the lost ones count too."""
+    e = make()
+    saved = checkpoint(e)  # after 0 steps
+    e._steps = 6  # six released steps (the counter privatize() advances)
+    WriteAheadLedger(tmp_path, "run", rank=0).write(e)
+    resumed = make()
+    resumed.load_state_dict(saved)
+    assert resumed.steps == 0 and resumed.epsilon() == 0.0
+    with pytest.warns(UserWarning, match="6 private steps were released"):
+        WriteAheadLedger(tmp_path, "run", rank=0).recover(resumed)
+    assert resumed.steps == 6 and resumed.epsilon() == e.epsilon() > 0
+
+
+def test_the_write_costs_little_per_step(tmp_path):
+    e, model = attached_engine(noise_multiplier=1.0)
+    e.private_dataloader(loader(), planned_steps=100, world_size=4)
+    one_step(e, model, torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    ledger = WriteAheadLedger(tmp_path, "run", rank=1)
+    start = time.perf_counter()
+    for _ in range(50):
+        ledger.write(e)
+    per_write = (time.perf_counter() - start) / 50
+    assert ledger.path.stat().st_size < 2048
+    assert per_write < 0.05  # measured: about 0.5 ms with fsync on a local ext4 disk
+
+
+@pytest.mark.multiprocess
+def test_a_lightning_resume_after_a_crash_counts_the_released_steps(tmp_path):
+    """Run A checkpoints epoch 0 (11 steps) and releases 33 steps in all; resuming epoch 0's checkpoint (as after a
+    crash right after it) replays epochs 1-2 with fresh noise: 11 + 22 + 22 = 55 steps are counted, not 33."""
+    common = ["--strategy", "dp_csgp", "--noise-multiplier", "1.0", "--max-epochs", "3", "--lr", "0.3"]
+    first = fit_digits(tmp_path / "first", *common, "--ckpt-dir", str(tmp_path / "ckpt"), devices=2)
+    files = sorted((tmp_path / "ckpt" / "privacy_ledger").glob("*/node_*.pt"))
+    assert [f.name for f in files] == ["node_0.pt", "node_1.pt"] and files[0].parent == files[1].parent
+    checkpoint = next((tmp_path / "ckpt").glob("epoch=0-*.ckpt"))
+    resumed = fit_digits(tmp_path / "resumed", *common, "--resume", str(checkpoint), devices=2)
+    for a, b in zip(first, resumed):
+        steps_per_epoch = a["global_step"] // 3
+        assert a["ledger_steps"] == 3 * steps_per_epoch
+        assert b["ledger_steps"] == 5 * steps_per_epoch  # epoch 0, the 2 lost epochs, and their replay
+        assert b["epsilon"] == pytest.approx(epsilon_for(1.0, b["sample_rate"], b["ledger_steps"], 1e-5), rel=1e-9)
+        assert b["epsilon"] > a["epsilon"]
