@@ -341,11 +341,12 @@ def test_only_plain_sgd_is_accepted_and_its_learning_rate_is_alpha():
 def test_qsgd_2_bits_is_the_papers_biased_quantizer_c2():
     """C2(x) = ||x|| / xi * sign(x) * 2^-(b-1) * floor(2^(b-1) |x| / ||x|| + u), xi = 1 + min(d / 2^(2(b-1)),
     sqrt(d) / 2^(b-1)), u ~ U[0, 1]^d; C2(0) = 0."""
-    from lightning_privdec.compression import make_generator
+    from lightning_privdec.compression.quantizers import _uniform
 
     b, d, key = 2, 10, 1234
     x = torch.randn(d, generator=torch.Generator().manual_seed(0))
-    u = torch.rand(d, generator=make_generator(key, "cpu"), dtype=torch.float32)  # the quantizer's dithering
+    u = _uniform(d, key, torch.device("cpu"), torch.float32)  # the quantizer's dithering, U[0, 1)^d from the key
+    assert u.shape == (d,) and 0 <= float(u.min()) and float(u.max()) < 1
     xi = 1 + min(d / 2 ** (2 * (b - 1)), math.sqrt(d) / 2 ** (b - 1))
     paper = x.norm() / xi * torch.sign(x) * 2.0 ** -(b - 1) * torch.floor(2 ** (b - 1) * x.abs() / x.norm() + u)
     torch.testing.assert_close(QSGD(b).compress(x, key), paper, rtol=1e-6, atol=1e-7)
