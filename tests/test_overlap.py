@@ -164,7 +164,7 @@ def _gloo_node(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     topology = build_topology("exponential-one-peer", world, weights="push-sum")
     results = {}
-    for staleness in (1, 2):
+    for staleness in (0, 1, 2):  # 0: blocking rounds through the exchange's reused per-peer buffers
         gossip = PushSumGossip(start_points(world)[rank], rank=rank, topology=topology,
                                exchange=TorchDistributedExchange(torch.device("cpu")), staleness=staleness)
         for k in range(25):
@@ -181,7 +181,7 @@ def test_gloo_processes_mix_exactly_like_the_loopback_simulation(tmp_path):
     mp.start_processes(_gloo_node, args=(world, f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=world,
                        start_method="fork")
     topology = build_topology("exponential-one-peer", world, weights="push-sum")
-    for staleness in (1, 2):
+    for staleness in (0, 1, 2):
         simulated = run(world, topology, range(25), staleness=staleness, lr=LR)
         for rank, g in enumerate(simulated):
             x, y, (in_x, in_y) = torch.load(tmp_path / f"rank{rank}.pt")[staleness]

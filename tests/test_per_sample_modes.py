@@ -96,6 +96,7 @@ def test_bookkeeping_clips_exactly_like_materialised_per_sample_gradients(
     expected_sums, expected_norms = clip_and_accumulate(hooks.per_sample_grads(), clip, torch.device("cpu"))
     for a, b in zip(hooks.per_sample_grads(), book.per_sample_grads()):  # materialised on demand
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    _assert_flat_per_sample_grads_match(hooks, book, n)
     norms = book.clip_and_sum(clip)
     torch.testing.assert_close(norms, expected_norms, atol=1e-5, rtol=1e-4)
     assert n == 0 or 0 < int((norms > clip).sum()) <= n  # the cases clip at least one example
@@ -105,6 +106,18 @@ def test_bookkeeping_clips_exactly_like_materialised_per_sample_gradients(
     book.clear()
     book.detach()
     assert not hasattr(model, "autograd_grad_sample_hooks")
+
+
+def _assert_flat_per_sample_grads_match(hooks: PerSampleGradients, book: PerSampleGradients, n: int) -> None:
+    """Both modes write the (n, d) matrix of per-sample gradients into a reused buffer, overwriting stale rows."""
+    expected = torch.cat([g.flatten(1) for g in hooks.per_sample_grads()], dim=1)
+    assert hooks.batch_size == book.batch_size == n
+    buffer = torch.full((n + 2, expected.shape[1]), float("nan"))
+    for mode in (hooks, book):
+        written = mode.flat_per_sample_grads(buffer[:n])
+        assert n == 0 or written.data_ptr() == buffer.data_ptr()
+        torch.testing.assert_close(written, expected, atol=1e-5, rtol=1e-4)
+    assert torch.isnan(buffer[n:]).all()
 
 
 def test_bookkeeping_backward_passes_guard_and_no_backward() -> None:
@@ -124,6 +137,7 @@ def test_bookkeeping_backward_passes_guard_and_no_backward() -> None:
         F.cross_entropy(m(x), y).backward()
         F.cross_entropy(m(x[:2]), y[:2]).backward()
     expected_sums, expected_norms = clip_and_accumulate(hooks.per_sample_grads(), 0.5, torch.device("cpu"))
+    _assert_flat_per_sample_grads_match(hooks, book, 8)
     torch.testing.assert_close(book.clip_and_sum(0.5), expected_norms)
     for expected, p in zip(expected_sums, book.parameters):
         torch.testing.assert_close(p.grad, expected)

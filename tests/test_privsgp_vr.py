@@ -205,6 +205,28 @@ def test_the_saga_gradient_is_unbiased_for_any_table():
     assert ((samples.mean(0) - fresh.double().mean(0)).abs() < 4 * stderr + 1e-6).all()
 
 
+def test_the_in_place_saga_step_releases_line_6_plus_noise_and_replaces_the_sampled_rows():
+    g = torch.Generator().manual_seed(2)
+    J, d, C, q = 9, 6, 1.0, 0.4
+    table = SagaTable(J, d, max_norm=C)
+    table.store(range(J), clip_rows(torch.randn(J, d, generator=g) * 3, C)[0])
+    rows, total = table.rows.clone(), table.total.clone()
+    batch, fresh, noise = [7, 2, 4], clip_rows(torch.randn(3, d, generator=g) * 3, C)[0], torch.randn(d, generator=g)
+    expected = (saga_gradient_sum(table, batch, fresh, q) + noise) / (q * J)
+    assert torch.equal(table.rows, rows) and torch.equal(table.total, total)  # line 6 alone reads the table only
+    torch.testing.assert_close(saga_step(table, batch, fresh.clone(), q, noise), expected)
+    rows[batch] = fresh
+    torch.testing.assert_close(table.rows, rows)
+    torch.testing.assert_close(table.total, rows.double().sum(0))
+    with pytest.raises(RuntimeError, match="sampled twice"):
+        table.store([1, 1], fresh[:2])
+    with pytest.raises(RuntimeError, match="3 per-sample gradients for 2"):
+        table.store([1, 2], fresh)
+    buffer = table.workspace(4)  # one reused buffer, grown only for a larger batch
+    assert table.workspace(3).data_ptr() == buffer.data_ptr() and table.workspace(4).shape == (4, d)
+    assert table.workspace(6).shape == (6, d) and table.workspace(7).data_ptr() == table.workspace(6).data_ptr()
+
+
 def test_late_in_training_the_saga_gradient_varies_far_less_than_the_plain_minibatch_gradient():
     """Least squares: after a few epochs of SAGA (noise-free: the DP noise is additive and independent of the
     estimator), the sampling variance of the SAGA gradient at the current point is much smaller than that of the plain

@@ -32,6 +32,7 @@ from lightning_privdec.strategies.checks import (
     check_same_configuration,
     check_training_batches,
     describe,
+    nonfinite_parameters,
 )
 
 pytestmark = [
@@ -228,6 +229,17 @@ def test_a_nan_loss_stops_the_node_naming_node_and_step_before_anything_leaves_i
     assert strategy.gossip.round == 3  # steps 0, 1, 2 gossiped; step 3 neither updated nor gossiped
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert torch.isfinite(strategy.gossip.x).all()
+
+
+def test_the_gradient_check_names_exactly_the_non_finite_parameters() -> None:
+    grads = {"a": torch.ones(5), "b": torch.ones(3), "c": torch.full((4,), 3e38), "d": torch.ones(2)}
+    params = [(name, nn.Parameter(torch.zeros_like(g))) for name, g in grads.items()]
+    for (name, p) in params:
+        p.grad = grads[name].clone()
+    assert nonfinite_parameters(params) == []  # c's sum overflows to inf, yet every entry is finite
+    params[1][1].grad[2] = float("nan")
+    params[3][1].grad[0] = float("-inf")
+    assert nonfinite_parameters(params) == ["b", "d"]
 
 
 def test_a_nan_gradient_stops_a_private_node_and_its_sampled_step_stays_in_the_ledger(tmp_path: Path) -> None:

@@ -65,7 +65,10 @@ class Exchange(abc.ABC):
         outgoing: Mapping[int, Sequence[Tensor]],
         incoming: Mapping[int, Sequence[TensorSpec]],
     ) -> dict[int, list[Tensor]]:
-        """Run one round of point-to-point messages and return what arrived, by sender."""
+        """Run one round of point-to-point messages and return what arrived, by sender.
+
+        The returned tensors may be views into receive buffers that the next round reuses: use or copy them first.
+        """
 
     def start(
         self,
@@ -79,7 +82,7 @@ class Exchange(abc.ABC):
         posted with different ``tag`` may be in flight together. This default runs the round at once (blocking);
         the distributed and loopback exchanges really overlap it with whatever the caller does next.
         """
-        received = self.exchange(outgoing, incoming)
+        received = {peer: [t.clone() for t in tensors] for peer, tensors in self.exchange(outgoing, incoming).items()}
         return PendingRound(lambda: received)
 
     def _check_peers(self, outgoing: Mapping[int, Sequence[Tensor]], incoming: Mapping[int, object]) -> None:

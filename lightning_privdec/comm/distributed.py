@@ -48,6 +48,8 @@ class TorchDistributedExchange(Exchange):
     """One ``batch_isend_irecv`` per round: an isend per out-neighbour and an irecv per in-neighbour.
 
     ``exchange`` waits for the round; ``start`` returns at once with the work handles (SGP's overlap).
+    ``exchange`` packs and receives into buffers kept per peer and reused by the next ``exchange`` (fresh large
+    buffers every round cost page faults on CPU); ``start`` gives every round in flight its own buffers.
 
     Uses the default process group (no process group per edge, so no creation-order hangs). With NCCL the CUDA
     device of this rank must be set before the first round (Lightning's strategies do this at setup).
@@ -64,6 +66,7 @@ class TorchDistributedExchange(Exchange):
         self.device = device
         self.group = group
         self.timeout = timeout
+        self._reused: dict[tuple[str, int], Tensor] = {}  # ("send" | "recv", peer) -> the last round's buffer
 
     def exchange(
         self,
@@ -102,15 +105,21 @@ class TorchDistributedExchange(Exchange):
         own_buffers: bool,
     ) -> tuple[list[Any], dict[int, Tensor], dict[int, Tensor]]:
         self._check_peers(outgoing, incoming)
-        send_buffers = {peer: pack(tensors) for peer, tensors in outgoing.items()}
         if own_buffers:  # a send still in flight must not read a tensor the caller goes on to change
+            send_buffers = {peer: pack(tensors) for peer, tensors in outgoing.items()}
             send_buffers = {
                 peer: buf.clone() if len(outgoing[peer]) == 1 else buf for peer, buf in send_buffers.items()
             }
-        recv_buffers = {
-            peer: torch.empty(message_nbytes(specs), dtype=torch.uint8, device=self.device)
-            for peer, specs in incoming.items()
-        }
+            recv_buffers = {
+                peer: torch.empty(message_nbytes(specs), dtype=torch.uint8, device=self.device)
+                for peer, specs in incoming.items()
+            }
+        else:
+            send_buffers = {
+                peer: pack(tensors, out=self._buffer("send", peer, sum(t.numel() * t.element_size() for t in tensors)))
+                for peer, tensors in outgoing.items()
+            }
+            recv_buffers = {peer: self._buffer("recv", peer, message_nbytes(specs)) for peer, specs in incoming.items()}
         ops = [dist.P2POp(dist.isend, buf, peer, self.group, tag) for peer, buf in send_buffers.items()]
         ops += [dist.P2POp(dist.irecv, buf, peer, self.group, tag) for peer, buf in recv_buffers.items()]
         peers = sorted({*outgoing, *incoming})
@@ -119,6 +128,13 @@ class TorchDistributedExchange(Exchange):
         except RuntimeError as exc:  # a send to a peer whose connection is already closed fails at once
             raise PeerFailureError.during_round(self.rank, peers, exc) from exc
         return works, send_buffers, recv_buffers
+
+    def _buffer(self, kind: str, peer: int, nbytes: int) -> Tensor:
+        """The byte buffer kept for ``peer``, reallocated only when the message size changes."""
+        buffer = self._reused.get((kind, peer))
+        if buffer is None or buffer.numel() != nbytes:
+            buffer = self._reused[(kind, peer)] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buffer
 
     def _record(self, send_buffers: Mapping[int, Tensor], recv_buffers: Mapping[int, Tensor]) -> None:
         self.traffic.record(

@@ -46,12 +46,13 @@ def message_nbytes(specs: Sequence[TensorSpec]) -> int:
     return sum(spec.nbytes for spec in specs)
 
 
-def pack(tensors: Sequence[Tensor]) -> Tensor:
-    """Concatenate the raw bytes of ``tensors`` into one contiguous uint8 buffer (a view when there is one)."""
+def pack(tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
+    """Concatenate the raw bytes of ``tensors`` into one contiguous uint8 buffer (a view when there is one; else
+    written into ``out`` when given)."""
     views = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
     if len(views) == 1:
         return views[0]
-    return torch.cat(views)
+    return torch.cat(views) if out is None else torch.cat(views, out=out)
 
 
 def unpack(buffer: Tensor, specs: Sequence[TensorSpec]) -> list[Tensor]:

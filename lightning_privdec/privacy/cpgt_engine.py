@@ -25,6 +25,7 @@ from lightning_privdec.privacy.cpgt import (
 )
 from lightning_privdec.privacy.dp_step import DPStepStats
 from lightning_privdec.privacy.engine import NodePrivacyEngine
+from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 
@@ -53,7 +54,7 @@ class CPGTPrivacyEngine(NodePrivacyEngine):
         *,
         rank: int,
         device: torch.device,
-        grad_sample_mode: str = "hooks",
+        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
         noise_seed: int | None = None,
         noise_x: float | None,
         noise_y: float | None,

@@ -26,6 +26,7 @@ from lightning_privdec.privacy.dyn_d2p import (
     warn_if_clt_optimistic,
 )
 from lightning_privdec.privacy.engine import NodePrivacyEngine
+from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 
@@ -61,7 +62,7 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
         calibration: str = "rigorous",
         rank: int,
         device: torch.device,
-        grad_sample_mode: str = "hooks",
+        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
         noise_seed: int | None = None,
     ) -> None:
         if parameters.target_epsilon is None or parameters.target_delta is None:

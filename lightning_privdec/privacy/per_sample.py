@@ -277,8 +277,7 @@ class _BookKeepingHooks(GradSampleHooks):
 
     def per_sample_grads(self, params: list[nn.Parameter]) -> list[Tensor]:
         """Materialised per-sample gradients (backward passes concatenated), for callers that need them."""
-        passes = [[r for r in self.records if r.backward_pass == k] for k in range(self._pass + 1)]
-        passes = [records for records in passes if records]
+        passes = self._passes()
         out: list[list[Tensor]] = [[] for _ in params]
         for records in passes:
             samples, batch = self._grad_samples(records), max(r.batch_size for r in records)
@@ -289,6 +288,62 @@ class _BookKeepingHooks(GradSampleHooks):
             torch.cat(gs) if gs else torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
             for p, gs in zip(params, out)
         ]
+
+    def batch_size(self) -> int:
+        """Examples of the recorded backward passes together (the rows of :meth:`per_sample_grads`)."""
+        return sum(max(r.batch_size for r in records) for records in self._passes())
+
+    def _passes(self) -> list[list[_Record]]:
+        passes = [[r for r in self.records if r.backward_pass == k] for k in range(self._pass + 1)]
+        return [records for records in passes if records]
+
+    def per_sample_grads_into(self, params: list[nn.Parameter], out: Tensor) -> Tensor:
+        """:meth:`per_sample_grads` flattened into ``out`` of shape ``(batch_size(), d)``, parameters in order. An
+        nn.Linear on (B, d) inputs used once writes its outer products g_i a_i^T straight into ``out``; other layers
+        go through their per-sample rule and are copied."""
+        spans, offset = {}, 0
+        for p in params:
+            spans[p] = (offset, p.numel())
+            offset += p.numel()
+        if out.dim() != 2 or out.shape[1] != offset:
+            raise RuntimeError(f"per-sample gradients of {offset} parameters do not fit a buffer of shape {tuple(out.shape)}")
+
+        def columns(block: Tensor, p: nn.Parameter) -> Tensor:
+            start, size = spans[p]
+            return block[:, start : start + size]
+
+        row = 0
+        for records in self._passes():
+            batch = max(r.batch_size for r in records)
+            block = out[row : row + batch]
+            row += batch
+            uses = _uses(records)
+            direct = [
+                r for r in records
+                if type(r.module) is nn.Linear and r.backprops.dim() == 2 and r.backprops.shape[0] == batch
+                and all(uses[id(p)] == 1 for _, p in trainable_parameters(r.module))
+            ]
+            direct_ids = {id(r) for r in direct}
+            written: set[int] = set()
+            for r in direct:
+                g, a = r.backprops, r.activations[0].to(r.backprops.dtype)
+                weight, bias = r.module.weight, r.module.bias
+                if weight.requires_grad and weight in spans:
+                    torch.mul(g.unsqueeze(2), a.unsqueeze(1), out=columns(block, weight).view(batch, *weight.shape))
+                    written.add(id(weight))
+                if bias is not None and bias.requires_grad and bias in spans:
+                    columns(block, bias).copy_(g)
+                    written.add(id(bias))
+            for p, gs in self._grad_samples([r for r in records if id(r) not in direct_ids]).items():
+                if p in spans:
+                    columns(block, p).copy_(gs.reshape(gs.shape[0], p.numel())[:batch])
+                    written.add(id(p))
+            for p in params:
+                if id(p) not in written:
+                    columns(block, p).zero_()  # no example reached this parameter
+        if row != out.shape[0]:
+            raise RuntimeError(f"{row} per-sample gradients for a buffer of {out.shape[0]} rows")
+        return out
 
     def clip_and_sum(self, params: list[nn.Parameter], max_grad_norm: float) -> Tensor:
         """p.grad <- sum_i min(1, C / (||g_i|| + 1e-6)) g_i for every parameter, with ||g_i|| the norm over ALL
@@ -312,10 +367,7 @@ class _BookKeepingHooks(GradSampleHooks):
         return torch.cat(all_norms)
 
     def _clip_and_sum_pass(self, records: list[_Record], max_grad_norm: float, sums: dict[nn.Parameter, Tensor]) -> Tensor:
-        uses: dict[int, int] = {}
-        for r in records:
-            for _, p in trainable_parameters(r.module):
-                uses[id(p)] = uses.get(id(p), 0) + 1
+        uses = _uses(records)
         ghost = [
             r for r in records if _ghost_linear(r) and all(uses[id(p)] == 1 for _, p in trainable_parameters(r.module))
         ]
@@ -355,6 +407,15 @@ class _BookKeepingHooks(GradSampleHooks):
         for p, gs in materialised.items():
             _accumulate(sums, p, torch.einsum("i,i...->...", factor[: gs.shape[0]].to(gs.dtype), gs))
         return norms
+
+
+def _uses(records: list[_Record]) -> dict[int, int]:
+    """How many of ``records`` touch each trainable parameter (by id): more than one for tied or recurrent weights."""
+    uses: dict[int, int] = {}
+    for r in records:
+        for _, p in trainable_parameters(r.module):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    return uses
 
 
 def _accumulate(sums: dict[nn.Parameter, Tensor], p: nn.Parameter, value: Tensor) -> None:
@@ -471,6 +532,24 @@ class PerSampleGradients:
             g if g is not None else torch.zeros((batch_size, *p.shape), dtype=p.dtype, device=p.device)
             for p, g in zip(params, samples)
         ]
+
+    @property
+    def batch_size(self) -> int:
+        """The number of per-sample gradients the last backward pass(es) recorded (0 when none)."""
+        if self._bookkeeping is not None:
+            return self._bookkeeping.batch_size()
+        return int(self.per_sample_grads()[0].shape[0])
+
+    def flat_per_sample_grads(self, out: Tensor | None = None) -> Tensor:
+        """The per-sample gradients as one ``(B, d)`` matrix, parameters concatenated in order, written into ``out``
+        (shape ``(batch_size, d)``) when given: book-keeping then allocates no B x d temporary for nn.Linear layers."""
+        params = self.parameters
+        if out is None:
+            out = torch.empty(self.batch_size, sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        if self._bookkeeping is not None:
+            return self._bookkeeping.per_sample_grads_into(params, out)
+        grads = self.per_sample_grads()
+        return torch.cat([g.reshape(g.shape[0], p.numel()) for p, g in zip(params, grads)], dim=1, out=out)
 
     def clip_and_sum(self, max_grad_norm: float) -> Tensor:
         """``p.grad <- sum_i min(1, C / (||g_i|| + 1e-6)) g_i`` (flat clipping: ||g_i|| over ALL parameters jointly,

@@ -25,6 +25,7 @@ from lightning_privdec.privacy.accountants import PrivacyLedger
 from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats, _gaussian
 from lightning_privdec.privacy.engine import NodePrivacyEngine
+from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.saga_accounting import (
     SagaNoise,
@@ -37,8 +38,7 @@ from lightning_privdec.privacy.sampling import PoissonBatchSampler
 from lightning_privdec.privacy.variance_reduction import (
     TABLE_DTYPES,
     SagaTable,
-    clip_rows,
-    flatten_per_sample,
+    clip_rows_,
     saga_step,
 )
 
@@ -59,7 +59,8 @@ def check_saga_options(
     if grad_sample_mode == "ghost":
         raise PrivacyConfigError(
             "PrivSGP-VR stores every sampled example's clipped gradient in its table (Algorithm 1, line 7), but ghost "
-            "clipping never materialises per-sample gradients. Use grad_sample_mode='hooks' (default) or 'functorch'."
+            "clipping never materialises per-sample gradients. Use grad_sample_mode='bookkeeping' (default), 'hooks' or "
+            "'functorch'."
         )
     if isinstance(max_table_bytes, bool) or not isinstance(max_table_bytes, (int, float)) or not max_table_bytes > 0:
         raise PrivacyConfigError(
@@ -132,7 +133,7 @@ class SagaPrivacyEngine(NodePrivacyEngine):
         table_dtype: torch.dtype = torch.float32,
         rank: int,
         device: torch.device,
-        grad_sample_mode: str = "hooks",
+        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
         noise_seed: int | None = None,
     ) -> None:
         check_saga_options(
@@ -212,15 +213,15 @@ class SagaPrivacyEngine(NodePrivacyEngine):
         for batch in self._shard_loader:
             self.per_sample.clear()
             has_loss = backward(batch)
-            grads = self.per_sample.per_sample_grads()
-            size = int(grads[0].shape[0])
+            size = self.per_sample.batch_size
             if not has_loss or size == 0:
                 raise PrivacyConfigError(
                     "training_step returned no loss on a batch of the shard while PrivSGP-VR filled its gradient table "
                     "(Algorithm 1, lines 1-3); every example needs a gradient. Use table_init='zeros' to skip the pass."
                 )
-            clipped, _ = clip_rows(flatten_per_sample(grads), self.parameters.max_grad_norm)
-            self.table.store(torch.arange(row, row + size), clipped)
+            clipped = self.per_sample.flat_per_sample_grads(self.table.workspace(size, params[0].dtype))
+            clip_rows_(clipped, self.parameters.max_grad_norm)
+            self.table.store(range(row, row + size), clipped)
             row += size
         self.per_sample.clear()
         for p in params:
@@ -291,13 +292,14 @@ class SagaPrivacyEngine(NodePrivacyEngine):
         indices = self._next_batch()
         params = self.per_sample.parameters
         C = self.parameters.max_grad_norm
-        grads = self.per_sample.per_sample_grads()
-        fresh, norms = clip_rows(flatten_per_sample(grads), C)
-        if fresh.shape[0] != len(indices):
+        size = self.per_sample.batch_size
+        if size != len(indices):
             raise RuntimeError(
-                f"the step's per-sample gradients ({fresh.shape[0]}) do not match the {len(indices)} examples the "
+                f"the step's per-sample gradients ({size}) do not match the {len(indices)} examples the "
                 "sampler drew: training_step must compute one loss per example of the batch, in order"
             )
+        fresh = self.per_sample.flat_per_sample_grads(self.table.workspace(size, params[0].dtype))  # reused buffer
+        norms = clip_rows_(fresh, C)
         std = self.noise_multiplier * C
         noise = _gaussian(self.table.dim, std, self.noise_generator, fresh.dtype, fresh.device) if std > 0 else fresh.new_zeros(self.table.dim)
         released = saga_step(self.table, indices, fresh, self.sample_rate, noise)

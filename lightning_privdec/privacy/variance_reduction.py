@@ -19,7 +19,6 @@ accounting must charge without amplification (lightning_privdec.privacy.saga_acc
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -27,21 +26,22 @@ from torch import Tensor
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
-__all__ = ["SagaTable", "clip_rows", "flatten_per_sample", "saga_gradient_sum", "saga_step"]
+__all__ = ["SagaTable", "clip_rows", "clip_rows_", "saga_gradient_sum", "saga_step"]
 
 TABLE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def flatten_per_sample(grad_samples: Sequence[Tensor]) -> Tensor:
-    """``[(B, *p.shape) for p in params]`` -> one ``(B, d)`` matrix, parameters concatenated in order."""
-    batch = int(grad_samples[0].shape[0])
-    return torch.cat([g.reshape(batch, math.prod(g.shape[1:])) for g in grad_samples], dim=1)
-
-
 def clip_rows(rows: Tensor, max_norm: float) -> tuple[Tensor, Tensor]:
     """Each row scaled by min(1, C / (||row|| + 1e-6)) (Opacus's flat clipping); returns (clipped rows, norms)."""
+    clipped = rows.clone()
+    return clipped, clip_rows_(clipped, max_norm)
+
+
+def clip_rows_(rows: Tensor, max_norm: float) -> Tensor:
+    """:func:`clip_rows` in place (no B x d temporary); returns the norms before clipping."""
     norms = torch.linalg.vector_norm(rows, dim=1)
-    return rows * (max_norm / (norms + 1e-6)).clamp(max=1.0).unsqueeze(1), norms
+    rows.mul_((max_norm / (norms + 1e-6)).clamp(max=1.0).unsqueeze(1))
+    return norms
 
 
 class SagaTable:
@@ -49,7 +49,9 @@ class SagaTable:
 
     Every stored row has norm <= C, also after a cast to a reduced-precision ``dtype`` (re-clipped after the cast),
     which the accounting needs. The sum ``total = sum_j table[j]`` is kept in float64 and updated incrementally
-    (line 7); ``mean`` is g_bar.
+    (line 7); ``mean`` is g_bar. :meth:`workspace` is a reusable B x d buffer for a step's per-sample gradients:
+    with it and :meth:`store` a step allocates nothing of size B x d (on CPU, fresh large allocations cost page
+    faults that dominated the step).
 
     Args:
         num_rows: J, the shard size.
@@ -67,6 +69,7 @@ class SagaTable:
         self.num_rows, self.dim, self.max_norm, self.dtype = int(num_rows), int(dim), float(max_norm), dtype
         self.rows = torch.zeros(self.num_rows, self.dim, dtype=dtype, device=device)
         self.total = torch.zeros(self.dim, dtype=torch.float64, device=device)
+        self._workspace = torch.empty(0, self.dim, device=device)
 
     @staticmethod
     def nbytes_for(num_rows: int, dim: int, dtype: torch.dtype = torch.float32) -> int:
@@ -82,28 +85,54 @@ class SagaTable:
         """g_bar = (1/J) sum_j table[j] (float64)."""
         return self.total / self.num_rows
 
+    def workspace(self, batch: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        """A ``(batch, d)`` buffer of ``dtype`` for one step's per-sample gradients, reused across steps (grown by a
+        quarter when a Poisson batch is larger than any before). Its contents are overwritten by the next call."""
+        if self._workspace.shape[0] < batch or self._workspace.dtype != dtype:
+            rows = max(batch, int(1.25 * batch) if self._workspace.shape[0] else batch)
+            self._workspace = torch.empty(rows, self.dim, dtype=dtype, device=self.rows.device)
+        return self._workspace[:batch]
+
     def _fit(self, values: Tensor) -> Tensor:
-        """``values`` in the storage dtype with every row's norm <= C (re-clipped after rounding)."""
+        """``values`` in the storage dtype with every row's norm <= C (rows rounded above C by an ulp, or by the cast,
+        shrink to C (1 - 2^attempt eps)). When the dtypes agree this is ``values`` itself, such rows rescaled in place."""
         stored = values.to(self.dtype)
         eps = torch.finfo(self.dtype).eps
-        for attempt in range(8):  # rows rounded above C (by an ulp, or the cast) shrink to C (1 - 2^attempt eps)
-            norms = torch.linalg.vector_norm(stored.float(), dim=1)
-            over = norms > self.max_norm
-            if not bool(over.any()):
+        for attempt in range(8):
+            norms = torch.linalg.vector_norm(stored, dim=1, dtype=torch.float32)
+            over = (norms > self.max_norm).nonzero().flatten()
+            if over.numel() == 0:
                 return stored
-            shrink = torch.where(over, self.max_norm / norms * (1.0 - 2**attempt * eps), torch.ones_like(norms))
-            stored = (stored.float() * shrink.unsqueeze(1)).to(self.dtype)
+            shrink = (self.max_norm / norms[over] * (1.0 - 2**attempt * eps)).tolist()
+            for row, factor in zip(over.tolist(), shrink):  # row by row: no temporary of the batch's size
+                if stored.dtype in (torch.float32, torch.float64):
+                    stored[row].mul_(factor)
+                else:
+                    stored[row] = (stored[row].float() * factor).to(self.dtype)
         raise RuntimeError("could not fit the table rows under the clipping bound")  # pragma: no cover
 
     @torch.no_grad()
-    def store(self, indices: Tensor | Sequence[int], values: Tensor) -> None:
-        """Line 7: g_bar += (new - old) / J and table[indices] = values (clipped gradients, one row per index)."""
-        index = torch.as_tensor(indices, dtype=torch.long, device=self.rows.device)
-        if index.numel() == 0:
-            return
+    def store(self, indices: Tensor | Sequence[int], values: Tensor) -> Tensor:
+        """Line 7: table[indices] = values (clipped gradients, one row per index) and g_bar += (new - old) / J.
+
+        Returns ``sum_{xi in S} (values[xi] - old table[xi])``, the correction of line 6 (float32 or wider), as
+        stored (a row of ``values`` may shrink by an ulp to stay within C). One pass over the rows: no B x d
+        temporary when ``values`` has the storage dtype.
+        """
+        index = torch.as_tensor(indices, dtype=torch.long).tolist()
+        if len(index) != values.shape[0]:
+            raise RuntimeError(f"{values.shape[0]} per-sample gradients for {len(index)} sampled examples")
+        if len(set(index)) != len(index):
+            raise RuntimeError("an example was sampled twice in one batch; each table row is replaced once per step")
+        correction = torch.zeros(self.dim, dtype=torch.promote_types(values.dtype, torch.float32), device=self.rows.device)
+        if not index:
+            return correction
         new = self._fit(values.to(self.rows.device))
-        self.total += new.sum(0, dtype=torch.float64) - self.rows[index].sum(0, dtype=torch.float64)
-        self.rows[index] = new
+        for position, row in enumerate(index):
+            correction.sub_(self.rows[row]).add_(new[position])
+            self.rows[row].copy_(new[position])
+        self.total.add_(correction)
+        return correction
 
     @torch.no_grad()
     def reset(self) -> None:
@@ -118,7 +147,8 @@ class SagaTable:
 
 
 def saga_gradient_sum(table: SagaTable, indices: Tensor | Sequence[int], fresh: Tensor, sample_rate: float) -> Tensor:
-    """Line 6 times qJ: ``sum_{xi in S} (c_xi - table[xi]) + q sum_j table[j]``, the table BEFORE line 7.
+    """Line 6 times qJ: ``sum_{xi in S} (c_xi - table[xi]) + q sum_j table[j]``, the table BEFORE line 7 (left
+    unchanged; :func:`saga_step` computes the same sum while it updates the table).
 
     ``fresh`` holds the batch's clipped gradients c_xi, one row per index, in the order of ``indices``.
     """
@@ -132,10 +162,12 @@ def saga_gradient_sum(table: SagaTable, indices: Tensor | Sequence[int], fresh: 
 def saga_step(
     table: SagaTable, indices: Tensor | Sequence[int], fresh: Tensor, sample_rate: float, noise: Tensor
 ) -> Tensor:
-    """Lines 6-8 for one node: the released gradient g~ = (line 6 sum + N) / (qJ); then the table update (line 7).
+    """Lines 6-8 for one node: the released gradient g~ = (line 6 sum + N) / (qJ), and the table update (line 7).
 
-    ``noise`` is N ~ N(0, s^2 I) on the sum (this node's own draw); ``qJ = sample_rate * table.num_rows``.
+    ``noise`` is N ~ N(0, s^2 I) on the sum (this node's own draw); ``qJ = sample_rate * table.num_rows``. ``fresh``
+    may be rescaled in place by an ulp (see :meth:`SagaTable.store`).
     """
-    summed = saga_gradient_sum(table, indices, fresh, sample_rate)  # line 6 (table before the update)
-    table.store(indices, fresh)  # line 7
+    mean_term = sample_rate * table.total  # line 6: q sum_j table[j], the table before line 7
+    correction = table.store(indices, fresh)  # lines 6-7: sum_{xi in S} (c_xi - table[xi]); table[xi] = c_xi
+    summed = correction + mean_term.to(correction.dtype)
     return (summed + noise.to(summed.dtype)) / (sample_rate * table.num_rows)  # line 8, divided by qJ

@@ -123,9 +123,15 @@ def check_training_batches(batches: Sequence[int | None], rank: int) -> None:
 
 
 def nonfinite_parameters(named_parameters: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
-    """Names of the parameters whose gradient holds a NaN or an infinity (one host sync when all are finite)."""
+    """Names of the parameters whose gradient holds a NaN or an infinity (one host sync when all are finite).
+
+    A NaN or infinity in any entry makes its tensor's sum non-finite, so finite sums (one fast reduction each)
+    clear the step; only then, or when a huge finite sum overflowed, is every entry checked.
+    """
     with_grad = [(name, p.grad) for name, p in named_parameters if p.grad is not None]
     if not with_grad:
+        return []
+    if bool(torch.isfinite(torch.stack([g.sum() for _, g in with_grad])).all()):
         return []
     finite = torch.stack([torch.isfinite(g).all() for _, g in with_grad])
     if bool(finite.all()):

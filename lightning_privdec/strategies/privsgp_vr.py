@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.privacy.saga_engine import DEFAULT_MAX_TABLE_BYTES, SagaPrivacyEngine, check_saga_options
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 
@@ -61,8 +62,9 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
             the cast, so the privacy bound holds).
         noise_multiplier: s / C, the std of the noise on the released sum in units of C (or give the budget).
         Other arguments: see :class:`PrivateDecentralizedStrategy` (``max_grad_norm``, ``target_epsilon``,
-        ``target_delta``, ``accountant`` ("rdp" or "prv"), ``grad_sample_mode`` ("hooks" or "functorch"; ghost clipping
-        has no per-sample gradients to store and is refused), ...).
+        ``target_delta``, ``accountant`` ("rdp" or "prv"), ``grad_sample_mode`` ("bookkeeping", the default, writes each
+        example's gradient straight into a reused B x d buffer; "hooks" or "functorch"; ghost clipping has no
+        per-sample gradients to store and is refused), ...).
 
     Checkpoints hold the ledger, the noise, the split and everything the other strategies keep, never the table (it
     is per-sample-gradient data): a resumed run rebuilds it at the resumed parameters.
@@ -86,7 +88,7 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
     ) -> None:
         check_saga_options(
             accounting=accounting, accountant=kwargs.get("accountant", "rdp"), max_table_bytes=max_table_bytes,
-            table_init=table_init, table_dtype=table_dtype, grad_sample_mode=kwargs.get("grad_sample_mode", "hooks"),
+            table_init=table_init, table_dtype=table_dtype, grad_sample_mode=kwargs.get("grad_sample_mode", DEFAULT_GRAD_SAMPLE_MODE),
         )
         self.accounting, self.max_table_bytes = accounting, max_table_bytes
         self.table_init, self.table_dtype = table_init, table_dtype
