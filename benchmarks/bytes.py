@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import sys
 from pathlib import Path
 
@@ -36,6 +34,7 @@ from lightning_privdec.comm import LoopbackNetwork  # noqa: E402
 from lightning_privdec.compression import build_compressor  # noqa: E402
 from lightning_privdec.data import DigitsClassifier  # noqa: E402
 from lightning_privdec.topology import build_topology  # noqa: E402
+from machine_info import append_results, machine_line, software_line  # noqa: E402  (benchmarks/machine_info.py)
 
 COMPRESSORS = ["none", "randk:0.5", "randk:0.1", "topk:0.1", "topk:0.01", "qsgd:8", "qsgd:4", "sign"]
 GRAPHS = ["exponential-one-peer", "exponential"]
@@ -91,8 +90,7 @@ def main() -> None:
                       f"x{dense / sent:7.2f} vs dense  {sent / allreduce:6.3f} of all-reduce", flush=True)
 
     header = (
-        f"\n## bytes.py — {datetime.date.today().isoformat()}, {n} nodes, machine: {platform.machine()} {platform.system()} CPU x{os.cpu_count()}, "
-        f"Python {platform.python_version()}, torch {torch.__version__}\n\n"
+        f"\n## bytes.py — {datetime.date.today().isoformat()}, {n} nodes\n\n- {machine_line()}\n- {software_line()}\n\n"
         f"Command: `python benchmarks/bytes.py --nodes {n}`. Bytes each node sends per step (measured by the exchange, "
         f"mean over nodes and {args.rounds} rounds); DDP ring all-reduce per node = 2(n-1)/n x 4d (formula).\n\n"
         "| model | d | graph | compressor | bytes/node/step | vs dense gossip | DDP all-reduce bytes/node/step | "
@@ -103,9 +101,7 @@ def main() -> None:
         for m, d, g, c, s, r, a in rows
     )
     print(header + table)
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    with args.results.open("a") as f:
-        f.write(header + table)
+    append_results(header + table, args.results)
 
     import matplotlib
 

@@ -47,6 +47,7 @@ import gc
 import json
 import logging
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -60,6 +61,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
+
+from machine_info import append_results, cpu_name, usable_cores  # noqa: E402  (benchmarks/machine_info.py)
 
 METHODS: dict[str, dict[str, Any]] = {  # name -> label and examples/digits.py options (None: central baseline)
     "dp_csgp": {"label": "DP-CSGP (exponential, RandK(0.5))", "strategy": "dp_csgp", "baseline": None},
@@ -422,19 +425,10 @@ def summarise(args: argparse.Namespace, records: list[dict[str, Any]]) -> tuple[
 
 
 def machine_description() -> str:
-    import platform
-
     import torch
 
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                   if l.startswith("model name"))  # fmt: skip
-    except (OSError, StopIteration):
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{cpu}, {cores} usable cores, {platform.system()} {platform.machine()}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, no GPU used")  # fmt: skip
+    return (f"{cpu_name()}, {usable_cores()} usable cores, {platform.system()} {platform.machine()}, Python "
+            f"{platform.python_version()}, torch {torch.__version__}, no GPU used")  # fmt: skip
 
 
 def grid_table(args: argparse.Namespace, records: list[dict[str, Any]]) -> str:
@@ -560,9 +554,7 @@ def main() -> None:
     plot(args, table)
     print(f"plot: {args.plot}")
     if not args.no_append:
-        with args.results.open("a") as f:
-            f.write(report)
-        print(f"appended to {args.results}")
+        append_results(report, args.results)
     missing = [(m, e) for m in args.method_list for e in args.epsilon_list if (m, e) not in table]
     if missing or any(s["seeds"] < args.seeds for s in table.values()):
         print(f"warning: incomplete results (missing {missing}); rerun with --records {records_path} --resume")

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
 import step_time  # noqa: E402  (benchmarks/step_time.py: model, data, strategies, timer, per-rank results)
+from machine_info import append_results, machine_line, software_line  # noqa: E402
 
 CONFIGS = ("ddp", "push_sum")
 LABELS = {"ddp": "DDP (all-reduce)", "push_sum": f"push-sum ({step_time.TOPOLOGY})"}
@@ -277,26 +278,6 @@ def plot(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     fig.savefig(args.plot, dpi=120)
 
 
-def machine_description() -> list[str]:
-    import platform
-
-    import lightning
-    import torch
-
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                   if l.startswith("model name"))  # fmt: skip
-    except (OSError, StopIteration):
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = " / ".join(f"{v:.1f}" for v in os.getloadavg())
-    return [
-        f"machine: {cpu}, {cores} usable cores, {platform.platform()}, load average at start {load}",
-        f"software: python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}",
-    ]
-
-
 def main() -> None:
     args = parse_args()
     if args.config is not None:
@@ -305,7 +286,7 @@ def main() -> None:
         run_child(args)
         return
     started = time.perf_counter()
-    machine = machine_description()
+    machine = [machine_line(), software_line()]
     for line in machine:
         print(line, flush=True)
     gpus, skipped, probes = 0, {}, {}
@@ -375,9 +356,7 @@ def main() -> None:
         plot(rows, args)
         print(f"plot: {args.plot}")
     if not args.no_append:
-        with args.results.open("a") as f:
-            f.write(text)
-        print(f"appended to {args.results}")
+        append_results(text, args.results)
     if rows:
         by_n = {n: [r for r in rows if r["devices"] == n] for n in args.world_size_list}
         for n, pair in by_n.items():

@@ -71,7 +71,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -81,6 +80,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from machine_info import append_results, machine_line, software_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -569,26 +570,10 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def machine_description(args: argparse.Namespace) -> list[str]:
-    import lightning
-    import opacus
-    import torch
-
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        cpu = platform.processor() or cpu
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = " / ".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     mode = args.grad_sample_mode or "library default"
     return [
-        f"machine: {platform.machine()}, {cpu}, {cores} usable cores ({os.cpu_count()} logical); "
-        f"{platform.platform()}; load average at start {load}",
-        f"software: python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}, "
-        f"opacus {opacus.__version__}",
+        machine_line(),
+        software_line(opacus=True),
         f"setup: {args.devices} CPU processes (gloo), torch.set_num_threads(1) per rank, MLP 784-{args.hidden}-"
         f"{args.hidden // 2}-10, batch {args.batch_size}/process, SGD, {args.warmup} warm-up + {args.steps} timed "
         f"steps; private runs: C = {CLIP}, sigma = {SIGMA}, Poisson q = 1/{BATCHES_PER_EPOCH} (PrivSGP-VR: "
@@ -802,9 +787,7 @@ def run_parent(args: argparse.Namespace, argv: list[str]) -> None:
         *(f"- {line}" for line in machine),
         "",
     ]
-    with args.results.open("a") as f:
-        f.write("\n".join(header + report) + "\n")
-    print(f"appended to {args.results}")
+    append_results("\n".join(header + report) + "\n", args.results)
 
 
 def main() -> None:

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -74,15 +76,27 @@ def fault_time(run: Run, timeout: float = 240) -> float:
     return float(marker.read_text())
 
 
-def test_a_killed_node_stops_every_other_node_with_a_clear_error(tmp_path):
-    peer_timeout, slack = 20.0, 40.0  # slack: raising, Lightning's teardown and exit on 2 loaded cores
-    run = Run(tmp_path / "run", "--kill", "1", "5", "--peer-timeout", str(peer_timeout), "--max-steps", "1000",
+@contextmanager
+def survivors_of(
+    tmp_path: Path, fault: str, peer_timeout: float, slack: float
+) -> Iterator[tuple[Run, float, dict, str]]:
+    """Three nodes; node 1 meets ``fault`` ("--kill" or "--hang") at step 5. Yields the run, the time of the fault,
+    the exit times of nodes 0 and 2 (both must exit within peer_timeout + slack) and the log."""
+    run = Run(tmp_path / "run", fault, "1", "5", "--peer-timeout", str(peer_timeout), "--max-steps", "1000",
               devices=3)
     try:
-        killed = fault_time(run)
+        at = fault_time(run)
         ended = run.wait_for_exits([0, 2], timeout=peer_timeout + slack)
         log = run.text()
-        assert sorted(ended) == [0, 2], f"survivors running {peer_timeout + slack} s after the kill:\n{log[-3000:]}"
+        assert sorted(ended) == [0, 2], f"survivors running {peer_timeout + slack} s after the fault:\n{log[-3000:]}"
+        yield run, at, ended, log
+    finally:
+        run.stop()
+
+
+def test_a_killed_node_stops_every_other_node_with_a_clear_error(tmp_path):
+    peer_timeout, slack = 20.0, 40.0  # slack: raising, Lightning's teardown and exit on 2 loaded cores
+    with survivors_of(tmp_path, "--kill", peer_timeout, slack) as (run, killed, ended, log):
         assert run.process.wait(timeout=30) != 0  # rank 0, the launching process, failed
         for rank in (0, 2):
             assert f"PeerFailureError: node {rank} lost contact with its gossip neighbours" in log, rank
@@ -91,28 +105,18 @@ def test_a_killed_node_stops_every_other_node_with_a_clear_error(tmp_path):
         assert "Connection closed by peer" in log or "Connection reset by peer" in log
         assert not list(run.out.glob("rank*_run0.pt"))  # nobody finished as if nothing had happened
         print({rank: round(t - killed, 1) for rank, t in ended.items()})  # seconds from the kill to each exit
-    finally:
-        run.stop()
 
 
 def test_a_hung_node_stops_every_other_node_after_the_peer_timeout(tmp_path):
     # SIGSTOP: the node is alive and its connections stay open, so only the timeout can end the others' waits
     peer_timeout, slack = 10.0, 50.0
-    run = Run(tmp_path / "run", "--hang", "1", "5", "--peer-timeout", str(peer_timeout), "--max-steps", "1000",
-              devices=3)
-    try:
-        hung = fault_time(run)
-        ended = run.wait_for_exits([0, 2], timeout=peer_timeout + slack)
-        log = run.text()
-        assert sorted(ended) == [0, 2], f"survivors running {peer_timeout + slack} s after the hang:\n{log[-3000:]}"
+    with survivors_of(tmp_path, "--hang", peer_timeout, slack) as (run, hung, ended, log):
         assert min(ended.values()) - hung >= 0.9 * peer_timeout  # the timeout, not anything sooner, ended the wait
         for rank in (0, 2):
             assert f"PeerFailureError: node {rank} lost contact with its gossip neighbours" in log, rank
         assert run.process.wait(timeout=30) != 0
         assert "Timed out waiting" in log or "Application timeout" in log  # gloo's words for the timeout
         print({rank: round(t - hung, 1) for rank, t in ended.items()})
-    finally:
-        run.stop()
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ from torch import Tensor
 
 from lightning_privdec.algorithms.cpgt import CHANNEL_X, CHANNEL_Y
 from lightning_privdec.algorithms.push_sum import BROADCAST, message_key, plan_round
-from lightning_privdec.comm import Exchange, TensorSpec
+from lightning_privdec.comm import Exchange
+from lightning_privdec.comm.base import Incoming, Outgoing, Received
 from lightning_privdec.compression import Compressor, Identity
 from lightning_privdec.topology import Topology
 
@@ -42,18 +43,14 @@ class WireTap(Exchange):
         self.traffic = inner.traffic
         self.sent: list[dict[int, list[Tensor]]] = []
 
-    def _record(self, outgoing: Mapping[int, Sequence[Tensor]]) -> None:
+    def _record(self, outgoing: Outgoing) -> None:
         self.sent.append({peer: [t.detach().clone() for t in tensors] for peer, tensors in outgoing.items()})
 
-    def exchange(
-        self, outgoing: Mapping[int, Sequence[Tensor]], incoming: Mapping[int, Sequence[TensorSpec]]
-    ) -> dict[int, list[Tensor]]:
+    def exchange(self, outgoing: Outgoing, incoming: Incoming) -> Received:
         self._record(outgoing)
         return self.inner.exchange(outgoing, incoming)
 
-    def start(
-        self, outgoing: Mapping[int, Sequence[Tensor]], incoming: Mapping[int, Sequence[TensorSpec]], tag: int = 0
-    ) -> Any:
+    def start(self, outgoing: Outgoing, incoming: Incoming, tag: int = 0) -> Any:
         """A round posted without waiting (overlapping gossip) is recorded like any other."""
         self._record(outgoing)
         return self.inner.start(outgoing, incoming, tag)

@@ -10,6 +10,13 @@ from torch import Tensor
 
 from lightning_privdec.comm.wire import TensorSpec
 
+#: what a node sends in one round: peer -> the tensors of its message
+Outgoing = Mapping[int, Sequence[Tensor]]
+#: what a node expects in one round: peer -> the shapes and dtypes of its message
+Incoming = Mapping[int, Sequence[TensorSpec]]
+#: what arrived in one round: peer -> the tensors of its message
+Received = dict[int, list[Tensor]]
+
 
 @dataclass
 class TrafficCounter:
@@ -60,22 +67,13 @@ class Exchange(abc.ABC):
         self.traffic = TrafficCounter()
 
     @abc.abstractmethod
-    def exchange(
-        self,
-        outgoing: Mapping[int, Sequence[Tensor]],
-        incoming: Mapping[int, Sequence[TensorSpec]],
-    ) -> dict[int, list[Tensor]]:
+    def exchange(self, outgoing: Outgoing, incoming: Incoming) -> Received:
         """Run one round of point-to-point messages and return what arrived, by sender.
 
         The returned tensors may be views into receive buffers that the next round reuses: use or copy them first.
         """
 
-    def start(
-        self,
-        outgoing: Mapping[int, Sequence[Tensor]],
-        incoming: Mapping[int, Sequence[TensorSpec]],
-        tag: int = 0,
-    ) -> PendingRound:
+    def start(self, outgoing: Outgoing, incoming: Incoming, tag: int = 0) -> PendingRound:
         """Post one round without waiting for it (non-blocking send and receive); ``wait()`` on the result.
 
         The tensors of ``outgoing`` are copied before this returns, so the caller may change them at once. Rounds

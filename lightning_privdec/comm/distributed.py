@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_privdec.comm.base import Exchange, PendingRound
-from lightning_privdec.comm.wire import TensorSpec, message_nbytes, pack, unpack
+from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received
+from lightning_privdec.comm.wire import message_nbytes, pack, unpack
 
 
 class PeerFailureError(RuntimeError):
@@ -68,28 +68,19 @@ class TorchDistributedExchange(Exchange):
         self.timeout = timeout
         self._reused: dict[tuple[str, int], Tensor] = {}  # ("send" | "recv", peer) -> the last round's buffer
 
-    def exchange(
-        self,
-        outgoing: Mapping[int, Sequence[Tensor]],
-        incoming: Mapping[int, Sequence[TensorSpec]],
-    ) -> dict[int, list[Tensor]]:
+    def exchange(self, outgoing: Outgoing, incoming: Incoming) -> Received:
         works, send_buffers, recv_buffers = self._post(outgoing, incoming, tag=0, own_buffers=False)
         for work in works:
             work.wait()
         self._record(send_buffers, recv_buffers)
         return {peer: unpack(recv_buffers[peer], specs) for peer, specs in incoming.items()}
 
-    def start(
-        self,
-        outgoing: Mapping[int, Sequence[Tensor]],
-        incoming: Mapping[int, Sequence[TensorSpec]],
-        tag: int = 0,
-    ) -> PendingRound:
+    def start(self, outgoing: Outgoing, incoming: Incoming, tag: int = 0) -> PendingRound:
         """The same ``batch_isend_irecv`` without waiting: gloo's and NCCL's own threads move the bytes meanwhile."""
         works, send_buffers, recv_buffers = self._post(outgoing, incoming, tag=tag, own_buffers=True)
         self._record(send_buffers, recv_buffers)
 
-        def complete() -> dict[int, list[Tensor]]:
+        def complete() -> Received:
             for work in works:
                 work.wait()
             return {peer: unpack(recv_buffers[peer], specs) for peer, specs in incoming.items()}
@@ -98,8 +89,8 @@ class TorchDistributedExchange(Exchange):
 
     def _post(
         self,
-        outgoing: Mapping[int, Sequence[Tensor]],
-        incoming: Mapping[int, Sequence[TensorSpec]],
+        outgoing: Outgoing,
+        incoming: Incoming,
         *,
         tag: int,
         own_buffers: bool,

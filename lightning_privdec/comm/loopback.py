@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
 from torch import Tensor
 
-from lightning_privdec.comm.base import Exchange, PendingRound
-from lightning_privdec.comm.wire import TensorSpec, message_nbytes, pack, unpack
+from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received
+from lightning_privdec.comm.wire import message_nbytes, pack, unpack
 
 T = TypeVar("T")
 
@@ -28,23 +28,14 @@ class LoopbackExchange(Exchange):
         super().__init__(rank, network.world_size)
         self._network = network
 
-    def exchange(
-        self,
-        outgoing: Mapping[int, Sequence[Tensor]],
-        incoming: Mapping[int, Sequence[TensorSpec]],
-    ) -> dict[int, list[Tensor]]:
+    def exchange(self, outgoing: Outgoing, incoming: Incoming) -> Received:
         self._check_peers(outgoing, incoming)
         sent = self._send(outgoing)
         received, sizes = self._receive(incoming)
         self.traffic.record(sent, sizes)
         return received
 
-    def start(
-        self,
-        outgoing: Mapping[int, Sequence[Tensor]],
-        incoming: Mapping[int, Sequence[TensorSpec]],
-        tag: int = 0,
-    ) -> PendingRound:
+    def start(self, outgoing: Outgoing, incoming: Incoming, tag: int = 0) -> PendingRound:
         """Post the messages now and collect them on ``wait()``. Each (sender, receiver) mailbox is first in, first
         out, so rounds waited for in the order they were started need no tag."""
         self._check_peers(outgoing, incoming)
@@ -52,7 +43,7 @@ class LoopbackExchange(Exchange):
         self.traffic.record(sent, {peer: message_nbytes(specs) for peer, specs in incoming.items()})
         return PendingRound(lambda: self._receive(incoming)[0])
 
-    def _send(self, outgoing: Mapping[int, Sequence[Tensor]]) -> dict[int, int]:
+    def _send(self, outgoing: Outgoing) -> dict[int, int]:
         sent = {}
         for peer, tensors in outgoing.items():
             buffer = pack(tensors).clone()
@@ -60,7 +51,7 @@ class LoopbackExchange(Exchange):
             self._network._mailbox(self.rank, peer).put(buffer)
         return sent
 
-    def _receive(self, incoming: Mapping[int, Sequence[TensorSpec]]) -> tuple[dict[int, list[Tensor]], dict[int, int]]:
+    def _receive(self, incoming: Incoming) -> tuple[Received, dict[int, int]]:
         received, sizes = {}, {}
         for peer, specs in incoming.items():
             try:
