@@ -120,6 +120,31 @@ def _assert_flat_per_sample_grads_match(hooks: PerSampleGradients, book: PerSamp
     assert torch.isnan(buffer[n:]).all()
 
 
+class SubBatch(nn.Module):
+    """A Linear applied to the first example only, beside full-batch Linears: its per-sample gradient has one row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head, self.first = nn.Linear(5, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        out = self.head(h)
+        return torch.cat([out[:1] + self.first(h[:1]), out[1:]])
+
+
+def test_a_layer_that_saw_fewer_examples_gets_zero_rows_for_the_others() -> None:
+    torch.manual_seed(0)
+    model, (x, y) = SubBatch(), _batch("mlp", 6)
+    book = PerSampleGradients(model, mode="bookkeeping")
+    F.cross_entropy(model(x), y).backward()
+    expected = torch.cat([g.flatten(1) for g in book.per_sample_grads()], dim=1)
+    first = slice(expected.shape[1] - 10, expected.shape[1])  # first.weight (2 x 4) and first.bias (2), last
+    assert expected[0, first].abs().sum() > 0 and torch.equal(expected[1:, first], torch.zeros(5, 10))
+    buffer = torch.full_like(expected, float("nan"))
+    torch.testing.assert_close(book.flat_per_sample_grads(buffer), expected)
+
+
 def test_bookkeeping_backward_passes_guard_and_no_backward() -> None:
     model, x, y = _model("mlp"), *_batch("mlp", 6)
     book = PerSampleGradients(model, mode="bookkeeping")

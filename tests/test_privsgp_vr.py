@@ -27,7 +27,13 @@ from lightning_privdec.privacy.saga_accounting import (
 )
 from lightning_privdec.privacy.saga_engine import SagaPrivacyEngine
 from lightning_privdec.privacy.sampling import PoissonBatchSampler
-from lightning_privdec.privacy.variance_reduction import SagaTable, clip_rows, saga_gradient_sum, saga_step
+from lightning_privdec.privacy.variance_reduction import (
+    REFRESH_PASSES,
+    SagaTable,
+    clip_rows,
+    saga_gradient_sum,
+    saga_step,
+)
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, PrivSGPVRStrategy
 from lightning_privdec.topology import build_topology
 
@@ -166,7 +172,7 @@ def test_the_first_step_after_the_full_pass_releases_the_full_clipped_gradient_a
     assert torch.allclose(released, full, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_every_table_entry_is_clipped_to_C_also_in_reduced_precision(dtype):
     J, C = 12, 0.25
     x, y = node_data(1, J, scale=50.0)  # per-example gradients far above C
@@ -222,6 +228,10 @@ def test_the_in_place_saga_step_releases_line_6_plus_noise_and_replaces_the_samp
         table.store([1, 1], fresh[:2])
     with pytest.raises(RuntimeError, match="3 per-sample gradients for 2"):
         table.store([1, 2], fresh)
+    # J + 3 rows stored so far; the float64 sum is recomputed from the rows once 32 passes' worth (32 J) are stored
+    for step in range((REFRESH_PASSES * J - (J + 3)) // 3):
+        table.store([step % J, (step + 3) % J, (step + 5) % J], clip_rows(torch.randn(3, d, generator=g), C)[0])
+    torch.testing.assert_close(table.total, table.rows.double().sum(0), rtol=1e-12, atol=1e-12)
     buffer = table.workspace(4)  # one reused buffer, grown only for a larger batch
     assert table.workspace(3).data_ptr() == buffer.data_ptr() and table.workspace(4).shape == (4, d)
     assert table.workspace(6).shape == (6, d) and table.workspace(7).data_ptr() == table.workspace(6).data_ptr()

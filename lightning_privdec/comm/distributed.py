@@ -48,8 +48,8 @@ class TorchDistributedExchange(Exchange):
     """One ``batch_isend_irecv`` per round: an isend per out-neighbour and an irecv per in-neighbour.
 
     ``exchange`` waits for the round; ``start`` returns at once with the work handles (SGP's overlap).
-    ``exchange`` packs and receives into buffers kept per peer and reused by the next ``exchange`` (fresh large
-    buffers every round cost page faults on CPU); ``start`` gives every round in flight its own buffers.
+    ``exchange`` packs and receives into buffers kept per message slot and reused by the next ``exchange`` (fresh
+    large buffers every round cost page faults on CPU); ``start`` gives every round in flight its own buffers.
 
     Uses the default process group (no process group per edge, so no creation-order hangs). With NCCL the CUDA
     device of this rank must be set before the first round (Lightning's strategies do this at setup).
@@ -66,7 +66,7 @@ class TorchDistributedExchange(Exchange):
         self.device = device
         self.group = group
         self.timeout = timeout
-        self._reused: dict[tuple[str, int], Tensor] = {}  # ("send" | "recv", peer) -> the last round's buffer
+        self._reused: dict[tuple[str, int], Tensor] = {}  # ("send" | "recv", k-th message) -> its last buffer
 
     def exchange(self, outgoing: Outgoing, incoming: Incoming) -> Received:
         works, send_buffers, recv_buffers = self._post(outgoing, incoming, tag=0, own_buffers=False)
@@ -105,12 +105,16 @@ class TorchDistributedExchange(Exchange):
                 peer: torch.empty(message_nbytes(specs), dtype=torch.uint8, device=self.device)
                 for peer, specs in incoming.items()
             }
-        else:
+        else:  # buffers kept by position in the round, so a time-varying graph reuses them whatever the peer
             send_buffers = {
-                peer: pack(tensors, out=self._buffer("send", peer, sum(t.numel() * t.element_size() for t in tensors)))
-                for peer, tensors in outgoing.items()
+                peer: pack(tensors) if len(tensors) == 1 else pack(
+                    tensors, out=self._buffer("send", slot, sum(t.numel() * t.element_size() for t in tensors))
+                )
+                for slot, (peer, tensors) in enumerate(outgoing.items())
             }
-            recv_buffers = {peer: self._buffer("recv", peer, message_nbytes(specs)) for peer, specs in incoming.items()}
+            recv_buffers = {
+                peer: self._buffer("recv", slot, message_nbytes(specs)) for slot, (peer, specs) in enumerate(incoming.items())
+            }
         ops = [dist.P2POp(dist.isend, buf, peer, self.group, tag) for peer, buf in send_buffers.items()]
         ops += [dist.P2POp(dist.irecv, buf, peer, self.group, tag) for peer, buf in recv_buffers.items()]
         peers = sorted({*outgoing, *incoming})
@@ -120,11 +124,11 @@ class TorchDistributedExchange(Exchange):
             raise PeerFailureError.during_round(self.rank, peers, exc) from exc
         return works, send_buffers, recv_buffers
 
-    def _buffer(self, kind: str, peer: int, nbytes: int) -> Tensor:
-        """The byte buffer kept for ``peer``, reallocated only when the message size changes."""
-        buffer = self._reused.get((kind, peer))
+    def _buffer(self, kind: str, slot: int, nbytes: int) -> Tensor:
+        """The byte buffer kept for the ``slot``-th message of a round, reallocated only when its size changes."""
+        buffer = self._reused.get((kind, slot))
         if buffer is None or buffer.numel() != nbytes:
-            buffer = self._reused[(kind, peer)] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            buffer = self._reused[(kind, slot)] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return buffer
 
     def _record(self, send_buffers: Mapping[int, Tensor], recv_buffers: Mapping[int, Tensor]) -> None:

@@ -335,8 +335,10 @@ class _BookKeepingHooks(GradSampleHooks):
                     columns(block, bias).copy_(g)
                     written.add(id(bias))
             for p, gs in self._grad_samples([r for r in records if id(r) not in direct_ids]).items():
-                if p in spans:
-                    columns(block, p).copy_(gs.reshape(gs.shape[0], p.numel())[:batch])
+                if p in spans:  # a layer that saw fewer rows (packed sequences, a masked sub-batch): zeros after them
+                    rows, target = min(int(gs.shape[0]), batch), columns(block, p)
+                    target[:rows].copy_(gs.reshape(gs.shape[0], p.numel())[:rows])
+                    target[rows:].zero_()
                     written.add(id(p))
             for p in params:
                 if id(p) not in written:

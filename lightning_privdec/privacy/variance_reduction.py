@@ -30,6 +30,9 @@ __all__ = ["SagaTable", "clip_rows", "clip_rows_", "saga_gradient_sum", "saga_st
 
 TABLE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
+#: the float64 sum of the table is recomputed from its rows after this many passes' worth (x J) of stored rows
+REFRESH_PASSES = 32
+
 
 def clip_rows(rows: Tensor, max_norm: float) -> tuple[Tensor, Tensor]:
     """Each row scaled by min(1, C / (||row|| + 1e-6)) (Opacus's flat clipping); returns (clipped rows, norms)."""
@@ -70,6 +73,7 @@ class SagaTable:
         self.rows = torch.zeros(self.num_rows, self.dim, dtype=dtype, device=device)
         self.total = torch.zeros(self.dim, dtype=torch.float64, device=device)
         self._workspace = torch.empty(0, self.dim, device=device)
+        self._rows_since_refresh = 0
 
     @staticmethod
     def nbytes_for(num_rows: int, dim: int, dtype: torch.dtype = torch.float32) -> int:
@@ -98,9 +102,13 @@ class SagaTable:
         shrink to C (1 - 2^attempt eps)). When the dtypes agree this is ``values`` itself, such rows rescaled in place."""
         stored = values.to(self.dtype)
         eps = torch.finfo(self.dtype).eps
+        norm_dtype = torch.promote_types(self.dtype, torch.float32)
+        bound = torch.tensor(self.max_norm, dtype=norm_dtype)
+        if float(bound) > self.max_norm:  # C rounded up to norm_dtype: compare with the next value below it
+            bound = torch.nextafter(bound, torch.zeros_like(bound))
         for attempt in range(8):
-            norms = torch.linalg.vector_norm(stored, dim=1, dtype=torch.float32)
-            over = (norms > self.max_norm).nonzero().flatten()
+            norms = torch.linalg.vector_norm(stored, dim=1, dtype=norm_dtype)
+            over = (norms > bound.to(norms.device)).nonzero().flatten()
             if over.numel() == 0:
                 return stored
             shrink = (self.max_norm / norms[over] * (1.0 - 2**attempt * eps)).tolist()
@@ -117,7 +125,9 @@ class SagaTable:
 
         Returns ``sum_{xi in S} (values[xi] - old table[xi])``, the correction of line 6 (float32 or wider), as
         stored (a row of ``values`` may shrink by an ulp to stay within C). One pass over the rows: no B x d
-        temporary when ``values`` has the storage dtype.
+        temporary when ``values`` has the storage dtype. The float64 sum takes the correction as computed (in float32
+        for float32 values) and is recomputed from the rows after every ``REFRESH_PASSES`` passes' worth of stored rows,
+        so the rounding of the per-step corrections cannot accumulate.
         """
         index = torch.as_tensor(indices, dtype=torch.long).tolist()
         if len(index) != values.shape[0]:
@@ -132,6 +142,9 @@ class SagaTable:
             correction.sub_(self.rows[row]).add_(new[position])
             self.rows[row].copy_(new[position])
         self.total.add_(correction)
+        self._rows_since_refresh += len(index)
+        if self._rows_since_refresh >= REFRESH_PASSES * self.num_rows:
+            self.refresh_total()
         return correction
 
     @torch.no_grad()
@@ -142,8 +155,12 @@ class SagaTable:
 
     @torch.no_grad()
     def refresh_total(self) -> None:
-        """Recompute the float64 sum from the rows (removes any drift of the incremental updates)."""
-        self.total.copy_(self.rows.double().sum(0))
+        """Recompute the float64 sum from the rows, row by row (no J x d float64 copy); removes any drift of the
+        incremental updates."""
+        self.total.zero_()
+        for row in self.rows:
+            self.total.add_(row)
+        self._rows_since_refresh = 0
 
 
 def saga_gradient_sum(table: SagaTable, indices: Tensor | Sequence[int], fresh: Tensor, sample_rate: float) -> Tensor:
