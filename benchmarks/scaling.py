@@ -37,7 +37,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
 import step_time  # noqa: E402  (benchmarks/step_time.py: model, data, strategies, timer, per-rank results)
-from machine_info import append_results, machine_line, software_line  # noqa: E402
+from machine_info import append_results, machine_line, software_line, usable_cores  # noqa: E402
 
 CONFIGS = ("ddp", "push_sum")
 LABELS = {"ddp": "DDP (all-reduce)", "push_sum": f"push-sum ({step_time.TOPOLOGY})"}
@@ -187,18 +186,11 @@ def probe_shared_gpu(world: int, timeout: float = 120.0) -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 def run_one(config: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="scaling_") as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, os.path.abspath(__file__), "--config", config, "--devices", str(n), "--out", str(out),
+        cmd = [sys.executable, os.path.abspath(__file__), "--config", config, "--devices", str(n),
                "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--hidden", str(args.hidden), "--batch-size", str(args.batch_size), "--seed", str(args.seed)]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-        elapsed = time.perf_counter() - start
-        if proc.returncode != 0 or not out.exists():
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-            raise RuntimeError(f"{config} on {n} processes failed (exit {proc.returncode}):\n{tail}")
-        result = json.loads(out.read_text())
+        result, elapsed = step_time._run_child(cmd, Path(tmp) / "result.json", f"{config} on {n} processes",
+                                               args.timeout)
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     d = result["num_params"]
     summary = {
@@ -313,7 +305,7 @@ def main() -> None:
                 print(f"{run['wall_s']:.0f}s: {run['rank0_ms']:.1f} ms/step (rank 0)", flush=True)
     rows = [combine(cell) for cell in runs.values()]
     total = time.perf_counter() - started
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     d = rows[0]["num_params"] if rows else None
     command = " ".join(["python benchmarks/scaling.py", *sys.argv[1:]])
     section = [

@@ -81,7 +81,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from machine_info import append_results, machine_line, software_line
+from machine_info import append_results, machine_line, software_line, usable_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -539,7 +539,6 @@ def summarise_run(result: dict[str, Any]) -> dict[str, Any]:
         "iteration_ms": ranks[0].get("median_iteration_ms"),
         "mean_batch": statistics.mean(r["mean_batch"] for r in ranks),
         "wall_s": result["wall_s"],
-        "runs_rank0_ms": [ranks[0]["median_step_ms"]],
         "measured_bytes": None,
         "expected_bytes": None,
     }
@@ -638,7 +637,7 @@ def format_report(summaries: list[dict[str, Any]], num_params: int, devices: int
         )
     lines += ["", *target_lines(summaries, ddp, opacus)]
     lines.append(
-        f"note: {devices} processes share {len(os.sched_getaffinity(0))} cores here, so ranks pre-empt each other; "
+        f"note: {devices} processes share {usable_cores()} cores here, so ranks pre-empt each other; "
         "step times carry CPU contention, and load from other work on the machine can move a run by tens of percent. "
         "Compare ratios within one invocation; --repeats N interleaves N runs per config and reports medians."
     )

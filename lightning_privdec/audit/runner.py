@@ -14,9 +14,10 @@ node released, and turns its guesses into the one-run lower bound (:mod:`~lightn
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -31,13 +32,11 @@ from lightning_privdec.audit.observer import WireTap, cpgt_observations, push_su
 from lightning_privdec.audit.one_run import score_audit
 from lightning_privdec.comm import LoopbackNetwork
 from lightning_privdec.privacy import NodePrivacyEngine
-from lightning_privdec.privacy.cpgt import cpgt_epsilon_for
 from lightning_privdec.privacy.cpgt_engine import CPGTPrivacyEngine
 from lightning_privdec.privacy.decor_engine import DecorPrivacyEngine
 from lightning_privdec.privacy.dyn_d2p_engine import DynD2PPrivacyEngine
 from lightning_privdec.privacy.pairwise import simulate_key_agreement
 from lightning_privdec.privacy.saga_engine import SagaPrivacyEngine
-from lightning_privdec.privacy.secldp import secldp_epsilon_example_level
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, CorrelatedNoiseStrategy, FlatParameters
 from lightning_privdec.strategies.cpgt import CPGTStrategy
 
@@ -112,11 +111,7 @@ def _make_engine(strategy: Any, secrets: Mapping[int, Any] | None, rank: int) ->
     """The strategy's own engine; Decor's pairwise keys are agreed in memory instead of over torch.distributed."""
     if not isinstance(strategy, CorrelatedNoiseStrategy):
         return strategy.make_privacy_engine()
-    engine = DecorPrivacyEngine(
-        strategy.privacy_parameters, graph=nx.Graph(strategy.topology.union_graph()), adversary=strategy.adversary,
-        sigma_cdp=strategy.sigma_cdp, sigma_cor=strategy.sigma_cor, clipping=strategy.clipping,
-        baseline=strategy.baseline, rank=rank, device=torch.device("cpu"), noise_seed=strategy.noise_seed,
-    )
+    engine = strategy.new_engine()
     if secrets is not None:  # planning alone needs no secrets
         engine.secrets = secrets[rank]
     return engine
@@ -126,15 +121,8 @@ def _planned_epsilon(engine: NodePrivacyEngine, steps: int) -> float:
     """The accountant's epsilon of ``steps`` steps at the engine's planned noise and rate (nothing recorded)."""
     if isinstance(engine, SagaPrivacyEngine):
         return engine.ledger.epsilon_if_entries(engine.noise.entries(engine.sample_rate), steps)
-    if isinstance(engine, DecorPrivacyEngine):
-        assert engine.epsilon_step is not None and engine.sample_rate is not None
-        return secldp_epsilon_example_level(engine.epsilon_step, steps, engine.delta, engine.sample_rate)
-    if isinstance(engine, CPGTPrivacyEngine):
-        return cpgt_epsilon_for(
-            engine.accounting, steps=steps, alpha=engine.alpha, lipschitz=engine.lipschitz, q=engine.noise_decay,
-            noise_x=engine.noise_x, noise_y=engine.noise_y, sensitivity=engine.sensitivity,
-            norm_factor=1.0 if engine.accounting == "theorem2" else engine.norm_factor,
-        )  # type: ignore[arg-type]
+    if isinstance(engine, (DecorPrivacyEngine, CPGTPrivacyEngine)):
+        return engine._epsilon_after(steps)
     return engine.ledger.epsilon_if(engine.noise_multiplier, engine.sample_rate, steps)
 
 
@@ -227,6 +215,20 @@ def _decor_weights(engine: DecorPrivacyEngine, graph: nx.Graph, node: int) -> np
 _QUIET = ("noise_multiplier=0 adds no noise", "Full backward hook is firing", "Optimal order is the")
 
 
+def _quiet(function: Callable[..., AuditReport]) -> Callable[..., AuditReport]:
+    """``function`` with the warnings of :data:`_QUIET` silenced while it runs."""
+
+    @functools.wraps(function)
+    def quiet(*args: Any, **kwargs: Any) -> AuditReport:
+        with warnings.catch_warnings():
+            for message in _QUIET:
+                warnings.filterwarnings("ignore", message=message)
+            return function(*args, **kwargs)
+
+    return quiet
+
+
+@_quiet
 def run_audit(
     strategy: str,
     *,
@@ -268,24 +270,10 @@ def run_audit(
         guess_counts: the numbers of guesses r to try (Bonferroni-corrected); default 2% ... 100% of m.
         strategy_kwargs: extra strategy arguments, overriding the audit's defaults.
     """
-    with warnings.catch_warnings():
-        for message in _QUIET:
-            warnings.filterwarnings("ignore", message=message)
-        return _run_audit(
-            strategy, epsilon=epsilon, delta=delta, canaries=canaries, nodes=nodes, steps=steps,
-            sample_rate=sample_rate, lr=lr, clip=clip, canary_norm=canary_norm, examples=examples, broken=broken,
-            confidence=confidence, seed=seed, guess_counts=guess_counts, strategy_kwargs=strategy_kwargs,
-        )
-
-
-def _run_audit(strategy: str, *, epsilon: float, delta: float, canaries: int, nodes: int, steps: int,
-               sample_rate: float | None, lr: float, clip: float, canary_norm: float, examples: int,
-               broken: str | None, confidence: float, seed: int, guess_counts: Sequence[int] | None,
-               strategy_kwargs: Mapping[str, Any] | None) -> AuditReport:
     if strategy not in AUDITED_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(AUDITED_STRATEGIES)}")
     if broken is not None and broken not in BREAKS:
-        raise ValueError(f"broken must be None, 'noise' or 'clipping', got {broken!r}")
+        raise ValueError(f"broken must be None or one of {', '.join(map(repr, BREAKS))}, got {broken!r}")
     if broken is not None and strategy not in BREAKABLE:
         raise ValueError(
             f"a broken configuration needs noise levels given explicitly, and {strategy} derives its own from the "
@@ -328,9 +316,8 @@ def _run_audit(strategy: str, *, epsilon: float, delta: float, canaries: int, no
     if getattr(strategies[0], "staleness", 0):
         raise ValueError("the auditor follows gossip mixed in the round it is sent: audit with overlap=False")
     topology = strategies[0].topology
-    secrets = None
+    secrets, graph = None, nx.Graph(topology.union_graph())
     if strategy == "decor":
-        graph = nx.Graph(topology.union_graph())
         secrets = simulate_key_agreement({k: sorted(graph.neighbors(k)) for k in range(nodes)})
     engines = [_make_engine(s, secrets, k) for k, s in enumerate(strategies)]
     network = LoopbackNetwork(nodes, timeout=600.0)
@@ -346,7 +333,8 @@ def _run_audit(strategy: str, *, epsilon: float, delta: float, canaries: int, no
 
     engine = engines[0]
     coords = design.canary_coordinates
-    common = dict(compressor=strategies[0].compressor, consensus_step=strategies[0].consensus_step, seed=seed)
+    common = dict(compressor=strategies[0].compressor, consensus_step=strategies[0].consensus_step,
+                  seed=strategies[0].seed)  # the public message keys (strategy_kwargs may override the seed)
     noise: dict[str, Any] = {}
     if is_cpgt:
         o_y, o_x, innovations = cpgt_observations(transcripts, topology, 0, dimension=design.dimension, alpha=lr,
@@ -366,7 +354,7 @@ def _run_audit(strategy: str, *, epsilon: float, delta: float, canaries: int, no
         batch = np.array([e.expected_batch_size for e in engines])
         canary_releases = released[:, :, coords].numpy() * batch[:, None, None]  # (nodes, rounds, m)
         if isinstance(engine, DecorPrivacyEngine):
-            weights = _decor_weights(engine, nx.Graph(topology.union_graph()), 0)
+            weights = _decor_weights(engine, graph, 0)
             scores = np.einsum("k,ktm->m", weights, canary_releases)
             observer = "every message of every node (eavesdropper); generalised least squares across nodes"
             noise = {"sigma_cdp": engine.sigma_cdp, "sigma_cor": engine.sigma_cor, "adversary": engine.adversary}

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received
-from lightning_privdec.comm.wire import message_nbytes, pack, unpack
+from lightning_privdec.comm.wire import TensorSpec, message_nbytes, pack, unpack
 
 
 class PeerFailureError(RuntimeError):
@@ -39,9 +39,6 @@ class _Guarded:
             return self.work.wait() if self.timeout is None else self.work.wait(self.timeout)
         except RuntimeError as exc:
             raise PeerFailureError.during_round(self.rank, self.peers, exc) from exc
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.work, name)
 
 
 class TorchDistributedExchange(Exchange):
@@ -97,9 +94,8 @@ class TorchDistributedExchange(Exchange):
     ) -> tuple[list[Any], dict[int, Tensor], dict[int, Tensor]]:
         self._check_peers(outgoing, incoming)
         if own_buffers:  # a send still in flight must not read a tensor the caller goes on to change
-            send_buffers = {peer: pack(tensors) for peer, tensors in outgoing.items()}
             send_buffers = {
-                peer: buf.clone() if len(outgoing[peer]) == 1 else buf for peer, buf in send_buffers.items()
+                peer: pack(tensors).clone() if len(tensors) == 1 else pack(tensors) for peer, tensors in outgoing.items()
             }
             recv_buffers = {
                 peer: torch.empty(message_nbytes(specs), dtype=torch.uint8, device=self.device)
@@ -108,7 +104,7 @@ class TorchDistributedExchange(Exchange):
         else:  # buffers kept by position in the round, so a time-varying graph reuses them whatever the peer
             send_buffers = {
                 peer: pack(tensors) if len(tensors) == 1 else pack(
-                    tensors, out=self._buffer("send", slot, sum(t.numel() * t.element_size() for t in tensors))
+                    tensors, out=self._buffer("send", slot, message_nbytes([TensorSpec.of(t) for t in tensors]))
                 )
                 for slot, (peer, tensors) in enumerate(outgoing.items())
             }

@@ -29,11 +29,7 @@ class LoopbackExchange(Exchange):
         self._network = network
 
     def exchange(self, outgoing: Outgoing, incoming: Incoming) -> Received:
-        self._check_peers(outgoing, incoming)
-        sent = self._send(outgoing)
-        received, sizes = self._receive(incoming)
-        self.traffic.record(sent, sizes)
-        return received
+        return self.start(outgoing, incoming).wait()
 
     def start(self, outgoing: Outgoing, incoming: Incoming, tag: int = 0) -> PendingRound:
         """Post the messages now and collect them on ``wait()``. Each (sender, receiver) mailbox is first in, first
@@ -41,7 +37,7 @@ class LoopbackExchange(Exchange):
         self._check_peers(outgoing, incoming)
         sent = self._send(outgoing)
         self.traffic.record(sent, {peer: message_nbytes(specs) for peer, specs in incoming.items()})
-        return PendingRound(lambda: self._receive(incoming)[0])
+        return PendingRound(lambda: self._receive(incoming))
 
     def _send(self, outgoing: Outgoing) -> dict[int, int]:
         sent = {}
@@ -51,8 +47,8 @@ class LoopbackExchange(Exchange):
             self._network._mailbox(self.rank, peer).put(buffer)
         return sent
 
-    def _receive(self, incoming: Incoming) -> tuple[Received, dict[int, int]]:
-        received, sizes = {}, {}
+    def _receive(self, incoming: Incoming) -> Received:
+        received = {}
         for peer, specs in incoming.items():
             try:
                 buffer = self._network._mailbox(peer, self.rank).get(timeout=self._network.timeout)
@@ -61,9 +57,8 @@ class LoopbackExchange(Exchange):
                     f"node {self.rank} waited {self._network.timeout}s for node {peer}'s message: "
                     "the simulated nodes disagree on the schedule, or another node failed"
                 ) from None
-            sizes[peer] = buffer.numel()
             received[peer] = unpack(buffer, specs)
-        return received, sizes
+        return received
 
 
 class LoopbackNetwork:

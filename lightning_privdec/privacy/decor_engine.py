@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_privdec.algorithms.decor import decor_perturbation
 from lightning_privdec.privacy.config import PrivacyParameters
-from lightning_privdec.privacy.dp_step import DPStepStats
+from lightning_privdec.privacy.dp_step import DPStepStats, clip_factor
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.privacy.engine import NodePrivacyEngine
 from lightning_privdec.privacy.errors import PrivacyConfigError
@@ -127,7 +127,7 @@ class DecorPrivacyEngine(NodePrivacyEngine):
         else:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-            factor = (C / (norm + 1e-6)).clamp(max=1.0)
+            factor = clip_factor(norm, C)
             for p, g in zip(params, grads):
                 p.grad = g * factor
             stats = DPStepStats(batch_size=-1, mean_norm=norm, max_norm=norm, clipped_fraction=(norm > C).float(),

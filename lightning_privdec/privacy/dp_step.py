@@ -32,7 +32,7 @@ from torch import Tensor
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
-__all__ = ["DPStepStats", "clip_and_accumulate", "node_noise_generator", "noise_clipped_sum", "privatize_gradients"]
+__all__ = ["DPStepStats", "clip_and_accumulate", "clip_factor", "node_noise_generator", "noise_clipped_sum", "privatize_gradients"]
 
 _NOISE_DOMAIN = b"lightning_privdec.privacy.noise"
 
@@ -146,6 +146,11 @@ def _norm_stats(norms: Tensor, max_grad_norm: float, device: torch.device) -> tu
 
 
 @torch.no_grad()
+def clip_factor(norms: Tensor, max_grad_norm: float) -> Tensor:
+    """min(1, C / (||g|| + 1e-6)) per norm: the scale that clips each gradient to C (Opacus's flat clipping)."""
+    return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+
+
 def clip_and_accumulate(
     grad_samples: Sequence[Tensor], max_grad_norm: float, device: torch.device
 ) -> tuple[list[Tensor], Tensor]:
@@ -165,7 +170,7 @@ def clip_and_accumulate(
         norms = torch.linalg.vector_norm(per_param, ord=2, dim=1)
     else:
         norms = torch.zeros(0, device=device)
-    factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    factor = clip_factor(norms, max_grad_norm)
     sums = [torch.einsum("i,i...->...", factor.to(device=g.device, dtype=g.dtype), g) for g in grad_samples]
     return sums, norms
 

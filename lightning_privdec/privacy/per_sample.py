@@ -32,7 +32,7 @@ from opacus.utils.module_utils import has_trainable_params, trainable_modules, t
 from opacus.validators import ModuleValidator
 from torch import Tensor, nn
 
-from lightning_privdec.privacy.dp_step import clip_and_accumulate
+from lightning_privdec.privacy.dp_step import clip_and_accumulate, clip_factor
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 __all__ = [
@@ -352,10 +352,8 @@ class _BookKeepingHooks(GradSampleHooks):
         parameters jointly; returns the norms (float32 or wider), one per example of every backward pass."""
         sums: dict[nn.Parameter, Tensor] = {}
         all_norms = []
-        for k in range(self._pass + 1):
-            records = [r for r in self.records if r.backward_pass == k]
-            if records:
-                all_norms.append(self._clip_and_sum_pass(records, max_grad_norm, sums))
+        for records in self._passes():
+            all_norms.append(self._clip_and_sum_pass(records, max_grad_norm, sums))
         for p in params:
             summed = sums.get(p)
             if summed is None:
@@ -397,7 +395,7 @@ class _BookKeepingHooks(GradSampleHooks):
         for gs in materialised.values():
             squared[: gs.shape[0]] += torch.linalg.vector_norm(gs.flatten(1), dim=1, dtype=dtype).square()
         norms = squared.sqrt()
-        factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        factor = clip_factor(norms, max_grad_norm)
         for r in ghost:  # sum_i c_i g_i a_i^T = (c * G)^T A: one matrix product per layer
             g, a = r.backprops, r.activations[0].to(r.backprops.dtype)
             c = factor[: g.shape[0]].to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
@@ -646,7 +644,7 @@ class GhostClipping:
             return per_sample_losses.detach().new_zeros(0)
         per_sample_losses.sum().backward(retain_graph=True)  # hooks record the per-sample norms
         norms = self._hooks.get_norm_sample().detach()
-        coefficients = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        coefficients = clip_factor(norms, self.max_grad_norm)
         for p in params:
             p.grad = None
         self._hooks.disable_hooks()

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_privdec.privacy.dp_step import clip_factor
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 __all__ = ["SagaTable", "clip_rows", "clip_rows_", "saga_gradient_sum", "saga_step"]
@@ -43,7 +44,7 @@ def clip_rows(rows: Tensor, max_norm: float) -> tuple[Tensor, Tensor]:
 def clip_rows_(rows: Tensor, max_norm: float) -> Tensor:
     """:func:`clip_rows` in place (no B x d temporary); returns the norms before clipping."""
     norms = torch.linalg.vector_norm(rows, dim=1)
-    rows.mul_((max_norm / (norms + 1e-6)).clamp(max=1.0).unsqueeze(1))
+    rows.mul_(clip_factor(norms, max_norm).unsqueeze(1))
     return norms
 
 
@@ -74,6 +75,12 @@ class SagaTable:
         self.total = torch.zeros(self.dim, dtype=torch.float64, device=device)
         self._workspace = torch.empty(0, self.dim, device=device)
         self._rows_since_refresh = 0
+        # row norms are checked in the table's precision (float32 at least) against C rounded down to it
+        self._norm_dtype = torch.promote_types(dtype, torch.float32)
+        bound = torch.tensor(self.max_norm, dtype=self._norm_dtype)
+        if float(bound) > self.max_norm:
+            bound = torch.nextafter(bound, torch.zeros_like(bound))
+        self._bound = float(bound)  # exactly representable in the norm dtype
 
     @staticmethod
     def nbytes_for(num_rows: int, dim: int, dtype: torch.dtype = torch.float32) -> int:
@@ -102,13 +109,9 @@ class SagaTable:
         shrink to C (1 - 2^attempt eps)). When the dtypes agree this is ``values`` itself, such rows rescaled in place."""
         stored = values.to(self.dtype)
         eps = torch.finfo(self.dtype).eps
-        norm_dtype = torch.promote_types(self.dtype, torch.float32)
-        bound = torch.tensor(self.max_norm, dtype=norm_dtype)
-        if float(bound) > self.max_norm:  # C rounded up to norm_dtype: compare with the next value below it
-            bound = torch.nextafter(bound, torch.zeros_like(bound))
         for attempt in range(8):
-            norms = torch.linalg.vector_norm(stored, dim=1, dtype=norm_dtype)
-            over = (norms > bound.to(norms.device)).nonzero().flatten()
+            norms = torch.linalg.vector_norm(stored, dim=1, dtype=self._norm_dtype)
+            over = (norms > self._bound).nonzero().flatten()
             if over.numel() == 0:
                 return stored
             shrink = (self.max_norm / norms[over] * (1.0 - 2**attempt * eps)).tolist()

@@ -102,9 +102,10 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
             )
         return topology
 
-    def make_privacy_engine(self) -> DecorPrivacyEngine:
+    def new_engine(self) -> DecorPrivacyEngine:
+        """This node's engine, before its pairwise secrets are agreed."""
         assert self.topology is not None
-        engine = DecorPrivacyEngine(
+        return DecorPrivacyEngine(
             self.privacy_parameters,
             graph=nx.Graph(self.topology.union_graph()),
             adversary=self.adversary,
@@ -116,6 +117,10 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
             device=self.root_device,
             noise_seed=self.noise_seed,
         )
+
+    def make_privacy_engine(self) -> DecorPrivacyEngine:
+        engine = self.new_engine()
+        assert self.topology is not None
         # Pairwise secrets: real X25519 key agreement with every neighbour (public keys travel, secrets never do).
         neighbours = sorted(nx.Graph(self.topology.union_graph()).neighbors(self.global_rank))
         key_file = None if self.key_file_dir is None else f"{self.key_file_dir}/node_{self.global_rank}.key"
