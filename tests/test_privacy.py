@@ -143,7 +143,7 @@ def test_per_sample_modes_and_options_are_validated() -> None:
     with pytest.raises(PrivacyConfigError, match="loss_reduction"):
         PerSampleGradients(model, loss_reduction="max")  # type: ignore[arg-type]
     psg = PerSampleGradients(model)
-    with pytest.raises(PrivacyConfigError, match="already has Opacus per-sample hooks"):
+    with pytest.raises(PrivacyConfigError, match="already has per-sample hooks"):
         PerSampleGradients(model)
     psg.detach()
     PerSampleGradients(model).detach()  # attachable again after detach
@@ -184,7 +184,7 @@ def test_fix_replaces_batchnorm_in_place_and_warns() -> None:
     psg.detach()
 
 
-def test_fix_replaces_lstm_and_running_stats_instance_norm() -> None:
+def test_fix_keeps_lstm_and_replaces_running_stats_instance_norm() -> None:
     class Recurrent(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -197,10 +197,13 @@ def test_fix_replaces_lstm_and_running_stats_instance_norm() -> None:
             return self.head(self.norm(out.transpose(1, 2)).transpose(1, 2)[:, -1])
 
     model = Recurrent()
-    with pytest.raises(PrivacyConfigError, match="lstm \\(LSTM\\).*\n.*norm \\(InstanceNorm1d\\)"):
+    lstm = model.lstm
+    with pytest.raises(PrivacyConfigError, match="norm \\(InstanceNorm1d\\)") as refused:
         check_private_model(model)
-    with pytest.warns(UserWarning, match="lstm: LSTM.* -> DPLSTM"):
+    assert "lstm" not in str(refused.value)  # nn.LSTM trains unchanged (per-layer replay)
+    with pytest.warns(UserWarning, match="norm: InstanceNorm1d"):
         check_private_model(model, fix=True)
+    assert model.lstm is lstm
     assert not model.norm.track_running_stats and not list(model.norm.buffers())
     psg = PerSampleGradients(model)
     model(torch.randn(3, 5, 4)).sum().backward()

@@ -1,0 +1,322 @@
+"""What per-sample gradients need, captured without wrapping any layer's output.
+
+Every layer gets a forward hook that keeps its (detached) inputs and registers one gradient hook on its outputs
+(``torch.autograd.graph.register_multi_grad_hook``). Such a hook sees the gradient with respect to the output as the
+layer returned it, even when later code modifies that output in place (torchvision's ``ReLU(inplace=True)``,
+``out += identity``); ``register_full_backward_hook``, which Opacus's ``GradSampleModule`` uses, wraps outputs in a
+``BackwardHookFunction`` view instead, and those in-place updates then fail.
+
+Two mechanisms turn a layer call's inputs ``a`` and output gradients ``g`` into per-example gradients:
+
+* ``"rule"`` - a closed form per layer type: Opacus's ``GRAD_SAMPLERS`` (Linear, Conv, Embedding, LayerNorm,
+  GroupNorm, RMSNorm, InstanceNorm), plus, in book-keeping, norms and clipped sums without materialisation.
+* ``"replay"`` - any other layer holding trainable parameters (nn.MultiheadAttention with any mask, nn.LSTM/GRU,
+  a Hugging Face layer, a model's own parameter such as ViT's class token) covers its whole sub-tree: its forward
+  is run again on the saved inputs with the random-number state and autocast of the original call (so dropout
+  draws the same mask), and one vector-Jacobian product per example, ``g`` masked to that example along the
+  batch dimension, gives that example's gradient (``torch.autograd.grad(..., is_grads_batched=True)``). Exact for
+  every differentiable layer that treats the examples of a batch independently.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from opacus.grad_sample import GradSampleHooks
+from torch import Tensor, nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.func import functional_call, grad, vmap
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_privdec.privacy.errors import PrivacyConfigError
+
+#: Opacus's per-layer closed forms, by exact type: (layer, [input], output gradient) -> {parameter: (B, *shape)}
+RULES = GradSampleHooks.GRAD_SAMPLERS
+GRAD_ACCUMULATION_ERROR = (
+    "Poisson sampling is not compatible with grad accumulation: a second backward pass before clear(). Take one "
+    "optimizer step per sampled batch."
+)
+
+
+def _trainable(module: nn.Module, recurse: bool) -> list[nn.Parameter]:
+    return [p for p in module.parameters(recurse=recurse) if p.requires_grad]
+
+
+def layer_units(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """``(name, layer, mechanism)`` for every layer that owns trainable parameters, top-down: a layer with a rule
+    covers its own parameters; any other covers its whole sub-tree by replay (its children may be used through
+    functional code, as nn.MultiheadAttention uses ``out_proj.weight``), and its children get no hooks."""
+    units: list[tuple[str, nn.Module, str]] = []
+    seen: set[int] = set()
+
+    def visit(name: str, module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if _trainable(module, recurse=False):
+            if type(module) in RULES:
+                units.append((name, module, "rule"))
+            else:
+                units.append((name, module, "replay"))
+                return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", root)
+    return units
+
+
+def describe_units(units: list[tuple[str, nn.Module, str]], mode: str) -> str:
+    """One line: how many layers of each type use which mechanism (the setup report)."""
+    counts: dict[tuple[str, str], int] = {}
+    for _, module, kind in units:
+        mechanism = {"rule": "functorch vmap" if mode == "functorch" else "closed form"}.get(kind, "replay")
+        if kind == "rule" and mode in ("bookkeeping", "ghost") and type(module) is nn.Linear:
+            mechanism = "book-keeping"
+        key = (type(module).__name__, mechanism)
+        counts[key] = counts.get(key, 0) + 1
+    by_mechanism: dict[str, list[str]] = {}
+    for (name, mechanism), n in counts.items():
+        by_mechanism.setdefault(mechanism, []).append(f"{n} {name}")
+    return "; ".join(f"{mechanism}: {', '.join(names)}" for mechanism, names in by_mechanism.items())
+
+
+@dataclass
+class Record:
+    """One call of one layer: its inputs, the gradients of its outputs (``None`` until the backward pass reaches
+    it), and for replay the random-number and autocast state the call ran with."""
+
+    name: str
+    module: nn.Module
+    kind: str
+    args: tuple
+    kwargs: dict
+    versions: list[tuple[Tensor, int]]
+    positions: list[int]  # which leaves of the output carry gradients
+    forward_pass: int
+    rng: tuple | None = None
+    autocast: tuple | None = None
+    grads: list[Tensor | None] | None = None
+    batch_dims: list[int] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        for g, dim in zip(self.grads or [], self.batch_dims):
+            if g is not None:
+                return int(g.shape[dim])
+        return 0
+
+    def check_unchanged(self) -> None:
+        for t, version in self.versions:
+            if t._version != version:
+                raise RuntimeError(
+                    f"an input of layer {self.name or '<root>'} ({type(self.module).__name__}) was modified in place "
+                    "after the layer used it, so its per-sample gradients cannot be computed; make that operation "
+                    "out of place"
+                )
+
+
+def _output_batch_dims(module: nn.Module, count: int, batch_first: bool) -> list[int]:
+    """The batch dimension of each output leaf: recurrent hidden states are (layers, B, H) whatever ``batch_first``
+    says; nn.MultiheadAttention's weights are batch first; other outputs follow the layer's own ``batch_first``
+    attribute, else the ``batch_first`` given to :class:`PerSampleGradients`."""
+    own = getattr(module, "batch_first", batch_first)
+    first = 0 if (own if isinstance(own, bool) else batch_first) else 1
+    if isinstance(module, nn.RNNBase):
+        return [first] + [1] * (count - 1)
+    if isinstance(module, nn.MultiheadAttention):
+        return [first] + [0] * (count - 1)
+    return [first] * count
+
+
+class Recorder:
+    """Forward hooks on every unit of :func:`layer_units`, gradient hooks on their outputs, and the records."""
+
+    def __init__(self, root: nn.Module, units: list[tuple[str, nn.Module, str]], *, batch_first: bool) -> None:
+        self.batch_first = batch_first
+        self.records: list[Record] = []
+        self.enabled = True
+        self.replaying = False
+        self.grad_accumulation_allowed = True
+        self._forward_pass = 0
+        self._backward_seen = False  # a backward pass ran since the last recorded forward call
+        self._backward_passes: set[int] = set()
+        self._pending: dict[int, list[tuple]] = {}
+        self._handles = []
+        for name, module, kind in units:
+            if kind == "replay":
+                self._handles.append(module.register_forward_pre_hook(self._before_replay_unit))
+            self._handles.append(
+                module.register_forward_hook(partial(self._after_forward, name, kind), with_kwargs=True)
+            )
+
+    def _recording(self, module: nn.Module) -> bool:
+        return self.enabled and not self.replaying and module.training and torch.is_grad_enabled()
+
+    def _before_replay_unit(self, module: nn.Module, args: tuple) -> None:
+        if not self._recording(module):
+            return
+        device = next(iter(module.parameters())).device
+        rng = (torch.random.get_rng_state(), device, torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        autocast = (device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+        self._pending.setdefault(id(module), []).append((rng, autocast))
+
+    def _after_forward(self, name: str, kind: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self._recording(module):
+            return
+        state = self._pending[id(module)].pop() if kind == "replay" else (None, None)
+        leaves, _ = tree_flatten(output)
+        if any(isinstance(leaf, PackedSequence) for leaf in leaves) or isinstance(output, PackedSequence):
+            raise PrivacyConfigError(
+                f"layer {name} ({type(module).__name__}) returned a PackedSequence: per-sample gradients need padded "
+                "batches (batch, time, ...) with the padding masked in the loss"
+            )
+        positions = [k for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.requires_grad]
+        if not positions:
+            return
+        if self._backward_seen:  # the first forward call after a backward pass starts a new pass
+            self._forward_pass += 1
+            self._backward_seen = False
+        if kind == "rule":
+            args, kwargs = (args[0].detach(),), {}
+        else:
+            args, kwargs = tree_map(_detach, (args, kwargs))
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        record = Record(
+            name, module, kind, args, kwargs, [(t, t._version) for t in inputs], positions, self._forward_pass,
+            rng=state[0], autocast=state[1],
+            batch_dims=_output_batch_dims(module, len(positions), self.batch_first),
+        )
+        self.records.append(record)
+        register_multi_grad_hook([leaves[k] for k in positions], partial(self._after_backward, record), mode="all")
+
+    def _after_backward(self, record: Record, grads: tuple) -> None:
+        if not self.enabled:
+            return
+        self._backward_seen = True
+        if record.forward_pass not in self._backward_passes:
+            if self._backward_passes and not self.grad_accumulation_allowed:
+                raise ValueError(GRAD_ACCUMULATION_ERROR)
+            self._backward_passes.add(record.forward_pass)
+        fresh = [None if g is None else g.detach() for g in grads]
+        if record.grads is None:
+            record.grads = fresh
+        else:  # a second backward through a retained graph: gradients add up
+            record.grads = [a if b is None else b if a is None else a + b for a, b in zip(record.grads, fresh)]
+
+    def disable_hooks(self) -> None:
+        """Record nothing until :meth:`enable_hooks` (forward and backward passes run as without hooks)."""
+        self.enabled = False
+
+    def enable_hooks(self) -> None:
+        self.enabled = True
+
+    def passes(self) -> list[list[Record]]:
+        """The records that got gradients, grouped by backward pass, in order."""
+        grouped: dict[int, list[Record]] = {}
+        for r in self.records:
+            if r.grads is not None and any(g is not None for g in r.grads):
+                grouped.setdefault(r.forward_pass, []).append(r)
+        return [grouped[k] for k in sorted(grouped)]
+
+    def forget(self) -> None:
+        self.records = []
+        self._pending.clear()
+        self._forward_pass = 0
+        self._backward_seen = False
+        self._backward_passes.clear()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.forget()
+
+
+def _detach(value: Any) -> Any:
+    return value.detach() if isinstance(value, Tensor) else value
+
+
+# ---- per-example gradients of one record --------------------------------------------------------------------------
+def rule_inputs(record: Record, loss_reduction: str, batch_first: bool) -> tuple[list[Tensor], Tensor]:
+    """A rule layer's ([input], output gradient) batch first, the gradient scaled to per-example loss gradients
+    (times B for a mean loss, as Opacus's ``rearrange_grad_samples``)."""
+    record.check_unchanged()
+    a, g = record.args[0], record.grads[0]
+    if g is None:
+        g = torch.zeros_like(a if a.is_floating_point() else record.module.weight)
+    if not batch_first:
+        a, g = a.movedim(1, 0), g.movedim(1, 0)
+    if loss_reduction == "mean":
+        g = g * a.shape[0]
+    return [a], g
+
+
+def rule_grad_samples(
+    layer: nn.Module, activations: list[Tensor], backprops: Tensor, functorch: bool
+) -> dict[nn.Parameter, Tensor]:
+    """Per-example gradients of a rule layer: Opacus's closed form, or vmap of ``torch.func.grad`` over the
+    layer's per-example inputs when ``functorch``."""
+    if not functorch:
+        return RULES[type(layer)](layer, activations, backprops)
+    params = {n: p.detach() for n, p in layer.named_parameters() if p.requires_grad}
+    a = activations[0]
+    if a.is_floating_point() and a.dtype != backprops.dtype:
+        a = a.to(backprops.dtype)
+
+    def loss(values: dict, a_i: Tensor, g_i: Tensor) -> Tensor:
+        return (functional_call(layer, values, (a_i.unsqueeze(0),)) * g_i.unsqueeze(0)).sum()
+
+    named = dict(layer.named_parameters())
+    return {named[n]: gs for n, gs in vmap(grad(loss), in_dims=(None, 0, 0))(params, a, backprops).items()}
+
+
+def replay_grad_samples(record: Record, loss_reduction: str) -> dict[nn.Parameter, Tensor]:
+    """Per-example gradients of every trainable parameter under a replay layer (module docstring); call it with
+    :attr:`Recorder.replaying` set, so that the replayed forward records nothing."""
+    record.check_unchanged()
+    module, params = record.module, _trainable(record.module, recurse=True)
+    grads = record.grads or []
+    batch = record.batch_size
+    for g, dim in zip(grads, record.batch_dims):
+        if g is not None and (g.dim() <= dim or g.shape[dim] != batch):
+            raise PrivacyConfigError(
+                f"layer {record.name or '<root>'} ({type(module).__name__}) returned outputs whose batch dimensions "
+                f"disagree (expected {batch} examples in dimension {dim} of an output of shape {tuple(g.shape)}); "
+                "pass batch_first= to match the model, or give the layer a batch_first attribute"
+            )
+    if batch == 0:
+        return {p: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for p in params}
+    scale = batch if loss_reduction == "mean" else 1
+    with ExitStack() as stack:
+        cpu_state, device, cuda_state = record.rng
+        stack.enter_context(torch.random.fork_rng(devices=[device] if cuda_state is not None else []))
+        torch.random.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, device)
+        device_type, enabled, dtype = record.autocast
+        stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+        stack.enter_context(torch.enable_grad())
+        output = module.forward(*record.args, **record.kwargs)
+    leaves = tree_flatten(output)[0]
+    outputs, cotangents = [], []
+    for k, g, dim in zip(record.positions, grads, record.batch_dims):
+        if g is None:
+            continue
+        shape = [batch if d == dim else 1 for d in range(g.dim())]
+        one_hot = torch.eye(batch, dtype=g.dtype, device=g.device).view(batch, *shape)
+        outputs.append(leaves[k])
+        cotangents.append(one_hot * (g * scale).unsqueeze(0))  # row i: g restricted to example i
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*performance drop because we have not yet implemented")
+        samples = torch.autograd.grad(outputs, params, cotangents, is_grads_batched=True, allow_unused=True)
+    return {
+        p: gs if gs is not None else torch.zeros((batch, *p.shape), dtype=p.dtype, device=p.device)
+        for p, gs in zip(params, samples)
+    }

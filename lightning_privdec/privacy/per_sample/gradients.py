@@ -1,0 +1,469 @@
+"""Per-sample gradients for DP-SGD on a module Lightning already holds, with hooks attached in place.
+
+DP-SGD (Abadi et al. 2016, Algorithm 1) clips each example's gradient, so it needs gradients per example, not only
+their sum. Hooks on the existing module object (:mod:`.capture`) record every layer call's inputs ``a_i`` and
+output gradients ``g_i``; Lightning, the optimizer and the strategy keep holding the same module and parameters,
+and the LightningModule's own ``training_step`` (``self(x)``) feeds them.
+
+The default mode, ``"bookkeeping"`` (Bu, Wang, Zha, Karypis 2023, "book-keeping" ghost clipping), computes nothing
+more during the backward pass. Once it is over it gets each example's gradient norm without materialising the
+gradient (for a linear layer ||g_i a_i^T||^2 = ||g_i||^2 ||a_i||^2; Goodfellow 2015, Li et al. 2022) and then the
+sum of CLIPPED gradients in one matrix product per layer, sum_i c_i g_i a_i^T = (c * G)^T A. The result is the
+same sum of clipped per-sample gradients as ``"hooks"`` (same flat clipping, same mean-loss convention, any
+training_step), with one backward pass and no (B, *p.shape) tensors; other layers materialise their per-sample
+gradients by their rule or by replay (:mod:`.capture`), for that layer only.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_privdec.privacy.dp_step import clip_and_accumulate, clip_factor
+from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.per_sample.capture import (
+    Record,
+    Recorder,
+    describe_units,
+    layer_units,
+    replay_grad_samples,
+    rule_grad_samples,
+    rule_inputs,
+)
+from lightning_privdec.privacy.per_sample.checks import check_private_model
+
+log = logging.getLogger(__name__)
+
+GradSampleMode = Literal["bookkeeping", "hooks", "functorch", "ghost"]
+GRAD_SAMPLE_MODES: tuple[str, ...] = ("bookkeeping", "hooks", "functorch", "ghost")
+#: the fastest mode that keeps DP-SGD's semantics for every model (see benchmarks/step_time.py --modes-only)
+DEFAULT_GRAD_SAMPLE_MODE = "bookkeeping"
+_PER_SAMPLE_MODES = ("bookkeeping", "hooks", "functorch")  # modes of PerSampleGradients (ghost: GhostClipping)
+_ATTACHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules with hooks of this package
+
+
+@dataclass
+class _Call:
+    """One recorded layer call ready for the arithmetic: for rule layers its batch-first input ``a`` and output
+    gradient ``g`` (per-example loss gradients: times B for a mean loss), for replay layers the record alone."""
+
+    record: Record
+    module: nn.Module
+    kind: str
+    params: list[nn.Parameter]
+    activations: list[Tensor]
+    backprops: Tensor | None
+    batch_size: int
+
+
+def _ghost_linear(call: _Call) -> bool:
+    """Whether ``call`` gets book-keeping's closed forms: an nn.Linear on (B, d) inputs, or on (B, T, d) inputs
+    when the T x T Gram matrices are smaller than a per-sample weight gradient (Li et al. 2022, Sec. 4)."""
+    if call.kind != "rule" or type(call.module) is not nn.Linear or call.backprops.dim() not in (2, 3):
+        return False
+    if call.backprops.dim() == 2:
+        return True
+    steps = call.backprops.shape[1]
+    return 2 * steps * steps <= call.module.in_features * call.module.out_features
+
+
+class _PerSampleArithmetic:
+    """Per-sample gradients, norms and clipped sums from the :class:`Recorder`'s records, after the backward pass."""
+
+    def __init__(self, recorder: Recorder, *, loss_reduction: str, batch_first: bool, functorch: bool) -> None:
+        self.recorder = recorder
+        self.loss_reduction = loss_reduction
+        self.batch_first = batch_first
+        self.functorch = functorch
+
+    def passes(self) -> list[list[_Call]]:
+        out = []
+        for records in self.recorder.passes():
+            calls = []
+            for r in records:
+                if r.kind == "rule":
+                    activations, backprops = rule_inputs(r, self.loss_reduction, self.batch_first)
+                    params = [p for p in r.module.parameters(recurse=False) if p.requires_grad]
+                    calls.append(_Call(r, r.module, "rule", params, activations, backprops, int(backprops.shape[0])))
+                else:
+                    params = [p for p in r.module.parameters() if p.requires_grad]
+                    calls.append(_Call(r, r.module, "replay", params, [], None, r.batch_size))
+            out.append(calls)
+        return out
+
+    def _grad_samples(self, calls: list[_Call]) -> dict[nn.Parameter, Tensor]:
+        """Per-sample gradients of the parameters the calls touch (rule or replay), summed over a parameter's uses
+        (tied weights, a layer called twice)."""
+        out: dict[nn.Parameter, Tensor] = {}
+        batch = max((r.batch_size for r in calls), default=0)
+        self.recorder.replaying = True  # functorch and replay run layers again: record nothing
+        try:
+            for r in calls:
+                if r.kind == "rule":
+                    samples = rule_grad_samples(r.module, r.activations, r.backprops, self.functorch)
+                else:
+                    samples = replay_grad_samples(r.record, self.loss_reduction)
+                for p, gs in samples.items():
+                    if not p.requires_grad:
+                        continue
+                    if gs.shape[0] < batch:  # a call on a sub-batch: zero rows for the rest
+                        gs = torch.cat([gs, gs.new_zeros((batch - gs.shape[0], *gs.shape[1:]))])
+                    out[p] = gs if p not in out else out[p] + gs  # usually one use per parameter: no copy
+        finally:
+            self.recorder.replaying = False
+        return out
+
+    def per_sample_grads(self, params: list[nn.Parameter]) -> list[Tensor]:
+        """Materialised per-sample gradients (backward passes concatenated), for callers that need them."""
+        passes = self.passes()
+        out: list[list[Tensor]] = [[] for _ in params]
+        for records in passes:
+            samples, batch = self._grad_samples(records), max(r.batch_size for r in records)
+            for k, p in enumerate(params):
+                gs = samples.get(p)
+                out[k].append(gs if gs is not None else torch.zeros((batch, *p.shape), dtype=p.dtype, device=p.device))
+        return [
+            torch.cat(gs) if gs else torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+            for p, gs in zip(params, out)
+        ]
+
+    def batch_size(self) -> int:
+        """Examples of the recorded backward passes together (the rows of :meth:`per_sample_grads`)."""
+        return sum(max(r.batch_size for r in records) for records in self.passes())
+
+    def per_sample_grads_into(self, params: list[nn.Parameter], out: Tensor) -> Tensor:
+        """:meth:`per_sample_grads` flattened into ``out`` of shape ``(batch_size(), d)``, parameters in order. An
+        nn.Linear on (B, d) inputs used once writes its outer products g_i a_i^T straight into ``out``; other layers
+        go through their per-sample rule and are copied."""
+        spans, offset = {}, 0
+        for p in params:
+            spans[p] = (offset, p.numel())
+            offset += p.numel()
+        if out.dim() != 2 or out.shape[1] != offset:
+            raise RuntimeError(f"per-sample gradients of {offset} parameters do not fit a buffer of shape {tuple(out.shape)}")
+
+        def columns(block: Tensor, p: nn.Parameter) -> Tensor:
+            start, size = spans[p]
+            return block[:, start : start + size]
+
+        row = 0
+        for records in self.passes():
+            batch = max(r.batch_size for r in records)
+            block = out[row : row + batch]
+            row += batch
+            uses = _uses(records)
+            direct = [
+                r for r in records
+                if r.kind == "rule" and type(r.module) is nn.Linear and r.backprops.dim() == 2 and r.backprops.shape[0] == batch
+                and all(uses[id(p)] == 1 for p in r.params)
+            ]
+            direct_ids = {id(r) for r in direct}
+            written: set[int] = set()
+            for r in direct:
+                g, a = r.backprops, r.activations[0].to(r.backprops.dtype)
+                weight, bias = r.module.weight, r.module.bias
+                if weight.requires_grad and weight in spans:
+                    torch.mul(g.unsqueeze(2), a.unsqueeze(1), out=columns(block, weight).view(batch, *weight.shape))
+                    written.add(id(weight))
+                if bias is not None and bias.requires_grad and bias in spans:
+                    columns(block, bias).copy_(g)
+                    written.add(id(bias))
+            for p, gs in self._grad_samples([r for r in records if id(r) not in direct_ids]).items():
+                if p in spans:  # a layer that saw fewer rows (packed sequences, a masked sub-batch): zeros after them
+                    rows, target = min(int(gs.shape[0]), batch), columns(block, p)
+                    target[:rows].copy_(gs.reshape(gs.shape[0], p.numel())[:rows])
+                    target[rows:].zero_()
+                    written.add(id(p))
+            for p in params:
+                if id(p) not in written:
+                    columns(block, p).zero_()  # no example reached this parameter
+        if row != out.shape[0]:
+            raise RuntimeError(f"{row} per-sample gradients for a buffer of {out.shape[0]} rows")
+        return out
+
+    def clip_and_sum(self, params: list[nn.Parameter], max_grad_norm: float) -> Tensor:
+        """p.grad <- sum_i min(1, C / (||g_i|| + 1e-6)) g_i for every parameter, with ||g_i|| the norm over ALL
+        parameters jointly; returns the norms (float32 or wider), one per example of every backward pass."""
+        sums: dict[nn.Parameter, Tensor] = {}
+        all_norms = []
+        for records in self.passes():
+            all_norms.append(self._clip_and_sum_pass(records, max_grad_norm, sums))
+        for p in params:
+            summed = sums.get(p)
+            if summed is None:
+                summed = torch.zeros_like(p)  # no example reached this parameter
+            if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
+                p.grad.copy_(summed)
+            else:
+                p.grad = summed
+        if not all_norms:
+            return torch.zeros(0, device=params[0].device)
+        return torch.cat(all_norms)
+
+    def _clip_and_sum_pass(self, records: list[_Call], max_grad_norm: float, sums: dict[nn.Parameter, Tensor]) -> Tensor:
+        uses = _uses(records)
+        ghost = [
+            r for r in records if _ghost_linear(r) and all(uses[id(p)] == 1 for p in r.params)
+        ]
+        ghost_ids = {id(r) for r in ghost}
+        materialised = self._grad_samples([r for r in records if id(r) not in ghost_ids])
+        batch = max(r.batch_size for r in records)
+        reference = next((r.backprops for r in records if r.backprops is not None), None)
+        if reference is None:
+            reference = next(iter(materialised.values()))
+        dtype = torch.promote_types(reference.dtype, torch.float32)
+        squared = torch.zeros(batch, dtype=dtype, device=reference.device)
+        for r in ghost:  # ||g_i a_i^T||^2 and ||sum_t g_it||^2 from a and g alone
+            g, a = r.backprops, r.activations[0].to(r.backprops.dtype)
+            rows = slice(0, g.shape[0])
+            if g.dim() == 2:
+                g2 = torch.linalg.vector_norm(g, dim=1, dtype=dtype).square()
+                if r.module.weight.requires_grad:
+                    squared[rows] += g2 * torch.linalg.vector_norm(a, dim=1, dtype=dtype).square()
+                if r.module.bias is not None and r.module.bias.requires_grad:
+                    squared[rows] += g2
+            else:
+                if r.module.weight.requires_grad:
+                    squared[rows] += (torch.bmm(g, g.transpose(1, 2)) * torch.bmm(a, a.transpose(1, 2))).sum(
+                        dim=(1, 2), dtype=dtype
+                    )
+                if r.module.bias is not None and r.module.bias.requires_grad:
+                    squared[rows] += torch.linalg.vector_norm(g.sum(dim=1), dim=1, dtype=dtype).square()
+        for gs in materialised.values():
+            squared[: gs.shape[0]] += torch.linalg.vector_norm(gs.flatten(1), dim=1, dtype=dtype).square()
+        norms = squared.sqrt()
+        factor = clip_factor(norms, max_grad_norm)
+        for r in ghost:  # sum_i c_i g_i a_i^T = (c * G)^T A: one matrix product per layer
+            g, a = r.backprops, r.activations[0].to(r.backprops.dtype)
+            c = factor[: g.shape[0]].to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
+            weighted = (g * c).reshape(-1, g.shape[-1])
+            if r.module.weight.requires_grad:
+                _accumulate(sums, r.module.weight, weighted.t() @ a.reshape(-1, a.shape[-1]))
+            if r.module.bias is not None and r.module.bias.requires_grad:
+                _accumulate(sums, r.module.bias, weighted.sum(dim=0))
+        for p, gs in materialised.items():
+            _accumulate(sums, p, torch.einsum("i,i...->...", factor[: gs.shape[0]].to(gs.dtype), gs))
+        return norms
+
+
+def _uses(records: list[_Call]) -> dict[int, int]:
+    """How many of ``records`` touch each trainable parameter (by id): more than one for tied or recurrent weights."""
+    uses: dict[int, int] = {}
+    for r in records:
+        for p in r.params:
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    return uses
+
+
+def _accumulate(sums: dict[nn.Parameter, Tensor], p: nn.Parameter, value: Tensor) -> None:
+    value = value.to(p.dtype).view_as(p)
+    sums[p] = value if p not in sums else sums[p] + value
+
+
+
+
+class PerSampleGradients:
+    """Per-sample gradients of ``module``'s trainable parameters, from hooks attached in place (the module object
+    is not replaced nor rewritten; :meth:`detach` removes every hook).
+
+    After a forward and backward pass of ``module`` (or of any code calling it, such as a LightningModule's
+    ``training_step`` calling ``self(x)``) in training mode, :meth:`per_sample_grads` gives ``(B, *p.shape)`` per
+    parameter and :meth:`clip_and_sum` leaves the sum of clipped per-sample gradients in ``p.grad``. Which layer
+    uses which mechanism (closed form, book-keeping, replay; see :mod:`.capture`) is logged once, here.
+
+    Args:
+        module: the model; validated with :func:`check_private_model` when ``strict``.
+        mode: ``"bookkeeping"`` (no per-sample gradients in memory for nn.Linear: norms and clipped sums from a
+            and g, see the module docstring), ``"hooks"`` (Opacus's per-layer formulas, per-sample gradients
+            materialised and kept in ``p.grad_sample`` by :meth:`per_sample_grads`) or ``"functorch"`` (vmap of
+            ``torch.func.grad`` for every layer with a rule). Layers without a rule use replay in every mode.
+            Ghost clipping with per-sample losses is :class:`GhostClipping`.
+        loss_reduction: how the loss reduces over the batch, ``"mean"`` (Lightning's usual mean loss) or ``"sum"``;
+            output gradients are multiplied by B for ``"mean"`` so the results are true per-example gradients.
+        batch_first: whether inputs have the batch in dimension 0 (layers with their own ``batch_first``
+            attribute, such as nn.LSTM and nn.MultiheadAttention, follow it).
+        strict: validate the model first (recommended).
+        allow_grad_accumulation: allow several backward passes before :meth:`clear`; their samples are then
+            concatenated. Off by default: with Poisson sampling every step must be exactly one sampled batch.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mode: GradSampleMode = "hooks",
+        *,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        batch_first: bool = True,
+        strict: bool = True,
+        allow_grad_accumulation: bool = False,
+        _report_as: str | None = None,
+    ) -> None:
+        if mode not in _PER_SAMPLE_MODES:
+            raise PrivacyConfigError(
+                f"unknown per-sample gradient mode {mode!r}; choose 'hooks' (default), 'functorch' or 'bookkeeping' "
+                "(ghost clipping: GhostClipping)"
+            )
+        if loss_reduction not in ("mean", "sum"):
+            raise PrivacyConfigError(
+                f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}: how training_step's loss reduces "
+                "over the batch"
+            )
+        if strict:
+            check_private_model(module)
+        if module in _ATTACHED or hasattr(module, "autograd_grad_sample_hooks"):
+            raise PrivacyConfigError(
+                f"{type(module).__name__} already has per-sample hooks attached; call detach() on the existing "
+                "PerSampleGradients (or remove Opacus's hooks) first"
+            )
+        if not any(p.requires_grad for p in module.parameters()):
+            raise PrivacyConfigError("the model has no trainable parameters: there is nothing to privatize")
+        self.module = module
+        self.mode = mode
+        self.loss_reduction = loss_reduction
+        units = layer_units(module)
+        self.report = f"per-sample gradients ({_report_as or mode}): {describe_units(units, _report_as or mode)}"
+        log.info(self.report)
+        self._hooks = Recorder(module, units, batch_first=batch_first)
+        self._arithmetic = _PerSampleArithmetic(
+            self._hooks, loss_reduction=loss_reduction, batch_first=batch_first, functorch=mode == "functorch"
+        )
+        if not allow_grad_accumulation:
+            self._hooks.grad_accumulation_allowed = False
+        _ATTACHED.add(module)
+        self._attached = True
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """Trainable parameters, in ``module.parameters()`` order (the order of :meth:`per_sample_grads`)."""
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    def per_sample_grads(self) -> list[Tensor]:
+        """``[g_p of shape (B, *p.shape) for p in parameters]`` from the last backward pass(es).
+
+        Parameters the batch did not reach get zeros. When no parameter got per-sample gradients (an empty Poisson
+        batch whose step skipped backward) every entry is an empty ``(0, *p.shape)`` tensor, so the DP step
+        releases pure noise. In ``"hooks"`` and ``"functorch"`` modes they are also kept in ``p.grad_sample``.
+        """
+        params = self.parameters
+        grads = self._arithmetic.per_sample_grads(params)
+        if self.mode != "bookkeeping":
+            for p, g in zip(params, grads):
+                p.grad_sample = g
+        return grads
+
+    @property
+    def batch_size(self) -> int:
+        """The number of per-sample gradients the last backward pass(es) recorded (0 when none)."""
+        return self._arithmetic.batch_size()
+
+    def flat_per_sample_grads(self, out: Tensor | None = None) -> Tensor:
+        """The per-sample gradients as one ``(B, d)`` matrix, parameters concatenated in order, written into ``out``
+        (shape ``(batch_size, d)``) when given: nn.Linear layers then write their outer products straight into it."""
+        params = self.parameters
+        if out is None:
+            out = torch.empty(self.batch_size, sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        return self._arithmetic.per_sample_grads_into(params, out)
+
+    def clip_and_sum(self, max_grad_norm: float) -> Tensor:
+        """``p.grad <- sum_i min(1, C / (||g_i|| + 1e-6)) g_i`` (flat clipping: ||g_i|| over ALL parameters jointly,
+        as in :func:`~lightning_privdec.privacy.dp_step.privatize_gradients`); returns the norms ``||g_i||``.
+
+        Book-keeping never materialises the g_i of nn.Linear layers (module docstring); the other modes clip
+        materialised per-sample gradients. An empty batch, or a step without backward, leaves zeros.
+        """
+        params = self.parameters
+        if self.mode == "bookkeeping":
+            return self._arithmetic.clip_and_sum(params, max_grad_norm)
+        sums, norms = clip_and_accumulate(self.per_sample_grads(), max_grad_norm, params[0].device)
+        for p, summed in zip(params, sums):
+            _set_grad(p, summed.to(device=p.device, dtype=p.dtype))
+        return norms
+
+    def clear(self) -> None:
+        """Forget the stored per-sample gradients and activations (call after every optimizer step)."""
+        self._hooks.forget()
+        for p in self.module.parameters():
+            if hasattr(p, "grad_sample"):
+                p.grad_sample = None
+
+    def detach(self) -> None:
+        """Remove the hooks and every attribute they added; the module is as before. Idempotent."""
+        if not self._attached:
+            return
+        self.clear()
+        self._hooks.remove()
+        for p in self.module.parameters():
+            if hasattr(p, "grad_sample"):
+                del p.grad_sample
+        _ATTACHED.discard(self.module)
+        self._attached = False
+
+    def __enter__(self) -> PerSampleGradients:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        return f"PerSampleGradients({type(self.module).__name__}, mode={self.mode!r}, attached={self._attached})"
+
+
+def _set_grad(p: nn.Parameter, value: Tensor) -> None:
+    if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
+        p.grad.copy_(value)
+    else:
+        p.grad = value
+
+
+class GhostClipping:
+    """Ghost clipping (Li et al. 2022) from per-sample losses, in one backward pass (Bu et al. 2023's book-keeping).
+
+    ``training_step`` returns the per-sample losses (``reduction="none"``, shape ``(B,)``); :meth:`backward` runs
+    one backward pass of their sum through book-keeping's hooks and leaves sum_i min(1, C / ||g_i||) g_i in every
+    ``p.grad``: per-sample gradients of nn.Linear layers are never materialised, and memory stays at one gradient
+    per parameter for them. Other layers use their rule or replay (:mod:`.capture`).
+    """
+
+    def __init__(self, module: nn.Module, max_grad_norm: float) -> None:
+        self.module = module
+        self.max_grad_norm = float(max_grad_norm)
+        self._per_sample = PerSampleGradients(
+            module, mode="bookkeeping", loss_reduction="sum", allow_grad_accumulation=True, _report_as="ghost"
+        )
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters, in ``module.parameters()`` order."""
+        return self._per_sample.parameters
+
+    def backward(self, per_sample_losses: Tensor) -> Tensor:
+        """Leave sum_i clip(g_i) in every ``p.grad``; return the unclipped per-sample gradient norms."""
+        if per_sample_losses.dim() != 1:
+            self._per_sample.clear()
+            raise PrivacyConfigError(
+                "ghost clipping needs the per-sample losses: return `F.cross_entropy(logits, y, reduction='none')` "
+                f"(shape (batch,)) from training_step; got a loss of shape {tuple(per_sample_losses.shape)}"
+            )
+        if per_sample_losses.numel() == 0:  # an empty Poisson batch: nothing to clip, the step is pure noise
+            self._per_sample.clear()
+            for p in self.parameters:
+                p.grad = torch.zeros_like(p)
+            return per_sample_losses.detach().new_zeros(0)
+        try:
+            per_sample_losses.sum().backward()
+            return self._per_sample.clip_and_sum(self.max_grad_norm)
+        finally:
+            self._per_sample.clear()
+
+    def detach(self) -> None:
+        """Remove the hooks from the module."""
+        self._per_sample.detach()
