@@ -149,9 +149,12 @@ class Recorder:
         self._backward_passes: set[int] = set()
         self._pending: dict[int, list[tuple]] = {}
         self._handles = []
+        self._pass_batch: int | None = None  # examples in the current forward pass (its first recorded call)
         for name, module, kind in units:
             if kind == "replay":
                 self._handles.append(module.register_forward_pre_hook(self._before_replay_unit))
+            if isinstance(module, nn.Embedding):
+                self._handles.append(module.register_forward_pre_hook(self._per_example_positions))
             self._handles.append(
                 module.register_forward_hook(partial(self._after_forward, name, kind), with_kwargs=True)
             )
@@ -166,6 +169,17 @@ class Recorder:
         rng = (torch.random.get_rng_state(), device, torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
         autocast = (device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
         self._pending.setdefault(id(module), []).append((rng, autocast))
+
+    def _per_example_positions(self, module: nn.Module, args: tuple) -> tuple | None:
+        """An embedding looked up once for the whole batch (Hugging Face's position ids of shape (1, T), broadcast
+        over the examples afterwards) is looked up per example instead, so that each example's share of its
+        gradient is known: same values, B rows instead of 1."""
+        if not self._recording(module) or not self.batch_first or not args or self._pass_batch in (None, 1):
+            return None
+        ids = args[0]
+        if isinstance(ids, Tensor) and ids.dim() >= 2 and ids.shape[0] == 1:
+            return (ids.expand(self._pass_batch, *ids.shape[1:]), *args[1:])
+        return None
 
     def _after_forward(self, name: str, kind: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if not self._recording(module):
@@ -183,6 +197,7 @@ class Recorder:
         if self._backward_seen:  # the first forward call after a backward pass starts a new pass
             self._forward_pass += 1
             self._backward_seen = False
+            self._pass_batch = None
         if kind == "rule":
             args, kwargs = (args[0].detach(),), {}
         else:
@@ -193,6 +208,10 @@ class Recorder:
             rng=state[0], autocast=state[1],
             batch_dims=_output_batch_dims(module, len(positions), self.batch_first),
         )
+        if self._pass_batch is None:
+            first = leaves[positions[0]]
+            if first.dim() > record.batch_dims[0]:
+                self._pass_batch = int(first.shape[record.batch_dims[0]])
         self.records.append(record)
         register_multi_grad_hook([leaves[k] for k in positions], partial(self._after_backward, record), mode="all")
 
@@ -231,6 +250,7 @@ class Recorder:
         self._forward_pass = 0
         self._backward_seen = False
         self._backward_passes.clear()
+        self._pass_batch = None
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -264,7 +284,10 @@ def rule_grad_samples(
     """Per-example gradients of a rule layer: Opacus's closed form, or vmap of ``torch.func.grad`` over the
     layer's per-example inputs when ``functorch``."""
     if not functorch:
-        return RULES[type(layer)](layer, activations, backprops)
+        samples = RULES[type(layer)](layer, activations, backprops)
+        if isinstance(layer, nn.Embedding) and layer.padding_idx is not None and layer.weight in samples:
+            samples[layer.weight][:, layer.padding_idx] = 0  # autograd gives the padding row no gradient
+        return samples
     params = {n: p.detach() for n, p in layer.named_parameters() if p.requires_grad}
     a = activations[0]
     if a.is_floating_point() and a.dtype != backprops.dtype:

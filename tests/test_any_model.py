@@ -1,0 +1,323 @@
+"""Per-sample clipping on models nobody in this project wrote, unchanged: torchvision ResNets and MobileNetV3 (in-place
+ReLU, ``out += identity``), a ViT, Lightning's Transformer and LSTM demos, nn.GRU, attention with causal and padding
+masks, embeddings, norms, tied weights, Hugging Face GPT-2 and BERT. For every grad_sample_mode the clipped sum
+must equal the one computed from a per-example backward loop (the privacy unit is the example, a whole sequence
+for sequence models)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_privdec.privacy import GhostClipping, PerSampleGradients, check_private_model
+from lightning_privdec.privacy.dp_step import clip_and_accumulate
+from lightning_privdec.privacy.per_sample import GRAD_SAMPLE_MODES
+
+torchvision = pytest.importorskip("torchvision")
+B = 3  # examples per batch: small, so that the per-example loop stays fast
+
+
+def _no_dropout(model: nn.Module) -> nn.Module:
+    """Dropout off (the per-example loop cannot draw the batch's masks); replay itself keeps dropout's masks."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(m, (nn.MultiheadAttention, nn.RNNBase)):
+            m.dropout = 0.0
+    return model
+
+
+# ---- the models: (model, batch, per-example losses of shape (B,)) ---------------------------------------------------
+def _cross_entropy(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def _images(size: int, classes: int = 10) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(B, 3, size, size, generator=g), torch.randint(0, classes, (B,), generator=g)
+
+
+def _tokens(vocab: int, steps: int) -> Tensor:
+    return torch.randint(0, vocab, (B, steps), generator=torch.Generator().manual_seed(2))
+
+
+def resnet(depth: int) -> tuple:
+    from torchvision.models import resnet18, resnet50
+
+    build = {18: resnet18, 50: resnet50}[depth]
+    return build(num_classes=10, norm_layer=lambda c: nn.GroupNorm(8, c)), _images(16), _cross_entropy
+
+
+def mobilenet() -> tuple:
+    from torchvision.models import mobilenet_v3_small
+
+    model = mobilenet_v3_small(num_classes=10)
+    check_private_model(model, fix=True)  # its BatchNorms -> GroupNorm, in place
+    return _no_dropout(model), _images(32), _cross_entropy
+
+
+def vit() -> tuple:
+    from torchvision.models import VisionTransformer
+
+    model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
+                              num_classes=10)  # fmt: skip
+    return model, _images(32), _cross_entropy
+
+
+def lightning_transformer() -> tuple:
+    """Lightning's demo, unchanged: nn.Transformer (batch first) with a causal target mask, tokens -> log-probs."""
+    from lightning.pytorch.demos.transformer import LightningTransformer
+
+    vocab, steps = 40, 5
+    model = _no_dropout(LightningTransformer(vocab_size=vocab).model)
+    inputs, target = _tokens(vocab, steps), _tokens(vocab, steps).roll(1, dims=1)
+
+    def losses(m: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, t = batch
+        return F.nll_loss(m(x, t), t.reshape(-1), reduction="none").view(x.shape[0], -1).mean(dim=1)
+
+    return model, (inputs, target), losses
+
+
+def lightning_lstm() -> tuple:
+    """Lightning's LSTM demo, unchanged: 4-layer nn.LSTM (batch first) with an explicit (layers, B, H) state."""
+    from lightning.pytorch.demos.lstm import LightningLSTM
+
+    vocab, steps = 30, 4
+    model = _no_dropout(LightningLSTM(vocab_size=vocab).model)
+    inputs = _tokens(vocab, steps + 1)
+
+    def losses(m: nn.Module, batch: tuple[Tensor]) -> Tensor:
+        (x,) = batch
+        hidden = m.init_hidden(x.shape[0])
+        out, _ = m(x[:, :-1], hidden)
+        return F.nll_loss(out, x[:, 1:].reshape(-1), reduction="none").view(x.shape[0], -1).mean(dim=1)
+
+    return model, (inputs,), losses
+
+
+class GRUTagger(nn.Module):
+    """nn.GRU with batch_first=False, an explicit initial state, and a head on every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.gru, self.head = nn.Embedding(20, 6), nn.GRU(6, 5, num_layers=2), nn.Linear(5, 3)
+        self.h0 = nn.Parameter(torch.zeros(2, 1, 5))  # a learned initial state on the root (replayed whole)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.gru(self.embed(x.t()), self.h0.expand(-1, x.shape[0], -1).contiguous())
+        return self.head(out).mean(dim=0)
+
+
+def gru() -> tuple:
+    return GRUTagger(), (_tokens(20, 4), torch.tensor([0, 2, 1])), _cross_entropy
+
+
+class MaskedAttention(nn.Module):
+    """TransformerEncoderLayer with a causal mask and a key-padding mask, then a sequence-first nn.MultiheadAttention
+    with a per-head 3-D mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.mha = nn.MultiheadAttention(8, 2)  # batch_first=False
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        steps = x.shape[1]
+        padding = x == 0
+        causal = nn.Transformer.generate_square_subsequent_mask(steps)
+        h = self.layer(self.embed(x), src_mask=causal, src_key_padding_mask=padding, is_causal=True)
+        seq = h.transpose(0, 1)
+        per_head = torch.zeros(x.shape[0] * 2, steps, steps).masked_fill(torch.eye(steps, dtype=torch.bool), -1.0)
+        out, _ = self.mha(seq, seq, seq, attn_mask=per_head, key_padding_mask=padding)
+        return self.head(out.mean(dim=0))
+
+
+def attention() -> tuple:
+    x = _tokens(20, 5)
+    x[0, 3:] = 0  # padding
+    return MaskedAttention(), (x, torch.tensor([0, 2, 1])), _cross_entropy
+
+
+class Norms(nn.Module):
+    """Embedding, LayerNorm, GroupNorm, RMSNorm, a Linear used twice, and a head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.ln, self.gn, self.rms = nn.Embedding(20, 8), nn.LayerNorm(8), nn.GroupNorm(2, 8), nn.RMSNorm(8)
+        self.mix, self.head = nn.Linear(8, 8), nn.Linear(8, 20, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.ln(self.embed(x))
+        h = self.gn(h.transpose(1, 2)).transpose(1, 2)
+        h = self.mix(torch.tanh(self.mix(self.rms(h))))
+        return self.head(h).mean(dim=1)
+
+
+def norms() -> tuple:
+    return Norms(), (_tokens(20, 4), torch.tensor([1, 5, 7])), _cross_entropy
+
+
+def gpt2() -> tuple:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=40, n_positions=8, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)  # lm_head tied to the token embedding
+    ids = _tokens(40, 6)
+    mask = torch.ones_like(ids)
+    mask[0, 4:] = 0  # a padded sequence
+
+    def losses(m: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, attention_mask = batch
+        logits = m(input_ids=x, attention_mask=attention_mask).logits[:, :-1]
+        token = F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none") * attention_mask[:, 1:]
+        return token.sum(dim=1) / attention_mask[:, 1:].sum(dim=1)
+
+    return model, (ids, mask), losses
+
+
+def bert() -> tuple:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=8, num_labels=3,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    ids = _tokens(40, 6)
+    mask = torch.ones_like(ids)
+    mask[1, 3:] = 0
+
+    def losses(m: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        x, attention_mask, y = batch
+        return F.cross_entropy(m(input_ids=x, attention_mask=attention_mask).logits, y, reduction="none")
+
+    return transformers.BertForSequenceClassification(config), (ids, mask, torch.tensor([0, 2, 1])), losses
+
+
+MODELS = {
+    "resnet18": lambda: resnet(18),
+    "resnet50": lambda: resnet(50),
+    "mobilenet_v3_small": mobilenet,
+    "vit": vit,
+    "lightning_transformer": lightning_transformer,
+    "lightning_lstm": lightning_lstm,
+    "gru": gru,
+    "attention_masks": attention,
+    "norms_embedding_tied": norms,
+    "gpt2": gpt2,
+    "bert": bert,
+}
+FLOAT32 = {"resnet18", "resnet50", "mobilenet_v3_small", "lightning_lstm"}  # big enough that float64 costs seconds
+
+
+def _build(name: str) -> tuple[nn.Module, tuple, object]:
+    torch.manual_seed(0)
+    model, batch, losses = MODELS[name]()
+    if name not in FLOAT32:
+        model = model.double()
+        batch = tuple(t.double() if t.is_floating_point() else t for t in batch)
+    return model.train(), batch, losses
+
+
+def _per_example_loop(model: nn.Module, batch: tuple, losses) -> list[list[Tensor]]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for i in range(batch[0].shape[0]):
+        one = tuple(t[i : i + 1] for t in batch)
+        out.append([g if g is not None else torch.zeros_like(p) for p, g in
+                    zip(params, torch.autograd.grad(losses(model, one).sum(), params, allow_unused=True))])  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("mode", GRAD_SAMPLE_MODES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_clipped_sum_equals_the_per_example_loop(name: str, mode: str) -> None:
+    model, batch, losses = _build(name)
+    reference = _per_example_loop(model, batch, losses)
+    per_example = [torch.stack(gs) for gs in zip(*reference)]
+    norms = torch.stack([torch.linalg.vector_norm(torch.cat([g.flatten() for g in gs])) for gs in reference])
+    clip = float(norms.median())  # clips some examples, not all
+    expected, expected_norms = clip_and_accumulate(per_example, clip, torch.device("cpu"))
+    if mode == "ghost":
+        ghost = GhostClipping(model, clip)
+        got_norms = ghost.backward(losses(model, batch))
+        ghost.detach()
+    else:
+        psg = PerSampleGradients(model, mode=mode)
+        losses(model, batch).mean().backward()
+        got_norms = psg.clip_and_sum(clip)
+        psg.detach()
+    tolerance = {"atol": 1e-4, "rtol": 1e-3} if name in FLOAT32 else {"atol": 1e-9, "rtol": 1e-7}
+    torch.testing.assert_close(got_norms.to(expected_norms.dtype), expected_norms, **tolerance)
+    for p, want in zip([p for p in model.parameters() if p.requires_grad], expected):
+        torch.testing.assert_close(p.grad, want.to(p.dtype), **tolerance)
+    assert not any(hasattr(m, "activations") for m in model.modules())  # nothing left on the model
+
+
+def test_replay_keeps_dropout_masks_and_the_model_is_unchanged() -> None:
+    """With dropout on, the per-example gradients (replayed with the call's random state) still sum to autograd's
+    batch gradient; the hooks leave the model's modules and forward untouched."""
+    from lightning.pytorch.demos.transformer import LightningTransformer
+
+    torch.manual_seed(0)
+    model = LightningTransformer(vocab_size=30).model.double().train()
+    modules = dict(model.named_modules())
+    x, t = _tokens(30, 5), _tokens(30, 5)
+    psg = PerSampleGradients(model, mode="bookkeeping")
+    F.nll_loss(model(x, t), t.reshape(-1), reduction="sum").backward()
+    batch_grads = [p.grad.clone() for p in psg.parameters]
+    summed = [g.sum(dim=0) / 1.0 for g in psg.per_sample_grads()]
+    for got, want in zip(summed, batch_grads):
+        torch.testing.assert_close(got / B, want, atol=1e-9, rtol=1e-7)  # mean-loss convention: rows are B * grad
+    psg.detach()
+    assert dict(model.named_modules()) == modules
+
+
+def test_one_setup_line_names_each_layers_mechanism(caplog: pytest.LogCaptureFixture) -> None:
+    model, _, _ = _build("attention_masks")
+    with caplog.at_level(logging.INFO, logger="lightning_privdec"):
+        PerSampleGradients(model, mode="bookkeeping").detach()
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("lightning_privdec")]
+    assert len(lines) == 1
+    assert "book-keeping: 2 Linear" in lines[0] and "replay: 1 MultiheadAttention" in lines[0]
+    assert "closed form: 1 Embedding, 2 LayerNorm" in lines[0]
+
+
+def test_batchnorm_stays_refused_with_the_fix_named() -> None:
+    from torchvision.models import resnet18
+
+    with pytest.raises(Exception, match="fix_model=True"):
+        PerSampleGradients(resnet18(num_classes=10))
+
+
+def test_a_private_strategy_trains_the_unchanged_transformer_demo() -> None:
+    """DP-CSGP (the first line a user writes) on Lightning's Transformer demo, one process, a few steps."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.transformer import LightningTransformer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_privdec import DPCSGPStrategy
+
+    class Demo(LightningTransformer):
+        def train_dataloader(self) -> DataLoader:  # the demo downloads WikiText-2; synthetic tokens instead
+            tokens = torch.randint(0, 30, (24, 6), generator=torch.Generator().manual_seed(0))
+            return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=6)
+
+    torch.manual_seed(0)
+    model = Demo(vocab_size=30)
+    before = [p.detach().clone() for p in model.parameters()]
+    strategy = DPCSGPStrategy(max_grad_norm=1.0, noise_multiplier=1.0, noise_seed=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(model)
+    assert trainer.global_step == 3 and strategy.privacy.ledger.steps == 3
+    assert math.isfinite(strategy.privacy.epsilon())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
