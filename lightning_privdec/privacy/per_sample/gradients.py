@@ -16,12 +16,12 @@ gradients by their rule or by replay (:mod:`.capture`), for that layer only.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_privdec.privacy.dp_step import clip_and_accumulate, clip_factor
@@ -36,8 +36,6 @@ from lightning_privdec.privacy.per_sample.capture import (
     rule_inputs,
 )
 from lightning_privdec.privacy.per_sample.checks import check_private_model
-
-log = logging.getLogger(__name__)
 
 GradSampleMode = Literal["bookkeeping", "hooks", "functorch", "ghost"]
 GRAD_SAMPLE_MODES: tuple[str, ...] = ("bookkeeping", "hooks", "functorch", "ghost")
@@ -327,7 +325,7 @@ class PerSampleGradients:
         self.loss_reduction = loss_reduction
         units = layer_units(module)
         self.report = f"per-sample gradients ({_report_as or mode}): {describe_units(units, _report_as or mode)}"
-        log.info(self.report)
+        rank_zero_info(self.report)
         self._hooks = Recorder(module, units, batch_first=batch_first)
         self._arithmetic = _PerSampleArithmetic(
             self._hooks, loss_reduction=loss_reduction, batch_first=batch_first, functorch=mode == "functorch"
