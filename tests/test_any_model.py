@@ -19,6 +19,7 @@ from lightning_privdec.privacy.dp_step import clip_and_accumulate
 from lightning_privdec.privacy.per_sample import GRAD_SAMPLE_MODES
 
 torchvision = pytest.importorskip("torchvision")
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")  # peft calling transformers
 B = 3  # examples per batch: small, so that the per-example loop stays fast
 
 
@@ -171,7 +172,7 @@ def norms() -> tuple:
 def gpt2() -> tuple:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=40, n_positions=8, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
     model = transformers.GPT2LMHeadModel(config)  # lm_head tied to the token embedding
     ids = _tokens(40, 6)
     mask = torch.ones_like(ids)
@@ -184,6 +185,18 @@ def gpt2() -> tuple:
         return token.sum(dim=1) / attention_mask[:, 1:].sum(dim=1)
 
     return model, (ids, mask), losses
+
+
+def gpt2_lora() -> tuple:
+    """LoRA adapters (peft) on GPT-2's attention: only the adapters are trainable."""
+    peft = pytest.importorskip("peft")
+    model, batch, losses = gpt2()
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True)
+    lora = peft.get_peft_model(model, config)
+    for m in lora.modules():  # B starts at zero; move it so that A's gradients are not all zero
+        if isinstance(m, nn.Linear) and m.weight.requires_grad:
+            nn.init.normal_(m.weight, std=0.1)
+    return lora, batch, losses
 
 
 def bert() -> tuple:
@@ -213,6 +226,7 @@ MODELS = {
     "attention_masks": attention,
     "norms_embedding_tied": norms,
     "gpt2": gpt2,
+    "gpt2_lora": gpt2_lora,
     "bert": bert,
 }
 #: the slowest model is checked in the default mode only (its layers are ResNet-18's)
