@@ -1,6 +1,6 @@
 """Private decentralized LoRA fine-tuning of a GPT-2: only the adapters are trained, clipped, noised and gossiped.
 
-    python examples/finetune_lora.py --synthetic                      # offline: a small GPT-2 from a config, synthetic text
+    python examples/finetune_lora.py --synthetic          # offline: a small GPT-2 from a config, synthetic text
     python examples/finetune_lora.py --model gpt2 --text-file train.txt --nodes 2 --max-steps 200
 
 LoRA (Hu et al. 2022) through Hugging Face's ``peft`` freezes the model and adds low-rank adapters to the attention
@@ -25,7 +25,8 @@ from lightning_privdec import DPCSGPStrategy
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--synthetic", action="store_true", help="a small GPT-2 from a config and synthetic sequences (no download)")
+    p.add_argument("--synthetic", action="store_true",
+                   help="a small GPT-2 from a config and synthetic sequences (no download)")
     p.add_argument("--model", default="gpt2", help="Hugging Face model name or folder (without --synthetic)")
     p.add_argument("--text-file", default=None, help="training text, one example per line (without --synthetic)")
     p.add_argument("--sequence-length", type=int, default=32)

@@ -231,7 +231,7 @@ MODELS = {
 }
 #: the slowest model is checked in the default mode only (its layers are ResNet-18's)
 MODES = {"resnet50": ("bookkeeping",)}
-FLOAT32 = {"resnet18", "resnet50", "lightning_lstm"}  # big enough that float64 costs seconds
+FLOAT32 = {"resnet18", "resnet50", "mobilenet_v3_small", "lightning_lstm"}  # big enough that float64 costs seconds
 
 
 def _build(name: str) -> tuple[nn.Module, tuple, object]:
@@ -272,10 +272,14 @@ def test_clipped_sum_equals_the_per_example_loop(name: str, mode: str) -> None:
         losses(model, batch).mean().backward()
         got_norms = psg.clip_and_sum(clip)
         psg.detach()
-    tolerance = {"atol": 1e-4, "rtol": 1e-3} if name in FLOAT32 else {"atol": 1e-9, "rtol": 1e-7}
-    torch.testing.assert_close(got_norms.to(expected_norms.dtype), expected_norms, **tolerance)
-    for p, want in zip([p for p in model.parameters() if p.requires_grad], expected):
-        torch.testing.assert_close(p.grad, want.to(p.dtype), **tolerance)
+    if name in FLOAT32:  # float32 sums in a different order: each gradient to 1e-4 of its norm
+        torch.testing.assert_close(got_norms.to(expected_norms.dtype), expected_norms, atol=1e-4, rtol=1e-4)
+        for p, want in zip([p for p in model.parameters() if p.requires_grad], expected):
+            assert torch.linalg.vector_norm(p.grad - want) <= 1e-4 * torch.linalg.vector_norm(want) + 1e-7
+    else:
+        torch.testing.assert_close(got_norms, expected_norms, atol=1e-9, rtol=1e-7)
+        for p, want in zip([p for p in model.parameters() if p.requires_grad], expected):
+            torch.testing.assert_close(p.grad, want, atol=1e-9, rtol=1e-7)
     assert not any(hasattr(m, "activations") for m in model.modules())  # nothing left on the model
 
 
@@ -342,3 +346,26 @@ def test_a_private_strategy_trains_the_unchanged_transformer_demo() -> None:
     assert math.isfinite(strategy.privacy.epsilon())
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+class ParameterReadOutsideItsLayer(nn.Module):
+    """``b.weight`` is also used in the root's forward, where no hook on ``b`` sees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)) @ self.b.weight.t() @ self.b.weight)
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "hooks"])
+def test_a_use_the_hooks_cannot_see_stops_the_first_step(mode: str) -> None:
+    from lightning_privdec.privacy.errors import PrivacyConfigError
+
+    model = ParameterReadOutsideItsLayer()
+    psg = PerSampleGradients(model, mode=mode)
+    F.cross_entropy(model(torch.randn(5, 4)), torch.randint(0, 2, (5,))).backward()
+    with pytest.raises(PrivacyConfigError, match="'b.weight' do not add up"):
+        psg.clip_and_sum(1.0)
+    psg.detach()

@@ -166,7 +166,8 @@ class Recorder:
         if not self._recording(module):
             return
         device = next(iter(module.parameters())).device
-        rng = (torch.random.get_rng_state(), device, torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        rng = (torch.random.get_rng_state(), device, cuda)
         autocast = (device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
         self._pending.setdefault(id(module), []).append((rng, autocast))
 
@@ -264,17 +265,14 @@ def _detach(value: Any) -> Any:
 
 
 # ---- per-example gradients of one record --------------------------------------------------------------------------
-def rule_inputs(record: Record, loss_reduction: str, batch_first: bool) -> tuple[list[Tensor], Tensor]:
-    """A rule layer's ([input], output gradient) batch first, the gradient scaled to per-example loss gradients
-    (times B for a mean loss, as Opacus's ``rearrange_grad_samples``)."""
+def rule_inputs(record: Record, batch_first: bool) -> tuple[list[Tensor], Tensor]:
+    """A rule layer's ([input], output gradient), batch first."""
     record.check_unchanged()
     a, g = record.args[0], record.grads[0]
     if g is None:
         g = torch.zeros_like(a if a.is_floating_point() else record.module.weight)
     if not batch_first:
         a, g = a.movedim(1, 0), g.movedim(1, 0)
-    if loss_reduction == "mean":
-        g = g * a.shape[0]
     return [a], g
 
 
@@ -300,9 +298,10 @@ def rule_grad_samples(
     return {named[n]: gs for n, gs in vmap(grad(loss), in_dims=(None, 0, 0))(params, a, backprops).items()}
 
 
-def replay_grad_samples(record: Record, loss_reduction: str) -> dict[nn.Parameter, Tensor]:
-    """Per-example gradients of every trainable parameter under a replay layer (module docstring); call it with
-    :attr:`Recorder.replaying` set, so that the replayed forward records nothing."""
+def replay_grad_samples(record: Record, scale: float) -> dict[nn.Parameter, Tensor]:
+    """Per-example gradients of every trainable parameter under a replay layer (module docstring), the output
+    gradients multiplied by ``scale`` (B for a mean loss); call it with :attr:`Recorder.replaying` set, so that the
+    replayed forward records nothing."""
     record.check_unchanged()
     module, params = record.module, _trainable(record.module, recurse=True)
     grads = record.grads or []
@@ -316,7 +315,6 @@ def replay_grad_samples(record: Record, loss_reduction: str) -> dict[nn.Paramete
             )
     if batch == 0:
         return {p: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for p in params}
-    scale = batch if loss_reduction == "mean" else 1
     with ExitStack() as stack:
         cpu_state, device, cuda_state = record.rng
         stack.enter_context(torch.random.fork_rng(devices=[device] if cuda_state is not None else []))

@@ -108,10 +108,10 @@ def check_private_model(module: nn.Module, fix: bool = False) -> nn.Module:
     """Check that per-sample DP-SGD (Abadi et al. 2016) is well defined for ``module``; optionally fix it IN PLACE.
 
     Uses Opacus's ``ModuleValidator`` validators (BatchNorm, InstanceNorm with running stats; not nn.LSTM/GRU/
-    MultiheadAttention, which train unchanged through per-layer replay) plus Opacus's rule that trainable layers may not hold buffers. With ``fix=True`` each
-    fixable layer is replaced by ``ModuleValidator.FIXERS`` (BatchNorm -> GroupNorm, as ``ModuleValidator.fix``)
-    through ``setattr`` on its parents, so ``module`` stays the same object (Lightning holds it) and the function
-    returns it; a warning lists the replacements. Call it before the optimizer is created: replaced layers have new
+    MultiheadAttention, which train unchanged through per-layer replay) plus Opacus's rule that trainable layers
+    may not hold buffers. With ``fix=True`` each fixable layer is replaced by ``ModuleValidator.FIXERS``
+    (BatchNorm -> GroupNorm, as ``ModuleValidator.fix``) through ``setattr`` on its parents, so ``module`` stays
+    the same object (Lightning holds it) and the function returns it; a warning lists the replacements. Call it before the optimizer is created: replaced layers have new
     (freshly initialised) parameters.
 
     Raises:

@@ -57,6 +57,7 @@ class _Call:
     activations: list[Tensor]
     backprops: Tensor | None
     batch_size: int
+    scale: float = 1.0  # replay: what the output gradients are multiplied by (B for a mean loss)
 
 
 def _ghost_linear(call: _Call) -> bool:
@@ -80,17 +81,26 @@ class _PerSampleArithmetic:
         self.functorch = functorch
 
     def passes(self) -> list[list[_Call]]:
+        """The records of each backward pass as calls; for a mean loss the output gradients are multiplied by the
+        pass's batch size B (the largest call's), so that they are per-example loss gradients (Opacus's
+        ``rearrange_grad_samples`` does the same per layer)."""
         out = []
         for records in self.recorder.passes():
             calls = []
             for r in records:
                 if r.kind == "rule":
-                    activations, backprops = rule_inputs(r, self.loss_reduction, self.batch_first)
+                    activations, backprops = rule_inputs(r, self.batch_first)
                     params = [p for p in r.module.parameters(recurse=False) if p.requires_grad]
                     calls.append(_Call(r, r.module, "rule", params, activations, backprops, int(backprops.shape[0])))
                 else:
                     params = [p for p in r.module.parameters() if p.requires_grad]
                     calls.append(_Call(r, r.module, "replay", params, [], None, r.batch_size))
+            batch = max(c.batch_size for c in calls)
+            scale = batch if self.loss_reduction == "mean" else 1
+            for c in calls:
+                c.scale = scale
+                if c.backprops is not None and scale != 1:
+                    c.backprops = c.backprops * scale
             out.append(calls)
         return out
 
@@ -105,7 +115,7 @@ class _PerSampleArithmetic:
                 if r.kind == "rule":
                     samples = rule_grad_samples(r.module, r.activations, r.backprops, self.functorch)
                 else:
-                    samples = replay_grad_samples(r.record, self.loss_reduction)
+                    samples = replay_grad_samples(r.record, r.scale)
                 for p, gs in samples.items():
                     if not p.requires_grad:
                         continue
@@ -334,6 +344,7 @@ class PerSampleGradients:
             self._hooks.grad_accumulation_allowed = False
         _ATTACHED.add(module)
         self._attached = True
+        self._checked = False
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -351,6 +362,7 @@ class PerSampleGradients:
         batch whose step skipped backward) every entry is an empty ``(0, *p.shape)`` tensor, so the DP step
         releases pure noise. In ``"hooks"`` and ``"functorch"`` modes they are also kept in ``p.grad_sample``.
         """
+        self._check_sums_once()
         params = self.parameters
         grads = self._arithmetic.per_sample_grads(params)
         if self.mode != "bookkeeping":
@@ -366,6 +378,7 @@ class PerSampleGradients:
     def flat_per_sample_grads(self, out: Tensor | None = None) -> Tensor:
         """The per-sample gradients as one ``(B, d)`` matrix, parameters concatenated in order, written into ``out``
         (shape ``(batch_size, d)``) when given: nn.Linear layers then write their outer products straight into it."""
+        self._check_sums_once()
         params = self.parameters
         if out is None:
             out = torch.empty(self.batch_size, sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
@@ -378,6 +391,7 @@ class PerSampleGradients:
         Book-keeping never materialises the g_i of nn.Linear layers (module docstring); the other modes clip
         materialised per-sample gradients. An empty batch, or a step without backward, leaves zeros.
         """
+        self._check_sums_once()
         params = self.parameters
         if self.mode == "bookkeeping":
             return self._arithmetic.clip_and_sum(params, max_grad_norm)
@@ -385,6 +399,37 @@ class PerSampleGradients:
         for p, summed in zip(params, sums):
             _set_grad(p, summed.to(device=p.device, dtype=p.dtype))
         return norms
+
+    def _check_sums_once(self) -> None:
+        """On the first backward pass: the per-example gradients must add up to autograd's gradient of the batch
+        (divided by B for a mean loss). They do not when part of a parameter's gradient comes from a use no hook
+        sees (a parameter read outside its own layer's forward) or from a batch dimension read wrongly; training
+        would then clip and release something that is not the per-example gradient, so it stops here instead."""
+        if self._checked:
+            return
+        passes = self._arithmetic.passes()
+        if len(passes) != 1 or max(c.batch_size for c in passes[0]) == 0:
+            return  # nothing recorded yet, an empty batch, or several passes (their sum is no batch gradient)
+        self._checked = True
+        sums: dict[nn.Parameter, Tensor] = {}
+        self._arithmetic._clip_and_sum_pass(passes[0], float("inf"), sums)  # clip factor 1: the plain sum
+        scale = 1.0 / max(c.batch_size for c in passes[0]) if self.loss_reduction == "mean" else 1.0
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        wanted = [p.grad.double() if p.grad is not None else torch.zeros_like(p, dtype=torch.float64) for _, p in named]
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(w) for w in wanted]))
+        low = any(c.backprops is not None and c.backprops.dtype in (torch.float16, torch.bfloat16) for c in passes[0])
+        relative = 5e-2 if low else 1e-2  # half-precision output gradients (autocast) carry 3 digits
+        for (name, p), want in zip(named, wanted):
+            got = sums[p].double() * scale if p in sums else torch.zeros_like(want)
+            error, size = torch.linalg.vector_norm(got - want), torch.linalg.vector_norm(want)
+            if error > relative * size + 1e-4 * total + 1e-7:  # float32 sums in another order stay far below
+                raise PrivacyConfigError(
+                    f"the per-example gradients of parameter {name!r} do not add up to its gradient (relative "
+                    f"error {float(error / (size + 1e-12)):.2g}): part of it "
+                    "comes from a use the per-sample hooks do not see, such as the parameter read in another "
+                    "module's forward, or the layer's batch dimension is not the one assumed (pass batch_first=). "
+                    "Use the parameter only inside the forward of the module that owns it"
+                )
 
     def clear(self) -> None:
         """Forget the stored per-sample gradients and activations (call after every optimizer step)."""
@@ -456,6 +501,8 @@ class GhostClipping:
             for p in self.parameters:
                 p.grad = torch.zeros_like(p)
             return per_sample_losses.detach().new_zeros(0)
+        for p in self.parameters:
+            p.grad = None  # the check of the first step compares with this backward pass's gradient alone
         try:
             per_sample_losses.sum().backward()
             return self._per_sample.clip_and_sum(self.max_grad_norm)
