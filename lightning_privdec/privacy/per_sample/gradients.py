@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
@@ -344,7 +345,9 @@ class PerSampleGradients:
             self._hooks.grad_accumulation_allowed = False
         _ATTACHED.add(module)
         self._attached = True
-        self._checked = False
+        self._checked = False  # until the first step's check: each parameter's gradient from this backward pass
+        self._batch_grads: dict[nn.Parameter, Tensor] = {}
+        self._grad_hooks = [p.register_hook(partial(self._keep_batch_grad, p)) for p in self.parameters]
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -400,9 +403,15 @@ class PerSampleGradients:
             _set_grad(p, summed.to(device=p.device, dtype=p.dtype))
         return norms
 
+    def _keep_batch_grad(self, p: nn.Parameter, grad: Tensor) -> None:
+        if self._hooks.enabled and not self._hooks.replaying:
+            grad = grad.detach()
+            self._batch_grads[p] = grad if p not in self._batch_grads else self._batch_grads[p] + grad
+
     def _check_sums_once(self) -> None:
         """On the first backward pass: the per-example gradients must add up to autograd's gradient of the batch
-        (divided by B for a mean loss). They do not when part of a parameter's gradient comes from a use no hook
+        (divided by B for a mean loss; taken by gradient hooks on the parameters, so stale ``.grad`` values do not
+        count). They do not when part of a parameter's gradient comes from a use no hook
         sees (a parameter read outside its own layer's forward) or from a batch dimension read wrongly; training
         would then clip and release something that is not the per-example gradient, so it stops here instead."""
         if self._checked:
@@ -411,11 +420,15 @@ class PerSampleGradients:
         if len(passes) != 1 or max(c.batch_size for c in passes[0]) == 0:
             return  # nothing recorded yet, an empty batch, or several passes (their sum is no batch gradient)
         self._checked = True
+        for handle in self._grad_hooks:
+            handle.remove()
         sums: dict[nn.Parameter, Tensor] = {}
         self._arithmetic._clip_and_sum_pass(passes[0], float("inf"), sums)  # clip factor 1: the plain sum
         scale = 1.0 / max(c.batch_size for c in passes[0]) if self.loss_reduction == "mean" else 1.0
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        wanted = [p.grad.double() if p.grad is not None else torch.zeros_like(p, dtype=torch.float64) for _, p in named]
+        grads = self._batch_grads
+        wanted = [grads[p].double() if p in grads else torch.zeros_like(p, dtype=torch.float64) for _, p in named]
+        self._batch_grads = {}
         total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(w) for w in wanted]))
         low = any(c.backprops is not None and c.backprops.dtype in (torch.float16, torch.bfloat16) for c in passes[0])
         relative = 5e-2 if low else 1e-2  # half-precision output gradients (autocast) carry 3 digits
@@ -434,6 +447,7 @@ class PerSampleGradients:
     def clear(self) -> None:
         """Forget the stored per-sample gradients and activations (call after every optimizer step)."""
         self._hooks.forget()
+        self._batch_grads = {}
         for p in self.module.parameters():
             if hasattr(p, "grad_sample"):
                 p.grad_sample = None
@@ -444,6 +458,8 @@ class PerSampleGradients:
             return
         self.clear()
         self._hooks.remove()
+        for handle in self._grad_hooks:
+            handle.remove()
         for p in self.module.parameters():
             if hasattr(p, "grad_sample"):
                 del p.grad_sample
@@ -501,8 +517,6 @@ class GhostClipping:
             for p in self.parameters:
                 p.grad = torch.zeros_like(p)
             return per_sample_losses.detach().new_zeros(0)
-        for p in self.parameters:
-            p.grad = None  # the check of the first step compares with this backward pass's gradient alone
         try:
             per_sample_losses.sum().backward()
             return self._per_sample.clip_and_sum(self.max_grad_norm)
