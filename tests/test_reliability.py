@@ -5,6 +5,7 @@ checkpoints hold no per-sample gradients. One process each (the multi-process fa
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -310,3 +311,35 @@ def test_checkpoints_of_private_runs_hold_no_per_sample_gradients(strategy, tmp_
         checkpoint = torch.load(path, weights_only=False)
         assert "lightning_privdec" in checkpoint  # the node's gossip, optimizer and privacy state are there ...
         assert per_sample_data(checkpoint, num_params) == []  # ... but nothing per-sample
+
+
+# ============================================================================ resuming with a changed plan
+def _resume_with_a_longer_plan(tmp_path: Path, **strategy_kwargs: object) -> tuple[pl.Trainer, DPCSGPStrategy]:
+    """DP-CSGP at epsilon 3 planned for 2 epochs and checkpointed at its end, then resumed with max_epochs=4."""
+    budget = dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, noise_seed=0)
+    first = trainer(tmp_path, DPCSGPStrategy(**budget), checkpoints=True, max_steps=-1, max_epochs=2)
+    first.fit(Classifier(), data())
+    checkpoint = sorted((tmp_path / "ckpt").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)[-1]
+    strategy = DPCSGPStrategy(**budget, **strategy_kwargs)
+    resumed = trainer(tmp_path / "resumed", strategy, checkpoints=False, max_steps=-1, max_epochs=4)
+    resumed.fit(Classifier(), data(), ckpt_path=checkpoint)
+    return resumed, strategy
+
+
+def test_a_resume_that_would_drown_the_model_in_noise_is_refused_with_the_choices(tmp_path: Path) -> None:
+    with pytest.raises(PrivacyConfigError) as refused:
+        _resume_with_a_longer_plan(tmp_path)
+    message = str(refused.value)
+    assert "32 steps have spent epsilon = 2.9" in message and "of target_epsilon = 3.0" in message
+    assert "instead of" in message and "raise target_epsilon" in message and "start a new run" in message
+    assert "resume_noise='keep'" in message and "resume_noise='recalibrate'" in message
+    new, old = (float(x) for x in re.search(r"need sigma = ([\d.e+]+) instead of ([\d.e+]+)", message).groups())
+    assert new > 2 * old
+
+
+def test_a_resume_may_keep_its_noise_and_stop_at_the_budget_or_recalibrate_knowingly(tmp_path: Path) -> None:
+    kept, strategy = _resume_with_a_longer_plan(tmp_path / "keep", resume_noise="keep")
+    assert strategy.privacy.epsilon() <= 3.0 and kept.global_step < 4 * 16  # stopped when the budget was spent
+    old_sigma = strategy.privacy.noise_multiplier
+    _, strategy = _resume_with_a_longer_plan(tmp_path / "again", resume_noise="recalibrate")
+    assert strategy.privacy.noise_multiplier > 2 * old_sigma and strategy.privacy.epsilon() <= 3.0

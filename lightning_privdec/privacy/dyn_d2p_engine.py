@@ -64,6 +64,7 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
         device: torch.device,
         grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
         noise_seed: int | None = None,
+        secure_mode: bool = False,
     ) -> None:
         if parameters.target_epsilon is None or parameters.target_delta is None:
             raise PrivacyConfigError(
@@ -76,7 +77,10 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
                 "noise_multiplier (use variant='const' for a fixed noise level)"
             )
         _check_rigorous_accountant(parameters.accountant)
-        super().__init__(parameters, rank=rank, device=device, grad_sample_mode=grad_sample_mode, noise_seed=noise_seed)
+        super().__init__(
+            parameters, rank=rank, device=device, grad_sample_mode=grad_sample_mode, noise_seed=noise_seed,
+            secure_mode=secure_mode,
+        )
         self.rho_c = _check_rho(rho_c, "rho_c", "decay factor of the clipping bound C_k")
         self.rho_mu = _check_rho(rho_mu, "rho_mu", "growth factor of the per-step GDP budget mu_k")
         self.variant = _check_variant(variant)

@@ -17,13 +17,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_privdec.privacy.accountants import PrivacyLedger
 from lightning_privdec.privacy.config import PrivacyParameters
-from lightning_privdec.privacy.dp_step import (
-    DPStepStats,
-    node_noise_generator,
-    noise_clipped_sum,
-    privatize_gradients,
-)
+from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum, privatize_gradients
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.noise import node_noise_generator
 from lightning_privdec.privacy.per_sample import (
     DEFAULT_GRAD_SAMPLE_MODE,
     GhostClipping,
@@ -45,8 +41,9 @@ class NodePrivacyEngine:
             without per-sample gradients in memory, any ``training_step``), ``"hooks"`` (Opacus's per-layer rules,
             per-sample gradients materialised), ``"functorch"``, or ``"ghost"`` (ghost clipping: two backward passes;
             ``training_step`` must return per-sample losses).
-        noise_seed: ``None`` (default) seeds noise and sampling from OS entropy; an int makes them reproducible
-            (tests only: whoever knows the seed knows the noise).
+        noise_seed: ``None`` (default) keys noise and sampling with 256 bits of OS entropy each; an int makes them
+            reproducible (tests only, NOT private: whoever knows the seed knows the noise).
+        secure_mode: Gaussian noise with Opacus's floating-point mitigation (:mod:`.noise`; 4x the noise cost).
     """
 
     def __init__(
@@ -57,12 +54,14 @@ class NodePrivacyEngine:
         device: torch.device,
         grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
         noise_seed: int | None = None,
+        secure_mode: bool = False,
     ) -> None:
         self.parameters = parameters.validate()
         self.rank = rank
         self.grad_sample_mode = grad_sample_mode
         self.noise_seed = noise_seed
-        self.noise_generator = node_noise_generator(device, noise_seed, rank, stream="noise")
+        self.secure_mode = secure_mode
+        self.noise_generator = node_noise_generator(device, noise_seed, rank, stream="noise", secure_mode=secure_mode)
         self.sampling_generator = node_noise_generator("cpu", noise_seed, rank, stream="sampling")
         self.ledger = PrivacyLedger(parameters.accountant, delta=parameters.delta_for_reporting)
         self.per_sample: PerSampleGradients | None = None
@@ -275,9 +274,8 @@ class NodePrivacyEngine:
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The ledger and the plan. Generator states only with a fixed ``noise_seed`` (tests): a torch generator's
-        state reveals its seed, and with it this node's past and future noise and batches, so secure runs never
-        write it anywhere (a resumed secure run draws fresh OS entropy)."""
+        """The ledger and the plan. Generator states only with a fixed ``noise_seed`` (tests): a secure generator's
+        key is never written anywhere (a resumed secure run draws a fresh key from OS entropy)."""
         state: dict[str, Any] = {
             "ledger": self.ledger.state_dict(),
             "noise_multiplier": self.noise_multiplier,

@@ -135,12 +135,16 @@ class SagaPrivacyEngine(NodePrivacyEngine):
         device: torch.device,
         grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
         noise_seed: int | None = None,
+        secure_mode: bool = False,
     ) -> None:
         check_saga_options(
             accounting=accounting, accountant=parameters.accountant, max_table_bytes=max_table_bytes,
             table_init=table_init, table_dtype=table_dtype, grad_sample_mode=grad_sample_mode,
         )
-        super().__init__(parameters, rank=rank, device=device, grad_sample_mode=grad_sample_mode, noise_seed=noise_seed)
+        super().__init__(
+            parameters, rank=rank, device=device, grad_sample_mode=grad_sample_mode, noise_seed=noise_seed,
+            secure_mode=secure_mode,
+        )
         self.ledger = CompositionLedger(parameters.accountant, delta=parameters.delta_for_reporting)
         self.accounting, self.max_table_bytes = accounting, max_table_bytes
         self.table_init, self.table_dtype = table_init, table_dtype

@@ -19,10 +19,13 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_privdec.privacy import NodePrivacyEngine, PrivacyConfigError, PrivacyParameters
-from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
+from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES
 from lightning_privdec.privacy.write_ahead import WriteAheadLedger, new_run_id
 from lightning_privdec.strategies.base import DecentralizedStrategy
 from lightning_privdec.strategies.checks import gather_from_nodes
+
+#: the choices of ``resume_noise=`` (see :class:`PrivateDecentralizedStrategy`)
+RESUME_NOISE = ("auto", "recalibrate", "keep")
 
 
 class PrivateDecentralizedStrategy(DecentralizedStrategy):
@@ -32,14 +35,18 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         max_grad_norm: per-sample clipping bound C.
         noise_multiplier: sigma; or give ``target_epsilon`` and ``target_delta`` and sigma is calibrated before
             training from the planned steps (``max_steps``, or ``max_epochs`` x batches per epoch) and q = B / J.
-        accountant: ``"rdp"``, ``"prv"`` or ``"gdp"`` (Opacus's accountants).
+        accountant: ``"rdp"`` (default) or ``"prv"`` (Opacus's sound accountants). ``"gdp"`` is refused when the
+            strategy is built: a central-limit approximation never calibrates sigma or enforces the budget.
         grad_sample_mode: ``"bookkeeping"`` (default: one backward pass, the clipped sum without per-sample
             gradients in memory, any ``training_step``), ``"hooks"`` or ``"functorch"`` (per-sample gradients
             materialised), or ``"ghost"``: ghost clipping (two backward passes), for which ``training_step`` returns
             the per-sample losses (``reduction="none"``, shape ``(batch,)``). All clip the same way.
         fix_model: replace layers incompatible with per-sample DP (BatchNorm -> GroupNorm) instead of raising.
-        noise_seed: ``None`` (default, secure): noise and sampling from OS entropy; an int: reproducible streams
-            derived from (seed, rank), for tests only.
+        noise_seed: ``None`` (default, secure): noise and Poisson sampling from ChaCha20 streams keyed with 256 bits
+            of OS entropy per node and run (:mod:`lightning_privdec.privacy.noise`); an int: reproducible streams
+            derived from (seed, rank), NOT private (whoever knows the seed knows the noise): for tests and debugging.
+        secure_mode: Gaussian noise with Opacus's floating-point mitigation (each coordinate the sum of four draws,
+            halved; Holohan and Braghin 2021): closes the floating-point attacks on the sampler at 4x its cost.
         node_local_data: each process's training loader already holds only that node's data (no
             DistributedSampler); otherwise a missing sampler is refused, as every node would sample every example.
         ledger_dir: the write-ahead privacy ledger (:mod:`lightning_privdec.privacy.write_ahead`): before a step's
@@ -50,13 +57,19 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             its checkpoint names. A path: there. ``False``/``None``: off (unsafe for resumes: steps released after
             the last checkpoint are then not counted). Runs with a fixed ``noise_seed`` write none (a replayed step
             redraws the checkpointed noise and batch).
+        resume_noise: what a run resumed with a longer (or otherwise changed) plan does when the budget left needs
+            more noise: ``"auto"`` (default) re-calibrates sigma for the remaining steps but refuses, before the first
+            resumed step, when the new sigma is more than twice the old one (the remaining budget would be spent on
+            a model the noise destroys); ``"recalibrate"`` accepts the new sigma whatever it is; ``"keep"`` keeps the
+            checkpoint's sigma and stops training when the budget is spent (fixed-sigma engines: DP-CSGP, PrivSGP,
+            DP2-SGD).
         Other arguments: see :class:`DecentralizedStrategy`.
 
     A NaN or infinite privatized gradient stops training on that node before the update leaves it (see
     :class:`DecentralizedStrategy`); the step stays in the ledger (its batch was sampled: counting it is safe).
     """
 
-    shared_options = ("grad_sample_mode", "fix_model", "node_local_data")
+    shared_options = ("grad_sample_mode", "fix_model", "node_local_data", "secure_mode", "resume_noise")
     local_options = ("ledger_dir",)  # a per-node path
     stop_on_nonfinite_loss = False  # an empty Poisson batch has a NaN mean loss; its privatized gradient is checked
 
@@ -73,8 +86,10 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
         fix_model: bool = False,
         noise_seed: int | None = None,
+        secure_mode: bool = False,
         node_local_data: bool = False,
         ledger_dir: str | os.PathLike | bool | None = True,
+        resume_noise: str = "auto",
         **kwargs: Any,
     ) -> None:
         # the privacy parameters are checked first, before any process or graph exists
@@ -85,10 +100,21 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             target_delta=target_delta,
             accountant=accountant,
         ).validate()
+        if grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise PrivacyConfigError(
+                f"unknown grad_sample_mode {grad_sample_mode!r}; choose 'bookkeeping' (default), 'hooks', "
+                "'functorch' or 'ghost' (training_step then returns per-sample losses)"
+            )
+        if resume_noise not in RESUME_NOISE:
+            raise PrivacyConfigError(
+                f"resume_noise must be one of {', '.join(map(repr, RESUME_NOISE))}, got {resume_noise!r}"
+            )
         super().__init__(topology, compressor, **kwargs)
+        self.resume_noise = resume_noise
         self.grad_sample_mode = grad_sample_mode
         self.fix_model = fix_model
         self.noise_seed = noise_seed
+        self.secure_mode = secure_mode
         self.node_local_data = node_local_data
         self.privacy: NodePrivacyEngine | None = None
         self.budget_stopped_at_step: int | None = None
@@ -121,6 +147,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             device=self.root_device,
             grad_sample_mode=self.grad_sample_mode,
             noise_seed=self.noise_seed,
+            secure_mode=self.secure_mode,
         )
 
     def _check_optimization(self, trainer: pl.Trainer) -> None:
@@ -156,10 +183,14 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             )
         problem: Exception | None = None
         try:
+            resumed_sigma = self.privacy.noise_multiplier if self.privacy.steps > 0 else None
             private = self.privacy.private_dataloader(
                 dataloader, self._planned_steps(trainer, len(dataloader)), self.world_size, self.node_local_data
             )
-            self.privacy_parameters.check_delta(len(private.dataset), self.global_rank)  # type: ignore[arg-type]
+            if resumed_sigma:
+                self._check_resumed_noise(resumed_sigma)
+            if self.privacy.delta > 0:  # (CPGT is pure epsilon-DP: no delta to check)
+                self.privacy_parameters.check_delta(len(private.dataset), self.global_rank)  # type: ignore[arg-type]
             if self.privacy.steps == 0 and self.privacy.next_step_exceeds_budget():
                 raise PrivacyConfigError(
                     f"target_epsilon={self.privacy_parameters.target_epsilon} cannot pay for a single step with "
@@ -187,6 +218,40 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                     "(the ledger counts every step released so far): no step is taken in this fit"
                 )
         return private
+
+    def _check_resumed_noise(self, old_sigma: float) -> None:
+        """A resumed run whose new plan re-calibrated sigma: refuse a sigma over twice the old one (``"auto"``), or
+        keep the old one (``"keep"``); the budget check then stops training when the target is reached."""
+        engine = self.privacy
+        assert engine is not None and engine.noise_multiplier is not None
+        new_sigma = engine.noise_multiplier
+        if new_sigma <= old_sigma or self.resume_noise == "recalibrate":
+            return
+        fixed_sigma = type(engine)._plan_noise is NodePrivacyEngine._plan_noise
+        if self.resume_noise == "keep":
+            if not fixed_sigma:
+                raise PrivacyConfigError(
+                    f"resume_noise='keep' needs a fixed noise multiplier; {type(self).__name__}'s noise follows its "
+                    "own plan. Use resume_noise='recalibrate', or resume with the checkpoint's plan"
+                )
+            engine.noise_multiplier = old_sigma
+            return
+        if new_sigma <= 2.0 * old_sigma:
+            return
+        target, spent = self.privacy_parameters.target_epsilon, engine.epsilon()
+        keep = (
+            f"resume_noise='keep' keeps sigma = {old_sigma:.4g} and stops training when target_epsilon is reached; "
+            if fixed_sigma else ""
+        )
+        raise PrivacyConfigError(
+            f"node {self.global_rank}: this resumed run plans {engine.planned_steps} steps in all, but the checkpoint's "
+            f"plan was calibrated for fewer: {engine.steps} steps have spent epsilon = {spent:.4g} of "
+            f"target_epsilon = {target}, and the {engine.planned_steps - engine.steps} remaining steps would need "
+            f"sigma = {new_sigma:.4g} instead of {old_sigma:.4g} ({new_sigma / old_sigma:.1f}x the noise), which "
+            "would likely destroy the model. Choose knowingly: raise target_epsilon (a larger total budget); "
+            f"{keep}resume_noise='recalibrate' accepts sigma = {new_sigma:.4g}; or start a new run "
+            "(new data, a fresh budget)"
+        )
 
     def on_train_start(self) -> None:
         super().on_train_start()
