@@ -75,9 +75,17 @@ def _loader() -> DataLoader:
     return DataLoader(TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()), batch_size=16)
 
 
+#: what each strategy's end-of-fit privacy summary names
+SUMMARY = {
+    "dp_csgp": "Gaussian noise sigma", "privsgp": "Gaussian noise sigma", "dp2sgd": "Gaussian noise sigma",
+    "privsgp_vr": "Gaussian noise sigma", "decor": "pairwise-cancelling sigma_cor", "dyn_d2p": "Dyn-D2P schedule",
+    "cpgt": "pure epsilon-DP (delta = 0): Laplace noise",
+}
+
+
 @pytest.mark.parametrize("mode", GRAD_SAMPLE_MODES)
 @pytest.mark.parametrize("name", sorted(ARGUMENTS))
-def test_every_private_strategy_trains_with_every_mode_it_accepts(name: str, mode: str, tmp_path) -> None:
+def test_every_private_strategy_trains_with_every_mode_it_accepts(name: str, mode: str, tmp_path, caplog) -> None:
     assert set(ARGUMENTS) == set(PRIVATE_STRATEGIES)  # a new strategy joins this matrix
     build = lambda: PRIVATE_STRATEGIES[name](grad_sample_mode=mode, noise_seed=0, **ARGUMENTS[name])  # noqa: E731
     if (name, mode) in REFUSED:
@@ -89,8 +97,13 @@ def test_every_private_strategy_trains_with_every_mode_it_accepts(name: str, mod
         accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], default_root_dir=tmp_path,
     )
-    trainer.fit(model, _loader())
+    with caplog.at_level("INFO"):
+        trainer.fit(model, _loader())
     assert trainer.global_step == 2 and strategy.privacy.steps == 2
+    # every fit ends with each node's epsilon and the noise that bought it, without any callback
+    summary = next(r.getMessage() for r in caplog.records if "final privacy per node" in r.getMessage())
+    assert SUMMARY[name] in summary and f"node 0: epsilon = {strategy.privacy.epsilon():.4f} after 2" in summary
+    assert not any("stopping after step" in r.getMessage() for r in caplog.records)  # it ended as planned
     assert probe.used == {mode}  # the mode asked for is the mode that ran
     assert all(math.isfinite(loss) for loss in model.losses)
     assert all(torch.isfinite(p).all() for p in model.parameters())

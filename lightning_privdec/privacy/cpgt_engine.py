@@ -188,6 +188,13 @@ class CPGTPrivacyEngine(NodePrivacyEngine):
     def delta(self) -> float:
         return 0.0  # pure epsilon-DP
 
+    def noise_summary(self) -> str:
+        replayed = f", {sum(b - a for a, b in self._replayed)} replayed rounds charged" if self._replayed else ""
+        return (
+            f"pure epsilon-DP (delta = 0): Laplace noise d_x = {self.noise_x or 0.0:.4g}, d_y = {self.noise_y or 0.0:.4g} "
+            f"decaying by q = {self.noise_decay} per round, {self.accounting} accounting{replayed}"
+        )
+
     @property
     def steps(self) -> int:
         """Rounds released in all: the current trajectory's and every replayed one."""

@@ -77,6 +77,12 @@ class DecorPrivacyEngine(NodePrivacyEngine):
     def level(self) -> str:
         return "example" if self.clipping == "per_sample" else "user"
 
+    def noise_summary(self) -> str:
+        return (
+            f"Decor ({self.level} level, adversary {self.adversary!r}): independent noise sigma_cdp = "
+            f"{self.sigma_cdp or 0.0:.4g}, pairwise-cancelling sigma_cor = {self.sigma_cor or 0.0:.4g}, SecLDP accountant"
+        )
+
     def attach(self, module: nn.Module, fix_model: bool = False) -> None:
         if self.clipping == "per_sample":
             super().attach(module, fix_model)

@@ -93,6 +93,17 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
         self.plan_paper_epsilon: float | None = None
         self._plan_key: tuple[Any, ...] | None = None
 
+    def noise_summary(self) -> str:
+        if self.schedule is None:
+            return "Dyn-D2P schedule not planned"
+        s, last = self.schedule, max(0, self.schedule.steps - 1)
+        return (
+            f"Dyn-D2P schedule ({self.variant}, {s.steps} steps): clip C {s.clip(0):.4g} -> {s.clip(last):.4g}, "
+            f"noise multiplier {s.noise_multiplier(0):.4g} -> {s.noise_multiplier(last):.4g}, Poisson q = "
+            f"{self.sample_rate or 0.0:.4g}, {self.ledger.accountant} accountant (the paper's CLT value: "
+            f"{self.paper_epsilon():.4g})"
+        )
+
     # ---- planning ------------------------------------------------------------------------------------------------
     def _schedule_key(self, planned_steps: int) -> tuple[Any, ...]:
         p = self.parameters

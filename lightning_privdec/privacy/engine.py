@@ -238,6 +238,13 @@ class NodePrivacyEngine:
         """Epsilon this node's data has spent so far (at :attr:`delta`), from the accountant."""
         return self.ledger.epsilon()
 
+    def noise_summary(self) -> str:
+        """The noise this node adds and how it is accounted, in one line (printed at the end of every fit)."""
+        return (
+            f"Gaussian noise sigma = {self.noise_multiplier or 0.0:.4g} x C (C = {self.parameters.max_grad_norm:g}), "
+            f"Poisson q = {self.sample_rate or 0.0:.4g}, {self.ledger.accountant} accountant"
+        )
+
     def next_step_exceeds_budget(self) -> bool:
         """Whether one more step would take this node past ``target_epsilon`` (False without a target).
 

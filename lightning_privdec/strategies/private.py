@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -303,19 +304,46 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         return output
 
     def _check_budget_after_step(self) -> None:
-        """All nodes decide together (one-bit all-reduce) whether one more step would exceed the target."""
+        """All nodes decide together (one-bit all-reduce) whether one more step would exceed the target. A run whose
+        plan ends with this step ends as planned (no budget stop is announced)."""
         assert self.privacy is not None
         if self.privacy_parameters.target_epsilon is None:
             return
         if not self.reduce_boolean_decision(self.privacy.next_step_exceeds_budget(), all=False):
             return
         trainer = self.lightning_module.trainer
+        if self._plan_ends_with_this_step(trainer):
+            return
         trainer.should_stop = True
         self.budget_stopped_at_step = trainer.global_step + 1
         rank_zero_info(
             f"{type(self).__name__}: stopping after step {self.budget_stopped_at_step}: one more step would take a "
             f"node past target_epsilon={self.privacy_parameters.target_epsilon} (delta={self.privacy.delta})"
         )
+
+    @staticmethod
+    def _plan_ends_with_this_step(trainer: pl.Trainer) -> bool:
+        """Whether the Trainer stops after the step now being taken anyway (max_steps, or the last batch of the last
+        epoch), identically on every node."""
+        completed = trainer.global_step + 1
+        if trainer.max_steps is not None and 0 <= trainer.max_steps <= completed:
+            return True
+        last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
+        return last_epoch and bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+    def on_train_end(self) -> None:
+        """Print every node's final epsilon and noise, with or without PrivacyBudgetCallback (one line per node)."""
+        super().on_train_end()
+        if self.privacy is None:
+            return
+        local = torch.tensor([self.privacy.epsilon(), float(self.privacy.steps)], dtype=torch.float64,
+                             device=self.root_device)
+        gathered = self.all_gather(local).reshape(-1, 2).tolist()
+        summary = self.privacy.noise_summary()  # the configuration is the same on every node (checked at setup)
+        lines = [f"{type(self).__name__}: final privacy per node (delta = {self.privacy.delta:g}); {summary}"]
+        lines += [f"  node {rank}: epsilon = {eps:.4f} after {int(steps)} private steps"
+                  for rank, (eps, steps) in enumerate(gathered)]
+        rank_zero_info("\n".join(lines))
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self.privacy is None or self.privacy.ghost is None:
