@@ -314,32 +314,61 @@ def test_checkpoints_of_private_runs_hold_no_per_sample_gradients(strategy, tmp_
 
 
 # ============================================================================ resuming with a changed plan
-def _resume_with_a_longer_plan(tmp_path: Path, **strategy_kwargs: object) -> tuple[pl.Trainer, DPCSGPStrategy]:
-    """DP-CSGP at epsilon 3 planned for 2 epochs and checkpointed at its end, then resumed with max_epochs=4."""
-    budget = dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, noise_seed=0)
-    first = trainer(tmp_path, DPCSGPStrategy(**budget), checkpoints=True, max_steps=-1, max_epochs=2)
-    first.fit(Classifier(), data())
+BUDGET = dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, noise_seed=0)
+
+
+@pytest.fixture(scope="module")
+def end_of_a_two_epoch_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    """DP-CSGP at epsilon 3 planned for 2 epochs, checkpointed at its end: (the checkpoint, its sigma)."""
+    tmp_path = tmp_path_factory.mktemp("two_epochs")
+    strategy = DPCSGPStrategy(**BUDGET)
+    trainer(tmp_path, strategy, checkpoints=True, max_steps=-1, max_epochs=2).fit(Classifier(), data())
     checkpoint = sorted((tmp_path / "ckpt").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)[-1]
-    strategy = DPCSGPStrategy(**budget, **strategy_kwargs)
-    resumed = trainer(tmp_path / "resumed", strategy, checkpoints=False, max_steps=-1, max_epochs=4)
+    return checkpoint, strategy.privacy.noise_multiplier
+
+
+def _resume_with_max_epochs_4(tmp_path: Path, checkpoint: Path, **kwargs: object) -> tuple[pl.Trainer, DPCSGPStrategy]:
+    strategy = DPCSGPStrategy(**BUDGET, **kwargs)
+    resumed = trainer(tmp_path, strategy, checkpoints=False, max_steps=-1, max_epochs=4)
     resumed.fit(Classifier(), data(), ckpt_path=checkpoint)
     return resumed, strategy
 
 
-def test_a_resume_that_would_drown_the_model_in_noise_is_refused_with_the_choices(tmp_path: Path) -> None:
+def test_a_resume_that_would_drown_the_model_in_noise_is_refused_with_the_choices(end_of_a_two_epoch_plan, tmp_path) -> None:
+    checkpoint, old_sigma = end_of_a_two_epoch_plan
     with pytest.raises(PrivacyConfigError) as refused:
-        _resume_with_a_longer_plan(tmp_path)
+        _resume_with_max_epochs_4(tmp_path, checkpoint)
     message = str(refused.value)
     assert "32 steps have spent epsilon = 2.9" in message and "of target_epsilon = 3.0" in message
     assert "instead of" in message and "raise target_epsilon" in message and "start a new run" in message
     assert "resume_noise='keep'" in message and "resume_noise='recalibrate'" in message
     new, old = (float(x) for x in re.search(r"need sigma = ([\d.e+]+) instead of ([\d.e+]+)", message).groups())
-    assert new > 2 * old
+    assert old == pytest.approx(old_sigma, rel=1e-3) and new > 2 * old
 
 
-def test_a_resume_may_keep_its_noise_and_stop_at_the_budget_or_recalibrate_knowingly(tmp_path: Path) -> None:
-    kept, strategy = _resume_with_a_longer_plan(tmp_path / "keep", resume_noise="keep")
-    assert strategy.privacy.epsilon() <= 3.0 and kept.global_step < 4 * 16  # stopped when the budget was spent
-    old_sigma = strategy.privacy.noise_multiplier
-    _, strategy = _resume_with_a_longer_plan(tmp_path / "again", resume_noise="recalibrate")
+def test_a_resume_may_keep_its_noise_and_stop_at_the_budget_or_recalibrate_knowingly(end_of_a_two_epoch_plan,
+                                                                                     tmp_path) -> None:
+    checkpoint, old_sigma = end_of_a_two_epoch_plan
+    kept, strategy = _resume_with_max_epochs_4(tmp_path / "keep", checkpoint, resume_noise="keep")
+    assert strategy.privacy.noise_multiplier == old_sigma and strategy.privacy.epsilon() <= 3.0
+    assert kept.global_step < 4 * 16  # stopped when the budget was spent
+    _, strategy = _resume_with_max_epochs_4(tmp_path / "again", checkpoint, resume_noise="recalibrate")
     assert strategy.privacy.noise_multiplier > 2 * old_sigma and strategy.privacy.epsilon() <= 3.0
+
+
+def test_the_write_ahead_ledger_lives_with_the_checkpoints_or_logs_never_in_the_working_directory(tmp_path: Path) -> None:
+    budget = dict(max_grad_norm=1.0, noise_multiplier=1.0)
+    bare = pl.Trainer(accelerator="cpu", devices=1, strategy=DPCSGPStrategy(**budget), max_steps=6, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path / "bare")
+    bare.fit(Classifier(), data())
+    assert not list((tmp_path / "bare").rglob("node_*.pt"))  # nothing can resume it: no file
+    bare.save_checkpoint(tmp_path / "bare" / "by_hand.ckpt")  # now a resume is possible: later steps are written
+    assert bare.strategy._write_ahead_ledger().directory == (tmp_path / "bare" / "privacy_ledger").absolute()
+    logged = trainer(tmp_path / "logged", DPCSGPStrategy(**budget), checkpoints=False)
+    logged.fit(Classifier(), data())
+    assert [p.parent.parent for p in (tmp_path / "logged").rglob("node_0.pt")] == [Path(logged.log_dir) / "privacy_ledger"]
+    checkpointed = trainer(tmp_path / "ckpt", DPCSGPStrategy(**budget))
+    checkpointed.fit(Classifier(), data())
+    assert [p.parent.parent for p in tmp_path.joinpath("ckpt").rglob("node_0.pt")] == [
+        tmp_path / "ckpt" / "ckpt" / "privacy_ledger"
+    ]

@@ -53,9 +53,10 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         ledger_dir: the write-ahead privacy ledger (:mod:`lightning_privdec.privacy.write_ahead`): before a step's
             message leaves a node, the node's accounting state is written to ``<ledger_dir>/<run id>/node_<rank>.pt``,
             so that a run resumed after a crash still counts the steps released after its checkpoint. ``True``
-            (default): next to the checkpoints (``<ModelCheckpoint.dirpath>/privacy_ledger``, or
-            ``<default_root_dir>/privacy_ledger`` without a checkpoint callback); a resumed run uses the directory
-            its checkpoint names. A path: there. ``False``/``None``: off (unsafe for resumes: steps released after
+            (default): next to the checkpoints (``<ModelCheckpoint.dirpath>/privacy_ledger``), else in the logger's
+            directory (``<trainer.log_dir>/privacy_ledger``); a run with neither writes nothing until a checkpoint of
+            it is saved by hand (then ``<default_root_dir>/privacy_ledger``). A resumed run uses the directory its
+            checkpoint names. A path: there. ``False``/``None``: off (unsafe for resumes: steps released after
             the last checkpoint are then not counted). Runs with a fixed ``noise_seed`` write none (a replayed step
             redraws the checkpointed noise and batch).
         resume_noise: what a run resumed with a longer (or otherwise changed) plan does when the budget left needs
@@ -122,6 +123,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         self.ledger_dir = ledger_dir
         self.write_ahead: WriteAheadLedger | None = None
         self._ledger_run: str | None = None
+        self._checkpoint_saved = False
 
     def configure_ddp(self) -> None:
         # Fix and hook the model before its parameters are broadcast, flattened and handed to the optimizer. The engine
@@ -360,6 +362,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
     def node_state_dict(self) -> dict[str, Any]:
         state = super().node_state_dict()
         assert self.privacy is not None
+        self._checkpoint_saved = True  # from now on a resume is possible: every later step is written ahead
         state["privacy"] = self.privacy.state_dict()
         ledger = self._write_ahead_ledger()
         if ledger is not None:  # the resumed run reads (and continues) this node's file of this run
@@ -385,11 +388,24 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         if self.write_ahead is None and self._writes_ahead() and self._ledger_run is not None:
             directory = self.ledger_dir
             if directory is True:
-                trainer = self.lightning_module.trainer
-                dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
-                directory = Path(dirpath or trainer.default_root_dir) / "privacy_ledger"
+                directory = self._default_ledger_directory()
+                if directory is None:
+                    return None
             self.write_ahead = WriteAheadLedger(directory, self._ledger_run, self.global_rank)  # type: ignore[arg-type]
         return self.write_ahead
+
+    def _default_ledger_directory(self) -> Path | None:
+        """``privacy_ledger`` next to the checkpoints, else in the logger's directory; a run with neither writes no
+        file until a checkpoint of it is saved (only a checkpoint can resume it, and it holds every earlier step)."""
+        trainer = self.lightning_module.trainer
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        if dirpath:
+            return Path(dirpath) / "privacy_ledger"
+        if trainer.loggers and trainer.log_dir:
+            return Path(trainer.log_dir) / "privacy_ledger"
+        if self._checkpoint_saved:
+            return Path(trainer.default_root_dir) / "privacy_ledger"
+        return None
 
     def write_ahead_step(self) -> None:
         """Write this node's accounting state to its write-ahead ledger; runs after the private step is recorded
