@@ -184,8 +184,9 @@ SETUP_ERRORS = {
     "BatchNorm": (private, {"batch_norm": True}, {}, data, PrivacyConfigError, "net.1.*BatchNorm1d"),
     "manual optimization": (private, {"manual": True}, {}, data, PrivacyConfigError,
                             "automatic optimization only.*Remove `self.automatic_optimization = False`"),
-    "gradient accumulation": (private, {}, {"accumulate_grad_batches": 2}, data, PrivacyConfigError,
-                              "accumulate_grad_batches=2 .* Use a larger batch_size"),
+    "gradient accumulation in PrivSGP-VR": (
+        lambda: PrivSGPVRStrategy(max_grad_norm=1.0, noise_multiplier=1.0, noise_seed=0), {},
+        {"accumulate_grad_batches": 2}, data, PrivacyConfigError, "needs the whole Poisson batch at once"),
     "no planned end": (private, {}, {"max_steps": -1, "max_epochs": -1}, data, PrivacyConfigError,
                        "set max_steps or max_epochs"),
     "sync_batchnorm": (lambda: DecentralizedPushSumStrategy(), {"batch_norm": True}, {"sync_batchnorm": True},

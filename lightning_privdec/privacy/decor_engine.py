@@ -74,6 +74,15 @@ class DecorPrivacyEngine(NodePrivacyEngine):
         self._steps = 0
 
     @property
+    def supports_micro_batches(self) -> bool:  # type: ignore[override]
+        return self.clipping == "per_sample"
+
+    micro_batch_refusal = (
+        "Decor with clipping='user' clips the whole batch gradient of a user at once: accumulate_grad_batches must "
+        "be 1 (use clipping='per_sample' to accumulate micro-batches of one logical Poisson batch)"
+    )
+
+    @property
     def level(self) -> str:
         return "example" if self.clipping == "per_sample" else "user"
 

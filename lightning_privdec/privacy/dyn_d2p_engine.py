@@ -166,6 +166,10 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
         """sigma_k = C_k / mu_k of the next step, the std of the noise on the clipped sum (line 8)."""
         return self._require_schedule().sigma(self.steps)
 
+    @property
+    def step_max_grad_norm(self) -> float:
+        return self.current_clip
+
     def ghost_backward(self, per_sample_losses: torch.Tensor) -> None:
         """Ghost clipping at this step's bound: the clip-weighted second backward pass uses C_k."""
         assert self.ghost is not None

@@ -123,6 +123,12 @@ class SagaPrivacyEngine(NodePrivacyEngine):
         rank, device, grad_sample_mode, noise_seed: as for :class:`NodePrivacyEngine`.
     """
 
+    supports_micro_batches = False
+    micro_batch_refusal = (
+        "PrivSGP-VR stores every sampled example's clipped gradient in its table and needs the whole Poisson batch "
+        "at once: use accumulate_grad_batches=1 (a smaller batch_size, or a smaller model for the table)"
+    )
+
     def __init__(
         self,
         parameters: PrivacyParameters,
@@ -179,11 +185,16 @@ class SagaPrivacyEngine(NodePrivacyEngine):
             )
 
     def private_dataloader(
-        self, dataloader: DataLoader, planned_steps: int, world_size: int = 1, node_local_data: bool = False
+        self,
+        dataloader: DataLoader,
+        planned_steps: int,
+        world_size: int = 1,
+        node_local_data: bool = False,
+        micro_batches: int = 1,
     ) -> DataLoader:
         """The Poisson loader of the shard, the memory check and table, and the FIFO of sampled example ids."""
         dim = sum(p.numel() for p in self._parameters())
-        private = super().private_dataloader(dataloader, planned_steps, world_size, node_local_data)
+        private = super().private_dataloader(dataloader, planned_steps, world_size, node_local_data, micro_batches)
         shard_size = len(private.dataset)  # type: ignore[arg-type]
         self.check_table_memory(shard_size, dim)
         device = self._parameters()[0].device

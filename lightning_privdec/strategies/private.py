@@ -167,11 +167,6 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 "precision='16-mixed' scales the loss, so per-sample gradients would be clipped before unscaling "
                 "(an effective bound of C / scale). Use precision='32-true' or 'bf16-mixed' with private strategies."
             )
-        if trainer.accumulate_grad_batches != 1:
-            raise PrivacyConfigError(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} would merge several Poisson batches into "
-                "one noisy step, which the accountant does not model. Use a larger batch_size instead."
-            )
 
     # ---- data: Poisson sampling of this node's shard ---------------------------------------------------------------
     def process_dataloader(self, dataloader: object) -> object:
@@ -187,8 +182,10 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         problem: Exception | None = None
         try:
             resumed_sigma = self.privacy.noise_multiplier if self.privacy.steps > 0 else None
+            k = trainer.accumulate_grad_batches  # one Poisson batch of k x batch_size per step, as k micro-batches
             private = self.privacy.private_dataloader(
-                dataloader, self._planned_steps(trainer, len(dataloader)), self.world_size, self.node_local_data
+                dataloader, self._planned_steps(trainer, len(dataloader) // k), self.world_size, self.node_local_data,
+                micro_batches=k,
             )
             if resumed_sigma:
                 self._check_resumed_noise(resumed_sigma)
@@ -348,9 +345,18 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         rank_zero_info("\n".join(lines))
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self.privacy is None or self.privacy.ghost is None:
+        """Per-sample backward; with ``accumulate_grad_batches = k`` each of the k micro-batches of a logical Poisson
+        batch is clipped here and kept (Lightning divides the loss by k: it is undone, so every example is clipped
+        at its own gradient), and the step adds one noise draw to the sum (``optimizer_step``)."""
+        if self.privacy is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        self.privacy.ghost_backward(closure_loss)  # two passes: per-sample norms, then the clipped sum
+        k = self.lightning_module.trainer.accumulate_grad_batches
+        if self.privacy.ghost is not None:
+            self.privacy.ghost_backward(closure_loss * k)  # two passes: per-sample norms, then the clipped sum
+        else:
+            super().backward(closure_loss * k, optimizer, *args, **kwargs)
+        if k > 1:
+            self.privacy.accumulate_micro_batch()
         return closure_loss
 
     def transform_gradients(self) -> None:
