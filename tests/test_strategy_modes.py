@@ -110,6 +110,41 @@ def test_every_private_strategy_trains_with_every_mode_it_accepts(name: str, mod
     assert strategy.privacy.epsilon() > 0
 
 
+class GradientDtypes(pl.Callback):
+    """The dtypes of the privatized gradient (clipped sum + noise) each step, as the optimizer sees it."""
+
+    def __init__(self) -> None:
+        self.dtypes: set[torch.dtype] = set()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        self.dtypes |= {p.grad.dtype for p in pl_module.parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", sorted(ARGUMENTS))
+def test_bf16_mixed_trains_every_private_strategy_with_float32_clipping_and_noise(name: str, tmp_path) -> None:
+    strategy, dtypes = PRIVATE_STRATEGIES[name](noise_seed=0, **ARGUMENTS[name]), GradientDtypes()
+    model = PerSampleLossClassifier(ghost=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[dtypes], precision="bf16-mixed",
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, _loader())
+    assert trainer.global_step == 2 and dtypes.dtypes == {torch.float32}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert all(torch.isfinite(p).all() for p in model.parameters()) and strategy.privacy.epsilon() > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_half_precision_parameters_are_refused_with_the_reason(precision: str, tmp_path) -> None:
+    for name, cls in PRIVATE_STRATEGIES.items():
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=cls(noise_seed=0, **ARGUMENTS[name]), max_steps=1,
+                             logger=False, enable_checkpointing=False, precision=precision, default_root_dir=tmp_path)
+        with pytest.raises(PrivacyConfigError, match="significant bits.*Use precision='bf16-mixed'"):
+            trainer.fit(PerSampleLossClassifier(ghost=False), _loader())
+        assert trainer.global_step == 0
+
+
 def test_an_unknown_mode_is_refused_when_the_strategy_is_built() -> None:
     for name, cls in PRIVATE_STRATEGIES.items():
         with pytest.raises(PrivacyConfigError, match="grad_sample_mode.*'bookkeeping'"):

@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.precision import HalfPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -161,6 +162,15 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 f"{type(self).__name__} supports automatic optimization only: with manual optimization the "
                 "strategy cannot tell which backward passes make one private step. Remove "
                 "`self.automatic_optimization = False`."
+            )
+        if isinstance(self.precision_plugin, HalfPrecision):
+            raise PrivacyConfigError(
+                f"precision={trainer.precision!r} keeps parameters, gradients and noise in "
+                f"{self.precision_plugin._desired_input_dtype}: the clipped sum and the Gaussian noise would be "
+                "rounded to 8 (bfloat16) or 11 (float16) significant bits and added in that precision, which is not "
+                "the Gaussian mechanism the accountant prices (low-precision noise is open to floating-point attacks, "
+                "Mironov 2012). Use precision='bf16-mixed' (float32 parameters; clipping and noise in float32) or "
+                "'32-true'."
             )
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise PrivacyConfigError(
