@@ -31,7 +31,7 @@ from lightning_privdec.strategies.checks import (
     NodeMismatchError,
     NonFiniteStepError,
     check_same_configuration,
-    check_training_batches,
+    common_steps_per_epoch,
     describe,
     nonfinite_parameters,
 )
@@ -155,14 +155,15 @@ def test_decor_key_files_may_live_in_a_different_directory_on_each_node() -> Non
         check_same_configuration([a, c], rank=0)
 
 
-def test_nodes_must_have_data_and_the_same_number_of_batches() -> None:
-    check_training_batches([5, 5, 5], rank=0)
-    check_training_batches([5, None], rank=0)  # a loader without a length is not compared
+def test_nodes_must_have_data_and_take_a_common_number_of_steps() -> None:
+    assert common_steps_per_epoch([5, 5, 5], rank=0, max_steps=-1) == (5, None)
     with pytest.raises(NodeMismatchError, match=r"node 1: the training data of rank 2 is empty .*Give every node"):
-        check_training_batches([5, 5, 0, 5], rank=1)
-    with pytest.raises(NodeMismatchError, match=r"different numbers of training batches per epoch \(rank 0: 5, "
-                                                r"rank 1: 6\).*wait forever"):
-        check_training_batches([5, 6], rank=0)
+        common_steps_per_epoch([5, 5, 0, 5], rank=1, max_steps=-1)
+    steps, note = common_steps_per_epoch([5, 60], rank=1, max_steps=-1)  # unequal shards: node 0's epoch
+    assert steps == 5 and "rank 0: 5, rank 1: 60" in note and "node 0's 5 steps" in note
+    with pytest.raises(NodeMismatchError, match=r"rank 1 has no length .*Set Trainer\(max_steps=...\)"):
+        common_steps_per_epoch([5, None], rank=0, max_steps=-1)  # an IterableDataset
+    assert common_steps_per_epoch([None, None], rank=0, max_steps=40)[0] == 40
 
 
 # ============================================================================ bad input: refused before the first step
@@ -373,3 +374,14 @@ def test_the_write_ahead_ledger_lives_with_the_checkpoints_or_logs_never_in_the_
     assert [p.parent.parent for p in tmp_path.joinpath("ckpt").rglob("node_0.pt")] == [
         tmp_path / "ckpt" / "ckpt" / "privacy_ledger"
     ]
+
+
+def test_a_private_strategy_refuses_a_stream_and_says_why_and_how(tmp_path: Path) -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # noqa: ANN204
+            return iter(TensorDataset(torch.randn(32, 8), torch.zeros(32, dtype=torch.long)))
+
+    run = trainer(tmp_path, private(), checkpoints=False)
+    with pytest.raises(PrivacyConfigError, match="IterableDataset: Poisson sampling.*needs a finite shard.*map-style"):
+        run.fit(Classifier(), DataLoader(Stream(), batch_size=8))
+    assert run.global_step == 0

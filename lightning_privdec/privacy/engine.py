@@ -113,11 +113,13 @@ class NodePrivacyEngine:
         world_size: int = 1,
         node_local_data: bool = False,
         micro_batches: int = 1,
+        steps_per_epoch: int | None = None,
     ) -> DataLoader:
         """Replace the node's training loader by Poisson sampling of its shard, and fix sigma for the plan.
 
-        The batches per epoch stay those of the user's loader (identical on every node, so all nodes gossip the same
-        number of rounds); q = B / J uses this node's own shard size J. With ``micro_batches = k > 1`` (Lightning's
+        The batches per epoch are ``steps_per_epoch`` (common to all nodes, so all gossip the same number of rounds;
+        default: those of the user's loader); q = B / J uses this node's own shard size J, so nodes holding more
+        data sample at a lower rate and spend less epsilon. With ``micro_batches = k > 1`` (Lightning's
         ``accumulate_grad_batches``) each step is ONE Poisson batch of expected size k B (q = k B / J), handed to
         Lightning as k micro-batches: one noise draw, one ledger entry and one gossip round per logical step.
         """
@@ -153,7 +155,7 @@ class NodePrivacyEngine:
         self.sample_rate = batch_size / shard_size
         private = poisson_dataloader(
             dataloader, shard, self.sample_rate, generator=self.sampling_generator,
-            steps_per_epoch=max(1, len(dataloader) // micro_batches), micro_batches=micro_batches,
+            steps_per_epoch=max(1, (steps_per_epoch or len(dataloader)) // micro_batches), micro_batches=micro_batches,
         )
         self.expected_batch_size = self.sample_rate * shard_size
         self._plan_noise(planned_steps)

@@ -191,10 +191,13 @@ class SagaPrivacyEngine(NodePrivacyEngine):
         world_size: int = 1,
         node_local_data: bool = False,
         micro_batches: int = 1,
+        steps_per_epoch: int | None = None,
     ) -> DataLoader:
         """The Poisson loader of the shard, the memory check and table, and the FIFO of sampled example ids."""
         dim = sum(p.numel() for p in self._parameters())
-        private = super().private_dataloader(dataloader, planned_steps, world_size, node_local_data, micro_batches)
+        private = super().private_dataloader(
+            dataloader, planned_steps, world_size, node_local_data, micro_batches, steps_per_epoch
+        )
         shard_size = len(private.dataset)  # type: ignore[arg-type]
         self.check_table_memory(shard_size, dim)
         device = self._parameters()[0].device

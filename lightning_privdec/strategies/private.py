@@ -18,7 +18,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_privdec.privacy import NodePrivacyEngine, PrivacyConfigError, PrivacyParameters
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES
@@ -183,19 +183,27 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training or self.privacy is None:
             return dataloader
-        super().process_dataloader(dataloader)  # every node has data, and the same number of batches
         if not isinstance(dataloader, DataLoader):
             raise PrivacyConfigError(
                 f"private strategies need a torch DataLoader for training (got {type(dataloader).__name__}) to "
                 "Poisson-sample each node's shard"
             )
+        if isinstance(dataloader.dataset, IterableDataset):
+            raise PrivacyConfigError(
+                "private strategies cannot train on an IterableDataset: Poisson sampling, which the accountant's "
+                "amplification by subsampling assumes, needs a finite shard whose examples can be drawn by index. "
+                "Use a map-style Dataset (with __len__ and __getitem__; e.g. TensorDataset, or list(...) of a stream "
+                "that fits in memory), or a non-private strategy for streaming data"
+            )
+        super().process_dataloader(dataloader)  # every node has data; the steps per epoch common to all nodes
         problem: Exception | None = None
         try:
             resumed_sigma = self.privacy.noise_multiplier if self.privacy.steps > 0 else None
             k = trainer.accumulate_grad_batches  # one Poisson batch of k x batch_size per step, as k micro-batches
+            assert self.steps_per_epoch is not None
             private = self.privacy.private_dataloader(
-                dataloader, self._planned_steps(trainer, len(dataloader) // k), self.world_size, self.node_local_data,
-                micro_batches=k,
+                dataloader, self._planned_steps(trainer, self.steps_per_epoch // k), self.world_size,
+                self.node_local_data, micro_batches=k, steps_per_epoch=self.steps_per_epoch,
             )
             if resumed_sigma:
                 self._check_resumed_noise(resumed_sigma)
