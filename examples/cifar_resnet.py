@@ -40,6 +40,7 @@ from lightning_privdec.callbacks import (
 )
 from lightning_privdec.data import DirichletPartitionSampler
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, STRATEGIES
+from lightning_privdec.strategies.checks import gather_tensors
 
 #: the papers' CIFAR-10 / ResNet-18 settings where they state them; the rest are this example's choices
 PAPER_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -284,11 +285,11 @@ def main(argv: list[str] | None = None) -> None:
         limit_val_batches=0 if args.synthetic else 1.0,
     )
     trainer.fit(model, datamodule=CifarData(args))
-    speed = trainer.strategy.all_gather(torch.tensor([throughput.samples_per_second()])).reshape(-1)
+    speed = gather_tensors(torch.tensor([throughput.samples_per_second()])).reshape(-1)
     epsilons = None
     if private:
         local = torch.tensor([trainer.strategy.privacy.epsilon()], dtype=torch.float64)
-        epsilons = trainer.strategy.all_gather(local).reshape(-1).tolist()
+        epsilons = gather_tensors(local).reshape(-1).tolist()
     if not trainer.is_global_zero:
         return
     result = {

@@ -23,8 +23,9 @@ import lightning as L
 import torch
 
 from lightning_privdec import PrivacyBudgetCallback
-from lightning_privdec.strategies import NON_PRIVATE_STRATEGIES, PRIVATE_STRATEGIES
 from lightning_privdec.data.digits import DigitsClassifier, DigitsDataModule, accuracy
+from lightning_privdec.strategies import NON_PRIVATE_STRATEGIES, PRIVATE_STRATEGIES
+from lightning_privdec.strategies.checks import gather_tensors
 
 DEFAULT_TOPOLOGY = {
     "dp2sgd": "ring", "dpsgd": "ring", "decor": "ring", "dyn_d2p": "exponential-one-peer", "cpgt": "ring",
@@ -100,20 +101,20 @@ def main() -> None:
 
     # Evaluation only: every node scores its own model; the network average is formed for reporting, never trained.
     test_x, test_y = data.tensors["test"]
-    node_acc = trainer.strategy.all_gather(torch.tensor([accuracy(model, test_x, test_y)])).reshape(-1).tolist()
+    node_acc = gather_tensors(torch.tensor([accuracy(model, test_x, test_y)])).reshape(-1).tolist()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     average = copy.deepcopy(model)
-    torch.nn.utils.vector_to_parameters(trainer.strategy.all_gather(params).mean(0), average.parameters())
+    torch.nn.utils.vector_to_parameters(gather_tensors(params).mean(0), average.parameters())
     traffic = trainer.strategy.gossip.exchange.traffic
-    sent = trainer.strategy.all_gather(torch.tensor([traffic.bytes_sent], dtype=torch.float64)).reshape(-1).tolist()
+    sent = gather_tensors(torch.tensor([traffic.bytes_sent], dtype=torch.float64)).reshape(-1).tolist()
     epsilons = None
     if private:
         engine = trainer.strategy.privacy
-        epsilons = trainer.strategy.all_gather(torch.tensor([engine.epsilon()], dtype=torch.float64)).reshape(-1).tolist()
+        epsilons = gather_tensors(torch.tensor([engine.epsilon()], dtype=torch.float64)).reshape(-1).tolist()
     paper_epsilons = None  # Dyn-D2P also offers the paper's CLT value (an approximation, not the epsilon spent)
     if private and callable(getattr(trainer.strategy.privacy, "paper_epsilon", None)):
         paper = torch.tensor([trainer.strategy.privacy.paper_epsilon()], dtype=torch.float64)
-        paper_epsilons = trainer.strategy.all_gather(paper).reshape(-1).tolist()
+        paper_epsilons = gather_tensors(paper).reshape(-1).tolist()
     if not trainer.is_global_zero:
         return
     result = {

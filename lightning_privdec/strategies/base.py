@@ -16,6 +16,7 @@ checkpointing; training itself only talks to graph neighbours.
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
@@ -48,6 +49,12 @@ from lightning_privdec.strategies.checks import (
 )
 from lightning_privdec.strategies.flat_parameters import FlatParameters
 from lightning_privdec.topology import Topology, TopologyError, build_topology
+
+# Lightning's CombinedLoader (every fit) calls a torch pytree API that this torch deprecates: nothing a user of these
+# strategies can act on, so it is not shown.
+warnings.filterwarnings(
+    "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", module=r"lightning\.pytorch\.utilities"
+)
 
 CHECKPOINT_KEY = "lightning_privdec"
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 __all__ = [
     "NodeMismatchError",
     "common_steps_per_epoch",
+    "gather_tensors",
     "NonFiniteStepError",
     "check_same_configuration",
     "describe",
@@ -67,6 +68,16 @@ def gather_from_nodes(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def gather_tensors(value: torch.Tensor) -> torch.Tensor:
+    """Every node's (small) tensor stacked by rank, shape ``(world_size, *value.shape)``: one ``dist.all_gather``
+    (Lightning's ``strategy.all_gather`` goes through a deprecated autograd collective); ``value[None]`` alone."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value.unsqueeze(0)
+    gathered = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, value.contiguous())
+    return torch.stack(gathered)
 
 
 def _ranks(ranks: Sequence[int]) -> str:

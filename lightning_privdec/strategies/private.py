@@ -24,7 +24,7 @@ from lightning_privdec.privacy import NodePrivacyEngine, PrivacyConfigError, Pri
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES
 from lightning_privdec.privacy.write_ahead import WriteAheadLedger, new_run_id
 from lightning_privdec.strategies.base import DecentralizedStrategy
-from lightning_privdec.strategies.checks import gather_from_nodes
+from lightning_privdec.strategies.checks import gather_from_nodes, gather_tensors
 
 #: the choices of ``resume_noise=`` (see :class:`PrivateDecentralizedStrategy`)
 RESUME_NOISE = ("auto", "recalibrate", "keep")
@@ -355,7 +355,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             return
         local = torch.tensor([self.privacy.epsilon(), float(self.privacy.steps)], dtype=torch.float64,
                              device=self.root_device)
-        gathered = self.all_gather(local).reshape(-1, 2).tolist()
+        gathered = gather_tensors(local).tolist()
         summary = self.privacy.noise_summary()  # the configuration is the same on every node (checked at setup)
         lines = [f"{type(self).__name__}: final privacy per node (delta = {self.privacy.delta:g}); {summary}"]
         lines += [f"  node {rank}: epsilon = {eps:.4f} after {int(steps)} private steps"
