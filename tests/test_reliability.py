@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -385,3 +386,24 @@ def test_a_private_strategy_refuses_a_stream_and_says_why_and_how(tmp_path: Path
     with pytest.raises(PrivacyConfigError, match="IterableDataset: Poisson sampling.*needs a finite shard.*map-style"):
         run.fit(Classifier(), DataLoader(Stream(), batch_size=8))
     assert run.global_step == 0
+
+
+class SlowClassifier(Classifier):
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        time.sleep(0.05)  # a step of known length, so max_time allows far fewer steps than max_epochs plans
+        return super().training_step(batch, batch_idx)
+
+
+def test_max_time_replans_sigma_so_the_budget_is_spent_by_the_time_limit(tmp_path: Path, caplog) -> None:
+    strategy = DPCSGPStrategy(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, noise_seed=0)
+    run = trainer(tmp_path, strategy, checkpoints=False, max_steps=-1, max_epochs=100, max_time={"seconds": 6})
+    with caplog.at_level("INFO"):
+        run.fit(SlowClassifier(), data())
+    engine = strategy.privacy
+    planned_by_epochs = 100 * 16
+    replanned = next(r.getMessage() for r in caplog.records if "max_time allows about" in r.getMessage())
+    assert f"not the {planned_by_epochs} planned" in replanned
+    assert engine.planned_steps < planned_by_epochs / 5  # at most 6 s / 0.05 s = 120 steps, not 1600
+    assert engine.ledger.history[0][0] > engine.ledger.history[-1][0] == engine.noise_multiplier  # less noise after
+    assert run.global_step < planned_by_epochs and engine.epsilon() <= 3.0
+    assert not any("default of max_epochs=1000" in r.getMessage() for r in caplog.records)

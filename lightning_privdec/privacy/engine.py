@@ -180,11 +180,12 @@ class NodePrivacyEngine:
         elif self._plan == plan and self.noise_multiplier is not None:
             pass  # resumed with the plan sigma was calibrated for
         else:
-            self.noise_multiplier = self._calibrate_remaining(max(1, planned_steps - spent))
+            self.noise_multiplier = self.calibrate_remaining(max(1, planned_steps - spent))
         self._plan = plan
         self.planned_steps = planned_steps
 
-    def _calibrate_remaining(self, remaining: int) -> float:
+    def calibrate_remaining(self, remaining: int) -> float:
+        """The sigma with which ``remaining`` more steps at q spend what is left of ``target_epsilon``."""
         target = float(self.parameters.target_epsilon)  # type: ignore[arg-type]
         q = self.sample_rate
         assert q is not None
@@ -198,7 +199,7 @@ class NodePrivacyEngine:
             high *= 2.0
             if high > 1e6:
                 raise PrivacyConfigError(f"no noise multiplier fits the remaining budget of node {self.rank}")
-        for _ in range(60):  # bisection on a quantity monotone in sigma
+        while high - low > 1e-4 * high:  # bisection on a quantity monotone in sigma; high always fits
             mid = (low + high) / 2
             low, high = (mid, high) if self.ledger.epsilon_if(mid, q, remaining) > target else (low, mid)
         return high

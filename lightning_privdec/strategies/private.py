@@ -14,6 +14,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.plugins.precision import HalfPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -28,6 +30,13 @@ from lightning_privdec.strategies.checks import gather_from_nodes, gather_tensor
 
 #: the choices of ``resume_noise=`` (see :class:`PrivateDecentralizedStrategy`)
 RESUME_NOISE = ("auto", "recalibrate", "keep")
+#: steps timed before sigma is re-planned for ``Trainer(max_time=...)``
+MAX_TIME_WARMUP_STEPS = 5
+
+
+def _max_time_timer(trainer: pl.Trainer) -> Timer | None:
+    """The Timer that ``Trainer(max_time=...)`` installs, if any."""
+    return next((c for c in trainer.callbacks if isinstance(c, Timer) and c._duration is not None), None)
 
 
 class PrivateDecentralizedStrategy(DecentralizedStrategy):
@@ -125,6 +134,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         self.write_ahead: WriteAheadLedger | None = None
         self._ledger_run: str | None = None
         self._checkpoint_saved = False
+        self._time_replan_at: int | None = None  # ledger step at which sigma is re-planned for max_time
+        self._fit_start_steps = 0
 
     def configure_ddp(self) -> None:
         # Fix and hook the model before its parameters are broadcast, flattened and handed to the optimizer. The engine
@@ -235,7 +246,49 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                     f"{type(self).__name__}: target_epsilon={self.privacy_parameters.target_epsilon} is already spent "
                     "(the ledger counts every step released so far): no step is taken in this fit"
                 )
+        self._plan_for_max_time(trainer)
         return private
+
+    # ---- max_time: the plan follows the time the run has -------------------------------------------------------
+    def _plan_for_max_time(self, trainer: pl.Trainer) -> None:
+        """With ``Trainer(max_time=...)`` and a budget to calibrate to, re-plan sigma once the pace is known."""
+        self._time_replan_at = None
+        timer = _max_time_timer(trainer)
+        engine = self.privacy
+        if timer is None or engine is None or self.privacy_parameters.noise_multiplier is not None:
+            return
+        if self.privacy_parameters.target_epsilon is None:
+            return
+        if type(engine)._plan_noise is not NodePrivacyEngine._plan_noise:
+            rank_zero_info(
+                f"{type(self).__name__}: the noise is planned for {engine.planned_steps} steps (max_steps/max_epochs); "
+                "max_time may end the run sooner, with budget left"
+            )
+            return
+        self._fit_start_steps = engine.steps
+        self._time_replan_at = engine.steps + MAX_TIME_WARMUP_STEPS
+
+    def _replan_for_max_time(self, trainer: pl.Trainer) -> None:
+        """After the warm-up: the steps max_time allows at the slowest node's pace (fewer than planned) get sigma
+        calibrated so that the budget is spent by then, instead of ending with most of it unspent."""
+        self._time_replan_at = None
+        engine, timer = self.privacy, _max_time_timer(trainer)
+        assert engine is not None and timer is not None and engine.planned_steps is not None
+        taken = engine.steps - self._fit_start_steps
+        per_step = max(timer.time_elapsed(), 1e-9) / max(taken, 1)
+        affordable = taken + int(0.95 * max(timer.time_remaining() or 0.0, 0.0) / per_step)
+        affordable = int(self.reduce(torch.tensor(affordable, device=self.root_device), reduce_op=dist.ReduceOp.MIN))
+        total = self._fit_start_steps + affordable
+        if total >= engine.planned_steps or total <= engine.steps:
+            return
+        old, planned = engine.noise_multiplier, engine.planned_steps - self._fit_start_steps
+        engine.noise_multiplier = engine.calibrate_remaining(total - engine.steps)
+        engine.planned_steps, engine._certified = total, None
+        rank_zero_info(
+            f"{type(self).__name__}: at {per_step:.3g} s per step, max_time allows about {affordable} steps of this "
+            f"fit, not the {planned} planned by max_steps/max_epochs: sigma re-planned from {old:.4g} to "
+            f"{engine.noise_multiplier:.4g} so that target_epsilon={self.privacy_parameters.target_epsilon} is spent by then"
+        )
 
     def _check_resumed_noise(self, old_sigma: float) -> None:
         """A resumed run whose new plan re-calibrated sigma: refuse a sigma over twice the old one (``"auto"``), or
@@ -289,7 +342,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         elif limit is not None and limit < 1.0:
             batches_per_epoch = max(1, int(batches_per_epoch * limit))
         epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
-        if epochs == 1000 and (trainer.max_steps is None or trainer.max_steps < 0):
+        if epochs == 1000 and (trainer.max_steps is None or trainer.max_steps < 0) and _max_time_timer(trainer) is None:
             rank_zero_warn(
                 "the privacy budget is planned over Lightning's default of max_epochs=1000; set max_epochs or "
                 "max_steps to the training you intend, or sigma will be far larger than needed"
@@ -301,6 +354,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             raise PrivacyConfigError(
                 "the privacy budget is spent over the planned number of steps, but this Trainer has no end: "
                 "set max_steps or max_epochs"
+                + (" as an upper bound (with max_time, sigma is re-planned for the steps the time allows once the "
+                   "pace is known)" if _max_time_timer(trainer) is not None else "")
             )
         return by_epochs
 
@@ -317,6 +372,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             self.lightning_module.trainer.should_stop = True
             return None  # every node refuses the same steps: no data touched, nothing released
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._time_replan_at is not None and self.privacy is not None and self.privacy.steps >= self._time_replan_at:
+            self._replan_for_max_time(self.lightning_module.trainer)
         self._check_budget_after_step()
         return output
 
