@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 from lightning_privdec.algorithms import PushSumGossip
-from lightning_privdec.algorithms.consensus_step import check_consensus_step
+from lightning_privdec.algorithms.consensus_step import check_consensus_step, choose_consensus_step
 from lightning_privdec.comm import TorchDistributedExchange
 from lightning_privdec.compression import Compressor, build_compressor
 from lightning_privdec.strategies.checks import (
@@ -47,7 +47,7 @@ from lightning_privdec.strategies.checks import (
     gather_from_nodes,
     nonfinite_parameters,
 )
-from lightning_privdec.strategies.divergence import CONSENSUS, DivergenceError, DivergenceGuard, Verdict
+from lightning_privdec.strategies.divergence import DivergenceError, DivergenceGuard, Verdict
 from lightning_privdec.strategies.flat_parameters import FlatParameters
 from lightning_privdec.topology import Topology, TopologyError, build_topology
 
@@ -399,21 +399,26 @@ class DecentralizedStrategy(DDPStrategy):
             return
         rank = fired[0]
         code, value, ratio = int(verdicts[rank, 0]), float(verdicts[rank, 1]), float(verdicts[rank, 2])
-        step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
-        raise DivergenceError(self._guard.message(rank, step, Verdict(code, value, ratio), self.divergence_cause(code)))
+        assert self.gossip is not None
+        message = self._guard.message(rank, self.gossip.round, Verdict(code, value, ratio), self.divergence_cause())
+        raise DivergenceError(message)
 
-    def divergence_cause(self, code: int) -> str:
-        """The settings most likely behind a divergence the guard found (``code``: which quantity grew)."""
+    def divergence_cause(self) -> str:
+        """The settings most likely behind a divergence the guard found, for its error message."""
         lr = ", ".join(f"{float(g['lr']):g}" for g in self.optimizers[0].param_groups) if self.optimizers else "?"
-        if self.compressor is not None and code == CONSENSUS:
+        if self.compressor is None:
+            return f"Likely cause: the learning rate (lr={lr}) is too large for this model and noise."
+        assert self.topology is not None and self.flat is not None
+        gamma, auto = self.consensus_step, choose_consensus_step(self.compressor, self.topology, self.flat.numel).gamma
+        if gamma > auto * (1 + 1e-9):
             return (
-                f"Likely cause: consensus_step={self.consensus_step:g} is too large for compressor={self.compressor} "
-                f"on this graph: use consensus_step='auto' or a smaller value, or a milder compressor; otherwise the "
-                f"learning rate (lr={lr}) is too large."
+                f"Likely cause: consensus_step={gamma:.3g} is too large for compressor={self.compressor} on this graph "
+                f"(consensus_step='auto' chooses {auto:.3g}); otherwise the learning rate (lr={lr}) is too large."
             )
-        compression = (f" With compressor={self.compressor}, also try a smaller consensus_step (now "
-                       f"{self.consensus_step:g})." if self.compressor is not None else "")
-        return f"Likely cause: the learning rate (lr={lr}) is too large for this model and noise.{compression}"
+        return (
+            f"Likely cause: the learning rate (lr={lr}) is too large for this model and noise, or compressor="
+            f"{self.compressor} too aggressive at consensus_step={gamma:.3g}: lower one of them."
+        )
 
     def on_train_end(self) -> None:
         super().on_train_end()
