@@ -38,9 +38,15 @@ def test_auto_gamma_values_for_common_pairs():
     assert 0.2 < choice.gamma < 0.3 and choice.theory < 0.02  # the worst-case value is 16x smaller
     assert choose_consensus_step(RandK(0.5), one_peer, D).gamma == pytest.approx(5 / 19)  # beta = 1
     # more compression, a smaller step; never above 1
-    gammas = [choose_consensus_step(c, exponential, D).gamma for c in (QSGD(8), RandK(0.5), RandK(0.1), Sign())]
+    gammas = [choose_consensus_step(c, exponential, D).gamma for c in (QSGD(8), RandK(0.5), RandK(0.1), TopK(0.01))]
     assert 1.0 >= gammas[0] > gammas[1] > gammas[2] > gammas[3] > 0
     assert choose_consensus_step(TopK(0.1), exponential, D).gamma == pytest.approx(gammas[2])
+
+
+def test_auto_refuses_a_compressor_too_lossy_to_mix():
+    topology = build_topology("exponential", 4, weights="push-sum")
+    with pytest.raises(ValueError, match="no useful step for Sign"):
+        choose_consensus_step(Sign(), topology, D)  # delta = 1/d
 
 
 def consensus_error(topology, compressor, consensus_step, rounds=300) -> float:

@@ -20,7 +20,9 @@ the formula at rho = 1 and scales it by a calibration factor of 10:
 
 which lands at about a quarter of the measured stability limit of every compressor x graph pair measured (RandK(0.5):
 0.25; RandK(0.1), TopK(0.1): 0.044; QSGD(8) on a small model: 0.6), where consensus is still fast. Exact gossip
-(no compressor, or :class:`Identity`) uses gamma = 1.
+(no compressor, or :class:`Identity`) uses gamma = 1. A compressor whose guaranteed quality gives gamma_auto below
+1e-3 (scaled sign: delta = 1/d) is refused: at such a step the nodes would hardly mix, and no step we measured made
+sign compression reach consensus; an explicit ``consensus_step`` still runs it.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ import numpy as np
 from lightning_privdec.compression import Compressor, Identity
 from lightning_privdec.topology import Topology
 
-__all__ = ["CALIBRATION", "ConsensusStep", "check_consensus_step", "choco_step", "choose_consensus_step"]
+__all__ = ["CALIBRATION", "SMALLEST_AUTO_STEP", "ConsensusStep", "check_consensus_step", "choco_step", "choose_consensus_step"]
 
 #: factor between the automatic gamma and CHOCO-SGD's gamma* at rho = 1 (see the module docstring)
 CALIBRATION = 10.0
+#: below this the automatic step refuses the compressor (the nodes would hardly mix)
+SMALLEST_AUTO_STEP = 1e-3
 
 
 def check_consensus_step(consensus_step: float | str) -> float | str:
@@ -81,4 +85,11 @@ def choose_consensus_step(compressor: Compressor | None, topology: Topology, dim
     beta = max(float(np.linalg.norm(np.eye(n) - topology.mixing_matrix(k), ord=2)) for k in range(topology.period))
     rho = 1.0 - topology.consensus_rate() ** (1.0 / topology.period)  # per round
     gamma = min(1.0, CALIBRATION * choco_step(delta, beta))
+    if gamma < SMALLEST_AUTO_STEP:
+        raise ValueError(
+            f"consensus_step='auto' finds no useful step for {compressor} on a {dimension}-parameter model: its "
+            f"guaranteed quality 1 - omega^2 = {delta:.2g} gives gamma = {gamma:.2g}, at which the nodes would hardly "
+            "mix (docs/compression.md, 'The consensus step'). Use a compressor that keeps more (RandK, TopK, QSGD), "
+            "or pass consensus_step=<number> to run it anyway."
+        )
     return ConsensusStep(gamma=gamma, omega2=omega2, beta=beta, theory=choco_step(delta, beta, rho))
