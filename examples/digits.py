@@ -64,7 +64,8 @@ def build_strategy(args: argparse.Namespace):  # noqa: ANN201
     compressor = args.compressor
     if compressor is None:
         compressor = "randk:0.5" if args.strategy == "dp_csgp" else "none"
-    common = dict(topology=topology, compressor=compressor, consensus_step=args.gamma, seed=args.seed)
+    gamma = "auto" if args.gamma is None else args.gamma
+    common = dict(topology=topology, compressor=compressor, consensus_step=gamma, seed=args.seed)
     common.update(json.loads(args.strategy_kwargs))
     if args.strategy in NON_PRIVATE_STRATEGIES:
         return NON_PRIVATE_STRATEGIES[args.strategy](**common)

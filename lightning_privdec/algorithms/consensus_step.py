@@ -19,7 +19,7 @@ the formula at rho = 1 and scales it by a calibration factor of 10:
     gamma_auto = min(1, 10 delta / (17 + 6 beta^2 - 8 delta)),   beta = max_k ||I - A(k)||_2,
 
 which lands at about a quarter of the measured stability limit of every compressor x graph pair measured (RandK(0.5):
-0.25; RandK(0.1), TopK(0.1): 0.044; QSGD(8) on a small model: 0.6), where consensus is still fast. Exact gossip
+0.25; RandK(0.1), TopK(0.1): 0.044; QSGD(8) on a small model: 0.4-0.6), where consensus is still fast. Exact gossip
 (no compressor, or :class:`Identity`) uses gamma = 1. A compressor whose guaranteed quality gives gamma_auto below
 1e-3 (scaled sign: delta = 1/d) is refused: at such a step the nodes would hardly mix, and no step we measured made
 sign compression reach consensus; an explicit ``consensus_step`` still runs it.
