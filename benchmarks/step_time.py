@@ -46,6 +46,13 @@ forward + backward + clipping + noise for each ``grad_sample_mode`` of the libra
 single-process DP-SGD (GradSampleModule hooks or expanded weights + DPOptimizer's clip, noise and scale); it also
 checks that every engine mode produces the same clipped sum as ``hooks`` (noise off).
 
+Noise generation (``--noise``, on by default): one process, the Gaussian noise of one private step of ResNet-18
+(the GroupNorm ResNet-18 of ``examples/cifar_resnet.py``, d = 11.2M parameters): milliseconds per step for the
+generator the library used before (``torch.randn`` with a ``torch.Generator``, 32 effective seed bits on CPU), for
+its ChaCha20 ``NoiseGenerator`` (256-bit key) and for the same with ``secure_mode=True``; next to the CPU time of
+one whole private step of that model (forward, backward, book-keeping clipping, noise; batch ``--noise-batch-size``
+of 32x32 images), so the noise's share of a step is printed (target: at most 10%).
+
 Targets (from the issue): uncompressed push-sum <= 1.2x DDP; each private strategy <= 1.1x Opacus-on-DDP; bytes on
 the wire within 5% of the stated size.
 
@@ -55,6 +62,7 @@ How to run
     python benchmarks/step_time.py --repeats 3          # interleaved repeats, medians over runs (less noise)
     python benchmarks/step_time.py --configs ddp,opacus_ddp,privsgp --steps 100
     python benchmarks/step_time.py --modes-only         # only the single-process per-sample mode comparison
+    python benchmarks/step_time.py --noise-only --no-record   # only the noise generation cost (ResNet-18)
     python benchmarks/step_time.py --grad-sample-mode hooks   # the private strategies with Opacus's hooks
 
 It prints the tables, writes ``benchmarks/step_time.png`` and appends the tables with this machine's description to
@@ -138,6 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", action=argparse.BooleanOptionalAction, default=True,
                         help="also compare the per-sample modes in one process (default: on)")
     parser.add_argument("--modes-only", action="store_true", help="only the per-sample mode comparison")
+    parser.add_argument("--noise", action=argparse.BooleanOptionalAction, default=True,
+                        help="noise generation per step for ResNet-18 (11.2M parameters): old vs new generator")
+    parser.add_argument("--noise-only", action="store_true", help="only the noise generation comparison")
+    parser.add_argument("--noise-batch-size", type=int, default=32, help="batch of the ResNet-18 private step")
     parser.add_argument("--mode-steps", type=int, default=10, help="timed steps per per-sample mode")
     parser.add_argument("--json", type=Path, default=None, help="also write all results to this file")
     parser.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "step_time.png")
@@ -148,7 +160,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.config_list = [] if args.modes_only else [c.strip() for c in args.configs.split(",") if c.strip()]
+    only = args.modes_only or args.noise_only
+    args.config_list = [] if only else [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.config_list + ([args.config] if args.config else []) if c not in CONFIGS]
     if unknown:
         parser.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
@@ -673,6 +686,75 @@ def target_lines(summaries: list[dict[str, Any]], ddp: dict[str, Any] | None, op
     return lines
 
 
+def run_noise(args: argparse.Namespace) -> dict[str, Any]:
+    """Noise generation for ResNet-18's d parameters, old vs new generator, and one private step of that model."""
+    import torch
+
+    from lightning_privdec.privacy import NodePrivacyEngine, PrivacyParameters
+    from lightning_privdec.privacy.noise import node_noise_generator
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from cifar_resnet import resnet18_groupnorm
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(args.seed)
+    model = resnet18_groupnorm()
+    d = sum(p.numel() for p in model.parameters())
+
+    def median_ms(fn, repeats: int = 7) -> float:  # noqa: ANN001
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    old = torch.Generator().manual_seed(args.seed)
+    new, secure = node_noise_generator("cpu", None, 0), node_noise_generator("cpu", None, 0, secure_mode=True)
+    row: dict[str, Any] = {
+        "d": d,
+        "threads": torch.get_num_threads(),
+        "old_ms": median_ms(lambda: torch.randn(d, generator=old).mul_(SIGMA)),
+        "new_ms": median_ms(lambda: new.normal(d, SIGMA)),
+        "secure_ms": median_ms(lambda: secure.normal(d, SIGMA), repeats=3),
+    }
+    engine = NodePrivacyEngine(PrivacyParameters(max_grad_norm=CLIP, noise_multiplier=SIGMA), rank=0,
+                               device=torch.device("cpu"))
+    engine.attach(model)
+    engine.noise_multiplier, engine.sample_rate = SIGMA, args.noise_batch_size / 50_000
+    engine.expected_batch_size = float(args.noise_batch_size)
+    gen = torch.Generator().manual_seed(args.seed)
+    images = torch.randn(args.noise_batch_size, 3, 32, 32, generator=gen)
+    labels = torch.randint(0, 10, (args.noise_batch_size,), generator=gen)
+
+    def private_step() -> None:
+        model.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        engine.privatize()
+
+    row["step_ms"] = median_ms(private_step, repeats=3)
+    row["batch_size"] = args.noise_batch_size
+    engine.detach()
+    return row
+
+
+def format_noise(row: dict[str, Any]) -> list[str]:
+    step = row["step_ms"]
+    return [
+        f"Noise generation for one private step of ResNet-18 (GroupNorm, examples/cifar_resnet.py), d = {row['d']:,} "
+        f"parameters, one process, {row['threads']} threads; median wall ms per step. Whole private step (forward, "
+        f"backward, book-keeping clipping, noise; batch {row['batch_size']} of 32x32 images): {step:.0f} ms.",
+        "",
+        "| generator | noise ms per step | share of the private step |",
+        "|---|---:|---:|",
+        f"| old: torch.randn, torch.Generator (32 effective seed bits) | {row['old_ms']:.1f} | "
+        f"{row['old_ms'] / step:.1%} |",
+        f"| new: ChaCha20 NoiseGenerator, 256-bit key (default) | {row['new_ms']:.1f} | {row['new_ms'] / step:.1%} |",
+        f"| new, secure_mode=True (4 draws per coordinate) | {row['secure_ms']:.1f} | {row['secure_ms'] / step:.1%} |",
+    ]
+
+
 def format_modes(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
     base = rows[0]["ms"]
     lines = [
@@ -752,8 +834,14 @@ def run_parent(args: argparse.Namespace, argv: list[str]) -> None:
             print(f"running {label} ...", end=" ", flush=True)
             results[config].append(run_config(config, args))
             print(f"{results[config][-1]['wall_s']:.1f}s", flush=True)
+    noise = None
+    if (args.noise and not args.modes_only) or args.noise_only:
+        print("running the noise generation comparison (ResNet-18) ...", end=" ", flush=True)
+        start = time.perf_counter()
+        noise = run_noise(args)
+        print(f"{time.perf_counter() - start:.1f}s", flush=True)
     modes = None
-    if args.modes or args.modes_only:
+    if (args.modes and not args.noise_only) or args.modes_only:
         print("running the per-sample mode comparison ...", end=" ", flush=True)
         start = time.perf_counter()
         modes = run_modes(args)
@@ -765,12 +853,15 @@ def run_parent(args: argparse.Namespace, argv: list[str]) -> None:
         report += format_report(summaries, num_params, args.devices)
     if modes:
         report += ["", *format_modes(modes, args)]
+    if noise:
+        report += ["", *format_noise(noise)]
     total = time.perf_counter() - started
     print()
     print("\n".join(report))
     print(f"total wall time: {total:.1f}s")
     if args.json is not None:
-        payload = {"machine": machine, "summaries": summaries, "modes": modes, "raw": results, "total_s": total}
+        payload = {"machine": machine, "summaries": summaries, "modes": modes, "noise": noise, "raw": results,
+                   "total_s": total}
         args.json.write_text(json.dumps(payload, indent=1))
         print(f"results written to {args.json}")
     if args.no_record:

@@ -8,6 +8,7 @@ import torch
 
 from lightning_privdec import CorrelatedNoiseStrategy, PrivacyConfigError
 from lightning_privdec.algorithms.decor import decor_perturbation
+from lightning_privdec.privacy.noise import node_noise_generator
 from lightning_privdec.privacy.pairwise import CorrelatedNoise, simulate_key_agreement
 from lightning_privdec.privacy.secldp import secldp_epsilon_example_level, secldp_step
 from lightning_privdec.topology import StaticTopology
@@ -22,12 +23,12 @@ def test_correlated_noise_cancels_in_the_network_sum_and_leaves_the_local_noise(
     d, n = 1000, graph.number_of_nodes()
     for round_ in (0, 7):
         local_only = [
-            decor_perturbation(d, round_, correlated=None, sigma_cdp=0.3, generator=torch.Generator().manual_seed(i))
+            decor_perturbation(d, round_, correlated=None, sigma_cdp=0.3, generator=node_noise_generator("cpu", i, i))
             for i in range(n)
         ]
         full = [
             decor_perturbation(d, round_, correlated=correlated[i], sigma_cdp=0.3,
-                               generator=torch.Generator().manual_seed(i))
+                               generator=node_noise_generator("cpu", i, i))
             for i in range(n)
         ]
         # each message carries the large correlated noise ...
@@ -65,7 +66,11 @@ def test_decor_trains_digits_on_a_ring_within_its_secldp_budget(tmp_path):
 
 
 def average_model_accuracy(results: list[dict]) -> float:
-    from lightning_privdec.data.digits import DigitsClassifier, accuracy, load_digits_tensors
+    from lightning_privdec.data.digits import (
+        DigitsClassifier,
+        accuracy,
+        load_digits_tensors,
+    )
 
     model = DigitsClassifier()
     torch.nn.utils.vector_to_parameters(torch.stack([r["params"] for r in results]).mean(0), model.parameters())

@@ -11,6 +11,7 @@ from tests.wandb_records import history_rows
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_monitored.py"
 NODES = 4
+pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")

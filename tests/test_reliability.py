@@ -5,6 +5,7 @@ checkpoints hold no per-sample gradients. One process each (the multi-process fa
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -30,7 +31,7 @@ from lightning_privdec.strategies.checks import (
     NodeMismatchError,
     NonFiniteStepError,
     check_same_configuration,
-    check_training_batches,
+    common_steps_per_epoch,
     describe,
     nonfinite_parameters,
 )
@@ -154,14 +155,15 @@ def test_decor_key_files_may_live_in_a_different_directory_on_each_node() -> Non
         check_same_configuration([a, c], rank=0)
 
 
-def test_nodes_must_have_data_and_the_same_number_of_batches() -> None:
-    check_training_batches([5, 5, 5], rank=0)
-    check_training_batches([5, None], rank=0)  # a loader without a length is not compared
+def test_nodes_must_have_data_and_take_a_common_number_of_steps() -> None:
+    assert common_steps_per_epoch([5, 5, 5], rank=0, max_steps=-1) == (5, None)
     with pytest.raises(NodeMismatchError, match=r"node 1: the training data of rank 2 is empty .*Give every node"):
-        check_training_batches([5, 5, 0, 5], rank=1)
-    with pytest.raises(NodeMismatchError, match=r"different numbers of training batches per epoch \(rank 0: 5, "
-                                                r"rank 1: 6\).*wait forever"):
-        check_training_batches([5, 6], rank=0)
+        common_steps_per_epoch([5, 5, 0, 5], rank=1, max_steps=-1)
+    steps, note = common_steps_per_epoch([5, 60], rank=1, max_steps=-1)  # unequal shards: node 0's epoch
+    assert steps == 5 and "rank 0: 5, rank 1: 60" in note and "node 0's 5 steps" in note
+    with pytest.raises(NodeMismatchError, match=r"rank 1 has no length .*Set Trainer\(max_steps=...\)"):
+        common_steps_per_epoch([5, None], rank=0, max_steps=-1)  # an IterableDataset
+    assert common_steps_per_epoch([None, None], rank=0, max_steps=40)[0] == 40
 
 
 # ============================================================================ bad input: refused before the first step
@@ -183,8 +185,9 @@ SETUP_ERRORS = {
     "BatchNorm": (private, {"batch_norm": True}, {}, data, PrivacyConfigError, "net.1.*BatchNorm1d"),
     "manual optimization": (private, {"manual": True}, {}, data, PrivacyConfigError,
                             "automatic optimization only.*Remove `self.automatic_optimization = False`"),
-    "gradient accumulation": (private, {}, {"accumulate_grad_batches": 2}, data, PrivacyConfigError,
-                              "accumulate_grad_batches=2 .* Use a larger batch_size"),
+    "gradient accumulation in PrivSGP-VR": (
+        lambda: PrivSGPVRStrategy(max_grad_norm=1.0, noise_multiplier=1.0, noise_seed=0), {},
+        {"accumulate_grad_batches": 2}, data, PrivacyConfigError, "needs the whole Poisson batch at once"),
     "no planned end": (private, {}, {"max_steps": -1, "max_epochs": -1}, data, PrivacyConfigError,
                        "set max_steps or max_epochs"),
     "sync_batchnorm": (lambda: DecentralizedPushSumStrategy(), {"batch_norm": True}, {"sync_batchnorm": True},
@@ -310,3 +313,75 @@ def test_checkpoints_of_private_runs_hold_no_per_sample_gradients(strategy, tmp_
         checkpoint = torch.load(path, weights_only=False)
         assert "lightning_privdec" in checkpoint  # the node's gossip, optimizer and privacy state are there ...
         assert per_sample_data(checkpoint, num_params) == []  # ... but nothing per-sample
+
+
+# ============================================================================ resuming with a changed plan
+BUDGET = dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, noise_seed=0)
+
+
+@pytest.fixture(scope="module")
+def end_of_a_two_epoch_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    """DP-CSGP at epsilon 3 planned for 2 epochs, checkpointed at its end: (the checkpoint, its sigma)."""
+    tmp_path = tmp_path_factory.mktemp("two_epochs")
+    strategy = DPCSGPStrategy(**BUDGET)
+    trainer(tmp_path, strategy, checkpoints=True, max_steps=-1, max_epochs=2).fit(Classifier(), data())
+    checkpoint = sorted((tmp_path / "ckpt").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)[-1]
+    return checkpoint, strategy.privacy.noise_multiplier
+
+
+def _resume_with_max_epochs_4(tmp_path: Path, checkpoint: Path, **kwargs: object) -> tuple[pl.Trainer, DPCSGPStrategy]:
+    strategy = DPCSGPStrategy(**BUDGET, **kwargs)
+    resumed = trainer(tmp_path, strategy, checkpoints=False, max_steps=-1, max_epochs=4)
+    resumed.fit(Classifier(), data(), ckpt_path=checkpoint)
+    return resumed, strategy
+
+
+def test_a_resume_that_would_drown_the_model_in_noise_is_refused_with_the_choices(end_of_a_two_epoch_plan, tmp_path) -> None:
+    checkpoint, old_sigma = end_of_a_two_epoch_plan
+    with pytest.raises(PrivacyConfigError) as refused:
+        _resume_with_max_epochs_4(tmp_path, checkpoint)
+    message = str(refused.value)
+    assert "32 steps have spent epsilon = 2.9" in message and "of target_epsilon = 3.0" in message
+    assert "instead of" in message and "raise target_epsilon" in message and "start a new run" in message
+    assert "resume_noise='keep'" in message and "resume_noise='recalibrate'" in message
+    new, old = (float(x) for x in re.search(r"need sigma = ([\d.e+]+) instead of ([\d.e+]+)", message).groups())
+    assert old == pytest.approx(old_sigma, rel=1e-3) and new > 2 * old
+
+
+def test_a_resume_may_keep_its_noise_and_stop_at_the_budget_or_recalibrate_knowingly(end_of_a_two_epoch_plan,
+                                                                                     tmp_path) -> None:
+    checkpoint, old_sigma = end_of_a_two_epoch_plan
+    kept, strategy = _resume_with_max_epochs_4(tmp_path / "keep", checkpoint, resume_noise="keep")
+    assert strategy.privacy.noise_multiplier == old_sigma and strategy.privacy.epsilon() <= 3.0
+    assert kept.global_step < 4 * 16  # stopped when the budget was spent
+    _, strategy = _resume_with_max_epochs_4(tmp_path / "again", checkpoint, resume_noise="recalibrate")
+    assert strategy.privacy.noise_multiplier > 2 * old_sigma and strategy.privacy.epsilon() <= 3.0
+
+
+def test_the_write_ahead_ledger_lives_with_the_checkpoints_or_logs_never_in_the_working_directory(tmp_path: Path) -> None:
+    budget = dict(max_grad_norm=1.0, noise_multiplier=1.0)
+    bare = pl.Trainer(accelerator="cpu", devices=1, strategy=DPCSGPStrategy(**budget), max_steps=6, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path / "bare")
+    bare.fit(Classifier(), data())
+    assert not list((tmp_path / "bare").rglob("node_*.pt"))  # nothing can resume it: no file
+    bare.save_checkpoint(tmp_path / "bare" / "by_hand.ckpt")  # now a resume is possible: later steps are written
+    assert bare.strategy._write_ahead_ledger().directory == (tmp_path / "bare" / "privacy_ledger").absolute()
+    logged = trainer(tmp_path / "logged", DPCSGPStrategy(**budget), checkpoints=False)
+    logged.fit(Classifier(), data())
+    assert [p.parent.parent for p in (tmp_path / "logged").rglob("node_0.pt")] == [Path(logged.log_dir) / "privacy_ledger"]
+    checkpointed = trainer(tmp_path / "ckpt", DPCSGPStrategy(**budget))
+    checkpointed.fit(Classifier(), data())
+    assert [p.parent.parent for p in tmp_path.joinpath("ckpt").rglob("node_0.pt")] == [
+        tmp_path / "ckpt" / "ckpt" / "privacy_ledger"
+    ]
+
+
+def test_a_private_strategy_refuses_a_stream_and_says_why_and_how(tmp_path: Path) -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # noqa: ANN204
+            return iter(TensorDataset(torch.randn(32, 8), torch.zeros(32, dtype=torch.long)))
+
+    run = trainer(tmp_path, private(), checkpoints=False)
+    with pytest.raises(PrivacyConfigError, match="IterableDataset: Poisson sampling.*needs a finite shard.*map-style"):
+        run.fit(Classifier(), DataLoader(Stream(), batch_size=8))
+    assert run.global_step == 0

@@ -33,7 +33,7 @@ from lightning_privdec.algorithms.consensus_step import ConsensusStep, choose_co
 from lightning_privdec.algorithms.push_sum import message_key
 from lightning_privdec.comm import Exchange, TensorSpec
 from lightning_privdec.compression import Compressor, Identity
-from lightning_privdec.privacy.dp_step import node_noise_generator
+from lightning_privdec.privacy.noise import NoiseGenerator, node_noise_generator
 from lightning_privdec.topology import Topology, TopologyError
 
 __all__ = ["CHANNEL_X", "CHANNEL_Y", "CPGTGossip", "laplace_noise"]
@@ -43,12 +43,11 @@ NOISE_STREAM = "cpgt-laplace"
 
 
 def laplace_noise(
-    numel: int, scale: float, generator: torch.Generator, dtype: torch.dtype = torch.float64
+    numel: int, scale: float, generator: NoiseGenerator, dtype: torch.dtype = torch.float64
 ) -> Tensor:
-    """Lap_d(scale): d i.i.d. Laplace(scale) entries, drawn as scale * (E1 - E2) with E1, E2 ~ Exp(1) from
-    ``generator`` (on the generator's device)."""
-    draws = torch.empty(2, numel, dtype=dtype, device=generator.device).exponential_(generator=generator)
-    return (draws[0] - draws[1]).mul_(scale)
+    """Lap_d(scale): d i.i.d. Laplace(scale) entries from this agent's secret ``generator`` (ChaCha20,
+    :meth:`~lightning_privdec.privacy.noise.NoiseGenerator.laplace`), on the generator's device."""
+    return generator.laplace(numel, scale, dtype)
 
 
 class CPGTGossip:
@@ -207,8 +206,8 @@ class CPGTGossip:
 
     # ---- checkpointing ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Round, x, u, every replica and the traffic; the noise generator only with a fixed ``noise_seed`` (its state
-        reveals the seed, and with it every noise draw)."""
+        """Round, x, u, every replica and the traffic; the noise generator's draw count only with a fixed
+        ``noise_seed`` (a secure generator's key is never saved)."""
         state: dict[str, Any] = {
             "round": self.round,
             "x": self.x.detach().cpu().clone(),

@@ -39,10 +39,11 @@ from lightning_privdec.algorithms import PushSumGossip
 from lightning_privdec.algorithms.consensus_step import check_consensus_step, choose_consensus_step
 from lightning_privdec.comm import TorchDistributedExchange
 from lightning_privdec.compression import Compressor, build_compressor
+from lightning_privdec.data.cycled import CycledLoader
 from lightning_privdec.strategies.checks import (
     NonFiniteStepError,
     check_same_configuration,
-    check_training_batches,
+    common_steps_per_epoch,
     describe,
     gather_from_nodes,
     nonfinite_parameters,
@@ -144,6 +145,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.topology: Topology | None = None
         self.flat: FlatParameters | None = None
         self.gossip: PushSumGossip | None = None
+        self.steps_per_epoch: int | None = None  # common to every node, fixed when training starts
         if isinstance(topology, Topology):  # a user-built graph can be checked now, before any process starts
             self._build_topology(topology.num_nodes)
 
@@ -311,12 +313,17 @@ class DecentralizedStrategy(DDPStrategy):
         pass
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Before training: every node must have training data, and the same number of batches per epoch (one
-        gossip round each); all nodes compare and raise the same error otherwise."""
+        """Before training: every node must have training data and take the same number of steps per epoch (one
+        gossip round each). Nodes whose loaders differ in length (unequal shards) or have none (an IterableDataset)
+        take node 0's epoch, or ``max_steps``, each cycling its own data (:class:`CycledLoader`); stated once."""
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None)
-        if trainer is not None and trainer.training:
-            check_training_batches(gather_from_nodes(_batches_per_epoch(dataloader, trainer)), self.global_rank)
+        if trainer is not None and trainer.training and trainer.limit_train_batches != 0:
+            counts = gather_from_nodes(_batches_per_epoch(dataloader))
+            self.steps_per_epoch, note = common_steps_per_epoch(counts, self.global_rank, trainer.max_steps)
+            if note is not None:
+                rank_zero_info(f"{type(self).__name__}: {note}")
+                dataloader = CycledLoader(dataloader, self.steps_per_epoch)  # type: ignore[arg-type]
         return super().process_dataloader(dataloader)
 
     # ---- the training step ---------------------------------------------------------------------------------------
@@ -512,18 +519,13 @@ class DecentralizedStrategy(DDPStrategy):
 
 
 
-def _batches_per_epoch(dataloader: object, trainer: pl.Trainer) -> int | None:
-    """Training batches this node takes per epoch (``limit_train_batches`` applied); None without a length."""
+def _batches_per_epoch(dataloader: object) -> int | None:
+    """Training batches in this node's loader per epoch (Lightning applies ``limit_train_batches`` to the common
+    count afterwards, alike on every node); None without a length."""
     try:
-        batches = len(dataloader)  # type: ignore[arg-type]
+        return len(dataloader)  # type: ignore[arg-type]
     except TypeError:
         return None
-    limit = trainer.limit_train_batches
-    if limit == 0:  # no training at all: nothing to agree on
-        return None
-    if isinstance(limit, int):
-        return min(batches, limit)
-    return int(batches * limit) if limit is not None and limit < 1.0 else batches
 
 
 def _rng_state() -> dict[str, Any]:
