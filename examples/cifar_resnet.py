@@ -69,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", default="dp_csgp", choices=sorted(STRATEGIES))
     p.add_argument("--topology", default=None, help="graph name (default: the strategy's, see below)")
     p.add_argument("--compressor", default=None, help="none, randk:R, topk:R, qsgd:B, sign (default: the strategy's)")
-    p.add_argument("--gamma", type=float, default=None, help="consensus step of compressed gossip (default 0.5 with a compressor)")
+    p.add_argument("--gamma", type=lambda text: text if text == "auto" else float(text), default="auto",
+                   help="consensus step of compressed gossip: a number in (0, 1] or auto (default: chosen at setup)")
     p.add_argument("--epsilon", type=float, default=3.0, help="per-node target epsilon (default 3)")
     p.add_argument("--delta", type=float, default=None, help="target delta (default: the strategy's, 1e-4 for DP-CSGP)")
     p.add_argument("--clip", type=float, default=None, help="per-sample clipping bound (default: the strategy's, 1.5)")
@@ -101,8 +102,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, defaults[name])
     if args.compressor is None:
         args.compressor = defaults["compressor"] or "none"
-    if args.gamma is None:
-        args.gamma = 1.0 if args.compressor == "none" else 0.5
     return args
 
 

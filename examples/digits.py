@@ -32,12 +32,18 @@ DEFAULT_TOPOLOGY = {
 }
 
 
+def consensus_step(text: str) -> float | str:
+    """``--gamma``: "auto" or a number."""
+    return text if text == "auto" else float(text)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategy", default="dp_csgp", choices=sorted(PRIVATE_STRATEGIES) + sorted(NON_PRIVATE_STRATEGIES))
     p.add_argument("--topology", default=None, help="graph name (default: exponential; ring for dp2sgd/dpsgd)")
     p.add_argument("--compressor", default=None, help="none, randk:R, topk:R, qsgd:B, sign (dp_csgp: randk:0.5)")
-    p.add_argument("--gamma", type=float, default=None, help="consensus step of compressed gossip (default 1, 0.5 for RandK(0.5))")
+    p.add_argument("--gamma", type=consensus_step, default="auto",
+                   help="consensus step of compressed gossip: a number in (0, 1] or auto (default: chosen at setup)")
     p.add_argument("--epsilon", type=float, default=3.0, help="per-node target epsilon (default 3)")
     p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
     p.add_argument("--clip", type=float, default=1.0, help="per-sample clipping bound C (default 1.0)")
@@ -59,7 +65,7 @@ def build_strategy(args: argparse.Namespace):  # noqa: ANN201
     compressor = args.compressor
     if compressor is None:
         compressor = "randk:0.5" if args.strategy == "dp_csgp" else "none"
-    gamma = args.gamma if args.gamma is not None else (0.5 if compressor.startswith("randk:0.5") else 1.0)
+    gamma = "auto" if args.gamma is None else args.gamma
     common = dict(topology=topology, compressor=compressor, consensus_step=gamma, seed=args.seed)
     common.update(json.loads(args.strategy_kwargs))
     if args.strategy in NON_PRIVATE_STRATEGIES:

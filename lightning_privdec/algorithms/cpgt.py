@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_privdec.algorithms.consensus_step import ConsensusStep, choose_consensus_step
 from lightning_privdec.algorithms.push_sum import message_key
 from lightning_privdec.comm import Exchange, TensorSpec
 from lightning_privdec.compression import Compressor, Identity
@@ -58,7 +59,8 @@ class CPGTGossip:
         topology: static, undirected; ``mixing_matrix(0)`` must be doubly stochastic (e.g. Metropolis weights).
         exchange: moves the messages (torch.distributed or loopback).
         compressor: C; ``None`` or :class:`Identity` sends the differences uncompressed.
-        consensus_step: gamma > 0.
+        consensus_step: gamma > 0, or ``"auto"`` (:mod:`lightning_privdec.algorithms.consensus_step`: 1 without
+            compression).
         noise_x, noise_y: d_x, d_y >= 0 (0: no noise on that variable, not private).
         noise_decay: q in (0, 1].
         noise_seed: ``None`` (default): the Laplace noise comes from OS entropy, unknown to everyone else; an int:
@@ -74,7 +76,7 @@ class CPGTGossip:
         topology: Topology,
         exchange: Exchange,
         compressor: Compressor | None = None,
-        consensus_step: float = 1.0,
+        consensus_step: float | str = 1.0,
         noise_x: float,
         noise_y: float,
         noise_decay: float,
@@ -89,8 +91,12 @@ class CPGTGossip:
                 f"{'time-varying' if not topology.is_static else 'directed'}. Use 'ring', 'torus', 'complete' or an "
                 "nx.Graph"
             )
-        if not consensus_step > 0:
-            raise ValueError(f"consensus_step (gamma) must be > 0, got {consensus_step}")
+        self.consensus_step_choice: ConsensusStep | None = None  # how "auto" chose gamma (None when given)
+        if consensus_step == "auto":
+            self.consensus_step_choice = choose_consensus_step(compressor, topology, x.numel())
+            consensus_step = self.consensus_step_choice.gamma
+        if isinstance(consensus_step, bool) or not isinstance(consensus_step, (int, float)) or not consensus_step > 0:
+            raise ValueError(f"consensus_step (gamma) must be 'auto' or a number > 0, got {consensus_step!r}")
         if not 0.0 < noise_decay <= 1.0:
             raise ValueError(f"noise_decay (q) must lie in (0, 1], got {noise_decay}")
         self.rank = rank
@@ -126,6 +132,10 @@ class CPGTGossip:
     @property
     def dimension(self) -> int:
         return self.x.numel()
+
+    def uncompressed_message_nbytes(self) -> int:
+        """Bytes of one message without compression: the state and the tracker differences, d values each."""
+        return 2 * self.x.numel() * self.x.element_size()
 
     @property
     def z(self) -> Tensor:

@@ -15,6 +15,7 @@ checkpointing; training itself only talks to graph neighbours.
 
 from __future__ import annotations
 
+import math
 import random
 import warnings
 from collections.abc import Callable, Mapping
@@ -36,6 +37,7 @@ from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 from lightning_privdec.algorithms import PushSumGossip
+from lightning_privdec.algorithms.consensus_step import check_consensus_step, choose_consensus_step
 from lightning_privdec.comm import TorchDistributedExchange
 from lightning_privdec.compression import Compressor, build_compressor
 from lightning_privdec.data.cycled import CycledLoader
@@ -47,6 +49,7 @@ from lightning_privdec.strategies.checks import (
     gather_from_nodes,
     nonfinite_parameters,
 )
+from lightning_privdec.strategies.divergence import DivergenceError, DivergenceGuard, Verdict
 from lightning_privdec.strategies.flat_parameters import FlatParameters
 from lightning_privdec.topology import Topology, TopologyError, build_topology
 
@@ -67,13 +70,18 @@ class DecentralizedStrategy(DDPStrategy):
             ``"complete"``, ``"torus"``, ``"erdos-renyi"``), a networkx graph, or a :class:`Topology` object. Names
             are built for the world size (devices x num_nodes) at setup.
         compressor: ``None``, a :class:`Compressor`, or a spec string such as ``"randk:0.1"``.
-        consensus_step: gamma of the compressed gossip (DP-CSGP Algorithm 1 line 5 uses 1). Aggressive compressors
-            need gamma < 1 (CHOCO-SGD); see docs/compression.md for measured values.
+        consensus_step: gamma of the compressed gossip (DP-CSGP Algorithm 1 line 5 uses 1). ``"auto"`` (default):
+            chosen at setup from the compressor's omega^2 and the graph's mixing weights, calibrated on CHOCO-SGD's
+            step (:mod:`lightning_privdec.algorithms.consensus_step`; 1 without compression) and printed once. A
+            number in (0, 1] is used as given.
         seed: shared by all nodes; keys compressor randomness and random graphs.
         overlap: SGP's overlap: each round's messages travel during the next ``staleness`` forward/backward passes
             and are mixed in ``staleness`` steps late (exact push-sum only; see
             :mod:`lightning_privdec.algorithms.push_sum`).
         staleness: tau >= 1, the steps a message is late with ``overlap=True``.
+        divergence_guard: stop every node with :class:`~lightning_privdec.strategies.divergence.DivergenceError`
+            when the gossip correction or the training loss grows without bound (checked every 10 steps with one
+            small all-gather; :mod:`lightning_privdec.strategies.divergence`). ``False`` turns it off.
         peer_timeout: how long a node waits for any other node (a gossip message, a collective) once training is set
             up, before it stops with an error: a ``timedelta`` or seconds, longer than the slowest checkpoint write
             or validation pass (the others wait that long). ``None`` keeps ``timeout`` (Lightning's, 30 minutes by
@@ -87,7 +95,7 @@ class DecentralizedStrategy(DDPStrategy):
     requires_symmetric_graph: bool = False
     #: constructor arguments (stored under the same attribute name) that every node must share, beyond those
     #: :meth:`configuration` lists itself; each class names its own, the check collects them over the MRO
-    shared_options: tuple[str, ...] = ("weights", "consensus_step", "seed", "staleness")
+    shared_options: tuple[str, ...] = ("weights", "consensus_step", "seed", "staleness", "divergence_guard")
     #: constructor arguments that may differ from node to node (never compared)
     local_options: tuple[str, ...] = (
         "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
@@ -100,10 +108,11 @@ class DecentralizedStrategy(DDPStrategy):
         compressor: Compressor | str | None = None,
         *,
         weights: str | Any | None = None,
-        consensus_step: float = 1.0,
+        consensus_step: float | Literal["auto"] = "auto",
         seed: int = 0,
         overlap: bool = False,
         staleness: int = 1,
+        divergence_guard: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -132,9 +141,12 @@ class DecentralizedStrategy(DDPStrategy):
         self.peer_timeout: timedelta | None = peer_timeout
         self.compressor = build_compressor(compressor)
         self.weights = weights if weights is not None else self.default_weights
-        if not 0.0 < consensus_step <= 1.0:
-            raise ValueError(f"consensus_step (gamma) must be in (0, 1]; got {consensus_step}")
-        self.consensus_step = float(consensus_step)
+        self._consensus_step = check_consensus_step(consensus_step)
+        self._consensus_step_reported = False
+        if not isinstance(divergence_guard, bool):
+            raise ValueError(f"divergence_guard must be True or False; got {divergence_guard!r}")
+        self.divergence_guard = divergence_guard
+        self._guard: DivergenceGuard | None = None
         self.seed = int(seed)
         self.staleness = self._check_overlap(overlap, staleness)
         self.topology: Topology | None = None
@@ -143,6 +155,13 @@ class DecentralizedStrategy(DDPStrategy):
         self.steps_per_epoch: int | None = None  # common to every node, fixed when training starts
         if isinstance(topology, Topology):  # a user-built graph can be checked now, before any process starts
             self._build_topology(topology.num_nodes)
+
+    @property
+    def consensus_step(self) -> float | str:
+        """gamma in use once the gossip is built (the number given, or the one ``"auto"`` chose); before, what was
+        asked for."""
+        gamma = getattr(self.gossip, "gamma", None)
+        return self._consensus_step if gamma is None else gamma
 
     # ---- setup -------------------------------------------------------------------------------------------------------
     def _build_topology(self, world_size: int) -> Topology:
@@ -226,6 +245,8 @@ class DecentralizedStrategy(DDPStrategy):
         self.gossip = self.build_gossip(self.flat.buffer, exchange)
         if getattr(self.gossip, "staleness", 0) != self.staleness:
             raise RuntimeError(f"{type(self).__name__}'s gossip does not implement overlap=True; use overlap=False")
+        self._guard = DivergenceGuard() if self.divergence_guard else None
+        self._report_consensus_step()
         self._warn_about_unstable_compression(self.flat.numel)
 
     def build_gossip(self, x0: torch.Tensor, exchange: TorchDistributedExchange) -> PushSumGossip:
@@ -240,19 +261,28 @@ class DecentralizedStrategy(DDPStrategy):
             push_sum_weight=self.required_mixing == "column",
             reference=x0,
             seed=self.seed,
-            consensus_step=self.consensus_step,
+            consensus_step=self._consensus_step,
             staleness=self.staleness,
         )
 
+    def _report_consensus_step(self) -> None:
+        """One line at setup saying which gamma ``"auto"`` chose for a compressed gossip, and from what."""
+        choice = getattr(self.gossip, "consensus_step_choice", None)
+        if choice is None or self.compressor is None or self._consensus_step_reported:
+            return
+        assert self.topology is not None
+        rank_zero_info(f"{type(self).__name__}: {choice.describe(self.compressor, self.topology)}")
+        self._consensus_step_reported = True
+
     def _warn_about_unstable_compression(self, dimension: int) -> None:
-        if self.compressor is None or self.consensus_step < 1.0:
+        if self.compressor is None or self._consensus_step != 1.0:
             return
         omega2 = self.compressor.omega2(dimension)
         if omega2 > 0.5:
             rank_zero_warn(
                 f"{self.compressor} has omega^2 = {omega2:.3f} > 0.5 on this model and consensus_step=1 (DP-CSGP's "
-                "implicit value): error-feedback gossip can diverge with aggressive compression. "
-                f"Consider consensus_step={max(0.05, round(1.0 - omega2, 2))} (see docs/compression.md)."
+                "implicit value): error-feedback gossip can diverge with aggressive compression (the divergence guard "
+                "then stops training). Use consensus_step='auto' (the default; see docs/compression.md)."
             )
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -360,8 +390,49 @@ class DecentralizedStrategy(DDPStrategy):
 
         output = ParallelStrategy.optimizer_step(self, optimizer, gradients_then_numerator, model, **kwargs)
         gossip.step(flat.buffer)  # x^{t+1/2} -> neighbours -> x^{t+1}, y^{t+1}
+        if self._guard is not None and self._guard.due(gossip.round):
+            self._check_divergence(output, torch.dist(gossip.x, flat.buffer).item(), flat.buffer.norm().item())
         gossip.debias_into(flat.buffer)  # the module holds z = x / y for the next forward
         return output
+
+    def _check_divergence(self, loss: Any, correction: float, model_norm: float) -> None:
+        """The divergence guard's check step: every node's verdict, one all-gather; all raise if one node fired."""
+        assert self._guard is not None
+        value = loss.detach().reshape(-1)[0].item() if isinstance(loss, torch.Tensor) and loss.numel() else None
+        if value is not None and not math.isfinite(value) and not self.stop_on_nonfinite_loss:
+            value = None  # a private step's empty Poisson batch: no loss to judge
+        verdict = self._guard.observe(value, correction, model_norm)
+        local = torch.tensor([verdict.code, verdict.value, verdict.ratio], dtype=torch.float64, device=self.root_device)
+        gathered = [local]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, local)
+        verdicts = torch.stack(gathered).cpu()
+        fired = [r for r in range(len(verdicts)) if verdicts[r, 0] > 0]
+        if not fired:
+            return
+        rank = fired[0]
+        code, value, ratio = int(verdicts[rank, 0]), float(verdicts[rank, 1]), float(verdicts[rank, 2])
+        assert self.gossip is not None
+        message = self._guard.message(rank, self.gossip.round, Verdict(code, value, ratio), self.divergence_cause())
+        raise DivergenceError(message)
+
+    def divergence_cause(self) -> str:
+        """The settings most likely behind a divergence the guard found, for its error message."""
+        lr = ", ".join(f"{float(g['lr']):g}" for g in self.optimizers[0].param_groups) if self.optimizers else "?"
+        if self.compressor is None:
+            return f"Likely cause: the learning rate (lr={lr}) is too large for this model and noise."
+        assert self.topology is not None and self.flat is not None
+        gamma, auto = self.consensus_step, choose_consensus_step(self.compressor, self.topology, self.flat.numel).gamma
+        if gamma > auto * (1 + 1e-9):
+            return (
+                f"Likely cause: consensus_step={gamma:.3g} is too large for compressor={self.compressor} on this graph "
+                f"(consensus_step='auto' chooses {auto:.3g}); otherwise the learning rate (lr={lr}) is too large."
+            )
+        return (
+            f"Likely cause: the learning rate (lr={lr}) is too large for this model and noise, or compressor="
+            f"{self.compressor} too aggressive at consensus_step={gamma:.3g}: lower one of them."
+        )
 
     def on_train_end(self) -> None:
         super().on_train_end()
