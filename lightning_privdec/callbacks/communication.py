@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_privdec.strategies.base import DecentralizedStrategy
+from lightning_privdec.strategies.checks import gather_tensors
 
 
 class CommunicationCostCallback(Callback):
@@ -75,7 +76,7 @@ class CommunicationCostCallback(Callback):
             dtype=torch.float64,
             device=strategy.root_device,
         )
-        per_node = strategy.all_gather(local).reshape(-1, 5).cpu()
+        per_node = gather_tensors(local).cpu()
         metrics: dict[str, float] = {}
         for column, name in enumerate(("bytes_sent", "bytes_received", "bytes_sent_total", "bytes_received_total")):
             metrics.update({f"comm/{name}/node_{i}": float(v) for i, v in enumerate(per_node[:, column])})

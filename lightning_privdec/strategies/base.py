@@ -47,6 +47,7 @@ from lightning_privdec.strategies.checks import (
     common_steps_per_epoch,
     describe,
     gather_from_nodes,
+    gather_tensors,
     nonfinite_parameters,
 )
 from lightning_privdec.strategies.divergence import DivergenceError, DivergenceGuard, Verdict
@@ -403,11 +404,7 @@ class DecentralizedStrategy(DDPStrategy):
             value = None  # a private step's empty Poisson batch: no loss to judge
         verdict = self._guard.observe(value, correction, model_norm)
         local = torch.tensor([verdict.code, verdict.value, verdict.ratio], dtype=torch.float64, device=self.root_device)
-        gathered = [local]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-            dist.all_gather(gathered, local)
-        verdicts = torch.stack(gathered).cpu()
+        verdicts = gather_tensors(local).cpu()
         fired = [r for r in range(len(verdicts)) if verdicts[r, 0] > 0]
         if not fired:
             return
