@@ -168,3 +168,45 @@ def test_cuda_draws_equal_the_cpu_draws_of_the_same_key() -> None:
     cuda = node_noise_generator("cuda", 11, 0).normal(100_003, 1.0, torch.float64)
     assert cuda.device.type == "cuda"
     torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-12, atol=1e-12)
+
+
+def test_the_key_is_the_whole_os_entropy_and_every_key_byte_matters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old defect: 63 bits of OS entropy of which torch kept 32. Here the key is all 32 bytes os.urandom gave,
+    and changing any one of them (not only the low ones) changes the stream."""
+    from lightning_privdec.privacy import noise
+
+    key = bytes(range(100, 132))
+    monkeypatch.setattr(noise.os, "urandom", lambda n: key[:n])
+    generator = node_noise_generator("cpu", None, 0)
+    assert generator._key == key and not generator.seeded
+    stream = generator.normal(64, 1.0, torch.float64)
+    for byte in (0, 3, 4, 8, 16, 31):  # the bytes a 32- or 64-bit truncation would drop are among them
+        flipped = bytearray(key)
+        flipped[byte] ^= 1
+        assert not torch.equal(NoiseGenerator(bytes(flipped)).normal(64, 1.0, torch.float64), stream), byte
+
+
+def test_draw_k_is_the_chacha20_keystream_under_nonce_k_and_draws_never_repeat() -> None:
+    """Each draw reads a fresh keystream (nonce = draw index): no two draws, steps or streams share noise."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    key = bytes(range(32))
+    generator = NoiseGenerator(key, seeded=True)
+    for k in range(3):
+        nonce = bytes(4) + k.to_bytes(8, "little") + bytes(4)
+        raw = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update(bytes(8 * 10))
+        words = np.frombuffer(raw, dtype="<u8") >> np.uint64(11)
+        expected = torch.from_numpy(words.astype(np.float64) * 2.0**-53)
+        assert torch.equal(generator.uniform(10), expected), k
+    first, second = generator.normal(5000, 1.0, torch.float64), generator.normal(5000, 1.0, torch.float64)
+    assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 0.05
+
+
+def test_a_copied_seeded_generator_continues_the_same_stream() -> None:
+    import copy
+
+    generator = node_noise_generator("cpu", 2, 0)
+    generator.normal(10, 1.0)
+    copied, pickled = copy.deepcopy(generator), pickle.loads(pickle.dumps(generator))
+    expected = generator.normal(1000, 1.0)
+    assert torch.equal(copied.normal(1000, 1.0), expected) and torch.equal(pickled.normal(1000, 1.0), expected)

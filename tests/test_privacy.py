@@ -33,6 +33,7 @@ from lightning_privdec.privacy import (
 from lightning_privdec import (
     CorrelatedNoiseStrategy,
     CPGTStrategy,
+    DP2SGDStrategy,
     DPCSGPStrategy,
     DynD2PStrategy,
     PrivSGPStrategy,
@@ -557,6 +558,7 @@ def test_every_private_strategy_refuses_gdp_when_built() -> None:
     for build in (
         lambda: DPCSGPStrategy(**budget),
         lambda: PrivSGPStrategy(**budget),
+        lambda: DP2SGDStrategy(**budget),
         lambda: PrivSGPVRStrategy(**budget),
         lambda: CPGTStrategy(noise_decay=0.9, lipschitz=1.0, **budget),
         lambda: CorrelatedNoiseStrategy(**budget),

@@ -359,6 +359,16 @@ def test_a_resume_may_keep_its_noise_and_stop_at_the_budget_or_recalibrate_knowi
     assert strategy.privacy.noise_multiplier > 2 * old_sigma and strategy.privacy.epsilon() <= 3.0
 
 
+def test_a_resume_with_a_noise_multiplier_given_by_hand_uses_it(end_of_a_two_epoch_plan, tmp_path) -> None:
+    """resume_noise governs a calibrated sigma only: a sigma the user passes is never refused nor replaced."""
+    checkpoint, old_sigma = end_of_a_two_epoch_plan
+    for choice in ("auto", "keep"):
+        strategy = DPCSGPStrategy(max_grad_norm=1.0, noise_multiplier=3 * old_sigma, noise_seed=0, resume_noise=choice)
+        resumed = trainer(tmp_path / choice, strategy, checkpoints=False, max_steps=-1, max_epochs=3)
+        resumed.fit(Classifier(), data(), ckpt_path=checkpoint)
+        assert strategy.privacy.noise_multiplier == 3 * old_sigma and resumed.global_step == 3 * 16
+
+
 def test_the_write_ahead_ledger_lives_with_the_checkpoints_or_logs_never_in_the_working_directory(tmp_path: Path) -> None:
     budget = dict(max_grad_norm=1.0, noise_multiplier=1.0)
     bare = pl.Trainer(accelerator="cpu", devices=1, strategy=DPCSGPStrategy(**budget), max_steps=6, logger=False,

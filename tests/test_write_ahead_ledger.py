@@ -259,3 +259,26 @@ def test_a_lightning_resume_after_a_crash_counts_the_released_steps(tmp_path):
         assert b["ledger_steps"] == 5 * steps_per_epoch  # epoch 0, the 2 lost epochs, and their replay
         assert b["epsilon"] == pytest.approx(epsilon_for(1.0, b["sample_rate"], b["ledger_steps"], 1e-5), rel=1e-9)
         assert b["epsilon"] > a["epsilon"]
+
+
+def test_a_calibrated_finite_cpgt_plan_takes_every_planned_round():
+    """The calibrated scale spends the target exactly (to float rounding): the last planned round must not be
+    refused for a few ulp."""
+    from lightning_privdec.privacy import PrivacyParameters
+    from lightning_privdec.privacy.cpgt_engine import CPGTPrivacyEngine
+
+    data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
+    early = []
+    for planned in range(2, 40, 3):
+        for target in (0.5, 3.0, 7.3):
+            e = CPGTPrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0), rank=0,
+                                  device=torch.device("cpu"), noise_x=None, noise_y=None, noise_decay=0.9,
+                                  lipschitz=1.0, accounting="finite", target_epsilon=target)
+            e.configure(step_size=0.1, dimension=3)
+            e.private_dataloader(torch.utils.data.DataLoader(data, batch_size=5), planned_steps=planned)
+            e._steps = planned - 1
+            if e.next_step_exceeds_budget():
+                early.append((planned, target))
+            e._steps = planned
+            assert e.next_step_exceeds_budget() and e.epsilon() == pytest.approx(target, rel=1e-9)
+    assert early == []

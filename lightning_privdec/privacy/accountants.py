@@ -432,6 +432,13 @@ class PrivacyLedger:
                 "not a PrivacyLedger state_dict (needs keys 'accountant' and 'history'); pass what "
                 "PrivacyLedger.state_dict() returned"
             )
+        if state["accountant"] == "gdp":
+            raise PrivacyConfigError(
+                "this checkpoint's ledger was accounted with 'gdp', an approximation this library no longer uses: "
+                f"re-account its history {state['history']} soundly with "
+                "PrivacyLedger('rdp').load_state_dict({**state, 'accountant': 'rdp'}) (the same (sigma, q, steps) "
+                "entries), or start a new run"
+            )
         if state["accountant"] != self.accountant:
             raise PrivacyConfigError(
                 f"the saved ledger used accountant {state['accountant']!r} but this one uses {self.accountant!r}; "

@@ -214,7 +214,8 @@ class CPGTPrivacyEngine(NodePrivacyEngine):
             return False
         if self.accounting != "finite":  # the next round is covered by the run's bound; replays may not be
             return self.run_epsilon + self._replay_epsilon() > self.target_epsilon * (1 + 1e-9)  # type: ignore[operator]
-        return self._epsilon_after(self._steps + 1) + self._replay_epsilon() > self.target_epsilon
+        # the calibrated scale spends the target exactly, up to float rounding
+        return self._epsilon_after(self._steps + 1) + self._replay_epsilon() > self.target_epsilon * (1 + 1e-9)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -69,8 +69,7 @@ def _check_positive(value: float, name: str, *, allow_zero: bool = False) -> flo
 
 
 def _gaussian(numel: int, std: float, generator: NoiseGenerator, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """N(0, std^2 I_numel) of ``dtype`` on ``device``, in float32 at least (bfloat16 parameters get float32 noise
-    rounded once)."""
+    """N(0, std^2 I_numel) of ``dtype`` on ``device``, computed in float64 and rounded once to ``dtype``."""
     return generator.normal(numel, std, dtype, device)
 
 

@@ -21,8 +21,8 @@ the number of draws (``get_state``). The keystream's 64-bit words become 53-bit 
 ``secure_mode=True`` adds Opacus's mitigation of floating-point attacks on the Gaussian sampler (Holohan and Braghin
 2021, "Secure Random Sampling in Differential Privacy", Sec. 5.1, as in Opacus's ``_generate_noise``): each noise
 coordinate is the sum of four draws divided by 2, at four times the sampling cost. The keystream is produced on the
-host in chunks and transformed on the target device; buffers are reused across chunks and draws, so generating
-11.2M normals costs about as much as ``torch.randn`` (``benchmarks/step_time.py`` prints both).
+host in chunks and transformed on the target device; buffers are reused across chunks and draws (11.2M normals:
+about 1.5x ``torch.randn`` on 2 threads, 2.5x on one; ``benchmarks/step_time.py`` prints both).
 """
 
 from __future__ import annotations
@@ -219,7 +219,11 @@ class NoiseGenerator:
     def __getstate__(self) -> dict[str, Any]:
         if not self.seeded:
             raise TypeError("a secure NoiseGenerator holds a secret key and cannot be pickled")
-        return self.__dict__
+        return {k: v for k, v in self.__dict__.items() if k not in ("_buffers", "_work")}  # views: rebuilt, not copied
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._buffers, self._work = KeystreamBuffers(self.device), None
 
 
 def node_noise_generator(

@@ -57,7 +57,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             of OS entropy per node and run (:mod:`lightning_privdec.privacy.noise`); an int: reproducible streams
             derived from (seed, rank), NOT private (whoever knows the seed knows the noise): for tests and debugging.
         secure_mode: Gaussian noise with Opacus's floating-point mitigation (each coordinate the sum of four draws,
-            halved; Holohan and Braghin 2021): closes the floating-point attacks on the sampler at 4x its cost.
+            halved; Holohan and Braghin 2021): mitigates the floating-point attacks on the sampler at 4x its cost.
         node_local_data: each process's training loader already holds only that node's data (no
             DistributedSampler); otherwise a missing sampler is refused, as every node would sample every example.
         ledger_dir: the write-ahead privacy ledger (:mod:`lightning_privdec.privacy.write_ahead`): before a step's
@@ -209,7 +209,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         super().process_dataloader(dataloader)  # every node has data; the steps per epoch common to all nodes
         problem: Exception | None = None
         try:
-            resumed_sigma = self.privacy.noise_multiplier if self.privacy.steps > 0 else None
+            calibrated = self.privacy_parameters.noise_multiplier is None  # a sigma given by hand is never changed
+            resumed_sigma = self.privacy.noise_multiplier if self.privacy.steps > 0 and calibrated else None
             k = trainer.accumulate_grad_batches  # one Poisson batch of k x batch_size per step, as k micro-batches
             assert self.steps_per_epoch is not None
             private = self.privacy.private_dataloader(
@@ -244,7 +245,9 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 trainer.should_stop = True
                 rank_zero_warn(
                     f"{type(self).__name__}: target_epsilon={self.privacy_parameters.target_epsilon} is already spent "
-                    "(the ledger counts every step released so far): no step is taken in this fit"
+                    f"(epsilon = {self.privacy.epsilon():.4g}: the ledger counts every step released so far, and CPGT "
+                    "also the rounds a resume must send again): no step is taken in this fit; raise target_epsilon "
+                    "above that to go on"
                 )
         self._plan_for_max_time(trainer)
         return private
