@@ -93,6 +93,7 @@ def private(**kwargs: object) -> PrivSGPStrategy:
 
 
 # ============================================================================ the same configuration on every node
+#: small valid arguments of every strategy (CPGT with finite accounting, which accepts mini-batches)
 REPRESENTATIVE = {
     "push_sum": dict(),
     "dpsgd": dict(),
@@ -100,9 +101,9 @@ REPRESENTATIVE = {
     "privsgp": dict(max_grad_norm=1.0, noise_multiplier=1.0),
     "dp2sgd": dict(max_grad_norm=1.0, noise_multiplier=1.0),
     "decor": dict(max_grad_norm=1.0, sigma_cdp=1.0, sigma_cor=1.0),
-    "dyn_d2p": dict(max_grad_norm=1.0, target_epsilon=1.0, target_delta=1e-5),
+    "dyn_d2p": dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5),
     "privsgp_vr": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "cpgt": dict(max_grad_norm=1.0, noise_x=0.1, noise_y=0.1, noise_decay=0.9, lipschitz=0.1),
+    "cpgt": dict(max_grad_norm=1.0, noise_x=0.1, noise_y=0.1, noise_decay=0.9, lipschitz=0.1, accounting="finite"),
 }
 
 

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_privdec.privacy import GRAD_SAMPLE_MODES, PrivacyConfigError
 from lightning_privdec.strategies import PRIVATE_STRATEGIES
+from tests.test_reliability import REPRESENTATIVE
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
@@ -26,15 +27,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:noise_multiplier=0 adds no noise"),
 ]
 
-ARGUMENTS = {
-    "dp_csgp": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "privsgp": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "dp2sgd": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "decor": dict(max_grad_norm=1.0, sigma_cdp=1.0, sigma_cor=1.0),
-    "dyn_d2p": dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5),
-    "privsgp_vr": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "cpgt": dict(max_grad_norm=1.0, noise_x=0.1, noise_y=0.1, noise_decay=0.9, lipschitz=0.1, accounting="finite"),
-}
+ARGUMENTS = {name: REPRESENTATIVE[name] for name in PRIVATE_STRATEGIES}
 #: the modes a strategy refuses, and the words its refusal must contain
 REFUSED = {("privsgp_vr", "ghost"): "ghost"}
 
