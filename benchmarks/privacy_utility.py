@@ -9,7 +9,7 @@ validation set (``--val-fraction``, default 20%) for tuning and the rest for tra
 epochs at per-node expected batch B = ``--batch-size`` (Poisson sampling, q = B / J), with per-node target epsilon in
 ``--epsilons`` and delta = 1e-5:
 
-    dp_csgp   DP-CSGP, exponential graph, RandK(0.5), gamma 0.5     (examples/digits.py defaults)
+    dp_csgp   DP-CSGP, exponential graph, RandK(0.5), gamma auto    (examples/digits.py defaults)
     privsgp   PrivSGP, exponential graph, uncompressed
     dyn_d2p   Dyn-D2P, exponential-one-peer, rho_c = rho_mu = 2
     decor     Decor, ring, SecLDP against an eavesdropper

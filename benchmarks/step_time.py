@@ -46,6 +46,13 @@ forward + backward + clipping + noise for each ``grad_sample_mode`` of the libra
 single-process DP-SGD (GradSampleModule hooks or expanded weights + DPOptimizer's clip, noise and scale); it also
 checks that every engine mode produces the same clipped sum as ``hooks`` (noise off).
 
+Noise generation (``--noise``, on by default): one process, the Gaussian noise of one private step of ResNet-18
+(the GroupNorm ResNet-18 of ``examples/cifar_resnet.py``, d = 11.2M parameters): milliseconds per step for the
+generator the library used before (``torch.randn`` with a ``torch.Generator``, 32 effective seed bits on CPU), for
+its ChaCha20 ``NoiseGenerator`` (256-bit key) and for the same with ``secure_mode=True``; next to the CPU time of
+one whole private step of that model (forward, backward, book-keeping clipping, noise; batch ``--noise-batch-size``
+of 32x32 images), so the noise's share of a step is printed (target: at most 10%).
+
 Targets (from the issue): uncompressed push-sum <= 1.2x DDP; each private strategy <= 1.1x Opacus-on-DDP; bytes on
 the wire within 5% of the stated size.
 
@@ -55,6 +62,7 @@ How to run
     python benchmarks/step_time.py --repeats 3          # interleaved repeats, medians over runs (less noise)
     python benchmarks/step_time.py --configs ddp,opacus_ddp,privsgp --steps 100
     python benchmarks/step_time.py --modes-only         # only the single-process per-sample mode comparison
+    python benchmarks/step_time.py --noise-only --no-record   # only the noise generation cost (ResNet-18)
     python benchmarks/step_time.py --grad-sample-mode hooks   # the private strategies with Opacus's hooks
 
 It prints the tables, writes ``benchmarks/step_time.png`` and appends the tables with this machine's description to
@@ -138,7 +146,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", action=argparse.BooleanOptionalAction, default=True,
                         help="also compare the per-sample modes in one process (default: on)")
     parser.add_argument("--modes-only", action="store_true", help="only the per-sample mode comparison")
+    parser.add_argument("--noise", action=argparse.BooleanOptionalAction, default=True,
+                        help="noise generation per step for ResNet-18 (11.2M parameters): old vs new generator")
+    parser.add_argument("--noise-only", action="store_true", help="only the noise generation comparison")
+    parser.add_argument("--noise-batch-size", type=int, default=32, help="batch of the ResNet-18 private step")
     parser.add_argument("--mode-steps", type=int, default=10, help="timed steps per per-sample mode")
+    parser.add_argument("--modes-model", default="mlp", choices=("mlp", "resnet18", "gpt2"),
+                        help="the model of the per-sample mode comparison")
     parser.add_argument("--json", type=Path, default=None, help="also write all results to this file")
     parser.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "step_time.png")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "RESULTS.md")
@@ -148,7 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.config_list = [] if args.modes_only else [c.strip() for c in args.configs.split(",") if c.strip()]
+    only = args.modes_only or args.noise_only
+    args.config_list = [] if only else [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.config_list + ([args.config] if args.config else []) if c not in CONFIGS]
     if unknown:
         parser.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
@@ -397,25 +412,78 @@ def run_child(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # child: the per-sample modes in one process
 # ---------------------------------------------------------------------------------------------------------------------
-def run_modes_child(args: argparse.Namespace) -> None:
-    """Median forward + backward + clip + noise per per-sample mode (one process, one thread); writes JSON."""
+def modes_problem(args: argparse.Namespace):  # noqa: ANN201
+    """(a fresh model, its inputs, targets, a loss of (outputs, targets) with ``reduction``) for ``--modes-model``:
+    the MLP above, the GroupNorm ResNet-18 of examples/cifar_resnet.py on 32x32 images, or a GPT-2 (2 layers, width
+    128, vocabulary 512, sequences of 32 tokens; the privacy unit is a sequence) built from its config."""
     import torch
+    from torch import nn
+
+    gen = torch.Generator().manual_seed(args.seed)
+    batch = args.batch_size
+    if args.modes_model == "mlp":
+        inputs = torch.randn(batch, INPUT_DIM, generator=gen)
+        targets = torch.randint(0, NUM_CLASSES, (batch,), generator=gen)
+        build = lambda: build_model(args.hidden)  # noqa: E731
+
+        def loss(outputs, y, reduction="mean"):  # noqa: ANN001, ANN202
+            return nn.functional.cross_entropy(outputs, y, reduction=reduction)
+    elif args.modes_model == "resnet18":
+        sys.path.insert(0, str(ROOT / "examples"))
+        from cifar_resnet import resnet18_groupnorm
+
+        inputs = torch.randn(batch, 3, 32, 32, generator=gen)
+        targets = torch.randint(0, 10, (batch,), generator=gen)
+        build = resnet18_groupnorm
+
+        def loss(outputs, y, reduction="mean"):  # noqa: ANN001, ANN202
+            return nn.functional.cross_entropy(outputs, y, reduction=reduction)
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4)
+        inputs = torch.randint(0, 512, (batch, 32), generator=gen)
+        targets = inputs
+
+        class GPT2(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lm = GPT2LMHeadModel(config)
+
+            def forward(self, ids):  # noqa: ANN001, ANN202
+                return self.lm(ids).logits
+
+        build = GPT2
+
+        def loss(logits, ids, reduction="mean"):  # noqa: ANN001, ANN202
+            per_token = nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+            ).view(ids.shape[0], -1)
+            per_sequence = per_token.mean(1)  # the privacy unit is a sequence
+            return per_sequence if reduction == "none" else per_sequence.mean()
+
+    def fresh_model():  # noqa: ANN202
+        torch.manual_seed(args.seed)
+        return build()
+
+    return fresh_model, inputs, targets, loss
+
+
+def run_modes_child(args: argparse.Namespace) -> None:
+    """Median forward + backward + clip + noise per per-sample mode (one process, one thread); writes JSON. A mode
+    that fails on the model is a row with its error (Opacus's hooks refuse some layers)."""
+    import torch
+    from opacus import PrivacyEngine
     from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
     from opacus.optimizers import DPOptimizer
-    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_privdec.privacy import NodePrivacyEngine, PrivacyParameters
     from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    gen = torch.Generator().manual_seed(args.seed)
-    inputs = torch.randn(args.batch_size, INPUT_DIM, generator=gen)
-    targets = torch.randint(0, NUM_CLASSES, (args.batch_size,), generator=gen)
-
-    def fresh_model():  # noqa: ANN202
-        torch.manual_seed(args.seed)
-        return build_model(args.hidden)
+    fresh_model, inputs, targets, loss_fn = modes_problem(args)
 
     def timed(step) -> float:  # noqa: ANN001
         for _ in range(2):
@@ -427,59 +495,99 @@ def run_modes_child(args: argparse.Namespace) -> None:
             times.append(time.process_time() - start)
         return 1e3 * statistics.median(times)
 
+    def row(label: str, build_step) -> dict[str, Any]:  # noqa: ANN001
+        try:
+            return {"mode": label, "ms": timed(build_step()), "max_abs_diff": None}
+        except Exception as error:  # noqa: BLE001 - a mode that cannot run this model is a result
+            return {"mode": label, "ms": None, "max_abs_diff": None, "error": f"{type(error).__name__}: {error}"[:160]}
+
     rows: list[dict[str, Any]] = []
-    model = fresh_model()
 
-    def plain() -> None:
-        model.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(inputs), targets).backward()
+    def plain_step():  # noqa: ANN202
+        model = fresh_model()
 
-    rows.append({"mode": "non-private forward + backward", "ms": timed(plain), "max_abs_diff": None})
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(inputs), targets).backward()
+        return step
+
+    rows.append(row("non-private forward + backward", plain_step))
 
     clipped: dict[str, list[torch.Tensor]] = {}
     for mode in GRAD_SAMPLE_MODES:
-        model = fresh_model()
-        engine = NodePrivacyEngine(PrivacyParameters(max_grad_norm=CLIP, noise_multiplier=SIGMA), rank=0,
-                                   device=torch.device("cpu"), grad_sample_mode=mode, noise_seed=0)
-        engine.attach(model)
-        engine.noise_multiplier, engine.sample_rate = SIGMA, args.batch_size / 2048
-        engine.expected_batch_size = float(args.batch_size)
+        def engine_step(mode=mode):  # noqa: ANN001, ANN202
+            model = fresh_model()
+            engine = NodePrivacyEngine(PrivacyParameters(max_grad_norm=CLIP, noise_multiplier=SIGMA), rank=0,
+                                       device=torch.device("cpu"), grad_sample_mode=mode, noise_seed=0)
+            engine.attach(model)
+            engine.noise_multiplier, engine.sample_rate = SIGMA, args.batch_size / 2048
+            engine.expected_batch_size = float(args.batch_size)
 
-        def step(engine=engine, model=model, mode=mode, noise=True) -> None:  # noqa: ANN001
-            model.zero_grad(set_to_none=True)
-            if mode == "ghost":
-                engine.ghost_backward(nn.functional.cross_entropy(model(inputs), targets, reduction="none"))
-            else:
-                nn.functional.cross_entropy(model(inputs), targets).backward()
-            if noise:
+            def backward() -> None:
+                model.zero_grad(set_to_none=True)
+                if mode == "ghost":
+                    engine.ghost_backward(loss_fn(model(inputs), targets, reduction="none"))
+                else:
+                    loss_fn(model(inputs), targets).backward()
+
+            def step() -> None:
+                backward()
                 engine.privatize()
-            else:  # the clipped sum alone, for the equality check
-                engine._clip_and_noise(CLIP, 0.0)
 
-        ms = timed(step)
-        step(noise=False)
-        clipped[mode] = [p.grad.detach().clone() for p in model.parameters()]
-        engine.detach()
+            backward()  # the clipped sum alone (noise off), for the equality check
+            engine.noise_multiplier = 0.0
+            engine.privatize()
+            clipped[mode] = [p.grad.detach().clone() for p in model.parameters()]
+            engine.noise_multiplier = SIGMA
+            return step
+
         label = f"engine {mode!r}" + (" (default)" if mode == DEFAULT_GRAD_SAMPLE_MODE else "")
-        rows.append({"mode": label, "ms": ms, "engine_mode": mode})
-    for row in rows:
-        if "engine_mode" in row:
-            diffs = [(a - b).abs().max().item() for a, b in zip(clipped[row["engine_mode"]], clipped["hooks"])]
-            row["max_abs_diff"] = max(diffs)
+        rows.append({**row(label, engine_step), "engine_mode": mode})
+    reference = clipped.get("hooks") or next(iter(clipped.values()), None)
+    for r in rows:
+        if r.get("engine_mode") in clipped and reference is not None:
+            diffs = [(a - b).abs().max().item() for a, b in zip(clipped[r["engine_mode"]], reference)]
+            r["max_abs_diff"] = max(diffs)
 
     for name, wrap in (("Opacus GradSampleModule (hooks) + DPOptimizer", GradSampleModule),
                        ("Opacus expanded weights (ew) + DPOptimizer", GradSampleModuleExpandedWeights)):
+        def opacus_step(wrap=wrap):  # noqa: ANN001, ANN202
+            model = fresh_model()
+            wrapped = wrap(model, batch_first=True, loss_reduction="mean")
+            optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=LR), noise_multiplier=SIGMA,
+                                    max_grad_norm=CLIP, expected_batch_size=args.batch_size)
+
+            def step() -> None:
+                optimizer.zero_grad(set_to_none=True)
+                loss_fn(wrapped(inputs), targets).backward()
+                optimizer.pre_step()  # clip, accumulate, noise, scale (the step itself is left out, as above)
+            return step
+
+        rows.append(row(name, opacus_step))
+
+    def opacus_ghost_step():  # noqa: ANN202
         model = fresh_model()
-        wrapped = wrap(model, batch_first=True, loss_reduction="mean")
-        optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=LR), noise_multiplier=SIGMA,
-                                max_grad_norm=CLIP, expected_batch_size=args.batch_size)
+        loader = DataLoader(TensorDataset(inputs, targets), batch_size=args.batch_size)
 
-        def opacus_step(wrapped=wrapped, optimizer=optimizer) -> None:  # noqa: ANN001
+        class Criterion(torch.nn.Module):
+            reduction = "mean"
+
+            def forward(self, outputs, y):  # noqa: ANN001, ANN202
+                return loss_fn(outputs, y, reduction=self.reduction)
+
+        wrapped, optimizer, criterion, _ = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader,
+            criterion=Criterion(), noise_multiplier=SIGMA, max_grad_norm=CLIP, grad_sample_mode="ghost",
+            poisson_sampling=False,
+        )
+
+        def step() -> None:
             optimizer.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(wrapped(inputs), targets).backward()
-            optimizer.pre_step()  # clip, accumulate, noise, scale (the step itself is left out, as above)
+            criterion(wrapped(inputs), targets).backward()  # Opacus's two backward passes
+            optimizer.pre_step()
+        return step
 
-        rows.append({"mode": name, "ms": timed(opacus_step), "max_abs_diff": None})
+    rows.append(row("Opacus ghost clipping (make_private, grad_sample_mode='ghost')", opacus_ghost_step))
     args.out.write_text(json.dumps(rows, indent=1))
 
 
@@ -492,6 +600,7 @@ def _child_command(args: argparse.Namespace, *extra: str) -> list[str]:
         "--devices", str(args.devices), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--hidden", str(args.hidden), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
         "--vr-examples", str(args.vr_examples), "--mode-steps", str(args.mode_steps),
+        "--modes-model", args.modes_model,
     ]  # fmt: skip
     if args.grad_sample_mode is not None:
         cmd += ["--grad-sample-mode", args.grad_sample_mode]
@@ -673,10 +782,86 @@ def target_lines(summaries: list[dict[str, Any]], ddp: dict[str, Any] | None, op
     return lines
 
 
+def run_noise(args: argparse.Namespace) -> dict[str, Any]:
+    """Noise generation for ResNet-18's d parameters, old vs new generator, and one private step of that model."""
+    import torch
+
+    from lightning_privdec.privacy import NodePrivacyEngine, PrivacyParameters
+    from lightning_privdec.privacy.noise import node_noise_generator
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from cifar_resnet import resnet18_groupnorm
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(args.seed)
+    model = resnet18_groupnorm()
+    d = sum(p.numel() for p in model.parameters())
+
+    def median_ms(fn, repeats: int = 7) -> float:  # noqa: ANN001
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    old = torch.Generator().manual_seed(args.seed)
+    new, secure = node_noise_generator("cpu", None, 0), node_noise_generator("cpu", None, 0, secure_mode=True)
+    row: dict[str, Any] = {
+        "d": d,
+        "threads": torch.get_num_threads(),
+        "old_ms": median_ms(lambda: torch.randn(d, generator=old).mul_(SIGMA)),
+        "new_ms": median_ms(lambda: new.normal(d, SIGMA)),
+        "secure_ms": median_ms(lambda: secure.normal(d, SIGMA), repeats=3),
+    }
+    engine = NodePrivacyEngine(PrivacyParameters(max_grad_norm=CLIP, noise_multiplier=SIGMA), rank=0,
+                               device=torch.device("cpu"))
+    engine.attach(model)
+    engine.noise_multiplier, engine.sample_rate = SIGMA, args.noise_batch_size / 50_000
+    engine.expected_batch_size = float(args.noise_batch_size)
+    gen = torch.Generator().manual_seed(args.seed)
+    images = torch.randn(args.noise_batch_size, 3, 32, 32, generator=gen)
+    labels = torch.randint(0, 10, (args.noise_batch_size,), generator=gen)
+
+    def private_step() -> None:
+        model.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        engine.privatize()
+
+    row["step_ms"] = median_ms(private_step, repeats=3)
+    row["batch_size"] = args.noise_batch_size
+    engine.detach()
+    return row
+
+
+def format_noise(row: dict[str, Any]) -> list[str]:
+    step = row["step_ms"]
+    return [
+        f"Noise generation for one private step of ResNet-18 (GroupNorm, examples/cifar_resnet.py), d = {row['d']:,} "
+        f"parameters, one process, {row['threads']} threads; median wall ms per step. Whole private step (forward, "
+        f"backward, book-keeping clipping, noise; batch {row['batch_size']} of 32x32 images): {step:.0f} ms.",
+        "",
+        "| generator | noise ms per step | share of the private step |",
+        "|---|---:|---:|",
+        f"| old: torch.randn, torch.Generator (32 effective seed bits) | {row['old_ms']:.1f} | "
+        f"{row['old_ms'] / step:.1%} |",
+        f"| new: ChaCha20 NoiseGenerator, 256-bit key (default) | {row['new_ms']:.1f} | {row['new_ms'] / step:.1%} |",
+        f"| new, secure_mode=True (4 draws per coordinate) | {row['secure_ms']:.1f} | {row['secure_ms'] / step:.1%} |",
+    ]
+
+
+MODES_MODELS = {
+    "mlp": lambda args: f"MLP 784-{args.hidden}-{args.hidden // 2}-10",
+    "resnet18": lambda args: "ResNet-18 (GroupNorm, examples/cifar_resnet.py), 32x32 images",
+    "gpt2": lambda args: "GPT-2 from a config (2 layers, width 128, vocabulary 512), sequences of 32 tokens",
+}
+
+
 def format_modes(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
     base = rows[0]["ms"]
     lines = [
-        f"Per-sample modes: one process, one thread, MLP 784-{args.hidden}-{args.hidden // 2}-10, batch "
+        f"Per-sample modes: one process, one thread, {MODES_MODELS[args.modes_model](args)}, batch "
         f"{args.batch_size}, C = {CLIP}, sigma = {SIGMA}; median CPU time (user + system, page faults included) of "
         f"{args.mode_steps} steps of forward + backward + clip + noise + scale (no optimizer step). 'max abs diff': "
         "largest difference of the clipped sum (noise off) from mode 'hooks' on the same batch.",
@@ -686,7 +871,11 @@ def format_modes(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[s
     ]
     for row in rows:
         diff = "-" if row.get("max_abs_diff") is None else f"{row['max_abs_diff']:.1e}"
-        lines.append(f"| {row['mode']} | {row['ms']:.1f} | {row['ms'] / base:.2f}x | {diff} |")
+        if row["ms"] is None:
+            lines.append(f"| {row['mode']} | fails: {row['error']} | - | - |")
+            continue
+        ratio = f"{row['ms'] / base:.2f}x" if base else "-"
+        lines.append(f"| {row['mode']} | {row['ms']:.1f} | {ratio} | {diff} |")
     return lines
 
 
@@ -752,8 +941,14 @@ def run_parent(args: argparse.Namespace, argv: list[str]) -> None:
             print(f"running {label} ...", end=" ", flush=True)
             results[config].append(run_config(config, args))
             print(f"{results[config][-1]['wall_s']:.1f}s", flush=True)
+    noise = None
+    if (args.noise and not args.modes_only) or args.noise_only:
+        print("running the noise generation comparison (ResNet-18) ...", end=" ", flush=True)
+        start = time.perf_counter()
+        noise = run_noise(args)
+        print(f"{time.perf_counter() - start:.1f}s", flush=True)
     modes = None
-    if args.modes or args.modes_only:
+    if (args.modes and not args.noise_only) or args.modes_only:
         print("running the per-sample mode comparison ...", end=" ", flush=True)
         start = time.perf_counter()
         modes = run_modes(args)
@@ -765,12 +960,15 @@ def run_parent(args: argparse.Namespace, argv: list[str]) -> None:
         report += format_report(summaries, num_params, args.devices)
     if modes:
         report += ["", *format_modes(modes, args)]
+    if noise:
+        report += ["", *format_noise(noise)]
     total = time.perf_counter() - started
     print()
     print("\n".join(report))
     print(f"total wall time: {total:.1f}s")
     if args.json is not None:
-        payload = {"machine": machine, "summaries": summaries, "modes": modes, "raw": results, "total_s": total}
+        payload = {"machine": machine, "summaries": summaries, "modes": modes, "noise": noise, "raw": results,
+                   "total_s": total}
         args.json.write_text(json.dumps(payload, indent=1))
         print(f"results written to {args.json}")
     if args.no_record:

@@ -40,6 +40,7 @@ from lightning_privdec.callbacks import (
 )
 from lightning_privdec.data import DirichletPartitionSampler
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, STRATEGIES
+from lightning_privdec.strategies.checks import gather_tensors
 
 #: the papers' CIFAR-10 / ResNet-18 settings where they state them; the rest are this example's choices
 PAPER_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -68,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", default="dp_csgp", choices=sorted(STRATEGIES))
     p.add_argument("--topology", default=None, help="graph name (default: the strategy's, see below)")
     p.add_argument("--compressor", default=None, help="none, randk:R, topk:R, qsgd:B, sign (default: the strategy's)")
-    p.add_argument("--gamma", type=float, default=None, help="consensus step of compressed gossip (default 0.5 with a compressor)")
+    p.add_argument("--gamma", type=lambda text: text if text == "auto" else float(text), default="auto",
+                   help="consensus step of compressed gossip: a number in (0, 1] or auto (default: chosen at setup)")
     p.add_argument("--epsilon", type=float, default=3.0, help="per-node target epsilon (default 3)")
     p.add_argument("--delta", type=float, default=None, help="target delta (default: the strategy's, 1e-4 for DP-CSGP)")
     p.add_argument("--clip", type=float, default=None, help="per-sample clipping bound (default: the strategy's, 1.5)")
@@ -100,8 +102,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, defaults[name])
     if args.compressor is None:
         args.compressor = defaults["compressor"] or "none"
-    if args.gamma is None:
-        args.gamma = 1.0 if args.compressor == "none" else 0.5
     return args
 
 
@@ -284,11 +284,11 @@ def main(argv: list[str] | None = None) -> None:
         limit_val_batches=0 if args.synthetic else 1.0,
     )
     trainer.fit(model, datamodule=CifarData(args))
-    speed = trainer.strategy.all_gather(torch.tensor([throughput.samples_per_second()])).reshape(-1)
+    speed = gather_tensors(torch.tensor([throughput.samples_per_second()])).reshape(-1)
     epsilons = None
     if private:
         local = torch.tensor([trainer.strategy.privacy.epsilon()], dtype=torch.float64)
-        epsilons = trainer.strategy.all_gather(local).reshape(-1).tolist()
+        epsilons = gather_tensors(local).reshape(-1).tolist()
     if not trainer.is_global_zero:
         return
     result = {

@@ -23,12 +23,18 @@ import lightning as L
 import torch
 
 from lightning_privdec import PrivacyBudgetCallback
-from lightning_privdec.strategies import NON_PRIVATE_STRATEGIES, PRIVATE_STRATEGIES
 from lightning_privdec.data.digits import DigitsClassifier, DigitsDataModule, accuracy
+from lightning_privdec.strategies import NON_PRIVATE_STRATEGIES, PRIVATE_STRATEGIES
+from lightning_privdec.strategies.checks import gather_tensors
 
 DEFAULT_TOPOLOGY = {
     "dp2sgd": "ring", "dpsgd": "ring", "decor": "ring", "dyn_d2p": "exponential-one-peer", "cpgt": "ring",
 }
+
+
+def consensus_step(text: str) -> float | str:
+    """``--gamma``: "auto" or a number."""
+    return text if text == "auto" else float(text)
 
 
 def parse_args() -> argparse.Namespace:
@@ -36,7 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--strategy", default="dp_csgp", choices=sorted(PRIVATE_STRATEGIES) + sorted(NON_PRIVATE_STRATEGIES))
     p.add_argument("--topology", default=None, help="graph name (default: exponential; ring for dp2sgd/dpsgd)")
     p.add_argument("--compressor", default=None, help="none, randk:R, topk:R, qsgd:B, sign (dp_csgp: randk:0.5)")
-    p.add_argument("--gamma", type=float, default=None, help="consensus step of compressed gossip (default 1, 0.5 for RandK(0.5))")
+    p.add_argument("--gamma", type=consensus_step, default="auto",
+                   help="consensus step of compressed gossip: a number in (0, 1] or auto (default: chosen at setup)")
     p.add_argument("--epsilon", type=float, default=3.0, help="per-node target epsilon (default 3)")
     p.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
     p.add_argument("--clip", type=float, default=1.0, help="per-sample clipping bound C (default 1.0)")
@@ -58,7 +65,7 @@ def build_strategy(args: argparse.Namespace):  # noqa: ANN201
     compressor = args.compressor
     if compressor is None:
         compressor = "randk:0.5" if args.strategy == "dp_csgp" else "none"
-    gamma = args.gamma if args.gamma is not None else (0.5 if compressor.startswith("randk:0.5") else 1.0)
+    gamma = "auto" if args.gamma is None else args.gamma
     common = dict(topology=topology, compressor=compressor, consensus_step=gamma, seed=args.seed)
     common.update(json.loads(args.strategy_kwargs))
     if args.strategy in NON_PRIVATE_STRATEGIES:
@@ -100,20 +107,20 @@ def main() -> None:
 
     # Evaluation only: every node scores its own model; the network average is formed for reporting, never trained.
     test_x, test_y = data.tensors["test"]
-    node_acc = trainer.strategy.all_gather(torch.tensor([accuracy(model, test_x, test_y)])).reshape(-1).tolist()
+    node_acc = gather_tensors(torch.tensor([accuracy(model, test_x, test_y)])).reshape(-1).tolist()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     average = copy.deepcopy(model)
-    torch.nn.utils.vector_to_parameters(trainer.strategy.all_gather(params).mean(0), average.parameters())
+    torch.nn.utils.vector_to_parameters(gather_tensors(params).mean(0), average.parameters())
     traffic = trainer.strategy.gossip.exchange.traffic
-    sent = trainer.strategy.all_gather(torch.tensor([traffic.bytes_sent], dtype=torch.float64)).reshape(-1).tolist()
+    sent = gather_tensors(torch.tensor([traffic.bytes_sent], dtype=torch.float64)).reshape(-1).tolist()
     epsilons = None
     if private:
         engine = trainer.strategy.privacy
-        epsilons = trainer.strategy.all_gather(torch.tensor([engine.epsilon()], dtype=torch.float64)).reshape(-1).tolist()
+        epsilons = gather_tensors(torch.tensor([engine.epsilon()], dtype=torch.float64)).reshape(-1).tolist()
     paper_epsilons = None  # Dyn-D2P also offers the paper's CLT value (an approximation, not the epsilon spent)
     if private and callable(getattr(trainer.strategy.privacy, "paper_epsilon", None)):
         paper = torch.tensor([trainer.strategy.privacy.paper_epsilon()], dtype=torch.float64)
-        paper_epsilons = trainer.strategy.all_gather(paper).reshape(-1).tolist()
+        paper_epsilons = gather_tensors(paper).reshape(-1).tolist()
     if not trainer.is_global_zero:
         return
     result = {

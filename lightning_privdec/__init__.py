@@ -17,6 +17,7 @@ from lightning_privdec.strategies import (
     PrivSGPVRStrategy,
 )
 from lightning_privdec.strategies.checks import NodeMismatchError, NonFiniteStepError
+from lightning_privdec.strategies.divergence import DivergenceError
 from lightning_privdec.topology import Topology, TopologyError, build_topology
 
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ __all__ = [
     "DecentralizedPushSumStrategy",
     "DecentralizedSGDStrategy",
     "DecentralizedStrategy",
+    "DivergenceError",
     "Identity",
     "NodeMismatchError",
     "NonFiniteStepError",

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,10 +23,50 @@ def clean_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
 
 
+#: process groups of launched runs still alive (killed when the test ends, or when pytest is stopped)
+_LIVE_GROUPS: set[int] = set()
+
+
+def kill_process_groups() -> None:
+    """SIGKILL every launched run's whole process group: the launcher and every rank it started (a rank blocked in
+    a collective may ignore SIGTERM)."""
+    for group in list(_LIVE_GROUPS):
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _LIVE_GROUPS.discard(group)
+
+
+@contextmanager
+def process_group(command: Sequence[str], **popen: object) -> Iterator[subprocess.Popen]:
+    """``subprocess.Popen`` in a new session (its own process group), killed with all its children on exit: after
+    the test, on a timeout or an assertion, and when pytest itself is interrupted (tests/conftest.py)."""
+    popen.setdefault("env", clean_environment())
+    process = subprocess.Popen(list(command), start_new_session=True, **popen)  # type: ignore[call-overload]
+    _LIVE_GROUPS.add(process.pid)
+    try:
+        yield process
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        process.wait()
+        _LIVE_GROUPS.discard(process.pid)
+
+
+def run_group(command: Sequence[str], timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Like ``subprocess.run(capture_output=True, text=True)``, but the whole process group dies with it."""
+    with process_group(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd) as process:
+        stdout, stderr = process.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr)
+
+
 def fit_digits(out: Path, *args: str, devices: int = 4, timeout: float = 300, script: Path = SCRIPT) -> list[dict]:
     """Run the digits training on ``devices`` CPU processes (gloo) and return every rank's result."""
     command = [sys.executable, str(script), "--devices", str(devices), "--out", str(out), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=clean_environment())
+    result = run_group(command, timeout)
     if result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return [torch.load(out / f"rank{rank}.pt") for rank in range(devices)]

@@ -122,7 +122,9 @@ def test_honest_strategy_stays_below_its_accountant(strategy: str) -> None:
     assert report.claimed_epsilon == pytest.approx(2.0, rel=0.01)
     assert report.lower_bound <= report.claimed_epsilon, report
     assert 0 < report.guesses <= 1000 and report.correct <= report.guesses
-    if strategy != "cpgt":  # the Gaussian audits see the canaries (CPGT's claim is ~sqrt(d) looser: docs/audit.md)
+    # the Gaussian audits see the canaries; CPGT's claim is ~sqrt(d) looser, and PrivSGP-VR's sound split accountant
+    # charges the table mean every step, so its noise is ~3x larger and 2 nodes show 0-0.09 (docs/audit.md)
+    if strategy not in ("cpgt", "privsgp_vr"):
         assert report.lower_bound > 0.1, report
 
 

@@ -5,16 +5,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.multiprocess import clean_environment
+import pytest
+
+from tests.multiprocess import run_group
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cifar_resnet.py"
 
 
 def run_example(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(EXAMPLE), *args]
-    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=clean_environment())
+    return run_group([sys.executable, str(EXAMPLE), *args], timeout, cwd=tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_synthetic_private_run_with_dirichlet_partition(tmp_path: Path):
     result = run_example(
         tmp_path, "--synthetic", "--synthetic-size", "32", "--devices", "2", "--max-steps", "2", "--batch-size", "4",

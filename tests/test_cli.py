@@ -71,11 +71,19 @@ def test_unreachable_target_exits_with_code_2() -> None:
 
 # ---- in-process: the same main() the console script calls ----------------------------------------------------
 def test_readable_output(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["dpsgd", "--noise-multiplier", "1.0", "--sample-rate", "0.01", "--steps", "100",
+    assert main(["dpsgd", "--noise-multiplier", "0.5", "--sample-rate", "0.001", "--steps", "10",
                  "--delta", "1e-5", "--accountant", "gdp"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("epsilon = ") and "gdp accountant" in out
-    assert "approximation" in err
+    sound, approximation = out.strip().splitlines()
+    assert sound.startswith("epsilon = ") and "(rdp accountant" in sound  # the sound value leads
+    assert approximation.startswith("GDP approximation (central limit theorem, NOT a bound")
+    assert float(approximation.rsplit("~", 1)[1]) == pytest.approx(0.069, abs=2e-3)
+    assert float(sound.split()[2]) > 1.0  # GDP's 0.069 would under-state it more than tenfold
+    assert main(["dpsgd", "--target-epsilon", "2", "--sample-rate", "0.001", "--steps", "10", "--delta", "1e-5",
+                 "--accountant", "gdp", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["accountant"] == "rdp" and record["epsilon"] <= 2.0  # calibrated by the sound accountant
+    assert record["epsilon_gdp_approximation"] < record["epsilon"]
 
 
 @pytest.mark.parametrize(
@@ -95,8 +103,8 @@ def test_readable_output(capsys: pytest.CaptureFixture[str]) -> None:
          "expected a number"),
         (["dpsgd", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-5",
           "--accountant", "moments"], "invalid choice: 'moments'"),
-        (["dpsgd", "--target-epsilon", "1e4", "--sample-rate", "0.01", "--steps", "1000", "--delta", "1e-5",
-          "--accountant", "gdp"], "cannot calibrate"),
+        (["dpsgd", "--target-epsilon", "1e9", "--sample-rate", "0.01", "--steps", "1000", "--delta", "1e-5"],
+         "cannot calibrate"),
         ([], "required"),
     ],
 )

@@ -29,7 +29,7 @@ from lightning_privdec.privacy.cpgt import (
     min_noise_decay,
     theorem2_epsilon,
 )
-from lightning_privdec.privacy.dp_step import node_noise_generator
+from lightning_privdec.privacy.noise import node_noise_generator
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, CPGTStrategy
 from lightning_privdec.strategies.cpgt import plain_sgd_step_size
 from lightning_privdec.topology import TopologyError, build_topology
@@ -205,6 +205,7 @@ def coupled_privacy_loss(d: int, steps: int, alpha: float, L: float, q: float, d
     c = torch.full((d,), delta / math.sqrt(d), dtype=torch.float64)
     g = torch.Generator().manual_seed(0)
     x = torch.rand(2, d, generator=g, dtype=torch.float64)
+    noise = node_noise_generator("cpu", 0, 0)
     grads = [lambda v: L * v, lambda v: L * v + 1.0]  # agent 1's function is the same in both runs
     runs = []
     for shift in (torch.zeros(d, dtype=torch.float64), c):
@@ -215,8 +216,8 @@ def coupled_privacy_loss(d: int, steps: int, alpha: float, L: float, q: float, d
     loss, gap = 0.0, 0.0
     for k in range(steps):
         one, two = runs
-        eta_x = torch.stack([laplace_noise(d, dx * q**k, g) for _ in range(2)])
-        eta_y = torch.stack([laplace_noise(d, dy * q**k, g) for _ in range(2)])
+        eta_x = torch.stack([laplace_noise(d, dx * q**k, noise) for _ in range(2)])
+        eta_y = torch.stack([laplace_noise(d, dy * q**k, noise) for _ in range(2)])
         # run two's noise absorbs its state difference: x^a and y^a (hence every message) are identical
         eta_x2, eta_y2 = eta_x - (two["X"] - one["X"]), eta_y - (two["Y"] - one["Y"])
         loss += float((eta_x2 - eta_x)[0].abs().sum()) / (dx * q**k)

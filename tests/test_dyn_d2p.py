@@ -410,7 +410,7 @@ def test_the_update_is_algorithm_1_on_a_time_varying_directed_graph():
             per_example = residual[:, None] * features.double()                          # line 4
             norms = per_example.norm(dim=1, keepdim=True)
             clipped = per_example * torch.clamp(schedule.clip(k) / norms, max=1.0)     # lines 5-6
-            noise = torch.randn(d, generator=generators[i]).double() * schedule.sigma(k)  # lines 7-9
+            noise = generators[i].normal(d, schedule.sigma(k), torch.float32).double()   # lines 7-9
             X_half[i] = X[i] - lr * (clipped.sum(0) + noise) / qj                      # line 10
         P = torch.as_tensor(topology.mixing_matrix(k), dtype=torch.float64)
         assert torch.allclose(P.sum(0), torch.ones(n, dtype=torch.float64))  # column-stochastic

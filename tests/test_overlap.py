@@ -175,6 +175,7 @@ def _gloo_node(rank: int, world: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_gloo_processes_mix_exactly_like_the_loopback_simulation(tmp_path):
     world = 3
     # fork: the children start with this process's imports instead of loading torch and Lightning again

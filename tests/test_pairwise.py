@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_privdec.privacy import pairwise
+from lightning_privdec.privacy import noise, pairwise
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.pairwise import (
     CorrelatedNoise,
@@ -249,7 +249,7 @@ def test_random_access_and_chunking(monkeypatch):
     assert torch.equal(warm.sum_for_round(10, numel), cold)  # and is reproducible
     prefix = warm.edge_noise(1, 2, 7)
     assert torch.equal(warm.edge_noise(1, 2, numel)[:7], prefix)  # coordinates do not depend on numel
-    monkeypatch.setattr(pairwise, "_CHUNK_PAIRS", 3)
+    monkeypatch.setattr(noise, "_CHUNK_WORDS", 6)
     assert torch.equal(warm.sum_for_round(10, numel), cold)  # nor on the chunk size
 
 

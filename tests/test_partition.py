@@ -7,6 +7,7 @@ from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_privdec.data import DirichletPartitionSampler, dirichlet_partition, label_histograms
+from lightning_privdec.privacy.noise import node_noise_generator
 from lightning_privdec.privacy.sampling import poisson_dataloader
 
 LABELS = load_digits().target  # 1,797 real labels, 10 classes
@@ -68,7 +69,7 @@ def test_private_loader_poisson_samples_exactly_the_nodes_part():
     data = TensorDataset(torch.arange(len(LABELS)), torch.as_tensor(LABELS))
     sampler = DirichletPartitionSampler(LABELS, alpha=0.3, seed=2, num_replicas=4, rank=1)
     loader = DataLoader(data, batch_size=16, sampler=sampler)
-    private = poisson_dataloader(loader, None, sample_rate=0.5, generator=torch.Generator().manual_seed(0))
+    private = poisson_dataloader(loader, None, sample_rate=0.5, generator=node_noise_generator("cpu", 0, 1, "sampling"))
     seen = torch.cat([batch[0] for batch in private]).tolist()
     assert set(seen) <= set(sampler.node_indices)
     assert len(private.dataset) == len(sampler.node_indices)

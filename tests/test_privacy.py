@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from opacus.accountants import GaussianAccountant, PRVAccountant, RDPAccountant
+from opacus.accountants import PRVAccountant, RDPAccountant
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -30,6 +30,17 @@ from lightning_privdec.privacy import (
     poisson_dataloader,
     privatize_gradients,
 )
+from lightning_privdec import (
+    CorrelatedNoiseStrategy,
+    CPGTStrategy,
+    DP2SGDStrategy,
+    DPCSGPStrategy,
+    DynD2PStrategy,
+    PrivSGPStrategy,
+    PrivSGPVRStrategy,
+)
+from lightning_privdec.privacy.accountants import gdp_epsilon_approximation
+from lightning_privdec.privacy.noise import NoiseGenerator
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
@@ -295,7 +306,7 @@ def test_flat_clipping_is_joint_over_all_parameters() -> None:
     params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(4))]
     samples = [torch.full((1, 3), 3.0), torch.full((1, 4), 4.0)]  # joint norm sqrt(27 + 64) > per-parameter norms
     privatize_gradients(params, samples, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=1.0,
-                        generator=torch.Generator())
+                        generator=node_noise_generator("cpu", 0, 0))
     assert flat_grad(params).norm().item() == pytest.approx(1.0, rel=1e-5)
     torch.testing.assert_close(params[0].grad / params[1].grad[:3], torch.full((3,), 0.75))
 
@@ -310,7 +321,7 @@ def test_empty_batch_releases_pure_noise() -> None:
     assert torch.isfinite(grad).all() and stats.batch_size == 0
     assert grad.std().item() == pytest.approx(sigma * clip / expected, rel=0.05)
     privatize_gradients(params, [torch.zeros(0, 5000)], max_grad_norm=clip, noise_multiplier=0.0,
-                        expected_batch_size=expected, generator=torch.Generator())
+                        expected_batch_size=expected, generator=node_noise_generator("cpu", 0, 0))
     assert torch.equal(params[0].grad, torch.zeros(5000))
 
 
@@ -334,7 +345,7 @@ def test_empty_batch_through_a_lightning_module() -> None:
 
 def test_privatize_gradients_rejects_inconsistent_inputs() -> None:
     params = [nn.Parameter(torch.zeros(3))]
-    kwargs = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2.0, generator=torch.Generator())
+    kwargs = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2.0, generator=node_noise_generator("cpu", 0, 0))
     with pytest.raises(PrivacyConfigError, match="shape"):
         privatize_gradients(params, [torch.zeros(2, 4)], **kwargs)
     with pytest.raises(PrivacyConfigError, match="1 parameters but 2"):
@@ -346,8 +357,8 @@ def test_privatize_gradients_rejects_inconsistent_inputs() -> None:
 
 
 def test_node_noise_generators_are_per_node() -> None:
-    def draw(gen: torch.Generator) -> torch.Tensor:
-        return torch.randn(64, generator=gen)
+    def draw(gen: NoiseGenerator) -> torch.Tensor:
+        return gen.normal(64, 1.0)
 
     torch.manual_seed(0)  # seed_everything-style global seeding must not matter
     rank0, rank1 = node_noise_generator("cpu", 7, 0), node_noise_generator("cpu", 7, 1)
@@ -373,7 +384,7 @@ def make_loader(n: int = 40, **kwargs: object) -> DataLoader:
 
 
 def test_poisson_sampler_expected_batch_size() -> None:
-    sampler = PoissonBatchSampler(200, 0.1, steps_per_epoch=2000, generator=torch.Generator().manual_seed(0))
+    sampler = PoissonBatchSampler(200, 0.1, steps_per_epoch=2000, generator=node_noise_generator("cpu", 0, 0, "sampling"))
     sizes = torch.tensor([len(b) for b in sampler], dtype=torch.float64)
     assert len(sizes) == 2000 and sampler.expected_batch_size == pytest.approx(20.0)
     assert sizes.mean().item() == pytest.approx(20.0, abs=0.5)  # 5 standard errors
@@ -386,7 +397,7 @@ def test_poisson_sampler_expected_batch_size() -> None:
 def test_poisson_dataloader_empty_batches_have_correct_shapes() -> None:
     shard = list(range(0, 40, 2))  # this node's 20 examples
     loader = poisson_dataloader(make_loader(), shard, sample_rate=0.05,
-                                generator=torch.Generator().manual_seed(3), steps_per_epoch=60)
+                                generator=node_noise_generator("cpu", 3, 0, "sampling"), steps_per_epoch=60)
     assert len(loader) == 60 and loader.batch_sampler.expected_batch_size == pytest.approx(0.05 * 20)
     empty = nonempty = 0
     for x, y in loader:
@@ -406,7 +417,7 @@ def test_poisson_dataloader_first_batch_empty_and_loader_settings_kept() -> None
         return {"x": torch.stack(xs), "y": torch.stack(ys)}
 
     original = make_loader(collate_fn=collate, pin_memory=False)
-    loader = poisson_dataloader(original, [0, 1, 2], sample_rate=1e-9, generator=torch.Generator().manual_seed(0),
+    loader = poisson_dataloader(original, [0, 1, 2], sample_rate=1e-9, generator=node_noise_generator("cpu", 0, 0, "sampling"),
                                 steps_per_epoch=2)
     first = next(iter(loader))  # no non-empty batch seen before: structure still known
     assert first["x"].shape == (0, 3, 4) and first["y"].shape == (0,)
@@ -415,7 +426,7 @@ def test_poisson_dataloader_first_batch_empty_and_loader_settings_kept() -> None
 
 def test_poisson_dataloader_with_workers() -> None:
     loader = poisson_dataloader(make_loader(num_workers=1), None, sample_rate=0.02,
-                                generator=torch.Generator().manual_seed(0), steps_per_epoch=8)
+                                generator=node_noise_generator("cpu", 0, 0, "sampling"), steps_per_epoch=8)
     assert loader.num_workers == 1
     assert all(x.shape[1:] == (3, 4) for x, _ in loader)
 
@@ -432,7 +443,7 @@ def test_node_generators_sample_different_batches() -> None:
 def test_poisson_dataloader_takes_an_unpadded_shard_from_a_distributed_sampler() -> None:
     dataset = make_loader(n=10).dataset
     original = DataLoader(dataset, batch_size=2, sampler=DistributedSampler(dataset, num_replicas=4, rank=1))
-    loader = poisson_dataloader(original, None, 1.0, torch.Generator(), steps_per_epoch=1)
+    loader = poisson_dataloader(original, None, 1.0, node_noise_generator("cpu", 0, 0), steps_per_epoch=1)
     (_, y), = list(loader)
     assert y.tolist() == [1, 5, 9] == node_shard_indices(10, 1, 4)  # DistributedSampler would pad to 3 with repeats
 
@@ -480,9 +491,6 @@ def test_private_strategy_fit_in_one_process_with_empty_poisson_batches() -> Non
         ("rdp", 1.0, 0.01, 1000),
         ("rdp", 3.0, 0.004, 2000),
         ("rdp", 8.0, 0.1, 100),
-        ("gdp", 0.5, 0.001, 1000),
-        ("gdp", 2.0, 0.01, 500),
-        ("gdp", 8.0, 0.1, 100),
         ("prv", 1.0, 0.02, 300),
         ("prv", 4.0, 0.05, 200),
     ],
@@ -497,14 +505,14 @@ def test_calibration_refuses_unreachable_targets_quickly() -> None:
     with pytest.raises(PrivacyConfigError, match="cannot reach .* floor"):
         calibrate_noise_multiplier(0.01, 1e-5, 0.01, 1000)  # below RDP's conversion floor even with sigma = 1e6
     with pytest.raises(PrivacyConfigError, match="cannot calibrate"):
-        calibrate_noise_multiplier(1e4, 1e-5, 0.01, 1000, accountant="gdp")  # GDP's epsilon search stops at 500
+        calibrate_noise_multiplier(1e9, 1e-5, 0.01, 1000)  # a target this loose needs no noise
     with pytest.raises(PrivacyConfigError, match="target_epsilon must be > 0"):
         calibrate_noise_multiplier(0.0, 1e-5, 0.01, 1000)
-    with pytest.raises(PrivacyConfigError, match="unknown accountant 'moments'.*'rdp', 'prv', 'gdp'"):
+    with pytest.raises(PrivacyConfigError, match="unknown accountant 'moments'.*'rdp', 'prv'"):
         calibrate_noise_multiplier(1.0, 1e-5, 0.01, 1000, accountant="moments")
 
 
-@pytest.mark.parametrize("opacus_cls", [RDPAccountant, PRVAccountant, GaussianAccountant])
+@pytest.mark.parametrize("opacus_cls", [RDPAccountant, PRVAccountant])
 def test_epsilon_for_equals_opacus_accountants(opacus_cls: type) -> None:
     sigma, q, steps, delta = 1.1, 0.02, 150, 1e-5
     reference = opacus_cls()
@@ -529,10 +537,39 @@ def test_ledger_with_a_schedule_matches_opacus_rdp() -> None:
         ledger.record(sigma, q)
     assert ledger.history == reference.history and len(ledger.history) == 3 and ledger.steps == 60
     assert ledger.epsilon(1e-6) == pytest.approx(reference.get_epsilon(1e-6), rel=1e-12)
-    gdp = PrivacyLedger("gdp", delta=1e-5)
-    gdp.record(1.0, 0.01, steps=5)
-    with pytest.raises(PrivacyConfigError, match="constant noise_multiplier"):
-        gdp.record(0.8, 0.01)
+
+
+# The review's grid: GDP's central-limit epsilon against the tight PLD value (dp_accounting), and what calibrating
+# to GDP would have given. Each case is one where GDP under-estimates epsilon.
+@pytest.mark.parametrize(("sigma", "q", "steps", "gdp_epsilon", "tight_epsilon"), [(0.5, 0.001, 10, 0.069, 1.086)])
+def test_gdp_is_shown_as_an_approximation_and_never_decides(sigma, q, steps, gdp_epsilon, tight_epsilon) -> None:
+    assert gdp_epsilon_approximation(sigma, q, steps, 1e-5) == pytest.approx(gdp_epsilon, abs=2e-3)
+    sound = epsilon_for(sigma, q, steps, 1e-5, accountant="prv")
+    assert sound >= tight_epsilon * 0.99  # the sound accountant does not under-estimate
+    for refused in (
+        lambda: PrivacyLedger("gdp", delta=1e-5),
+        lambda: epsilon_for(sigma, q, steps, 1e-5, accountant="gdp"),
+        lambda: calibrate_noise_multiplier(2.0, 1e-5, q, steps, accountant="gdp"),
+        lambda: PrivacyParameters(max_grad_norm=1.0, target_epsilon=2.0, target_delta=1e-5, accountant="gdp").validate(),
+    ):
+        with pytest.raises(PrivacyConfigError, match="accountant='gdp' is refused.*central-limit approximation.*'rdp'"):
+            refused()
+
+
+def test_every_private_strategy_refuses_gdp_when_built() -> None:
+    budget = dict(max_grad_norm=1.0, target_epsilon=2.0, target_delta=1e-5, accountant="gdp")
+    for build in (
+        lambda: DPCSGPStrategy(**budget),
+        lambda: PrivSGPStrategy(**budget),
+        lambda: DP2SGDStrategy(**budget),
+        lambda: PrivSGPVRStrategy(**budget),
+        lambda: CPGTStrategy(noise_decay=0.9, lipschitz=1.0, **budget),
+        lambda: CorrelatedNoiseStrategy(**budget),
+    ):
+        with pytest.raises(PrivacyConfigError, match="gdp"):
+            build()
+    with pytest.raises(PrivacyConfigError, match="CLT approximation"):
+        DynD2PStrategy(**budget)
 
 
 def test_ledger_state_dict_round_trip_continues_the_count() -> None:
@@ -588,7 +625,7 @@ def test_zero_noise_has_infinite_epsilon() -> None:
         (dict(noise_multiplier=1.0, max_grad_norm=-1.0), "max_grad_norm must be a positive number, got -1.0"),
         (
             dict(noise_multiplier=1.0, accountant="moments"),
-            "unknown accountant 'moments'; choose one of 'rdp', 'prv', 'gdp'",
+            "unknown accountant 'moments'; choose one of 'rdp', 'prv'",
         ),
     ],
 )

@@ -138,7 +138,7 @@ def test_the_private_step_and_push_sum_follow_a_transcription_of_algorithm_1_on_
             for j in batch:  # line 7
                 g_bar[i] = g_bar[i] + (fresh[j] - tables[i][j]) / J
                 tables[i][j] = fresh[j]
-            N = torch.randn(8, generator=generators[i], dtype=torch.float32).double() * noise * C  # line 8
+            N = generators[i].normal(8, noise * C, torch.float32).double()  # line 8
             g_tilde = g + N / (q * J)
             assert torch.allclose(released.double(), g_tilde, atol=1e-6), (k, i)
             assert mean_ok
@@ -311,7 +311,7 @@ def test_a_lightning_fit_stores_each_examples_gradient_in_its_own_row(table_init
 
 
 def test_the_sampler_records_its_batches_in_order_and_a_new_epoch_drops_prefetched_ones():
-    sampler = PoissonBatchSampler(20, 0.3, steps_per_epoch=5, generator=torch.Generator().manual_seed(0))
+    sampler = PoissonBatchSampler(20, 0.3, steps_per_epoch=5, generator=node_noise_generator("cpu", 0, 0, "sampling"))
     fifo = sampler.record_batches()
     epoch = iter(sampler)
     first, second = next(epoch), next(epoch)  # a loader prefetching one batch ahead

@@ -5,6 +5,8 @@ checkpoints hold no per-sample gradients. One process each (the multi-process fa
 from __future__ import annotations
 
 import inspect
+import re
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -30,7 +32,7 @@ from lightning_privdec.strategies.checks import (
     NodeMismatchError,
     NonFiniteStepError,
     check_same_configuration,
-    check_training_batches,
+    common_steps_per_epoch,
     describe,
     nonfinite_parameters,
 )
@@ -91,6 +93,7 @@ def private(**kwargs: object) -> PrivSGPStrategy:
 
 
 # ============================================================================ the same configuration on every node
+#: small valid arguments of every strategy (CPGT with finite accounting, which accepts mini-batches)
 REPRESENTATIVE = {
     "push_sum": dict(),
     "dpsgd": dict(),
@@ -98,9 +101,9 @@ REPRESENTATIVE = {
     "privsgp": dict(max_grad_norm=1.0, noise_multiplier=1.0),
     "dp2sgd": dict(max_grad_norm=1.0, noise_multiplier=1.0),
     "decor": dict(max_grad_norm=1.0, sigma_cdp=1.0, sigma_cor=1.0),
-    "dyn_d2p": dict(max_grad_norm=1.0, target_epsilon=1.0, target_delta=1e-5),
+    "dyn_d2p": dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5),
     "privsgp_vr": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "cpgt": dict(max_grad_norm=1.0, noise_x=0.1, noise_y=0.1, noise_decay=0.9, lipschitz=0.1),
+    "cpgt": dict(max_grad_norm=1.0, noise_x=0.1, noise_y=0.1, noise_decay=0.9, lipschitz=0.1, accounting="finite"),
 }
 
 
@@ -154,14 +157,15 @@ def test_decor_key_files_may_live_in_a_different_directory_on_each_node() -> Non
         check_same_configuration([a, c], rank=0)
 
 
-def test_nodes_must_have_data_and_the_same_number_of_batches() -> None:
-    check_training_batches([5, 5, 5], rank=0)
-    check_training_batches([5, None], rank=0)  # a loader without a length is not compared
+def test_nodes_must_have_data_and_take_a_common_number_of_steps() -> None:
+    assert common_steps_per_epoch([5, 5, 5], rank=0, max_steps=-1) == (5, None)
     with pytest.raises(NodeMismatchError, match=r"node 1: the training data of rank 2 is empty .*Give every node"):
-        check_training_batches([5, 5, 0, 5], rank=1)
-    with pytest.raises(NodeMismatchError, match=r"different numbers of training batches per epoch \(rank 0: 5, "
-                                                r"rank 1: 6\).*wait forever"):
-        check_training_batches([5, 6], rank=0)
+        common_steps_per_epoch([5, 5, 0, 5], rank=1, max_steps=-1)
+    steps, note = common_steps_per_epoch([5, 60], rank=1, max_steps=-1)  # unequal shards: node 0's epoch
+    assert steps == 5 and "rank 0: 5, rank 1: 60" in note and "node 0's 5 steps" in note
+    with pytest.raises(NodeMismatchError, match=r"rank 1 has no length .*Set Trainer\(max_steps=...\)"):
+        common_steps_per_epoch([5, None], rank=0, max_steps=-1)  # an IterableDataset
+    assert common_steps_per_epoch([None, None], rank=0, max_steps=40)[0] == 40
 
 
 # ============================================================================ bad input: refused before the first step
@@ -183,8 +187,9 @@ SETUP_ERRORS = {
     "BatchNorm": (private, {"batch_norm": True}, {}, data, PrivacyConfigError, "net.1.*BatchNorm1d"),
     "manual optimization": (private, {"manual": True}, {}, data, PrivacyConfigError,
                             "automatic optimization only.*Remove `self.automatic_optimization = False`"),
-    "gradient accumulation": (private, {}, {"accumulate_grad_batches": 2}, data, PrivacyConfigError,
-                              "accumulate_grad_batches=2 .* Use a larger batch_size"),
+    "gradient accumulation in PrivSGP-VR": (
+        lambda: PrivSGPVRStrategy(max_grad_norm=1.0, noise_multiplier=1.0, noise_seed=0), {},
+        {"accumulate_grad_batches": 2}, data, PrivacyConfigError, "needs the whole Poisson batch at once"),
     "no planned end": (private, {}, {"max_steps": -1, "max_epochs": -1}, data, PrivacyConfigError,
                        "set max_steps or max_epochs"),
     "sync_batchnorm": (lambda: DecentralizedPushSumStrategy(), {"batch_norm": True}, {"sync_batchnorm": True},
@@ -310,3 +315,106 @@ def test_checkpoints_of_private_runs_hold_no_per_sample_gradients(strategy, tmp_
         checkpoint = torch.load(path, weights_only=False)
         assert "lightning_privdec" in checkpoint  # the node's gossip, optimizer and privacy state are there ...
         assert per_sample_data(checkpoint, num_params) == []  # ... but nothing per-sample
+
+
+# ============================================================================ resuming with a changed plan
+BUDGET = dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, noise_seed=0)
+
+
+@pytest.fixture(scope="module")
+def end_of_a_two_epoch_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    """DP-CSGP at epsilon 3 planned for 2 epochs, checkpointed at its end: (the checkpoint, its sigma)."""
+    tmp_path = tmp_path_factory.mktemp("two_epochs")
+    strategy = DPCSGPStrategy(**BUDGET)
+    trainer(tmp_path, strategy, checkpoints=True, max_steps=-1, max_epochs=2).fit(Classifier(), data())
+    checkpoint = sorted((tmp_path / "ckpt").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)[-1]
+    return checkpoint, strategy.privacy.noise_multiplier
+
+
+def _resume_with_max_epochs_4(tmp_path: Path, checkpoint: Path, **kwargs: object) -> tuple[pl.Trainer, DPCSGPStrategy]:
+    strategy = DPCSGPStrategy(**BUDGET, **kwargs)
+    resumed = trainer(tmp_path, strategy, checkpoints=False, max_steps=-1, max_epochs=4)
+    resumed.fit(Classifier(), data(), ckpt_path=checkpoint)
+    return resumed, strategy
+
+
+def test_a_resume_that_would_drown_the_model_in_noise_is_refused_with_the_choices(end_of_a_two_epoch_plan, tmp_path) -> None:
+    checkpoint, old_sigma = end_of_a_two_epoch_plan
+    with pytest.raises(PrivacyConfigError) as refused:
+        _resume_with_max_epochs_4(tmp_path, checkpoint)
+    message = str(refused.value)
+    assert "32 steps have spent epsilon = 2.9" in message and "of target_epsilon = 3.0" in message
+    assert "instead of" in message and "raise target_epsilon" in message and "start a new run" in message
+    assert "resume_noise='keep'" in message and "resume_noise='recalibrate'" in message
+    new, old = (float(x) for x in re.search(r"need sigma = ([\d.e+]+) instead of ([\d.e+]+)", message).groups())
+    assert old == pytest.approx(old_sigma, rel=1e-3) and new > 2 * old
+
+
+def test_a_resume_may_keep_its_noise_and_stop_at_the_budget_or_recalibrate_knowingly(end_of_a_two_epoch_plan,
+                                                                                     tmp_path) -> None:
+    checkpoint, old_sigma = end_of_a_two_epoch_plan
+    kept, strategy = _resume_with_max_epochs_4(tmp_path / "keep", checkpoint, resume_noise="keep")
+    assert strategy.privacy.noise_multiplier == old_sigma and strategy.privacy.epsilon() <= 3.0
+    assert kept.global_step < 4 * 16  # stopped when the budget was spent
+    _, strategy = _resume_with_max_epochs_4(tmp_path / "again", checkpoint, resume_noise="recalibrate")
+    assert strategy.privacy.noise_multiplier > 2 * old_sigma and strategy.privacy.epsilon() <= 3.0
+
+
+def test_a_resume_with_a_noise_multiplier_given_by_hand_uses_it(end_of_a_two_epoch_plan, tmp_path) -> None:
+    """resume_noise governs a calibrated sigma only: a sigma the user passes is never refused nor replaced."""
+    checkpoint, old_sigma = end_of_a_two_epoch_plan
+    for choice in ("auto", "keep"):
+        strategy = DPCSGPStrategy(max_grad_norm=1.0, noise_multiplier=3 * old_sigma, noise_seed=0, resume_noise=choice)
+        resumed = trainer(tmp_path / choice, strategy, checkpoints=False, max_steps=-1, max_epochs=3)
+        resumed.fit(Classifier(), data(), ckpt_path=checkpoint)
+        assert strategy.privacy.noise_multiplier == 3 * old_sigma and resumed.global_step == 3 * 16
+
+
+def test_the_write_ahead_ledger_lives_with_the_checkpoints_or_logs_never_in_the_working_directory(tmp_path: Path) -> None:
+    budget = dict(max_grad_norm=1.0, noise_multiplier=1.0)
+    bare = pl.Trainer(accelerator="cpu", devices=1, strategy=DPCSGPStrategy(**budget), max_steps=6, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path / "bare")
+    bare.fit(Classifier(), data())
+    assert not list((tmp_path / "bare").rglob("node_*.pt"))  # nothing can resume it: no file
+    bare.save_checkpoint(tmp_path / "bare" / "by_hand.ckpt")  # now a resume is possible: later steps are written
+    assert bare.strategy._write_ahead_ledger().directory == (tmp_path / "bare" / "privacy_ledger").absolute()
+    logged = trainer(tmp_path / "logged", DPCSGPStrategy(**budget), checkpoints=False)
+    logged.fit(Classifier(), data())
+    assert [p.parent.parent for p in (tmp_path / "logged").rglob("node_0.pt")] == [Path(logged.log_dir) / "privacy_ledger"]
+    checkpointed = trainer(tmp_path / "ckpt", DPCSGPStrategy(**budget))
+    checkpointed.fit(Classifier(), data())
+    assert [p.parent.parent for p in tmp_path.joinpath("ckpt").rglob("node_0.pt")] == [
+        tmp_path / "ckpt" / "ckpt" / "privacy_ledger"
+    ]
+
+
+def test_a_private_strategy_refuses_a_stream_and_says_why_and_how(tmp_path: Path) -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # noqa: ANN204
+            return iter(TensorDataset(torch.randn(32, 8), torch.zeros(32, dtype=torch.long)))
+
+    run = trainer(tmp_path, private(), checkpoints=False)
+    with pytest.raises(PrivacyConfigError, match="IterableDataset: Poisson sampling.*needs a finite shard.*map-style"):
+        run.fit(Classifier(), DataLoader(Stream(), batch_size=8))
+    assert run.global_step == 0
+
+
+class SlowClassifier(Classifier):
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        time.sleep(0.05)  # a step of known length, so max_time allows far fewer steps than max_epochs plans
+        return super().training_step(batch, batch_idx)
+
+
+def test_max_time_replans_sigma_so_the_budget_is_spent_by_the_time_limit(tmp_path: Path, caplog) -> None:
+    strategy = DPCSGPStrategy(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, noise_seed=0)
+    run = trainer(tmp_path, strategy, checkpoints=False, max_steps=-1, max_epochs=100, max_time={"seconds": 6})
+    with caplog.at_level("INFO"):
+        run.fit(SlowClassifier(), data())
+    engine = strategy.privacy
+    planned_by_epochs = 100 * 16
+    replanned = next(r.getMessage() for r in caplog.records if "max_time allows about" in r.getMessage())
+    assert f"not the {planned_by_epochs} planned" in replanned
+    assert engine.planned_steps < planned_by_epochs / 5  # at most 6 s / 0.05 s = 120 steps, not 1600
+    assert engine.ledger.history[0][0] > engine.ledger.history[-1][0] == engine.noise_multiplier  # less noise after
+    assert run.global_step < planned_by_epochs and engine.epsilon() <= 3.0
+    assert not any("default of max_epochs=1000" in r.getMessage() for r in caplog.records)

@@ -155,3 +155,28 @@ def test_nodes_started_with_different_configurations_all_stop_at_setup(two_runs_
         assert "\n  max_grad_norm -> rank 0: 1.0; rank 1: 2.0\n" in message
         assert "noise_seed ->" not in message
         assert "start all processes from the same script and command line" in message
+
+
+# ============================================================================ data as users have it
+@pytest.mark.parametrize(("strategy", "data", "kwargs"), [
+    ("dp_csgp", "unequal", {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "node_local_data": True}),
+    ("push_sum", "unequal", {}),
+    ("push_sum", "iterable", {}),
+])
+def test_nodes_holding_different_amounts_of_data_train_in_step(strategy, data, kwargs, tmp_path):
+    """Node 0 holds 48 examples (3 batches), node 1 240 (15): every node takes node 0's 3 steps per epoch (one gossip
+    round each); private nodes Poisson-sample their own shard at their own q = B / J_i and spend their own epsilon;
+    a stream without a length takes max_steps steps, each node cycling its own data."""
+    run = Run(tmp_path / "run", "--strategy", strategy, "--strategy-kwargs", json.dumps(kwargs), "--data", data,
+              "--max-steps", "12", devices=2)
+    try:
+        assert run.process.wait(timeout=240) == 0, run.text()[-3000:]
+    finally:
+        run.stop()
+    nodes = [torch.load(tmp_path / "run" / f"rank{r}_run0.pt") for r in range(2)]
+    assert [n["global_step"] for n in nodes] == [12, 12]
+    assert [n["steps_per_epoch"] for n in nodes] == ([3, 3] if data == "unequal" else [12, 12])
+    if strategy == "dp_csgp":
+        assert [n["sample_rate"] for n in nodes] == [16 / 48, 16 / 240] and [n["private_steps"] for n in nodes] == [12, 12]
+        assert nodes[0]["epsilon"] > nodes[1]["epsilon"] > 0  # the small node samples more of its data
+    assert "different amounts of training data" in run.text() or data == "iterable"

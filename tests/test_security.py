@@ -1,4 +1,4 @@
-"""Secrets stay with their node: Decor's pairwise secrets, its private keys and every node's noise and sampling seeds
+"""Secrets stay with their node: Decor's pairwise secrets, its private keys and every node's noise and sampling keys
 never reach a checkpoint, a log file, the console, the strategy's repr or an error message.
 
 The multi-process test runs a real 3-node Decor fit (ring, key agreement over gloo), reads the secret material from the
@@ -14,7 +14,6 @@ import base64
 import copy
 import io
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
@@ -86,8 +85,8 @@ def secret_material(dumps: list[dict], run: str) -> dict[str, list[bytes]]:
             needles[f"{run}: stream key of edge ({r}, {j}), round {t}"] = byte_string_forms(key)
         if d["private_key"] is not None:
             needles[f"{run}: private key of node {r}"] = byte_string_forms(d["private_key"])
-        needles[f"{run}: noise seed of node {r}"] = integer_forms(d["noise_seed"])
-        needles[f"{run}: sampling seed of node {r}"] = integer_forms(d["sampling_seed"])
+        needles[f"{run}: noise key of node {r}"] = byte_string_forms(d["noise_key"])
+        needles[f"{run}: sampling key of node {r}"] = byte_string_forms(d["sampling_key"])
     return needles
 
 
@@ -97,15 +96,15 @@ def written_files(directory: Path) -> dict[str, bytes]:
 
 @pytest.mark.multiprocess
 def test_decor_secrets_reach_no_checkpoint_log_console_repr_or_error_and_a_resume_agrees_anew(tmp_path):
-    from tests.multiprocess import clean_environment
+    from tests.multiprocess import run_group
 
     command = [sys.executable, "-m", "tests.test_security", "--out", str(tmp_path), "--key-dir", str(tmp_path / "keys")]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=clean_environment())
+    result = run_group(command, 300, cwd=REPO)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     first, resumed = ([torch.load(tmp_path / "dump" / f"{run}_rank{r}.pt") for r in range(NODES)]
                       for run in ("first", "resumed"))
     needles = {**secret_material(first, "first"), **secret_material(resumed, "resumed")}
-    # 2 edges per node, stream keys of STEPS + 1 rounds each, a private key (first run only) and 2 generator seeds
+    # 2 edges per node, stream keys of STEPS + 1 rounds each, a private key (first run only) and 2 generator keys
     assert len(needles) == NODES * (2 * (2 + 2 * (STEPS + 1) + 2) + 1)
     # the two ends of an edge hold the same secret (so it is s_ij), the three edges' secrets differ, and the resumed
     # run, without key files, agreed on new ones
@@ -183,8 +182,8 @@ def _fit(argv: list[str]) -> None:
                 "stream_keys": {(j, t): correlated._stream_key(j, t)
                                 for j in secrets.neighbours for t in range(STEPS + 1)},
                 "private_key": None if key_file is None else key_file.read_bytes()[-32:],
-                "noise_seed": engine.noise_generator.initial_seed(),
-                "sampling_seed": engine.sampling_generator.initial_seed(),
+                "noise_key": engine.noise_generator._key,
+                "sampling_key": engine.sampling_generator._key,
                 "reprs": {
                     "strategy": repr(strategy), "str(strategy)": str(strategy), "engine": repr(engine),
                     "vars(strategy)": repr(vars(strategy)), "vars(engine)": repr(vars(engine)),

@@ -3,11 +3,15 @@
 import socket
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
+import pytest
 import torch
 
-from tests.multiprocess import SCRIPT, clean_environment, relative_consensus_distance
+from tests.multiprocess import SCRIPT, process_group, relative_consensus_distance
+
+pytestmark = pytest.mark.multiprocess
 
 
 def free_port() -> int:
@@ -19,24 +23,21 @@ def free_port() -> int:
 def test_two_torchrun_machines_train_one_graph(tmp_path: Path):
     port = free_port()
     out = tmp_path / "run"
-    machines = []
-    for node_rank in (0, 1):  # the README's multi-machine commands, with 127.0.0.1 as the first machine's address
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-            "--node-rank", str(node_rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
-            str(SCRIPT), "--num-nodes", "2", "--devices", "2", "--strategy", "push_sum",
-            "--topology", "exponential-one-peer", "--max-epochs", "4", "--out", str(out),
-        ]
-        log = open(tmp_path / f"machine{node_rank}.log", "w")
-        machines.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=clean_environment()), log))
-    for process, log in machines:
-        try:
+    with ExitStack() as stack:
+        machines = []
+        for node_rank in (0, 1):  # the README's multi-machine commands, with 127.0.0.1 as the first machine's address
+            command = [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                "--node-rank", str(node_rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                str(SCRIPT), "--num-nodes", "2", "--devices", "2", "--strategy", "push_sum",
+                "--topology", "exponential-one-peer", "--max-epochs", "4", "--out", str(out),
+            ]
+            log = stack.enter_context(open(tmp_path / f"machine{node_rank}.log", "w"))
+            machines.append(stack.enter_context(process_group(command, stdout=log, stderr=subprocess.STDOUT)))
+        for process in machines:
             process.wait(timeout=400)
-        finally:
-            process.kill()
-            log.close()
     logs = "\n".join((tmp_path / f"machine{r}.log").read_text()[-3000:] for r in (0, 1))
-    assert all(p.returncode == 0 for p, _ in machines), logs
+    assert all(p.returncode == 0 for p in machines), logs
     results = [torch.load(out / f"rank{rank}.pt") for rank in range(4)]
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     for r in results:

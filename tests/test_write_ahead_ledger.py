@@ -80,7 +80,7 @@ def test_the_file_holds_accounting_only_never_generator_states_and_is_replaced_a
     assert record["steps"] == 1 and set(record["accounting"]) == {"ledger", "noise_multiplier", "plan"}
     assert not set(GENERATOR_KEYS) & set(record["accounting"])
     for generator in (e.noise_generator, e.sampling_generator):
-        assert generator.get_state().numpy().tobytes()[:64] not in ledger.path.read_bytes()
+        assert generator._key not in ledger.path.read_bytes()
     # a crash while writing leaves the previous complete file: the new state only appears by os.replace
     inode = os.stat(ledger.path).st_ino
     one_step(e, model, torch.randn(4, 3), torch.randint(0, 2, (4,)))
@@ -111,16 +111,95 @@ def test_dyn_d2p_resumes_its_schedule_at_the_released_step(tmp_path):
     assert resumed.noise_multiplier == e.schedule.noise_multiplier(5)  # the schedule goes on at step 5, not 1
 
 
-def cpgt_engine():
+def cpgt_engine(accounting: str = "finite", target_epsilon: float | None = None):
     from lightning_privdec.privacy import PrivacyParameters
     from lightning_privdec.privacy.cpgt_engine import CPGTPrivacyEngine
 
+    noise = dict(noise_x=1.0, noise_y=1.0) if target_epsilon is None else dict(noise_x=None, noise_y=None)
     e = CPGTPrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0), rank=0, device=torch.device("cpu"),
-                          noise_x=1.0, noise_y=1.0, noise_decay=0.9, lipschitz=1.0, accounting="finite")
+                          noise_decay=0.9, lipschitz=1.0, accounting=accounting, target_epsilon=target_epsilon,
+                          **noise)
     e.configure(step_size=0.1, dimension=3)
     data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
-    e.private_dataloader(torch.utils.data.DataLoader(data, batch_size=5), planned_steps=10)
+    batch_size = 5 if accounting == "finite" else 50  # whole-run accountings need full batches
+    e.private_dataloader(torch.utils.data.DataLoader(data, batch_size=batch_size), planned_steps=10)
     return e
+
+
+def _cpgt_round_terms(e, rounds: int) -> list[float]:
+    """The coupling's per-round epsilon terms of Theorem 2's proof, one per round, computed independently of the
+    engine from its parameters (Assumption 4 unless accounting='finite')."""
+    from lightning_privdec.privacy.cpgt import cpgt_epsilon_after
+
+    common = dict(alpha=e.alpha, lipschitz=e.lipschitz, q=e.noise_decay, noise_x=e.noise_x, noise_y=e.noise_y,
+                  sensitivity=e.sensitivity, norm_factor=e.norm_factor, linear_difference=e.accounting != "finite")
+    partial = [cpgt_epsilon_after(k, **common) for k in range(rounds + 1)]
+    return [b - a for a, b in zip(partial, partial[1:])]
+
+
+@pytest.mark.parametrize("accounting", ["sound", "finite"])
+def test_cpgt_charges_every_round_a_resume_sends_again(tmp_path, accounting):
+    """Checkpoint after round 1, crash after round 6, resume: rounds 1..5 go out twice (fresh Laplace noise, same
+    scales); the printed epsilon is the composition, every released round's term counted once per release. A second
+    crash (after round 3 of the resumed run, resumed from a checkpoint at round 2) adds round 2 once more."""
+    from lightning_privdec.privacy.cpgt import cpgt_epsilon
+
+    ledger = WriteAheadLedger(tmp_path, "run", rank=0)
+
+    def advance(engine, rounds):
+        for _ in range(rounds):
+            engine._steps += 1  # what privatize() advances, then the write before the message leaves
+            ledger.write(engine)
+
+    e = cpgt_engine(accounting)
+    advance(e, 1)
+    at_round_1 = checkpoint(e)
+    advance(e, 5)
+    uninterrupted = e.epsilon()
+    resumed = cpgt_engine(accounting)
+    resumed.load_state_dict(at_round_1)
+    with pytest.warns(UserWarning, match="5 private steps were released"):
+        ledger.recover(resumed)
+    assert resumed.steps == 6 and resumed._steps == 1  # 6 rounds released; the trajectory goes on from round 1
+    terms = _cpgt_round_terms(e, 12)
+    whole = cpgt_epsilon(alpha=0.1, lipschitz=1.0, q=0.9, noise_x=1.0, noise_y=1.0, sensitivity=e.sensitivity,
+                         norm_factor=e.norm_factor)
+
+    def composed(trajectory_rounds: int, replayed: list[int]) -> float:
+        mine = whole if accounting == "sound" else sum(terms[:trajectory_rounds])
+        return mine + sum(terms[k] for k in replayed)
+
+    assert resumed.epsilon() == pytest.approx(composed(1, [1, 2, 3, 4, 5]), rel=1e-12)
+    # before the fix the resumed run printed the uninterrupted value (and, finite, forgot rounds 1..5 once it passed 6)
+    assert resumed.epsilon() > uninterrupted if accounting == "sound" else resumed.epsilon() == uninterrupted
+    advance(resumed, 1)
+    at_round_2 = checkpoint(resumed)
+    advance(resumed, 1)  # round 3 released, then a second crash
+    again = cpgt_engine(accounting)
+    again.load_state_dict(at_round_2)
+    with pytest.warns(UserWarning, match="1 private steps were released"):
+        ledger.recover(again)
+    advance(again, 4)
+    assert again.steps == 6 + 2 + 4 and again._steps == 6
+    assert again.epsilon() == pytest.approx(composed(6, [1, 2, 3, 4, 5, 2]), rel=1e-12)
+
+
+def test_cpgt_refuses_to_resume_past_its_target_once_replays_are_charged(tmp_path):
+    """A calibrated whole-run bound spends exactly the target: any replayed round takes the node past it."""
+    ledger = WriteAheadLedger(tmp_path, "run", rank=0)
+    e = cpgt_engine("sound", target_epsilon=2.0)
+    assert e.epsilon() == 0.0 and not e.next_step_exceeds_budget()
+    e._steps = 1
+    ledger.write(e)
+    saved = checkpoint(e)
+    e._steps = 4
+    ledger.write(e)
+    assert e.epsilon() == pytest.approx(2.0) and not e.next_step_exceeds_budget()
+    resumed = cpgt_engine("sound", target_epsilon=2.0)
+    resumed.load_state_dict(saved)
+    with pytest.warns(UserWarning, match="3 private steps were released"):
+        ledger.recover(resumed)
+    assert resumed.epsilon() > 2.0 and resumed.next_step_exceeds_budget()
 
 
 def decor_engine():
@@ -180,3 +259,26 @@ def test_a_lightning_resume_after_a_crash_counts_the_released_steps(tmp_path):
         assert b["ledger_steps"] == 5 * steps_per_epoch  # epoch 0, the 2 lost epochs, and their replay
         assert b["epsilon"] == pytest.approx(epsilon_for(1.0, b["sample_rate"], b["ledger_steps"], 1e-5), rel=1e-9)
         assert b["epsilon"] > a["epsilon"]
+
+
+def test_a_calibrated_finite_cpgt_plan_takes_every_planned_round():
+    """The calibrated scale spends the target exactly (to float rounding): the last planned round must not be
+    refused for a few ulp."""
+    from lightning_privdec.privacy import PrivacyParameters
+    from lightning_privdec.privacy.cpgt_engine import CPGTPrivacyEngine
+
+    data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
+    early = []
+    for planned in range(2, 40, 3):
+        for target in (0.5, 3.0, 7.3):
+            e = CPGTPrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0), rank=0,
+                                  device=torch.device("cpu"), noise_x=None, noise_y=None, noise_decay=0.9,
+                                  lipschitz=1.0, accounting="finite", target_epsilon=target)
+            e.configure(step_size=0.1, dimension=3)
+            e.private_dataloader(torch.utils.data.DataLoader(data, batch_size=5), planned_steps=planned)
+            e._steps = planned - 1
+            if e.next_step_exceeds_budget():
+                early.append((planned, target))
+            e._steps = planned
+            assert e.next_step_exceeds_budget() and e.epsilon() == pytest.approx(target, rel=1e-9)
+    assert early == []

@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_privdec.algorithms.consensus_step import ConsensusStep, choose_consensus_step
 from lightning_privdec.algorithms.push_sum import message_key
 from lightning_privdec.comm import Exchange, TensorSpec
 from lightning_privdec.compression import Compressor, Identity
-from lightning_privdec.privacy.dp_step import node_noise_generator
+from lightning_privdec.privacy.noise import NoiseGenerator, node_noise_generator
 from lightning_privdec.topology import Topology, TopologyError
 
 __all__ = ["CHANNEL_X", "CHANNEL_Y", "CPGTGossip", "laplace_noise"]
@@ -42,12 +43,11 @@ NOISE_STREAM = "cpgt-laplace"
 
 
 def laplace_noise(
-    numel: int, scale: float, generator: torch.Generator, dtype: torch.dtype = torch.float64
+    numel: int, scale: float, generator: NoiseGenerator, dtype: torch.dtype = torch.float64
 ) -> Tensor:
-    """Lap_d(scale): d i.i.d. Laplace(scale) entries, drawn as scale * (E1 - E2) with E1, E2 ~ Exp(1) from
-    ``generator`` (on the generator's device)."""
-    draws = torch.empty(2, numel, dtype=dtype, device=generator.device).exponential_(generator=generator)
-    return (draws[0] - draws[1]).mul_(scale)
+    """Lap_d(scale): d i.i.d. Laplace(scale) entries from this agent's secret ``generator`` (ChaCha20,
+    :meth:`~lightning_privdec.privacy.noise.NoiseGenerator.laplace`), on the generator's device."""
+    return generator.laplace(numel, scale, dtype)
 
 
 class CPGTGossip:
@@ -59,7 +59,8 @@ class CPGTGossip:
         topology: static, undirected; ``mixing_matrix(0)`` must be doubly stochastic (e.g. Metropolis weights).
         exchange: moves the messages (torch.distributed or loopback).
         compressor: C; ``None`` or :class:`Identity` sends the differences uncompressed.
-        consensus_step: gamma > 0.
+        consensus_step: gamma > 0, or ``"auto"`` (:mod:`lightning_privdec.algorithms.consensus_step`: 1 without
+            compression).
         noise_x, noise_y: d_x, d_y >= 0 (0: no noise on that variable, not private).
         noise_decay: q in (0, 1].
         noise_seed: ``None`` (default): the Laplace noise comes from OS entropy, unknown to everyone else; an int:
@@ -75,7 +76,7 @@ class CPGTGossip:
         topology: Topology,
         exchange: Exchange,
         compressor: Compressor | None = None,
-        consensus_step: float = 1.0,
+        consensus_step: float | str = 1.0,
         noise_x: float,
         noise_y: float,
         noise_decay: float,
@@ -90,8 +91,12 @@ class CPGTGossip:
                 f"{'time-varying' if not topology.is_static else 'directed'}. Use 'ring', 'torus', 'complete' or an "
                 "nx.Graph"
             )
-        if not consensus_step > 0:
-            raise ValueError(f"consensus_step (gamma) must be > 0, got {consensus_step}")
+        self.consensus_step_choice: ConsensusStep | None = None  # how "auto" chose gamma (None when given)
+        if consensus_step == "auto":
+            self.consensus_step_choice = choose_consensus_step(compressor, topology, x.numel())
+            consensus_step = self.consensus_step_choice.gamma
+        if isinstance(consensus_step, bool) or not isinstance(consensus_step, (int, float)) or not consensus_step > 0:
+            raise ValueError(f"consensus_step (gamma) must be 'auto' or a number > 0, got {consensus_step!r}")
         if not 0.0 < noise_decay <= 1.0:
             raise ValueError(f"noise_decay (q) must lie in (0, 1], got {noise_decay}")
         self.rank = rank
@@ -127,6 +132,10 @@ class CPGTGossip:
     @property
     def dimension(self) -> int:
         return self.x.numel()
+
+    def uncompressed_message_nbytes(self) -> int:
+        """Bytes of one message without compression: the state and the tracker differences, d values each."""
+        return 2 * self.x.numel() * self.x.element_size()
 
     @property
     def z(self) -> Tensor:
@@ -197,8 +206,8 @@ class CPGTGossip:
 
     # ---- checkpointing ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Round, x, u, every replica and the traffic; the noise generator only with a fixed ``noise_seed`` (its state
-        reveals the seed, and with it every noise draw)."""
+        """Round, x, u, every replica and the traffic; the noise generator's draw count only with a fixed
+        ``noise_seed`` (a secure generator's key is never saved)."""
         state: dict[str, Any] = {
             "round": self.round,
             "x": self.x.detach().cpu().clone(),

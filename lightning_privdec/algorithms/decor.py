@@ -20,6 +20,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from lightning_privdec.privacy.noise import NoiseGenerator
+
 
 class CorrelatedNoiseSource(Protocol):
     """sum_{j in N_i} v_ij^(t) for this node: identical-magnitude, opposite-sign noise at both ends of every edge."""
@@ -33,13 +35,13 @@ def decor_perturbation(
     *,
     correlated: CorrelatedNoiseSource | None,
     sigma_cdp: float,
-    generator: torch.Generator,
+    generator: NoiseGenerator,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> Tensor:
     """Decor Algorithm 1, lines 3-5: sum_{j in N_i} v_ij^(t) + vbar_i, to be added to the clipped gradient."""
     device = torch.device(device)
-    noise = torch.randn(numel, generator=generator, dtype=dtype, device=generator.device).mul_(sigma_cdp).to(device)
+    noise = generator.normal(numel, sigma_cdp, dtype, device)
     if correlated is not None:
         noise.add_(correlated.sum_for_round(round_, numel, dtype, device))
     return noise

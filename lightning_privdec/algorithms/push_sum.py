@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_privdec.algorithms.consensus_step import ConsensusStep, check_consensus_step, choose_consensus_step
 from lightning_privdec.comm import Exchange, PendingRound, TensorSpec
 from lightning_privdec.compression import Compressor, Identity
 from lightning_privdec.topology import Topology
@@ -119,7 +120,8 @@ class PushSumGossip:
             shared public initial parameters (keeps X - X_hat = 0 at t = 1), or zeros (the paper's choice) when the
             nodes start from different points.
         seed: shared by all nodes; keys the compressor's randomness per (sender, channel, round).
-        consensus_step: gamma in (0, 1] of line 5 (1 = DP-CSGP exactly); only used with a compressor.
+        consensus_step: gamma in (0, 1] of line 5 (1 = DP-CSGP exactly), or ``"auto"``: chosen from the compressor's
+            omega^2 and the graph (:mod:`lightning_privdec.algorithms.consensus_step`); only used with a compressor.
         staleness: 0 (default) mixes every round's messages in the round itself; tau >= 1 overlaps each round with
             the next tau steps and mixes its messages tau steps late (exact push-sum only).
     """
@@ -135,7 +137,7 @@ class PushSumGossip:
         push_sum_weight: bool = True,
         reference: Tensor | None = None,
         seed: int = 0,
-        consensus_step: float = 1.0,
+        consensus_step: float | str = 1.0,
         staleness: int = 0,
     ) -> None:
         if x.dim() != 1:
@@ -145,10 +147,14 @@ class PushSumGossip:
         self.exchange = exchange
         self.compressor = None if compressor is None or isinstance(compressor, Identity) else compressor
         self.push_sum_weight = push_sum_weight
-        if not 0.0 < consensus_step <= 1.0:
-            raise ValueError(f"consensus_step (gamma) must be in (0, 1]; got {consensus_step}")
+        consensus_step = check_consensus_step(consensus_step)
         self.seed = seed
-        self.gamma = consensus_step if self.compressor is not None else 1.0
+        #: how "auto" chose gamma (None when gamma was given)
+        self.consensus_step_choice: ConsensusStep | None = None
+        if consensus_step == "auto":
+            self.consensus_step_choice = choose_consensus_step(self.compressor, topology, x.numel())
+            consensus_step = self.consensus_step_choice.gamma
+        self.gamma = float(consensus_step) if self.compressor is not None else 1.0
         self.round = 0
         self.x = x.detach().clone()
         self.y = torch.ones(1, dtype=torch.float64, device=x.device)
@@ -196,6 +202,10 @@ class PushSumGossip:
     @property
     def dimension(self) -> int:
         return self.x.numel()
+
+    def uncompressed_message_nbytes(self) -> int:
+        """Bytes of one message of this gossip without compression: the numerator and, with push-sum, the weight."""
+        return self.x.numel() * self.x.element_size() + (self.y.element_size() if self.push_sum_weight else 0)
 
     def plan(self, round_: int) -> RoundPlan:
         key = round_ % self.topology.period

@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_privdec.callbacks._parameters import trainable_vector
+from lightning_privdec.strategies.checks import gather_tensors
 
 
 class ConsensusErrorCallback(Callback):
@@ -44,7 +45,7 @@ class ConsensusErrorCallback(Callback):
         z_bar = strategy.reduce(z.clone(), reduce_op="sum") / strategy.world_size
         distance_sq = torch.sum((z - z_bar) ** 2)
         relative = distance_sq / torch.clamp(torch.sum(z_bar**2), min=torch.finfo(torch.float64).tiny)
-        per_node = strategy.all_gather(torch.stack([distance_sq, relative])).reshape(-1, 2).cpu()
+        per_node = gather_tensors(torch.stack([distance_sq, relative])).cpu()
         metrics = {f"consensus/distance_sq/node_{i}": float(v) for i, v in enumerate(per_node[:, 0])}
         metrics.update({f"consensus/relative/node_{i}": float(v) for i, v in enumerate(per_node[:, 1])})
         metrics.update(

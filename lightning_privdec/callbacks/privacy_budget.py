@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_privdec.strategies.checks import gather_tensors
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 
 
@@ -66,7 +67,7 @@ class PrivacyBudgetCallback(Callback):
         engine = self._strategy(trainer).privacy
         assert engine is not None
         local = torch.tensor([engine.epsilon()], dtype=torch.float64, device=trainer.strategy.root_device)
-        self.epsilons = trainer.strategy.all_gather(local).reshape(-1).tolist()
+        self.epsilons = gather_tensors(local).reshape(-1).tolist()
         metrics = {f"privacy/epsilon/node_{i}": eps for i, eps in enumerate(self.epsilons)}
         metrics.update(
             {
@@ -80,7 +81,7 @@ class PrivacyBudgetCallback(Callback):
         )
         if callable(getattr(engine, "paper_epsilon", None)):  # same engine type on every node: the gather matches
             local = torch.tensor([engine.paper_epsilon()], dtype=torch.float64, device=trainer.strategy.root_device)
-            paper = trainer.strategy.all_gather(local).reshape(-1).tolist()
+            paper = gather_tensors(local).reshape(-1).tolist()
             metrics.update({f"privacy/epsilon_paper_clt/node_{i}": eps for i, eps in enumerate(paper)})
             metrics["privacy/epsilon_paper_clt_max"] = max(paper)
             metrics["privacy/max_grad_norm"] = float(engine.current_clip)

@@ -2,7 +2,8 @@
 
 Every node clips its own per-sample gradients, adds its own Gaussian noise (local DP against its neighbours;
 Abadi et al. 2016), Poisson-samples its own shard, and accounts for its own budget with Opacus's accountants
-(RDP: Mironov 2017, Mironov, Talwar, Zhang 2019; PRV: Gopi et al. 2021; GDP: Dong, Roth, Su 2019).
+(RDP: Mironov 2017, Mironov, Talwar, Zhang 2019; PRV: Gopi et al. 2021). Every random draw privacy rests on comes
+from :mod:`.noise` (ChaCha20 under a 256-bit key from OS entropy).
 
 Building blocks, in the order a strategy calls them:
 
@@ -21,9 +22,10 @@ from lightning_privdec.privacy.accountants import (
     make_accountant,
 )
 from lightning_privdec.privacy.config import DEFAULT_DELTA, PrivacyParameters
-from lightning_privdec.privacy.dp_step import DPStepStats, node_noise_generator, noise_clipped_sum, privatize_gradients
+from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum, privatize_gradients
 from lightning_privdec.privacy.engine import NodePrivacyEngine
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.noise import NoiseGenerator, node_noise_generator
 from lightning_privdec.privacy.per_sample import (
     GRAD_SAMPLE_MODES,
     GhostClipping,
@@ -82,6 +84,7 @@ __all__ = [
     "epsilon_for",
     "make_accountant",
     "noise_clipped_sum",
+    "NoiseGenerator",
     "node_noise_generator",
     "node_shard_indices",
     "poisson_dataloader",

@@ -7,8 +7,11 @@ Poisson sample of rate ``q`` (Abadi et al. 2016, Algorithm 1). Its (epsilon, del
 * ``"rdp"``: Renyi DP of the subsampled Gaussian (Mironov 2017; Mironov, Talwar, Zhang 2019, Sec. 3), converted
   to (epsilon, delta) with Balle et al. 2020, Thm. 21. Sound, slightly loose; the default.
 * ``"prv"``: numerical composition of privacy-loss random variables (Gopi et al. 2021). Tight upper bound; slower.
-* ``"gdp"``: mu-GDP with the central limit theorem (Dong, Roth, Su 2019, Cor. 5.4). Fast but an *approximation*
-  that can under-estimate epsilon (Gopi et al. 2021, Sec. 1); needs constant ``(sigma, q)``.
+
+mu-GDP with the central limit theorem (Dong, Roth, Su 2019, Cor. 5.4) is NOT an accountant here: it is an
+approximation that can print an epsilon far below the true one (q = 0.001, sigma = 0.5, T = 10: 0.069 against a
+tight 1.086), so it never calibrates noise, enforces a budget or fills a field named "epsilon".
+:func:`gdp_epsilon_approximation` computes it for display, labelled as an approximation, next to a sound value.
 
 In decentralized learning each node's guarantee is per node, for sample-level adjacency on that node's shard:
 ``q = B / J`` with ``J`` the shard size, never the global dataset size.
@@ -38,14 +41,26 @@ from lightning_privdec.privacy.errors import PrivacyConfigError
 
 __all__ = [
     "ACCOUNTANTS",
+    "GDP_REFUSAL",
     "PrivacyLedger",
     "calibrate_noise_multiplier",
+    "check_accountant",
     "epsilon_for",
+    "gdp_epsilon_approximation",
     "make_accountant",
 ]
 
 #: accountant names accepted everywhere (``accountant=`` keyword, CLI ``--accountant``)
-ACCOUNTANTS: tuple[str, ...] = ("rdp", "prv", "gdp")
+ACCOUNTANTS: tuple[str, ...] = ("rdp", "prv")  # the sound ones: they calibrate, enforce and report
+
+#: why "gdp" is refused wherever an epsilon decides something (strategies, calibration, ledgers)
+GDP_REFUSAL = (
+    "accountant='gdp' is refused: the Gaussian-DP accountant is a central-limit approximation (Dong, Roth, Su 2019) "
+    "that can under-estimate epsilon by more than 10x for few steps or small sampling rates (q=0.001, sigma=0.5, "
+    "10 steps: 0.069 against a tight 1.086) and, used to calibrate noise, overshoots the target by up to 3.7x. "
+    "Use accountant='rdp' (default, sound) or 'prv' (sound and tight); `privdec-account dpsgd --accountant gdp` "
+    "shows the GDP approximation next to the sound value"
+)
 
 #: the PRV accountant discretises the privacy loss on a grid; beyond this many points it needs gigabytes of memory
 #: (tiny noise multipliers or huge step counts). We refuse instead of exhausting the machine.
@@ -61,13 +76,17 @@ History = list[tuple[float, float, int]]
 
 
 # ---- validation helpers -----------------------------------------------------------------------------------------
-def _check_accountant(name: str) -> str:
+def check_accountant(name: str) -> str:
+    """``name`` if it is a sound accountant ("rdp", "prv"); otherwise a :class:`PrivacyConfigError` saying why."""
+    if name == "gdp":
+        raise PrivacyConfigError(GDP_REFUSAL)
     if not isinstance(name, str) or name not in ACCOUNTANTS:
         raise PrivacyConfigError(
             f"unknown accountant {name!r}; choose one of {', '.join(repr(a) for a in ACCOUNTANTS)} "
-            "('rdp' is the sound default, 'prv' the tightest, 'gdp' a fast approximation)"
+            "('rdp' is the sound default, 'prv' the tightest)"
         )
     return name
+
 
 
 def _check_number(value: Any, name: str) -> float:
@@ -114,8 +133,8 @@ def _check_steps(steps: Any, *, minimum: int = 0) -> int:
 
 # ---- epsilon of a history ---------------------------------------------------------------------------------------
 def make_accountant(name: str = "rdp") -> IAccountant:
-    """A fresh Opacus accountant (``opacus.accountants.create_accountant``) for ``"rdp"``, ``"prv"`` or ``"gdp"``."""
-    return create_accountant(_check_accountant(name))
+    """A fresh Opacus accountant (``opacus.accountants.create_accountant``) for ``"rdp"`` or ``"prv"``."""
+    return create_accountant(check_accountant(name))
 
 
 def _prv_domain_size(history: History, eps_error: float, delta_error: float) -> int:
@@ -127,31 +146,21 @@ def _prv_domain_size(history: History, eps_error: float, delta_error: float) -> 
     return int(domain.size)
 
 
-_GDP_WARNED = False
-
-
-def _warn_gdp_once() -> None:
-    global _GDP_WARNED
-    if not _GDP_WARNED:
-        _GDP_WARNED = True
-        warnings.warn(
-            "the 'gdp' accountant (Dong, Roth, Su 2019, central limit theorem) is an approximation that can "
-            "under-estimate epsilon (Gopi et al. 2021); use 'prv' or 'rdp' for guarantees you report",
-            UserWarning,
-            stacklevel=3,
-        )
-
-
-def _gdp_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
-    """Opacus's GDP epsilon (Dong, Roth, Su 2019, Cor. 5.4 + Cor. 2.13) with its root-finding edge cases closed.
+def gdp_epsilon_approximation(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
+    """The central-limit (mu-GDP) APPROXIMATION of DP-SGD's epsilon (Dong, Roth, Su 2019, Cor. 5.4 + Cor. 2.13),
+    through Opacus's analysis. Not a bound: it can be far below the true epsilon. For display next to a sound value
+    only; nothing in the library decides sigma or when to stop with it.
 
     Opacus searches epsilon in [0, 500] and raises when the root is outside: at ``epsilon = 0`` the mechanism is
-    already (0, delta)-DP (returned as 0.0), or epsilon exceeds 500 (returned as ``inf``, the safe side).
+    already (0, delta)-DP (returned as 0.0), or epsilon exceeds 500 (returned as ``inf``).
     """
-    _warn_gdp_once()
+    sigma = _check_noise_multiplier(noise_multiplier)
+    q, steps, delta = _check_sample_rate(sample_rate), _check_steps(steps, minimum=1), _check_delta(delta)
+    if sigma == 0.0:
+        return math.inf
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="GDP accounting is experimental")
-        accountant = make_accountant("gdp")
+        accountant = GaussianAccountant()
     accountant.history = [(sigma, q, steps)]
     try:
         return float(accountant.get_epsilon(delta=delta))
@@ -169,14 +178,6 @@ def _epsilon_of_history(history: History, delta: float, accountant: str) -> floa
         return 0.0
     if any(sigma == 0.0 for sigma, _, _ in history):
         return math.inf  # no noise: no privacy
-    if accountant == "gdp":
-        if len({(sigma, q) for sigma, q, _ in history}) > 1:
-            raise PrivacyConfigError(
-                "the 'gdp' accountant needs a constant noise_multiplier and sample_rate; this history changes "
-                "them. Use accountant='rdp' or 'prv' for schedules."
-            )
-        sigma, q, _ = history[0]
-        return _gdp_epsilon(sigma, q, sum(t for _, _, t in history), delta)
     if accountant == "prv":
         eps_error, delta_error = 0.01, delta / 1000  # Opacus's PRVAccountant defaults
         size = _prv_domain_size(history, eps_error, delta_error)
@@ -204,7 +205,7 @@ def epsilon_for(
     The mechanism is the Poisson-subsampled Gaussian (Abadi et al. 2016, Algorithm 1); ``accountant`` picks the
     analysis (see the module docstring). ``noise_multiplier = 0`` returns ``inf``.
     """
-    accountant = _check_accountant(accountant)
+    accountant = check_accountant(accountant)
     history = [
         (_check_noise_multiplier(noise_multiplier), _check_sample_rate(sample_rate), _check_steps(steps))
     ]
@@ -235,11 +236,7 @@ class _Guard:
             )
 
 
-_OPACUS_CLASSES: dict[str, type[IAccountant]] = {
-    "rdp": RDPAccountant,
-    "prv": PRVAccountant,
-    "gdp": GaussianAccountant,
-}
+_OPACUS_CLASSES: dict[str, type[IAccountant]] = {"rdp": RDPAccountant, "prv": PRVAccountant}
 _GUARDED: set[str] = set()
 _ACTIVE_GUARD: contextvars.ContextVar[_Guard | None] = contextvars.ContextVar("privdec_calibration", default=None)
 
@@ -248,7 +245,7 @@ def _guarded_mechanism(accountant: str) -> str:
     """Register (once) an Opacus accountant that routes ``get_noise_multiplier``'s search through our guard.
 
     Opacus's bisection has no iteration limit and evaluates whatever sigma it reaches; the guard bounds the number
-    of evaluations and the smallest sigma, and uses :func:`_epsilon_of_history` (with its PRV/GDP edge cases).
+    of evaluations and the smallest sigma, and uses :func:`_epsilon_of_history` (with its PRV edge cases).
     """
     mechanism = f"_lightning_privdec_guarded_{accountant}"
     if mechanism not in _GUARDED:
@@ -260,7 +257,7 @@ def _guarded_mechanism(accountant: str) -> str:
                 guard.check(self.history)
             return _epsilon_of_history(self.history, delta, accountant)
 
-        def __init__(self: IAccountant) -> None:  # noqa: N807  (skip GDP's per-instance warning)
+        def __init__(self: IAccountant) -> None:  # noqa: N807
             self.history = []
 
         guarded = type(f"_Guarded{base.__name__}", (base,), {"get_epsilon": get_epsilon, "__init__": __init__})
@@ -287,7 +284,7 @@ def calibrate_noise_multiplier(
         PrivacyConfigError: invalid arguments, or a target that cannot be reached (so small that even a noise
             multiplier of ~1e6 exceeds it, or so large that essentially no noise is needed).
     """
-    accountant = _check_accountant(accountant)
+    accountant = check_accountant(accountant)
     target_epsilon = _check_number(target_epsilon, "target_epsilon")
     if target_epsilon <= 0:
         raise PrivacyConfigError(f"target_epsilon must be > 0, got {target_epsilon!r}")
@@ -354,15 +351,15 @@ class PrivacyLedger:
 
     Consecutive identical ``(sigma, q)`` entries are merged, as in Opacus's accountants' ``history``. The epsilon of
     the whole history is the composition of the subsampled Gaussian steps (Mironov, Talwar, Zhang 2019 for
-    ``"rdp"``; Gopi et al. 2021 for ``"prv"``; Dong, Roth, Su 2019 for ``"gdp"``).
+    ``"rdp"``; Gopi et al. 2021 for ``"prv"``).
 
     Args:
-        accountant: ``"rdp"``, ``"prv"`` or ``"gdp"``.
+        accountant: ``"rdp"`` or ``"prv"`` (``"gdp"`` is refused: see :data:`GDP_REFUSAL`).
         delta: default delta for :meth:`epsilon` and :meth:`epsilon_if`.
     """
 
     def __init__(self, accountant: str = "rdp", delta: float | None = None) -> None:
-        self.accountant = _check_accountant(accountant)
+        self.accountant = check_accountant(accountant)
         self.delta = None if delta is None else _check_delta(delta)
         self.history: History = []
         self._cache: dict[tuple[Any, ...], float] = {}
@@ -382,14 +379,7 @@ class PrivacyLedger:
         noise_multiplier = _check_noise_multiplier(noise_multiplier)
         sample_rate = _check_sample_rate(sample_rate)
         steps = _check_steps(steps, minimum=1)
-        history = self._append(self.history, noise_multiplier, sample_rate, steps)
-        if self.accountant == "gdp" and len(history) > 1:
-            raise PrivacyConfigError(
-                "the 'gdp' accountant needs a constant noise_multiplier and sample_rate, but this step uses "
-                f"({noise_multiplier:g}, {sample_rate:g}) after {self.history[-1][:2]}. Use accountant='rdp' or "
-                "'prv' for schedules."
-            )
-        return history
+        return self._append(self.history, noise_multiplier, sample_rate, steps)
 
     def record(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
         """Account for ``steps`` more steps with noise multiplier sigma and Poisson sampling rate q."""
@@ -441,6 +431,13 @@ class PrivacyLedger:
             raise PrivacyConfigError(
                 "not a PrivacyLedger state_dict (needs keys 'accountant' and 'history'); pass what "
                 "PrivacyLedger.state_dict() returned"
+            )
+        if state["accountant"] == "gdp":
+            raise PrivacyConfigError(
+                "this checkpoint's ledger was accounted with 'gdp', an approximation this library no longer uses: "
+                f"re-account its history {state['history']} soundly with "
+                "PrivacyLedger('rdp').load_state_dict({**state, 'accountant': 'rdp'}) (the same (sigma, q, steps) "
+                "entries), or start a new run"
             )
         if state["accountant"] != self.accountant:
             raise PrivacyConfigError(

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from lightning_privdec.privacy.accountants import (
-    ACCOUNTANTS,
     _check_sample_rate,
     _check_steps,
     calibrate_noise_multiplier,
+    check_accountant,
 )
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
@@ -41,7 +41,7 @@ class PrivacyParameters:
             that the planned steps spend exactly this budget.
         target_delta: the budget's delta in (0, 1); with ``noise_multiplier`` it is only the delta at which epsilon is
             reported.
-        accountant: ``"rdp"`` (default), ``"prv"`` or ``"gdp"``.
+        accountant: ``"rdp"`` (default) or ``"prv"``; ``"gdp"`` (an approximation) is refused.
     """
 
     max_grad_norm: float
@@ -59,11 +59,7 @@ class PrivacyParameters:
                 f"max_grad_norm must be a positive number, got {self.max_grad_norm!r}; it is the per-sample "
                 "clipping bound C (DP-CSGP uses 1.5 for ResNet-18/CIFAR-10, 0.5 for an MLP on MNIST)"
             )
-        if self.accountant not in ACCOUNTANTS:
-            raise PrivacyConfigError(
-                f"unknown accountant {self.accountant!r}; choose one of "
-                f"{', '.join(repr(a) for a in ACCOUNTANTS)}"
-            )
+        check_accountant(self.accountant)  # "gdp" is refused: an approximation never decides sigma or when to stop
         has_sigma = self.noise_multiplier is not None
         has_eps = self.target_epsilon is not None
         if not has_sigma and not has_eps:

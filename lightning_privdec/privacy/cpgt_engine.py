@@ -5,6 +5,12 @@ line 5, :class:`~lightning_privdec.algorithms.cpgt.CPGTGossip`); this engine onl
 move the node's gradient: per-sample gradients clipped to C, summed and divided by the expected batch size q J, so
 the adjacency distance of Definition 1 is ``2 C / (q J)`` (q = 1 for full batches). Poisson sampling, the node's
 shard and the per-sample machinery are the DP-SGD engine's (:class:`NodePrivacyEngine`).
+
+Crashes. Theorem 2's coupling charges round k the term ``(alpha a_{k-1} / d_x + a_k / d_y) / q^k`` (times the norm
+factor). A run resumed from a checkpoint of round k0 after rounds up to k1 > k0 were released (the write-ahead ledger
+says so) sends rounds k0..k1-1 again with fresh noise at the same scales. The two transcripts compose: the coupling
+must absorb both, so epsilon = (the run's bound) + (the terms of rounds k0..k1-1). The engine keeps the current
+trajectory's round count and the list of replayed intervals; :meth:`epsilon` and the budget check include them.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from lightning_privdec.privacy.cpgt import (
     calibrate_cpgt_noise,
     check_theorem2,
     clipping_sensitivity,
+    cpgt_epsilon_after,
     cpgt_epsilon_for,
     laplace_norm_factor,
 )
@@ -79,7 +86,8 @@ class CPGTPrivacyEngine(NodePrivacyEngine):
         self.run_epsilon: float | None = None  # the whole-run bound (sound or theorem2 accountings)
         self.epsilon_theorem2: float | None = None  # the paper's eq. (23), for reference
         self.noise_multiplier = 0.0  # no Gaussian noise: reported as 0 by the budget callback
-        self._steps = 0
+        self._steps = 0  # rounds of the current trajectory (= the algorithm's round counter)
+        self._replayed: list[tuple[int, int]] = []  # [k0, k1): rounds released again after a resume
 
     def configure(self, *, step_size: float, dimension: int) -> None:
         """alpha (the SGD learning rate) and d (the number of trainable parameters); checks Theorem 2's conditions."""
@@ -138,14 +146,32 @@ class CPGTPrivacyEngine(NodePrivacyEngine):
             )
 
     def _epsilon_after(self, steps: int | None) -> float:
+        """The accounting's epsilon of rounds 0..steps-1 of one trajectory (``None``: the whole run)."""
         assert self.alpha is not None and self.noise_x is not None and self.noise_y is not None
         assert self.sensitivity is not None and self.norm_factor is not None
         return cpgt_epsilon_for(
             self.accounting,  # type: ignore[arg-type]
             steps=steps, alpha=self.alpha, lipschitz=self.lipschitz, q=self.noise_decay, noise_x=self.noise_x,
-            noise_y=self.noise_y, sensitivity=self.sensitivity,
-            norm_factor=1.0 if self.accounting == "theorem2" else self.norm_factor,
+            noise_y=self.noise_y, sensitivity=self.sensitivity, norm_factor=self._norm_factor(),
         )
+
+    def _norm_factor(self) -> float:
+        assert self.norm_factor is not None
+        return 1.0 if self.accounting == "theorem2" else self.norm_factor
+
+    def _rounds_epsilon(self, rounds: int) -> float:
+        """The coupling's terms of rounds 0..rounds-1 summed (Assumption 4 unless ``accounting="finite"``)."""
+        assert self.alpha is not None and self.noise_x is not None and self.noise_y is not None
+        assert self.sensitivity is not None
+        return cpgt_epsilon_after(
+            rounds, alpha=self.alpha, lipschitz=self.lipschitz, q=self.noise_decay, noise_x=self.noise_x,
+            noise_y=self.noise_y, sensitivity=self.sensitivity, norm_factor=self._norm_factor(),
+            linear_difference=self.accounting != "finite",
+        )
+
+    def _replay_epsilon(self) -> float:
+        """What the rounds released twice add by composition: their terms, once more per replay."""
+        return sum(self._rounds_epsilon(end) - self._rounds_epsilon(start) for start, end in self._replayed)
 
     # ---- the step: clipping only (the Laplace noise is the algorithm's) ------------------------------------------
     def privatize(self) -> DPStepStats:
@@ -162,39 +188,65 @@ class CPGTPrivacyEngine(NodePrivacyEngine):
     def delta(self) -> float:
         return 0.0  # pure epsilon-DP
 
+    def noise_summary(self) -> str:
+        replayed = f", {sum(b - a for a, b in self._replayed)} replayed rounds charged" if self._replayed else ""
+        return (
+            f"pure epsilon-DP (delta = 0): Laplace noise d_x = {self.noise_x or 0.0:.4g}, d_y = {self.noise_y or 0.0:.4g} "
+            f"decaying by q = {self.noise_decay} per round, {self.accounting} accounting{replayed}"
+        )
+
     @property
     def steps(self) -> int:
-        return self._steps
+        """Rounds released in all: the current trajectory's and every replayed one."""
+        return self._steps + sum(end - start for start, end in self._replayed)
 
     def epsilon(self) -> float:
-        """Epsilon spent: 0 before the first message; then the whole-run bound (constant: it covers every round,
-        past and future), or with ``accounting="finite"`` the bound of the rounds taken so far."""
-        if self._steps == 0 or self.noise_x is None:
+        """Epsilon spent: 0 before the first message; then the whole-run bound (it covers every round of the
+        trajectory, past and future), or with ``accounting="finite"`` the bound of the rounds taken so far; plus,
+        by composition, the rounds a resume released again."""
+        if self.steps == 0 or self.noise_x is None:
             return 0.0
-        return self.run_epsilon if self.run_epsilon is not None else self._epsilon_after(self._steps)
+        trajectory = self.run_epsilon if self.run_epsilon is not None else self._epsilon_after(self._steps)
+        return trajectory + self._replay_epsilon()
 
     def next_step_exceeds_budget(self) -> bool:
-        if self.target_epsilon is None or self.noise_x is None or self.accounting != "finite":
+        if self.target_epsilon is None or self.noise_x is None:
             return False
-        return self._epsilon_after(self._steps + 1) > self.target_epsilon
+        if self.accounting != "finite":  # the next round is covered by the run's bound; replays may not be
+            return self.run_epsilon + self._replay_epsilon() > self.target_epsilon * (1 + 1e-9)  # type: ignore[operator]
+        # the calibrated scale spends the target exactly, up to float rounding
+        return self._epsilon_after(self._steps + 1) + self._replay_epsilon() > self.target_epsilon * (1 + 1e-9)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
             "steps": self._steps,
+            "replayed": [[start, end] for start, end in self._replayed],
             "noise": [self.noise_x, self.noise_y],
             "sensitivity": self.sensitivity,
             **self._generator_state(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if int(state["steps"]) < self._steps:
+        replayed = [(int(start), int(end)) for start, end in state.get("replayed", [])]
+        released = int(state["steps"]) + sum(end - start for start, end in replayed)
+        if released < self.steps:
             raise PrivacyConfigError(
-                f"node {self.rank}: the checkpoint has {state['steps']} CPGT steps but this node has already taken "
-                f"{self._steps}; restoring it would forget spent privacy. Resume into a fresh Trainer."
+                f"node {self.rank}: the checkpoint has {released} released CPGT rounds but this node has already "
+                f"released {self.steps}; restoring it would forget spent privacy. Resume into a fresh Trainer."
             )
-        self._steps = int(state["steps"])
+        self._steps, self._replayed = int(state["steps"]), replayed
         noise_x, noise_y = state["noise"]
         if noise_x is not None:  # a calibrated scale is kept: the run goes on with the noise it has used
             self.noise_x, self.noise_y = float(noise_x), float(noise_y)
         self._load_generator_state(state)
+
+    def load_accounting_state(self, state: Mapping[str, Any]) -> None:
+        """Take the write-ahead ledger's later state of this run: the trajectory restarts at the checkpoint's round
+        k0 (the algorithm's round counter), and the rounds k0..k1-1 the crashed run had released are recorded as
+        replayed, so they are charged again as the resumed run re-sends them."""
+        released_round = int(state["steps"])
+        replayed = [(int(start), int(end)) for start, end in state.get("replayed", [])]
+        if released_round > self._steps:
+            replayed.append((self._steps, released_round))
+        self._replayed = replayed

@@ -56,9 +56,14 @@ class DecorPrivacyEngine(NodePrivacyEngine):
         baseline: str | None = None,
         rank: int,
         device: torch.device,
+        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
         noise_seed: int | None = None,
+        secure_mode: bool = False,
     ) -> None:
-        super().__init__(parameters, rank=rank, device=device, grad_sample_mode=DEFAULT_GRAD_SAMPLE_MODE, noise_seed=noise_seed)
+        super().__init__(
+            parameters, rank=rank, device=device, grad_sample_mode=grad_sample_mode, noise_seed=noise_seed,
+            secure_mode=secure_mode,
+        )
         self.graph, self.adversary, self.clipping, self.baseline = graph, adversary, clipping, baseline
         self.sigma_cdp, self.sigma_cor = sigma_cdp, sigma_cor
         self.secrets: PairwiseSecrets | None = None
@@ -69,8 +74,23 @@ class DecorPrivacyEngine(NodePrivacyEngine):
         self._steps = 0
 
     @property
+    def supports_micro_batches(self) -> bool:  # type: ignore[override]
+        return self.clipping == "per_sample"
+
+    micro_batch_refusal = (
+        "Decor with clipping='user' clips the whole batch gradient of a user at once: accumulate_grad_batches must "
+        "be 1 (use clipping='per_sample' to accumulate micro-batches of one logical Poisson batch)"
+    )
+
+    @property
     def level(self) -> str:
         return "example" if self.clipping == "per_sample" else "user"
+
+    def noise_summary(self) -> str:
+        return (
+            f"Decor ({self.level} level, adversary {self.adversary!r}): independent noise sigma_cdp = "
+            f"{self.sigma_cdp or 0.0:.4g}, pairwise-cancelling sigma_cor = {self.sigma_cor or 0.0:.4g}, SecLDP accountant"
+        )
 
     def attach(self, module: nn.Module, fix_model: bool = False) -> None:
         if self.clipping == "per_sample":
@@ -121,7 +141,7 @@ class DecorPrivacyEngine(NodePrivacyEngine):
         params = [p for p in self._module.parameters() if p.requires_grad]
         C = self.parameters.max_grad_norm
         if self.clipping == "per_sample":
-            assert self.per_sample is not None and self.expected_batch_size is not None
+            assert self.expected_batch_size is not None
             stats = self._clip_and_noise(C, noise_multiplier=0.0)  # p.grad = clipped sum / qJ
             scale = self.expected_batch_size  # the noise goes on the clipped sum, before the division
         else:

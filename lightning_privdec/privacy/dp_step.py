@@ -8,7 +8,7 @@ Abadi et al. 2016, Algorithm 1, with Poisson sampling at rate q over the node's 
 Dividing by the expected batch size ``q J`` (not the realised one) keeps each example's influence at most C / (qJ),
 which is what the accountant assumes; an empty Poisson batch releases pure noise.
 
-In decentralized learning every node runs this with its *own* generator (:func:`node_noise_generator`), i.e. local
+In decentralized learning every node runs this with its *own* generator (:mod:`.noise`), i.e. local
 DP: each node's released update is private by itself. (Opacus's distributed optimizer instead adds noise on rank 0
 only, which is central DP for an all-reduced sum and is not private here.)
 
@@ -22,8 +22,6 @@ Typical use inside a strategy's ``optimizer_step``, between backward and the opt
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,10 +29,9 @@ import torch
 from torch import Tensor
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.noise import NoiseGenerator
 
-__all__ = ["DPStepStats", "clip_and_accumulate", "clip_factor", "node_noise_generator", "noise_clipped_sum", "privatize_gradients"]
-
-_NOISE_DOMAIN = b"lightning_privdec.privacy.noise"
+__all__ = ["DPStepStats", "clip_and_accumulate", "clip_factor", "noise_clipped_sum", "privatize_gradients"]
 
 
 @dataclass(frozen=True)
@@ -61,38 +58,6 @@ class DPStepStats:
         }
 
 
-def node_noise_generator(
-    device: torch.device | str, seed: int | None, rank: int, stream: str = "noise"
-) -> torch.Generator:
-    """A ``torch.Generator`` on ``device`` that belongs to ONE node (process ``rank``).
-
-    * ``seed=None`` (the default to use in training): seeded from ``os.urandom``. The noise must be unknown to
-      every other node: Lightning's ``seed_everything`` gives all ranks the same global seed, so noise drawn from
-      the global RNG would be identical on every node, and a neighbour could subtract it from the update it
-      receives, leaving no privacy at all. Fresh OS entropy per node (and per run) rules that out.
-    * ``seed=int``: deterministic, derived from ``(seed, rank)`` by SHA-256 with a domain tag, so different ranks
-      get different, unrelated streams and the stream differs from anything else seeded with ``seed``. For
-      reproducible tests and debugging only: whoever knows the seed knows the noise. ``stream`` names independent
-      streams of one node (``"noise"``, ``"sampling"``).
-
-    Note that torch's generators are not cryptographically secure PRNGs; the seed is unguessable, but the stream
-    could in principle be recovered from many outputs (see Opacus's ``secure_mode`` discussion).
-    """
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise PrivacyConfigError(f"rank must be a non-negative integer, got {rank!r}")
-    if seed is None:
-        value = int.from_bytes(os.urandom(8), "little")
-    else:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise PrivacyConfigError(f"seed must be an int or None, got {seed!r}")
-        suffix = f"/{seed}/{rank}" if stream == "noise" else f"/{stream}/{seed}/{rank}"
-        digest = hashlib.sha256(_NOISE_DOMAIN + suffix.encode()).digest()
-        value = int.from_bytes(digest[:8], "little")
-    generator = torch.Generator(device=torch.device(device))
-    generator.manual_seed(value & ((1 << 63) - 1))
-    return generator
-
-
 def _check_positive(value: float, name: str, *, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise PrivacyConfigError(f"{name} must be a number, got {value!r}")
@@ -103,9 +68,9 @@ def _check_positive(value: float, name: str, *, allow_zero: bool = False) -> flo
     return value
 
 
-def _gaussian(numel: int, std: float, generator: torch.Generator, dtype: torch.dtype, device: torch.device) -> Tensor:
-    noise = torch.randn(numel, generator=generator, device=generator.device, dtype=dtype)
-    return noise.mul_(std).to(device, non_blocking=True)
+def _gaussian(numel: int, std: float, generator: NoiseGenerator, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """N(0, std^2 I_numel) of ``dtype`` on ``device``, computed in float64 and rounded once to ``dtype``."""
+    return generator.normal(numel, std, dtype, device)
 
 
 def _noise_and_scale_into_grads(
@@ -114,7 +79,7 @@ def _noise_and_scale_into_grads(
     max_grad_norm: float,
     noise_multiplier: float,
     expected_batch_size: float,
-    generator: torch.Generator,
+    generator: NoiseGenerator,
 ) -> float:
     """p.grad <- (clipped sum + N(0, sigma^2 C^2 I)) / (q J) for every parameter; returns the noise std sigma C.
 
@@ -183,7 +148,7 @@ def noise_clipped_sum(
     max_grad_norm: float,
     noise_multiplier: float,
     expected_batch_size: float,
-    generator: torch.Generator,
+    generator: NoiseGenerator,
 ) -> DPStepStats:
     """Finish a DP-SGD step whose ``p.grad`` already holds the sum of clipped per-sample gradients (ghost clipping).
 
@@ -211,7 +176,7 @@ def privatize_gradients(
     max_grad_norm: float,
     noise_multiplier: float,
     expected_batch_size: float,
-    generator: torch.Generator,
+    generator: NoiseGenerator,
 ) -> DPStepStats:
     """Write this node's DP-SGD gradient into every ``p.grad`` (Abadi et al. 2016, Algorithm 1, lines 4-6).
 
@@ -222,8 +187,8 @@ def privatize_gradients(
             ``min(1, C / (||g_i|| + 1e-6))`` (Opacus's flat clipping).
         noise_multiplier: sigma; ``N(0, sigma^2 C^2 I)`` is added to the clipped sum (0 adds nothing).
         expected_batch_size: ``q J``; the noisy sum is divided by it, not by the realised batch size ``B``.
-        generator: THIS node's generator (:func:`node_noise_generator`). Noise is drawn on its device and moved to
-            the parameters' device if they differ.
+        generator: THIS node's generator (:func:`~lightning_privdec.privacy.noise.node_noise_generator`: ChaCha20
+            under a 256-bit key). Noise is computed on its device and moved to the parameters' device if they differ.
 
     Whatever ``p.grad`` held before (e.g. NaN from the mean loss of an empty batch) is overwritten.
     """

@@ -64,6 +64,7 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
         device: torch.device,
         grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
         noise_seed: int | None = None,
+        secure_mode: bool = False,
     ) -> None:
         if parameters.target_epsilon is None or parameters.target_delta is None:
             raise PrivacyConfigError(
@@ -76,7 +77,10 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
                 "noise_multiplier (use variant='const' for a fixed noise level)"
             )
         _check_rigorous_accountant(parameters.accountant)
-        super().__init__(parameters, rank=rank, device=device, grad_sample_mode=grad_sample_mode, noise_seed=noise_seed)
+        super().__init__(
+            parameters, rank=rank, device=device, grad_sample_mode=grad_sample_mode, noise_seed=noise_seed,
+            secure_mode=secure_mode,
+        )
         self.rho_c = _check_rho(rho_c, "rho_c", "decay factor of the clipping bound C_k")
         self.rho_mu = _check_rho(rho_mu, "rho_mu", "growth factor of the per-step GDP budget mu_k")
         self.variant = _check_variant(variant)
@@ -88,6 +92,17 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
         self.plan_epsilon: float | None = None  # rigorous epsilon of the whole plan (history included)
         self.plan_paper_epsilon: float | None = None
         self._plan_key: tuple[Any, ...] | None = None
+
+    def noise_summary(self) -> str:
+        if self.schedule is None:
+            return "Dyn-D2P schedule not planned"
+        s, last = self.schedule, max(0, self.schedule.steps - 1)
+        return (
+            f"Dyn-D2P schedule ({self.variant}, {s.steps} steps): clip C {s.clip(0):.4g} -> {s.clip(last):.4g}, "
+            f"noise multiplier {s.noise_multiplier(0):.4g} -> {s.noise_multiplier(last):.4g}, Poisson q = "
+            f"{self.sample_rate or 0.0:.4g}, {self.ledger.accountant} accountant (the paper's CLT value: "
+            f"{self.paper_epsilon():.4g})"
+        )
 
     # ---- planning ------------------------------------------------------------------------------------------------
     def _schedule_key(self, planned_steps: int) -> tuple[Any, ...]:
@@ -150,6 +165,10 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
     def current_noise_std(self) -> float:
         """sigma_k = C_k / mu_k of the next step, the std of the noise on the clipped sum (line 8)."""
         return self._require_schedule().sigma(self.steps)
+
+    @property
+    def step_max_grad_norm(self) -> float:
+        return self.current_clip
 
     def ghost_backward(self, per_sample_losses: torch.Tensor) -> None:
         """Ghost clipping at this step's bound: the clip-weighted second backward pass uses C_k."""

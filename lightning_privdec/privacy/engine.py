@@ -17,13 +17,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_privdec.privacy.accountants import PrivacyLedger
 from lightning_privdec.privacy.config import PrivacyParameters
-from lightning_privdec.privacy.dp_step import (
-    DPStepStats,
-    node_noise_generator,
-    noise_clipped_sum,
-    privatize_gradients,
-)
+from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.noise import node_noise_generator
 from lightning_privdec.privacy.per_sample import (
     DEFAULT_GRAD_SAMPLE_MODE,
     GhostClipping,
@@ -45,8 +41,9 @@ class NodePrivacyEngine:
             without per-sample gradients in memory, any ``training_step``), ``"hooks"`` (Opacus's per-layer rules,
             per-sample gradients materialised), ``"functorch"``, or ``"ghost"`` (ghost clipping: two backward passes;
             ``training_step`` must return per-sample losses).
-        noise_seed: ``None`` (default) seeds noise and sampling from OS entropy; an int makes them reproducible
-            (tests only: whoever knows the seed knows the noise).
+        noise_seed: ``None`` (default) keys noise and sampling with 256 bits of OS entropy each; an int makes them
+            reproducible (tests only, NOT private: whoever knows the seed knows the noise).
+        secure_mode: Gaussian noise with Opacus's floating-point mitigation (:mod:`.noise`; 4x the noise cost).
     """
 
     def __init__(
@@ -57,12 +54,14 @@ class NodePrivacyEngine:
         device: torch.device,
         grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
         noise_seed: int | None = None,
+        secure_mode: bool = False,
     ) -> None:
         self.parameters = parameters.validate()
         self.rank = rank
         self.grad_sample_mode = grad_sample_mode
         self.noise_seed = noise_seed
-        self.noise_generator = node_noise_generator(device, noise_seed, rank, stream="noise")
+        self.secure_mode = secure_mode
+        self.noise_generator = node_noise_generator(device, noise_seed, rank, stream="noise", secure_mode=secure_mode)
         self.sampling_generator = node_noise_generator("cpu", noise_seed, rank, stream="sampling")
         self.ledger = PrivacyLedger(parameters.accountant, delta=parameters.delta_for_reporting)
         self.per_sample: PerSampleGradients | None = None
@@ -75,6 +74,9 @@ class NodePrivacyEngine:
         self.planned_steps: int | None = None
         self._plan: tuple[int, float] | None = None  # (planned steps, q) that noise_multiplier was set for
         self.last_step: DPStepStats | None = None
+        self.micro_batches = 1  # physical micro-batches per Poisson-sampled logical batch (accumulate_grad_batches)
+        self._accumulated: list[torch.Tensor] | None = None  # clipped sums of this logical step's earlier micro-batches
+        self._accumulated_norms: list[torch.Tensor] = []
         # ((sigma, q), ledger steps when counted, further steps at (sigma, q) that fit the target)
         self._certified: tuple[tuple[float, float], int, int] | None = None
 
@@ -105,12 +107,21 @@ class NodePrivacyEngine:
         self._ghost_norms = self.ghost.backward(per_sample_losses)
 
     def private_dataloader(
-        self, dataloader: DataLoader, planned_steps: int, world_size: int = 1, node_local_data: bool = False
+        self,
+        dataloader: DataLoader,
+        planned_steps: int,
+        world_size: int = 1,
+        node_local_data: bool = False,
+        micro_batches: int = 1,
+        steps_per_epoch: int | None = None,
     ) -> DataLoader:
         """Replace the node's training loader by Poisson sampling of its shard, and fix sigma for the plan.
 
-        The batches per epoch stay those of the user's loader (identical on every node, so all nodes gossip the same
-        number of rounds); q = B / J uses this node's own shard size J.
+        The batches per epoch are ``steps_per_epoch`` (common to all nodes, so all gossip the same number of rounds;
+        default: those of the user's loader); q = B / J uses this node's own shard size J, so nodes holding more
+        data sample at a lower rate and spend less epsilon. With ``micro_batches = k > 1`` (Lightning's
+        ``accumulate_grad_batches``) each step is ONE Poisson batch of expected size k B (q = k B / J), handed to
+        Lightning as k micro-batches: one noise draw, one ledger entry and one gossip round per logical step.
         """
         batch_size = dataloader.batch_size
         if batch_size is None:
@@ -132,7 +143,10 @@ class NodePrivacyEngine:
                 "data, pass node_local_data=True to the strategy"
             )
         shard_size = len(shard)
-        batch_size = self._batch_size_for_shard(batch_size, shard_size)
+        if micro_batches > 1 and not self.supports_micro_batches:
+            raise PrivacyConfigError(self.micro_batch_refusal)
+        self.micro_batches = micro_batches
+        batch_size = self._batch_size_for_shard(batch_size * micro_batches, shard_size)
         if not 0 < batch_size <= shard_size:
             raise PrivacyConfigError(
                 f"batch_size={batch_size} does not fit node {self.rank}'s shard of {shard_size} examples; "
@@ -140,7 +154,8 @@ class NodePrivacyEngine:
             )
         self.sample_rate = batch_size / shard_size
         private = poisson_dataloader(
-            dataloader, shard, self.sample_rate, generator=self.sampling_generator, steps_per_epoch=len(dataloader)
+            dataloader, shard, self.sample_rate, generator=self.sampling_generator,
+            steps_per_epoch=max(1, (steps_per_epoch or len(dataloader)) // micro_batches), micro_batches=micro_batches,
         )
         self.expected_batch_size = self.sample_rate * shard_size
         self._plan_noise(planned_steps)
@@ -165,11 +180,12 @@ class NodePrivacyEngine:
         elif self._plan == plan and self.noise_multiplier is not None:
             pass  # resumed with the plan sigma was calibrated for
         else:
-            self.noise_multiplier = self._calibrate_remaining(max(1, planned_steps - spent))
+            self.noise_multiplier = self.calibrate_remaining(max(1, planned_steps - spent))
         self._plan = plan
         self.planned_steps = planned_steps
 
-    def _calibrate_remaining(self, remaining: int) -> float:
+    def calibrate_remaining(self, remaining: int) -> float:
+        """The sigma with which ``remaining`` more steps at q spend what is left of ``target_epsilon``."""
         target = float(self.parameters.target_epsilon)  # type: ignore[arg-type]
         q = self.sample_rate
         assert q is not None
@@ -183,7 +199,7 @@ class NodePrivacyEngine:
             high *= 2.0
             if high > 1e6:
                 raise PrivacyConfigError(f"no noise multiplier fits the remaining budget of node {self.rank}")
-        for _ in range(60):  # bisection on a quantity monotone in sigma
+        while high - low > 1e-4 * high:  # bisection on a quantity monotone in sigma; high always fits
             mid = (low + high) / 2
             low, high = (mid, high) if self.ledger.epsilon_if(mid, q, remaining) > target else (low, mid)
         return high
@@ -198,32 +214,68 @@ class NodePrivacyEngine:
         self.ledger.record(self.noise_multiplier, self.sample_rate)
         return self.last_step
 
-    def _clip_and_noise(self, max_grad_norm: float, noise_multiplier: float) -> DPStepStats:
-        """p.grad <- (sum of per-sample gradients clipped to C + N(0, sigma^2 C^2 I)) / qJ, in either per-sample mode
-        (per-sample gradients, or ghost clipping's clipped sum). Records nothing: the caller accounts for the step."""
-        assert self.expected_batch_size is not None
-        dp = dict(
-            max_grad_norm=max_grad_norm,
-            noise_multiplier=noise_multiplier,
-            expected_batch_size=self.expected_batch_size,
-            generator=self.noise_generator,
-        )
+    #: whether a logical batch may arrive as several micro-batches (engines that must see the whole batch at once
+    #: override this with the reason in :attr:`micro_batch_refusal`)
+    supports_micro_batches = True
+    micro_batch_refusal = ""
+
+    @property
+    def step_max_grad_norm(self) -> float:
+        """The clip bound C of the step being taken (Dyn-D2P's follows its schedule)."""
+        return self.parameters.max_grad_norm
+
+    def _clipped_sum_into_grads(self, max_grad_norm: float) -> torch.Tensor:
+        """p.grad <- the sum of this (micro-)batch's per-sample gradients clipped to C, in any per-sample mode;
+        returns the unclipped norms. The per-sample state is cleared for the next batch."""
         if self.ghost is not None:
-            if self._ghost_norms is None:  # training_step returned None: no backward, release pure noise
+            norms = self._ghost_norms
+            if norms is None:  # training_step returned None: no backward, nothing to clip
                 for p in self.ghost.parameters:
                     p.grad = torch.zeros_like(p)
-                self._ghost_norms = torch.zeros(0, device=self.ghost.parameters[0].device)
-            stats = noise_clipped_sum(self.ghost.parameters, self._ghost_norms, **dp)
+                norms = torch.zeros(0, device=self.ghost.parameters[0].device)
             self._ghost_norms = None
-            return stats
+            return norms
         assert self.per_sample is not None
-        if self.per_sample.mode == "bookkeeping":  # clipped sum without per-sample gradients, then the same noise
-            norms = self.per_sample.clip_and_sum(max_grad_norm)
-            stats = noise_clipped_sum(self.per_sample.parameters, norms, **dp)
-        else:
-            stats = privatize_gradients(self.per_sample.parameters, self.per_sample.per_sample_grads(), **dp)
+        norms = self.per_sample.clip_and_sum(max_grad_norm)  # book-keeping never materialises per-sample gradients
         self.per_sample.clear()
-        return stats
+        return norms
+
+    @property
+    def _trainable(self) -> list[nn.Parameter]:
+        hooks = self.ghost if self.ghost is not None else self.per_sample
+        assert hooks is not None
+        return hooks.parameters
+
+    def accumulate_micro_batch(self) -> None:
+        """Clip one micro-batch of a logical Poisson batch and keep its clipped sum for the step's single noise draw
+        (Opacus's BatchMemoryManager, with Lightning's ``accumulate_grad_batches``); ``p.grad`` is freed."""
+        norms = self._clipped_sum_into_grads(self.step_max_grad_norm)
+        params = self._trainable
+        if self._accumulated is None:
+            self._accumulated = [p.grad.detach().clone() for p in params]
+        else:
+            for total, p in zip(self._accumulated, params):
+                total.add_(p.grad)
+        self._accumulated_norms.append(norms)
+        for p in params:
+            p.grad = None
+
+    def _clip_and_noise(self, max_grad_norm: float, noise_multiplier: float) -> DPStepStats:
+        """p.grad <- (sum of per-sample gradients clipped to C + N(0, sigma^2 C^2 I)) / qJ over the whole logical
+        batch (its micro-batches included), in any per-sample mode. Records nothing: the caller accounts for the
+        step."""
+        assert self.expected_batch_size is not None
+        norms = self._clipped_sum_into_grads(max_grad_norm)
+        params = self._trainable
+        if self._accumulated is not None:  # the earlier micro-batches of this logical batch
+            for p, total in zip(params, self._accumulated):
+                p.grad.add_(total)
+            norms = torch.cat([*self._accumulated_norms, norms.to(self._accumulated_norms[0].device)])
+            self._accumulated, self._accumulated_norms = None, []
+        return noise_clipped_sum(
+            params, norms, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+            expected_batch_size=self.expected_batch_size, generator=self.noise_generator,
+        )
 
     # ---- budget --------------------------------------------------------------------------------------------------
     @property
@@ -238,6 +290,13 @@ class NodePrivacyEngine:
     def epsilon(self) -> float:
         """Epsilon this node's data has spent so far (at :attr:`delta`), from the accountant."""
         return self.ledger.epsilon()
+
+    def noise_summary(self) -> str:
+        """The noise this node adds and how it is accounted, in one line (printed at the end of every fit)."""
+        return (
+            f"Gaussian noise sigma = {self.noise_multiplier or 0.0:.4g} x C (C = {self.parameters.max_grad_norm:g}), "
+            f"Poisson q = {self.sample_rate or 0.0:.4g}, {self.ledger.accountant} accountant"
+        )
 
     def next_step_exceeds_budget(self) -> bool:
         """Whether one more step would take this node past ``target_epsilon`` (False without a target).
@@ -275,9 +334,8 @@ class NodePrivacyEngine:
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The ledger and the plan. Generator states only with a fixed ``noise_seed`` (tests): a torch generator's
-        state reveals its seed, and with it this node's past and future noise and batches, so secure runs never
-        write it anywhere (a resumed secure run draws fresh OS entropy)."""
+        """The ledger and the plan. Generator states only with a fixed ``noise_seed`` (tests): a secure generator's
+        key is never written anywhere (a resumed secure run draws a fresh key from OS entropy)."""
         state: dict[str, Any] = {
             "ledger": self.ledger.state_dict(),
             "noise_multiplier": self.noise_multiplier,

@@ -55,16 +55,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from torch import Tensor
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.noise import KeystreamBuffers, keyed_standard_normal
 
 __all__ = [
     "CorrelatedNoise",
@@ -78,7 +77,6 @@ _TAG = b"lightning_privdec/decor-pairwise/v1"
 _KEY_FILE_MAGIC = b"lightning_privdec/x25519-private-key/v1\n"
 _KEY_BYTES = 32
 _STATE_VERSION = 1
-_CHUNK_PAIRS = 1 << 18  # 2^18 normal pairs (4 MiB of keystream) per chunk: bounds host memory for large models
 
 
 def _u64(value: int) -> bytes:
@@ -406,6 +404,7 @@ class CorrelatedNoise:
             raise PrivacyConfigError(f"sigma_cor must be finite and >= 0, got {sigma_cor!r}")
         self.secrets = secrets
         self.sigma_cor = float(sigma_cor)
+        self._buffers = KeystreamBuffers()
 
     @property
     def rank(self) -> int:
@@ -422,22 +421,7 @@ class CorrelatedNoise:
 
     def _standard_normal(self, j: int, round: int, numel: int, device: torch.device) -> Tensor:
         """z_ij^(round) ~ N(0, I_numel) in float64 on ``device``, the same at both ends of the edge."""
-        key = self._stream_key(j, round)
-        pairs = (numel + 1) // 2
-        out = torch.empty(2 * pairs, dtype=torch.float64, device=device)
-        encryptor = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
-        zeros = bytes(16 * min(pairs, _CHUNK_PAIRS))
-        for start in range(0, pairs, _CHUNK_PAIRS):
-            m = min(_CHUNK_PAIRS, pairs - start)
-            raw = encryptor.update(memoryview(zeros)[: 16 * m])
-            bits = (np.frombuffer(raw, dtype="<u8") >> np.uint64(11)).astype(np.int64)  # 53-bit uniforms
-            u = torch.from_numpy(bits).to(device).to(torch.float64).mul_(2.0**-53).view(m, 2)
-            radius = torch.log1p(-u[:, 0]).mul_(-2.0).sqrt_()  # 1 - u in (0, 1]: finite, tail up to ~8.6 sigma
-            theta = u[:, 1].mul(2.0 * math.pi)
-            block = out[2 * start : 2 * (start + m)].view(m, 2)
-            block[:, 0] = radius * torch.cos(theta)
-            block[:, 1] = radius * torch.sin(theta)
-        return out[:numel]
+        return keyed_standard_normal(self._stream_key(j, round), numel, device, self._buffers)
 
     def edge_noise(
         self,

@@ -123,6 +123,12 @@ class SagaPrivacyEngine(NodePrivacyEngine):
         rank, device, grad_sample_mode, noise_seed: as for :class:`NodePrivacyEngine`.
     """
 
+    supports_micro_batches = False
+    micro_batch_refusal = (
+        "PrivSGP-VR stores every sampled example's clipped gradient in its table and needs the whole Poisson batch "
+        "at once: use accumulate_grad_batches=1 (a smaller batch_size, or a smaller model for the table)"
+    )
+
     def __init__(
         self,
         parameters: PrivacyParameters,
@@ -135,12 +141,16 @@ class SagaPrivacyEngine(NodePrivacyEngine):
         device: torch.device,
         grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
         noise_seed: int | None = None,
+        secure_mode: bool = False,
     ) -> None:
         check_saga_options(
             accounting=accounting, accountant=parameters.accountant, max_table_bytes=max_table_bytes,
             table_init=table_init, table_dtype=table_dtype, grad_sample_mode=grad_sample_mode,
         )
-        super().__init__(parameters, rank=rank, device=device, grad_sample_mode=grad_sample_mode, noise_seed=noise_seed)
+        super().__init__(
+            parameters, rank=rank, device=device, grad_sample_mode=grad_sample_mode, noise_seed=noise_seed,
+            secure_mode=secure_mode,
+        )
         self.ledger = CompositionLedger(parameters.accountant, delta=parameters.delta_for_reporting)
         self.accounting, self.max_table_bytes = accounting, max_table_bytes
         self.table_init, self.table_dtype = table_init, table_dtype
@@ -175,11 +185,19 @@ class SagaPrivacyEngine(NodePrivacyEngine):
             )
 
     def private_dataloader(
-        self, dataloader: DataLoader, planned_steps: int, world_size: int = 1, node_local_data: bool = False
+        self,
+        dataloader: DataLoader,
+        planned_steps: int,
+        world_size: int = 1,
+        node_local_data: bool = False,
+        micro_batches: int = 1,
+        steps_per_epoch: int | None = None,
     ) -> DataLoader:
         """The Poisson loader of the shard, the memory check and table, and the FIFO of sampled example ids."""
         dim = sum(p.numel() for p in self._parameters())
-        private = super().private_dataloader(dataloader, planned_steps, world_size, node_local_data)
+        private = super().private_dataloader(
+            dataloader, planned_steps, world_size, node_local_data, micro_batches, steps_per_epoch
+        )
         shard_size = len(private.dataset)  # type: ignore[arg-type]
         self.check_table_memory(shard_size, dim)
         device = self._parameters()[0].device

@@ -8,40 +8,36 @@ Each node samples its own shard with its own generator, so batch membership is s
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import torch
 from opacus.data_loader import wrap_collate_with_empty
 from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Subset
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.noise import NoiseGenerator, node_noise_generator
 
 __all__ = ["PoissonBatchSampler", "node_shard_indices", "poisson_dataloader", "sampler_shard_indices"]
-
-
-def _secure_generator() -> torch.Generator:
-    generator = torch.Generator()
-    generator.manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
-    return generator
 
 
 class PoissonBatchSampler(UniformWithReplacementSampler):
     """Batches of indices in ``range(num_samples)``, each index included independently with probability q.
 
-    Opacus's ``UniformWithReplacementSampler`` (the sampled Gaussian mechanism's sampling) with checked arguments
-    and a secret default generator.
+    Opacus's ``UniformWithReplacementSampler`` (the sampled Gaussian mechanism's sampling) with checked arguments,
+    drawing the inclusion mask from a :class:`~lightning_privdec.privacy.noise.NoiseGenerator` (ChaCha20 under a
+    256-bit key) instead of a torch generator.
 
     Args:
         num_samples: J, the size of this node's shard.
         sample_rate: q = B / J in (0, 1].
         steps_per_epoch: batches per ``iter()``; default ``round(1 / q)`` (one pass over J examples in expectation;
             Opacus truncates ``int(1 / q)`` instead, which float error can turn into one step less).
-        generator: this node's sampling generator. ``None`` seeds a fresh one from ``os.urandom`` (recommended:
+        micro_batches: k: each Poisson batch is yielded as k consecutive micro-batches (sizes differing by at most
+            one; some may be empty), for gradient accumulation over one logical batch. ``len()`` counts micro-batches.
+        generator: this node's sampling generator. ``None`` keys a fresh one from ``os.urandom`` (recommended:
             the amplification argument assumes nobody else knows which examples were sampled).
     """
 
@@ -50,7 +46,8 @@ class PoissonBatchSampler(UniformWithReplacementSampler):
         num_samples: int,
         sample_rate: float,
         steps_per_epoch: int | None = None,
-        generator: torch.Generator | None = None,
+        generator: NoiseGenerator | None = None,
+        micro_batches: int = 1,
     ) -> None:
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples <= 0:
             raise PrivacyConfigError(f"num_samples must be a positive integer (the shard size J), got {num_samples!r}")
@@ -62,10 +59,13 @@ class PoissonBatchSampler(UniformWithReplacementSampler):
             steps_per_epoch = max(1, round(1.0 / sample_rate))
         if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch <= 0:
             raise PrivacyConfigError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches <= 0:
+            raise PrivacyConfigError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+        self.micro_batches = micro_batches
         super().__init__(
             num_samples=num_samples,
             sample_rate=float(sample_rate),
-            generator=generator if generator is not None else _secure_generator(),
+            generator=generator if generator is not None else node_noise_generator("cpu", None, 0, "sampling"),
             steps=steps_per_epoch,
         )
 
@@ -86,10 +86,20 @@ class PoissonBatchSampler(UniformWithReplacementSampler):
         yielded = getattr(self, "_yielded", None)
         if yielded is not None:
             yielded.clear()  # a new epoch: whatever the last one prefetched was never trained on
-        for indices in super().__iter__():
+        k = self.micro_batches
+        for _ in range(self.steps):
+            indices = self.generator.bernoulli(self.num_samples, self.sample_rate).nonzero().reshape(-1).tolist()
             if yielded is not None:
                 yielded.append(indices)
-            yield indices
+            size, extra = divmod(len(indices), k)
+            start = 0
+            for i in range(k):
+                end = start + size + (1 if i < extra else 0)
+                yield indices[start:end]
+                start = end
+
+    def __len__(self) -> int:
+        return self.steps * self.micro_batches
 
 
 def node_shard_indices(num_samples: int, rank: int, world_size: int) -> list[int]:
@@ -131,9 +141,10 @@ def poisson_dataloader(
     dataloader: DataLoader,
     shard_indices: Sequence[int] | None,
     sample_rate: float,
-    generator: torch.Generator | None = None,
+    generator: NoiseGenerator | None = None,
     *,
     steps_per_epoch: int | None = None,
+    micro_batches: int = 1,
 ) -> DataLoader:
     """A DataLoader over this node's shard that Poisson-samples every batch (rate ``sample_rate``).
 
@@ -144,8 +155,9 @@ def poisson_dataloader(
             its sampler is a ``DistributedSampler`` (Lightning injects one), the sampler's rank's strided shard
             without padding (:func:`node_shard_indices`).
         sample_rate: q = B / J for a shard of J examples.
-        generator: this node's sampling generator (``None``: seeded from ``os.urandom``).
-        steps_per_epoch: batches per epoch (default ``round(1 / q)``).
+        generator: this node's sampling generator (``None``: keyed from ``os.urandom``).
+        steps_per_epoch: Poisson batches per epoch (default ``round(1 / q)``).
+        micro_batches: each Poisson batch comes out as this many micro-batches (:class:`PoissonBatchSampler`).
 
     Empty batches come out as zero-length tensors with the usual trailing shapes and dtypes. Give the result to
     Lightning from the strategy's ``process_dataloader`` (after Lightning's own sampler injection) or run with
@@ -162,7 +174,8 @@ def poisson_dataloader(
     if len(shard) == 0:
         raise PrivacyConfigError("this node's shard is empty: every node needs at least one example")
     batch_sampler = PoissonBatchSampler(
-        num_samples=len(shard), sample_rate=sample_rate, steps_per_epoch=steps_per_epoch, generator=generator
+        num_samples=len(shard), sample_rate=sample_rate, steps_per_epoch=steps_per_epoch, generator=generator,
+        micro_batches=micro_batches,
     )
     collate_fn = dataloader.collate_fn if dataloader.collate_fn is not None else default_collate
     kwargs: dict[str, Any] = {}

@@ -15,7 +15,9 @@ checkpointing; training itself only talks to graph neighbours.
 
 from __future__ import annotations
 
+import math
 import random
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
@@ -30,23 +32,33 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 from lightning_privdec.algorithms import PushSumGossip
+from lightning_privdec.algorithms.consensus_step import check_consensus_step, choose_consensus_step
 from lightning_privdec.comm import TorchDistributedExchange
 from lightning_privdec.compression import Compressor, build_compressor
+from lightning_privdec.data.cycled import CycledLoader
 from lightning_privdec.strategies.checks import (
     NonFiniteStepError,
     check_same_configuration,
-    check_training_batches,
+    common_steps_per_epoch,
     describe,
     gather_from_nodes,
+    gather_tensors,
     nonfinite_parameters,
 )
+from lightning_privdec.strategies.divergence import DivergenceError, DivergenceGuard, Verdict
 from lightning_privdec.strategies.flat_parameters import FlatParameters
 from lightning_privdec.topology import Topology, TopologyError, build_topology
+
+# Lightning's CombinedLoader (every fit) calls a torch pytree API that this torch deprecates: nothing a user of these
+# strategies can act on, so it is not shown.
+warnings.filterwarnings(
+    "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", module=r"lightning\.pytorch\.utilities"
+)
 
 CHECKPOINT_KEY = "lightning_privdec"
 
@@ -59,13 +71,18 @@ class DecentralizedStrategy(DDPStrategy):
             ``"complete"``, ``"torus"``, ``"erdos-renyi"``), a networkx graph, or a :class:`Topology` object. Names
             are built for the world size (devices x num_nodes) at setup.
         compressor: ``None``, a :class:`Compressor`, or a spec string such as ``"randk:0.1"``.
-        consensus_step: gamma of the compressed gossip (DP-CSGP Algorithm 1 line 5 uses 1). Aggressive compressors
-            need gamma < 1 (CHOCO-SGD); see docs/compression.md for measured values.
+        consensus_step: gamma of the compressed gossip (DP-CSGP Algorithm 1 line 5 uses 1). ``"auto"`` (default):
+            chosen at setup from the compressor's omega^2 and the graph's mixing weights, calibrated on CHOCO-SGD's
+            step (:mod:`lightning_privdec.algorithms.consensus_step`; 1 without compression) and printed once. A
+            number in (0, 1] is used as given.
         seed: shared by all nodes; keys compressor randomness and random graphs.
         overlap: SGP's overlap: each round's messages travel during the next ``staleness`` forward/backward passes
             and are mixed in ``staleness`` steps late (exact push-sum only; see
             :mod:`lightning_privdec.algorithms.push_sum`).
         staleness: tau >= 1, the steps a message is late with ``overlap=True``.
+        divergence_guard: stop every node with :class:`~lightning_privdec.strategies.divergence.DivergenceError`
+            when the gossip correction or the training loss grows without bound (checked every 10 steps with one
+            small all-gather; :mod:`lightning_privdec.strategies.divergence`). ``False`` turns it off.
         peer_timeout: how long a node waits for any other node (a gossip message, a collective) once training is set
             up, before it stops with an error: a ``timedelta`` or seconds, longer than the slowest checkpoint write
             or validation pass (the others wait that long). ``None`` keeps ``timeout`` (Lightning's, 30 minutes by
@@ -79,7 +96,7 @@ class DecentralizedStrategy(DDPStrategy):
     requires_symmetric_graph: bool = False
     #: constructor arguments (stored under the same attribute name) that every node must share, beyond those
     #: :meth:`configuration` lists itself; each class names its own, the check collects them over the MRO
-    shared_options: tuple[str, ...] = ("weights", "consensus_step", "seed", "staleness")
+    shared_options: tuple[str, ...] = ("weights", "consensus_step", "seed", "staleness", "divergence_guard")
     #: constructor arguments that may differ from node to node (never compared)
     local_options: tuple[str, ...] = (
         "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
@@ -92,10 +109,11 @@ class DecentralizedStrategy(DDPStrategy):
         compressor: Compressor | str | None = None,
         *,
         weights: str | Any | None = None,
-        consensus_step: float = 1.0,
+        consensus_step: float | Literal["auto"] = "auto",
         seed: int = 0,
         overlap: bool = False,
         staleness: int = 1,
+        divergence_guard: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -124,16 +142,27 @@ class DecentralizedStrategy(DDPStrategy):
         self.peer_timeout: timedelta | None = peer_timeout
         self.compressor = build_compressor(compressor)
         self.weights = weights if weights is not None else self.default_weights
-        if not 0.0 < consensus_step <= 1.0:
-            raise ValueError(f"consensus_step (gamma) must be in (0, 1]; got {consensus_step}")
-        self.consensus_step = float(consensus_step)
+        self._consensus_step = check_consensus_step(consensus_step)
+        self._consensus_step_reported = False
+        if not isinstance(divergence_guard, bool):
+            raise ValueError(f"divergence_guard must be True or False; got {divergence_guard!r}")
+        self.divergence_guard = divergence_guard
+        self._guard: DivergenceGuard | None = None
         self.seed = int(seed)
         self.staleness = self._check_overlap(overlap, staleness)
         self.topology: Topology | None = None
         self.flat: FlatParameters | None = None
         self.gossip: PushSumGossip | None = None
+        self.steps_per_epoch: int | None = None  # common to every node, fixed when training starts
         if isinstance(topology, Topology):  # a user-built graph can be checked now, before any process starts
             self._build_topology(topology.num_nodes)
+
+    @property
+    def consensus_step(self) -> float | str:
+        """gamma in use once the gossip is built (the number given, or the one ``"auto"`` chose); before, what was
+        asked for."""
+        gamma = getattr(self.gossip, "gamma", None)
+        return self._consensus_step if gamma is None else gamma
 
     # ---- setup -------------------------------------------------------------------------------------------------------
     def _build_topology(self, world_size: int) -> Topology:
@@ -217,6 +246,8 @@ class DecentralizedStrategy(DDPStrategy):
         self.gossip = self.build_gossip(self.flat.buffer, exchange)
         if getattr(self.gossip, "staleness", 0) != self.staleness:
             raise RuntimeError(f"{type(self).__name__}'s gossip does not implement overlap=True; use overlap=False")
+        self._guard = DivergenceGuard() if self.divergence_guard else None
+        self._report_consensus_step()
         self._warn_about_unstable_compression(self.flat.numel)
 
     def build_gossip(self, x0: torch.Tensor, exchange: TorchDistributedExchange) -> PushSumGossip:
@@ -231,19 +262,28 @@ class DecentralizedStrategy(DDPStrategy):
             push_sum_weight=self.required_mixing == "column",
             reference=x0,
             seed=self.seed,
-            consensus_step=self.consensus_step,
+            consensus_step=self._consensus_step,
             staleness=self.staleness,
         )
 
+    def _report_consensus_step(self) -> None:
+        """One line at setup saying which gamma ``"auto"`` chose for a compressed gossip, and from what."""
+        choice = getattr(self.gossip, "consensus_step_choice", None)
+        if choice is None or self.compressor is None or self._consensus_step_reported:
+            return
+        assert self.topology is not None
+        rank_zero_info(f"{type(self).__name__}: {choice.describe(self.compressor, self.topology)}")
+        self._consensus_step_reported = True
+
     def _warn_about_unstable_compression(self, dimension: int) -> None:
-        if self.compressor is None or self.consensus_step < 1.0:
+        if self.compressor is None or self._consensus_step != 1.0:
             return
         omega2 = self.compressor.omega2(dimension)
         if omega2 > 0.5:
             rank_zero_warn(
                 f"{self.compressor} has omega^2 = {omega2:.3f} > 0.5 on this model and consensus_step=1 (DP-CSGP's "
-                "implicit value): error-feedback gossip can diverge with aggressive compression. "
-                f"Consider consensus_step={max(0.05, round(1.0 - omega2, 2))} (see docs/compression.md)."
+                "implicit value): error-feedback gossip can diverge with aggressive compression (the divergence guard "
+                "then stops training). Use consensus_step='auto' (the default; see docs/compression.md)."
             )
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -281,12 +321,17 @@ class DecentralizedStrategy(DDPStrategy):
         pass
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Before training: every node must have training data, and the same number of batches per epoch (one
-        gossip round each); all nodes compare and raise the same error otherwise."""
+        """Before training: every node must have training data and take the same number of steps per epoch (one
+        gossip round each). Nodes whose loaders differ in length (unequal shards) or have none (an IterableDataset)
+        take node 0's epoch, or ``max_steps``, each cycling its own data (:class:`CycledLoader`); stated once."""
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None)
-        if trainer is not None and trainer.training:
-            check_training_batches(gather_from_nodes(_batches_per_epoch(dataloader, trainer)), self.global_rank)
+        if trainer is not None and trainer.training and trainer.limit_train_batches != 0:
+            counts = gather_from_nodes(_batches_per_epoch(dataloader))
+            self.steps_per_epoch, note = common_steps_per_epoch(counts, self.global_rank, trainer.max_steps)
+            if note is not None:
+                rank_zero_info(f"{type(self).__name__}: {note}")
+                dataloader = CycledLoader(dataloader, self.steps_per_epoch)  # type: ignore[arg-type]
         return super().process_dataloader(dataloader)
 
     # ---- the training step ---------------------------------------------------------------------------------------
@@ -346,8 +391,45 @@ class DecentralizedStrategy(DDPStrategy):
 
         output = ParallelStrategy.optimizer_step(self, optimizer, gradients_then_numerator, model, **kwargs)
         gossip.step(flat.buffer)  # x^{t+1/2} -> neighbours -> x^{t+1}, y^{t+1}
+        if self._guard is not None and self._guard.due(gossip.round):
+            self._check_divergence(output, torch.dist(gossip.x, flat.buffer).item(), flat.buffer.norm().item())
         gossip.debias_into(flat.buffer)  # the module holds z = x / y for the next forward
         return output
+
+    def _check_divergence(self, loss: Any, correction: float, model_norm: float) -> None:
+        """The divergence guard's check step: every node's verdict, one all-gather; all raise if one node fired."""
+        assert self._guard is not None
+        value = loss.detach().reshape(-1)[0].item() if isinstance(loss, torch.Tensor) and loss.numel() else None
+        if value is not None and not math.isfinite(value) and not self.stop_on_nonfinite_loss:
+            value = None  # a private step's empty Poisson batch: no loss to judge
+        verdict = self._guard.observe(value, correction, model_norm)
+        local = torch.tensor([verdict.code, verdict.value, verdict.ratio], dtype=torch.float64, device=self.root_device)
+        verdicts = gather_tensors(local).cpu()
+        fired = [r for r in range(len(verdicts)) if verdicts[r, 0] > 0]
+        if not fired:
+            return
+        rank = fired[0]
+        code, value, ratio = int(verdicts[rank, 0]), float(verdicts[rank, 1]), float(verdicts[rank, 2])
+        assert self.gossip is not None
+        message = self._guard.message(rank, self.gossip.round, Verdict(code, value, ratio), self.divergence_cause())
+        raise DivergenceError(message)
+
+    def divergence_cause(self) -> str:
+        """The settings most likely behind a divergence the guard found, for its error message."""
+        lr = ", ".join(f"{float(g['lr']):g}" for g in self.optimizers[0].param_groups) if self.optimizers else "?"
+        if self.compressor is None:
+            return f"Likely cause: the learning rate (lr={lr}) is too large for this model and noise."
+        assert self.topology is not None and self.flat is not None
+        gamma, auto = self.consensus_step, choose_consensus_step(self.compressor, self.topology, self.flat.numel).gamma
+        if gamma > auto * (1 + 1e-9):
+            return (
+                f"Likely cause: consensus_step={gamma:.3g} is too large for compressor={self.compressor} on this graph "
+                f"(consensus_step='auto' chooses {auto:.3g}); otherwise the learning rate (lr={lr}) is too large."
+            )
+        return (
+            f"Likely cause: the learning rate (lr={lr}) is too large for this model and noise, or compressor="
+            f"{self.compressor} too aggressive at consensus_step={gamma:.3g}: lower one of them."
+        )
 
     def on_train_end(self) -> None:
         super().on_train_end()
@@ -441,18 +523,13 @@ class DecentralizedStrategy(DDPStrategy):
 
 
 
-def _batches_per_epoch(dataloader: object, trainer: pl.Trainer) -> int | None:
-    """Training batches this node takes per epoch (``limit_train_batches`` applied); None without a length."""
+def _batches_per_epoch(dataloader: object) -> int | None:
+    """Training batches in this node's loader per epoch (Lightning applies ``limit_train_batches`` to the common
+    count afterwards, alike on every node); None without a length."""
     try:
-        batches = len(dataloader)  # type: ignore[arg-type]
+        return len(dataloader)  # type: ignore[arg-type]
     except TypeError:
         return None
-    limit = trainer.limit_train_batches
-    if limit == 0:  # no training at all: nothing to agree on
-        return None
-    if isinstance(limit, int):
-        return min(batches, limit)
-    return int(batches * limit) if limit is not None and limit < 1.0 else batches
 
 
 def _rng_state() -> dict[str, Any]:

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 __all__ = [
     "NodeMismatchError",
+    "common_steps_per_epoch",
+    "gather_tensors",
     "NonFiniteStepError",
     "check_same_configuration",
-    "check_training_batches",
     "describe",
     "gather_from_nodes",
     "nonfinite_parameters",
@@ -69,6 +70,16 @@ def gather_from_nodes(value: Any) -> list[Any]:
     return gathered
 
 
+def gather_tensors(value: torch.Tensor) -> torch.Tensor:
+    """Every node's (small) tensor stacked by rank, shape ``(world_size, *value.shape)``: one ``dist.all_gather``
+    (Lightning's ``strategy.all_gather`` goes through a deprecated autograd collective); ``value[None]`` alone."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value.unsqueeze(0)
+    gathered = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, value.contiguous())
+    return torch.stack(gathered)
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
@@ -98,11 +109,14 @@ def check_same_configuration(configurations: Sequence[Mapping[str, str]], rank: 
         )
 
 
-def check_training_batches(batches: Sequence[int | None], rank: int) -> None:
-    """Raise :class:`NodeMismatchError` if a node has no training batch or the nodes' batches per epoch differ.
+def common_steps_per_epoch(batches: Sequence[int | None], rank: int, max_steps: int) -> tuple[int, str | None]:
+    """The number of steps every node takes per epoch (each step is one gossip round, so it must be common), and a
+    note to print when the nodes' own loaders differ.
 
-    ``batches[r]`` is node r's number of training batches per epoch (``None``: its loader has no length, not checked).
-    Every step is one gossip round, so every node must take the same number of steps per epoch.
+    ``batches[r]`` is node r's number of training batches per epoch (``None``: its loader has no length, e.g. an
+    IterableDataset). Equal counts: that count. Different counts (nodes holding different amounts of data): node
+    0's epoch, every node cycling (or Poisson-sampling) its own data. A loader without a length: ``max_steps`` steps
+    in one epoch. Raises :class:`NodeMismatchError` if a node has no data, or lengths are unknown without max_steps.
     """
     known = {r: b for r, b in enumerate(batches) if b is not None}
     empty = [r for r, b in known.items() if b == 0]
@@ -112,14 +126,23 @@ def check_training_batches(batches: Sequence[int | None], rank: int) -> None:
             "drop_last=True with fewer examples than batch_size. Give every node at least one batch of data (a "
             "larger dataset or fewer devices; with node_local_data, a non-empty dataset in every process)."
         )
+    if len(known) < len(batches):
+        if max_steps is None or max_steps < 0:
+            unknown = [r for r in range(len(batches)) if r not in known]
+            raise NodeMismatchError(
+                f"node {rank}: the training data of {_ranks(unknown)} has no length (an IterableDataset), so the "
+                "nodes cannot agree on an epoch, and every step is one gossip round. Set Trainer(max_steps=...): "
+                "every node then takes that many steps, cycling its own data."
+            )
+        return max_steps, f"every node takes max_steps = {max_steps} steps, cycling its own training data"
     if len(set(known.values())) > 1:
         counts = ", ".join(f"rank {r}: {b}" for r, b in known.items())
-        raise NodeMismatchError(
-            f"node {rank}: the nodes have different numbers of training batches per epoch ({counts}). Each step is "
-            "one gossip round, so a node with more batches would wait forever for neighbours that have finished. Keep "
-            "Lightning's DistributedSampler (use_distributed_sampler=True), or make every node's DataLoader yield the "
-            "same number of batches (equal shard sizes, or limit_train_batches / max_steps below the smallest)."
+        return known[0], (
+            f"the nodes hold different amounts of training data ({counts} batches per epoch): an epoch is node 0's "
+            f"{known[0]} steps on every node (one gossip round each), each node drawing from its own data; set "
+            "max_steps to choose the length of the run"
         )
+    return known[0], None
 
 
 def nonfinite_parameters(named_parameters: Sequence[tuple[str, torch.Tensor]]) -> list[str]:

@@ -22,13 +22,14 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-import lightning.pytorch as pl
 from lightning_privdec.algorithms.cpgt import CPGTGossip
 from lightning_privdec.comm import TorchDistributedExchange
 from lightning_privdec.privacy import DEFAULT_DELTA, PrivacyConfigError
+from lightning_privdec.privacy.accountants import check_accountant
 from lightning_privdec.privacy.cpgt import ACCOUNTING
 from lightning_privdec.privacy.cpgt_engine import CPGTPrivacyEngine
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
@@ -86,7 +87,8 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
         target_epsilon: calibrate the noise to it (without noise_x/noise_y), or refuse a run whose epsilon exceeds it.
         target_delta: accepted for a uniform command line; CPGT is pure DP (delta = 0).
         noise_multiplier: must be ``None`` or 0: CPGT adds no Gaussian noise.
-        accountant: accepted for a uniform command line and unused (CPGT's epsilon is a closed-form bound).
+        accountant: accepted for a uniform command line and unused (CPGT's epsilon is a closed-form bound);
+            ``"gdp"`` is refused as in every strategy.
         Other arguments: see :class:`PrivateDecentralizedStrategy` (``noise_seed``, ``grad_sample_mode``, ...).
     """
 
@@ -115,6 +117,13 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
         accountant: str = "rdp",
         **kwargs: Any,
     ) -> None:
+        check_accountant(accountant)  # unused by CPGT, but "gdp" is refused everywhere alike
+        if kwargs.get("secure_mode"):
+            raise PrivacyConfigError(
+                "secure_mode=True mitigates floating-point attacks on the Gaussian sampler (Opacus's secure mode); "
+                "CPGT draws Laplace noise, for which no such mitigation is implemented. Drop secure_mode, or use a "
+                "Gaussian strategy (DPCSGPStrategy, DynD2PStrategy, ...) if you need it"
+            )
         if noise_multiplier not in (None, 0, 0.0):
             raise PrivacyConfigError(
                 f"CPGT adds Laplace noise in the gossip, not Gaussian noise to gradients: noise_multiplier must be "
@@ -150,7 +159,6 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
         self.noise_x, self.noise_y, self.noise_decay, self.lipschitz = noise_x, noise_y, noise_decay, lipschitz
         self.sensitivity, self.sensitivity_norm, self.accounting = sensitivity, sensitivity_norm, accounting
         self.target_epsilon = target_epsilon
-        finite = accounting == "finite"
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_GAUSSIAN_NOISE)
             super().__init__(
@@ -158,9 +166,10 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
                 compressor,
                 max_grad_norm=max_grad_norm,
                 noise_multiplier=0.0,
-                # the base strategy enforces a growing budget step by step: only the finite accounting grows
-                target_epsilon=target_epsilon if finite else None,
-                target_delta=(target_delta or DEFAULT_DELTA) if finite and target_epsilon is not None else None,
+                # the base strategy checks the budget after every step and at a resume (rounds replayed after a crash
+                # are charged in every accounting); delta is unused (pure epsilon-DP)
+                target_epsilon=target_epsilon,
+                target_delta=(target_delta or DEFAULT_DELTA) if target_epsilon is not None else None,
                 **kwargs,
             )
 

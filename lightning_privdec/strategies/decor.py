@@ -115,7 +115,9 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
             baseline=self.baseline,
             rank=self.global_rank,
             device=self.root_device,
+            grad_sample_mode=self.grad_sample_mode,
             noise_seed=self.noise_seed,
+            secure_mode=self.secure_mode,
         )
 
     def make_privacy_engine(self) -> DecorPrivacyEngine:

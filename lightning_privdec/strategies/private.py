@@ -13,16 +13,30 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.plugins.precision import HalfPrecision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_privdec.privacy import NodePrivacyEngine, PrivacyConfigError, PrivacyParameters
-from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
+from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES
 from lightning_privdec.privacy.write_ahead import WriteAheadLedger, new_run_id
 from lightning_privdec.strategies.base import DecentralizedStrategy
-from lightning_privdec.strategies.checks import gather_from_nodes
+from lightning_privdec.strategies.checks import gather_from_nodes, gather_tensors
+
+#: the choices of ``resume_noise=`` (see :class:`PrivateDecentralizedStrategy`)
+RESUME_NOISE = ("auto", "recalibrate", "keep")
+#: steps timed before sigma is re-planned for ``Trainer(max_time=...)``
+MAX_TIME_WARMUP_STEPS = 5
+
+
+def _max_time_timer(trainer: pl.Trainer) -> Timer | None:
+    """The Timer that ``Trainer(max_time=...)`` installs, if any."""
+    return next((c for c in trainer.callbacks if isinstance(c, Timer) and c._duration is not None), None)
 
 
 class PrivateDecentralizedStrategy(DecentralizedStrategy):
@@ -32,31 +46,42 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         max_grad_norm: per-sample clipping bound C.
         noise_multiplier: sigma; or give ``target_epsilon`` and ``target_delta`` and sigma is calibrated before
             training from the planned steps (``max_steps``, or ``max_epochs`` x batches per epoch) and q = B / J.
-        accountant: ``"rdp"``, ``"prv"`` or ``"gdp"`` (Opacus's accountants).
+        accountant: ``"rdp"`` (default) or ``"prv"`` (Opacus's sound accountants). ``"gdp"`` is refused when the
+            strategy is built: a central-limit approximation never calibrates sigma or enforces the budget.
         grad_sample_mode: ``"bookkeeping"`` (default: one backward pass, the clipped sum without per-sample
             gradients in memory, any ``training_step``), ``"hooks"`` or ``"functorch"`` (per-sample gradients
             materialised), or ``"ghost"``: ghost clipping (two backward passes), for which ``training_step`` returns
             the per-sample losses (``reduction="none"``, shape ``(batch,)``). All clip the same way.
         fix_model: replace layers incompatible with per-sample DP (BatchNorm -> GroupNorm) instead of raising.
-        noise_seed: ``None`` (default, secure): noise and sampling from OS entropy; an int: reproducible streams
-            derived from (seed, rank), for tests only.
+        noise_seed: ``None`` (default, secure): noise and Poisson sampling from ChaCha20 streams keyed with 256 bits
+            of OS entropy per node and run (:mod:`lightning_privdec.privacy.noise`); an int: reproducible streams
+            derived from (seed, rank), NOT private (whoever knows the seed knows the noise): for tests and debugging.
+        secure_mode: Gaussian noise with Opacus's floating-point mitigation (each coordinate the sum of four draws,
+            halved; Holohan and Braghin 2021): mitigates the floating-point attacks on the sampler at 4x its cost.
         node_local_data: each process's training loader already holds only that node's data (no
             DistributedSampler); otherwise a missing sampler is refused, as every node would sample every example.
         ledger_dir: the write-ahead privacy ledger (:mod:`lightning_privdec.privacy.write_ahead`): before a step's
             message leaves a node, the node's accounting state is written to ``<ledger_dir>/<run id>/node_<rank>.pt``,
             so that a run resumed after a crash still counts the steps released after its checkpoint. ``True``
-            (default): next to the checkpoints (``<ModelCheckpoint.dirpath>/privacy_ledger``, or
-            ``<default_root_dir>/privacy_ledger`` without a checkpoint callback); a resumed run uses the directory
-            its checkpoint names. A path: there. ``False``/``None``: off (unsafe for resumes: steps released after
+            (default): next to the checkpoints (``<ModelCheckpoint.dirpath>/privacy_ledger``), else in the logger's
+            directory (``<trainer.log_dir>/privacy_ledger``); a run with neither writes nothing until a checkpoint of
+            it is saved by hand (then ``<default_root_dir>/privacy_ledger``). A resumed run uses the directory its
+            checkpoint names. A path: there. ``False``/``None``: off (unsafe for resumes: steps released after
             the last checkpoint are then not counted). Runs with a fixed ``noise_seed`` write none (a replayed step
             redraws the checkpointed noise and batch).
+        resume_noise: what a run resumed with a longer (or otherwise changed) plan does when the budget left needs
+            more noise: ``"auto"`` (default) re-calibrates sigma for the remaining steps but refuses, before the first
+            resumed step, when the new sigma is more than twice the old one (the remaining budget would be spent on
+            a model the noise destroys); ``"recalibrate"`` accepts the new sigma whatever it is; ``"keep"`` keeps the
+            checkpoint's sigma and stops training when the budget is spent (fixed-sigma engines: DP-CSGP, PrivSGP,
+            DP2-SGD).
         Other arguments: see :class:`DecentralizedStrategy`.
 
     A NaN or infinite privatized gradient stops training on that node before the update leaves it (see
     :class:`DecentralizedStrategy`); the step stays in the ledger (its batch was sampled: counting it is safe).
     """
 
-    shared_options = ("grad_sample_mode", "fix_model", "node_local_data")
+    shared_options = ("grad_sample_mode", "fix_model", "node_local_data", "secure_mode", "resume_noise")
     local_options = ("ledger_dir",)  # a per-node path
     stop_on_nonfinite_loss = False  # an empty Poisson batch has a NaN mean loss; its privatized gradient is checked
 
@@ -73,8 +98,10 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
         fix_model: bool = False,
         noise_seed: int | None = None,
+        secure_mode: bool = False,
         node_local_data: bool = False,
         ledger_dir: str | os.PathLike | bool | None = True,
+        resume_noise: str = "auto",
         **kwargs: Any,
     ) -> None:
         # the privacy parameters are checked first, before any process or graph exists
@@ -85,16 +112,30 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             target_delta=target_delta,
             accountant=accountant,
         ).validate()
+        if grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise PrivacyConfigError(
+                f"unknown grad_sample_mode {grad_sample_mode!r}; choose 'bookkeeping' (default), 'hooks', "
+                "'functorch' or 'ghost' (training_step then returns per-sample losses)"
+            )
+        if resume_noise not in RESUME_NOISE:
+            raise PrivacyConfigError(
+                f"resume_noise must be one of {', '.join(map(repr, RESUME_NOISE))}, got {resume_noise!r}"
+            )
         super().__init__(topology, compressor, **kwargs)
+        self.resume_noise = resume_noise
         self.grad_sample_mode = grad_sample_mode
         self.fix_model = fix_model
         self.noise_seed = noise_seed
+        self.secure_mode = secure_mode
         self.node_local_data = node_local_data
         self.privacy: NodePrivacyEngine | None = None
         self.budget_stopped_at_step: int | None = None
         self.ledger_dir = ledger_dir
         self.write_ahead: WriteAheadLedger | None = None
         self._ledger_run: str | None = None
+        self._checkpoint_saved = False
+        self._time_replan_at: int | None = None  # ledger step at which sigma is re-planned for max_time
+        self._fit_start_steps = 0
 
     def configure_ddp(self) -> None:
         # Fix and hook the model before its parameters are broadcast, flattened and handed to the optimizer. The engine
@@ -121,6 +162,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             device=self.root_device,
             grad_sample_mode=self.grad_sample_mode,
             noise_seed=self.noise_seed,
+            secure_mode=self.secure_mode,
         )
 
     def _check_optimization(self, trainer: pl.Trainer) -> None:
@@ -132,15 +174,19 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 "strategy cannot tell which backward passes make one private step. Remove "
                 "`self.automatic_optimization = False`."
             )
+        if isinstance(self.precision_plugin, HalfPrecision):
+            raise PrivacyConfigError(
+                f"precision={trainer.precision!r} keeps parameters, gradients and noise in "
+                f"{self.precision_plugin._desired_input_dtype}: the clipped sum and the Gaussian noise would be "
+                "rounded to 8 (bfloat16) or 11 (float16) significant bits and added in that precision, which is not "
+                "the Gaussian mechanism the accountant prices (low-precision noise is open to floating-point attacks, "
+                "Mironov 2012). Use precision='bf16-mixed' (float32 parameters; clipping and noise in float32) or "
+                "'32-true'."
+            )
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise PrivacyConfigError(
                 "precision='16-mixed' scales the loss, so per-sample gradients would be clipped before unscaling "
                 "(an effective bound of C / scale). Use precision='32-true' or 'bf16-mixed' with private strategies."
-            )
-        if trainer.accumulate_grad_batches != 1:
-            raise PrivacyConfigError(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} would merge several Poisson batches into "
-                "one noisy step, which the accountant does not model. Use a larger batch_size instead."
             )
 
     # ---- data: Poisson sampling of this node's shard ---------------------------------------------------------------
@@ -148,18 +194,33 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training or self.privacy is None:
             return dataloader
-        super().process_dataloader(dataloader)  # every node has data, and the same number of batches
         if not isinstance(dataloader, DataLoader):
             raise PrivacyConfigError(
                 f"private strategies need a torch DataLoader for training (got {type(dataloader).__name__}) to "
                 "Poisson-sample each node's shard"
             )
+        if isinstance(dataloader.dataset, IterableDataset):
+            raise PrivacyConfigError(
+                "private strategies cannot train on an IterableDataset: Poisson sampling, which the accountant's "
+                "amplification by subsampling assumes, needs a finite shard whose examples can be drawn by index. "
+                "Use a map-style Dataset (with __len__ and __getitem__; e.g. TensorDataset, or list(...) of a stream "
+                "that fits in memory), or a non-private strategy for streaming data"
+            )
+        super().process_dataloader(dataloader)  # every node has data; the steps per epoch common to all nodes
         problem: Exception | None = None
         try:
+            calibrated = self.privacy_parameters.noise_multiplier is None  # a sigma given by hand is never changed
+            resumed_sigma = self.privacy.noise_multiplier if self.privacy.steps > 0 and calibrated else None
+            k = trainer.accumulate_grad_batches  # one Poisson batch of k x batch_size per step, as k micro-batches
+            assert self.steps_per_epoch is not None
             private = self.privacy.private_dataloader(
-                dataloader, self._planned_steps(trainer, len(dataloader)), self.world_size, self.node_local_data
+                dataloader, self._planned_steps(trainer, self.steps_per_epoch // k), self.world_size,
+                self.node_local_data, micro_batches=k, steps_per_epoch=self.steps_per_epoch,
             )
-            self.privacy_parameters.check_delta(len(private.dataset), self.global_rank)  # type: ignore[arg-type]
+            if resumed_sigma:
+                self._check_resumed_noise(resumed_sigma)
+            if self.privacy.delta > 0:  # (CPGT is pure epsilon-DP: no delta to check)
+                self.privacy_parameters.check_delta(len(private.dataset), self.global_rank)  # type: ignore[arg-type]
             if self.privacy.steps == 0 and self.privacy.next_step_exceeds_budget():
                 raise PrivacyConfigError(
                     f"target_epsilon={self.privacy_parameters.target_epsilon} cannot pay for a single step with "
@@ -184,9 +245,87 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 trainer.should_stop = True
                 rank_zero_warn(
                     f"{type(self).__name__}: target_epsilon={self.privacy_parameters.target_epsilon} is already spent "
-                    "(the ledger counts every step released so far): no step is taken in this fit"
+                    f"(epsilon = {self.privacy.epsilon():.4g}: the ledger counts every step released so far, and CPGT "
+                    "also the rounds a resume must send again): no step is taken in this fit; raise target_epsilon "
+                    "above that to go on"
                 )
+        self._plan_for_max_time(trainer)
         return private
+
+    # ---- max_time: the plan follows the time the run has -------------------------------------------------------
+    def _plan_for_max_time(self, trainer: pl.Trainer) -> None:
+        """With ``Trainer(max_time=...)`` and a budget to calibrate to, re-plan sigma once the pace is known."""
+        self._time_replan_at = None
+        timer = _max_time_timer(trainer)
+        engine = self.privacy
+        if timer is None or engine is None or self.privacy_parameters.noise_multiplier is not None:
+            return
+        if self.privacy_parameters.target_epsilon is None:
+            return
+        if type(engine)._plan_noise is not NodePrivacyEngine._plan_noise:
+            rank_zero_info(
+                f"{type(self).__name__}: the noise is planned for {engine.planned_steps} steps (max_steps/max_epochs); "
+                "max_time may end the run sooner, with budget left"
+            )
+            return
+        self._fit_start_steps = engine.steps
+        self._time_replan_at = engine.steps + MAX_TIME_WARMUP_STEPS
+
+    def _replan_for_max_time(self, trainer: pl.Trainer) -> None:
+        """After the warm-up: the steps max_time allows at the slowest node's pace (fewer than planned) get sigma
+        calibrated so that the budget is spent by then, instead of ending with most of it unspent."""
+        self._time_replan_at = None
+        engine, timer = self.privacy, _max_time_timer(trainer)
+        assert engine is not None and timer is not None and engine.planned_steps is not None
+        taken = engine.steps - self._fit_start_steps
+        per_step = max(timer.time_elapsed(), 1e-9) / max(taken, 1)
+        affordable = taken + int(0.95 * max(timer.time_remaining() or 0.0, 0.0) / per_step)
+        affordable = int(self.reduce(torch.tensor(affordable, device=self.root_device), reduce_op=dist.ReduceOp.MIN))
+        total = self._fit_start_steps + affordable
+        if total >= engine.planned_steps or total <= engine.steps:
+            return
+        old, planned = engine.noise_multiplier, engine.planned_steps - self._fit_start_steps
+        engine.noise_multiplier = engine.calibrate_remaining(total - engine.steps)
+        engine.planned_steps, engine._certified = total, None
+        rank_zero_info(
+            f"{type(self).__name__}: at {per_step:.3g} s per step, max_time allows about {affordable} steps of this "
+            f"fit, not the {planned} planned by max_steps/max_epochs: sigma re-planned from {old:.4g} to "
+            f"{engine.noise_multiplier:.4g} so that target_epsilon={self.privacy_parameters.target_epsilon} is spent by then"
+        )
+
+    def _check_resumed_noise(self, old_sigma: float) -> None:
+        """A resumed run whose new plan re-calibrated sigma: refuse a sigma over twice the old one (``"auto"``), or
+        keep the old one (``"keep"``); the budget check then stops training when the target is reached."""
+        engine = self.privacy
+        assert engine is not None and engine.noise_multiplier is not None
+        new_sigma = engine.noise_multiplier
+        if new_sigma <= old_sigma or self.resume_noise == "recalibrate":
+            return
+        fixed_sigma = type(engine)._plan_noise is NodePrivacyEngine._plan_noise
+        if self.resume_noise == "keep":
+            if not fixed_sigma:
+                raise PrivacyConfigError(
+                    f"resume_noise='keep' needs a fixed noise multiplier; {type(self).__name__}'s noise follows its "
+                    "own plan. Use resume_noise='recalibrate', or resume with the checkpoint's plan"
+                )
+            engine.noise_multiplier = old_sigma
+            return
+        if new_sigma <= 2.0 * old_sigma:
+            return
+        target, spent = self.privacy_parameters.target_epsilon, engine.epsilon()
+        keep = (
+            f"resume_noise='keep' keeps sigma = {old_sigma:.4g} and stops training when target_epsilon is reached; "
+            if fixed_sigma else ""
+        )
+        raise PrivacyConfigError(
+            f"node {self.global_rank}: this resumed run plans {engine.planned_steps} steps in all, but the checkpoint's "
+            f"plan was calibrated for fewer: {engine.steps} steps have spent epsilon = {spent:.4g} of "
+            f"target_epsilon = {target}, and the {engine.planned_steps - engine.steps} remaining steps would need "
+            f"sigma = {new_sigma:.4g} instead of {old_sigma:.4g} ({new_sigma / old_sigma:.1f}x the noise), which "
+            "would likely destroy the model. Choose knowingly: raise target_epsilon (a larger total budget); "
+            f"{keep}resume_noise='recalibrate' accepts sigma = {new_sigma:.4g}; or start a new run "
+            "(new data, a fresh budget)"
+        )
 
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -206,7 +345,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         elif limit is not None and limit < 1.0:
             batches_per_epoch = max(1, int(batches_per_epoch * limit))
         epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
-        if epochs == 1000 and (trainer.max_steps is None or trainer.max_steps < 0):
+        if epochs == 1000 and (trainer.max_steps is None or trainer.max_steps < 0) and _max_time_timer(trainer) is None:
             rank_zero_warn(
                 "the privacy budget is planned over Lightning's default of max_epochs=1000; set max_epochs or "
                 "max_steps to the training you intend, or sigma will be far larger than needed"
@@ -218,6 +357,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             raise PrivacyConfigError(
                 "the privacy budget is spent over the planned number of steps, but this Trainer has no end: "
                 "set max_steps or max_epochs"
+                + (" as an upper bound (with max_time, sigma is re-planned for the steps the time allows once the "
+                   "pace is known)" if _max_time_timer(trainer) is not None else "")
             )
         return by_epochs
 
@@ -234,17 +375,22 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             self.lightning_module.trainer.should_stop = True
             return None  # every node refuses the same steps: no data touched, nothing released
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._time_replan_at is not None and self.privacy is not None and self.privacy.steps >= self._time_replan_at:
+            self._replan_for_max_time(self.lightning_module.trainer)
         self._check_budget_after_step()
         return output
 
     def _check_budget_after_step(self) -> None:
-        """All nodes decide together (one-bit all-reduce) whether one more step would exceed the target."""
+        """All nodes decide together (one-bit all-reduce) whether one more step would exceed the target. A run whose
+        plan ends with this step ends as planned (no budget stop is announced)."""
         assert self.privacy is not None
         if self.privacy_parameters.target_epsilon is None:
             return
         if not self.reduce_boolean_decision(self.privacy.next_step_exceeds_budget(), all=False):
             return
         trainer = self.lightning_module.trainer
+        if self._plan_ends_with_this_step(trainer):
+            return
         trainer.should_stop = True
         self.budget_stopped_at_step = trainer.global_step + 1
         rank_zero_info(
@@ -252,10 +398,43 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             f"node past target_epsilon={self.privacy_parameters.target_epsilon} (delta={self.privacy.delta})"
         )
 
+    @staticmethod
+    def _plan_ends_with_this_step(trainer: pl.Trainer) -> bool:
+        """Whether the Trainer stops after the step now being taken anyway (max_steps, or the last batch of the last
+        epoch), identically on every node."""
+        completed = trainer.global_step + 1
+        if trainer.max_steps is not None and 0 <= trainer.max_steps <= completed:
+            return True
+        last_epoch = trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1
+        return last_epoch and bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+    def on_train_end(self) -> None:
+        """Print every node's final epsilon and noise, with or without PrivacyBudgetCallback (one line per node)."""
+        super().on_train_end()
+        if self.privacy is None:
+            return
+        local = torch.tensor([self.privacy.epsilon(), float(self.privacy.steps)], dtype=torch.float64,
+                             device=self.root_device)
+        gathered = gather_tensors(local).tolist()
+        summary = self.privacy.noise_summary()  # the configuration is the same on every node (checked at setup)
+        lines = [f"{type(self).__name__}: final privacy per node (delta = {self.privacy.delta:g}); {summary}"]
+        lines += [f"  node {rank}: epsilon = {eps:.4f} after {int(steps)} private steps"
+                  for rank, (eps, steps) in enumerate(gathered)]
+        rank_zero_info("\n".join(lines))
+
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        if self.privacy is None or self.privacy.ghost is None:
+        """Per-sample backward; with ``accumulate_grad_batches = k`` each of the k micro-batches of a logical Poisson
+        batch is clipped here and kept (Lightning divides the loss by k: it is undone, so every example is clipped
+        at its own gradient), and the step adds one noise draw to the sum (``optimizer_step``)."""
+        if self.privacy is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        self.privacy.ghost_backward(closure_loss)  # two passes: per-sample norms, then the clipped sum
+        k = self.lightning_module.trainer.accumulate_grad_batches
+        if self.privacy.ghost is not None:
+            self.privacy.ghost_backward(closure_loss * k)  # two passes: per-sample norms, then the clipped sum
+        else:
+            super().backward(closure_loss * k, optimizer, *args, **kwargs)
+        if k > 1:
+            self.privacy.accumulate_micro_batch()
         return closure_loss
 
     def transform_gradients(self) -> None:
@@ -267,6 +446,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
     def node_state_dict(self) -> dict[str, Any]:
         state = super().node_state_dict()
         assert self.privacy is not None
+        self._checkpoint_saved = True  # from now on a resume is possible: every later step is written ahead
         state["privacy"] = self.privacy.state_dict()
         ledger = self._write_ahead_ledger()
         if ledger is not None:  # the resumed run reads (and continues) this node's file of this run
@@ -292,11 +472,24 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         if self.write_ahead is None and self._writes_ahead() and self._ledger_run is not None:
             directory = self.ledger_dir
             if directory is True:
-                trainer = self.lightning_module.trainer
-                dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
-                directory = Path(dirpath or trainer.default_root_dir) / "privacy_ledger"
+                directory = self._default_ledger_directory()
+                if directory is None:
+                    return None
             self.write_ahead = WriteAheadLedger(directory, self._ledger_run, self.global_rank)  # type: ignore[arg-type]
         return self.write_ahead
+
+    def _default_ledger_directory(self) -> Path | None:
+        """``privacy_ledger`` next to the checkpoints, else in the logger's directory; a run with neither writes no
+        file until a checkpoint of it is saved (only a checkpoint can resume it, and it holds every earlier step)."""
+        trainer = self.lightning_module.trainer
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        if dirpath:
+            return Path(dirpath) / "privacy_ledger"
+        if trainer.loggers and trainer.log_dir:
+            return Path(trainer.log_dir) / "privacy_ledger"
+        if self._checkpoint_saved:
+            return Path(trainer.default_root_dir) / "privacy_ledger"
+        return None
 
     def write_ahead_step(self) -> None:
         """Write this node's accounting state to its write-ahead ledger; runs after the private step is recorded

@@ -105,6 +105,7 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
             device=self.root_device,
             grad_sample_mode=self.grad_sample_mode,
             noise_seed=self.noise_seed,
+            secure_mode=self.secure_mode,
         )
 
     def process_dataloader(self, dataloader: object) -> object:

@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="push_sum", choices=["ddp", *NON_PRIVATE_STRATEGIES, *PRIVATE_STRATEGIES])
     parser.add_argument("--topology", default="exponential-one-peer")
     parser.add_argument("--compressor", default=None)
-    parser.add_argument("--gamma", type=float, default=1.0)
+    parser.add_argument("--gamma", type=lambda text: text if text == "auto" else float(text), default="auto")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--num-nodes", type=int, default=1, help="machines (torchrun --nnodes)")
     parser.add_argument("--max-epochs", type=int, default=8)

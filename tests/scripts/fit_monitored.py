@@ -128,6 +128,7 @@ def main() -> None:
         "consensus": next(c.last for c in callbacks if isinstance(c, ConsensusErrorCallback)),
         "comm": next(c.last for c in callbacks if isinstance(c, CommunicationCostCallback)),
         "bytes_sent": trainer.strategy.gossip.exchange.traffic.bytes_sent,
+        "global_step": trainer.global_step,
         "epsilon": trainer.strategy.privacy.epsilon() if private else None,
     }
     if args.logger == "wandb" and trainer.is_global_zero:

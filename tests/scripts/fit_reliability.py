@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_privdec.strategies import STRATEGIES
 from lightning_privdec.strategies.checks import NodeMismatchError
@@ -55,6 +55,27 @@ class FaultAtStep(Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class Stream(IterableDataset):
+    """Examples streamed one by one (no length): this node's own data."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __iter__(self):  # noqa: ANN204
+        return zip(self.x, self.y)
+
+
+def node_loader(data: str, rank: int, x: torch.Tensor, y: torch.Tensor) -> DataLoader:
+    """``shared``: the whole set (Lightning shards it); ``unequal``: node r holds its own 48 (1 + 4r) examples
+    (node_local_data); ``iterable``: the same unequal shards as a stream without a length."""
+    if data == "shared":
+        return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    own = slice(0, 48 * (1 + 4 * rank))
+    if data == "unequal":
+        return DataLoader(TensorDataset(x[own], y[own]), batch_size=16, shuffle=True)
+    return DataLoader(Stream(x[own], y[own]), batch_size=16)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="push_sum", choices=list(STRATEGIES))
@@ -66,6 +87,8 @@ def main() -> None:
     parser.add_argument("--hang", type=int, nargs=2, default=None, metavar=("RANK", "STEP"), help="SIGSTOP")
     parser.add_argument("--strategy-kwargs", default="{}", help="JSON: arguments of every node's strategy")
     parser.add_argument("--runs", type=int, default=1, help="train this many times, each from scratch")
+    parser.add_argument("--data", default="shared", choices=("shared", "unequal", "iterable"),
+                        help="every node's training data (see node_loader)")
     parser.add_argument("--mismatch", default=None,
                         help='JSON {"rank": {...}}: then one more run whose strategy these overrides make differ per '
                              "node; each rank writes the error it raises to mismatch<rank>.txt")
@@ -100,16 +123,21 @@ def main() -> None:
             default_root_dir=args.out,  # where a private run's write-ahead privacy ledger goes
             enable_progress_bar=False,
             enable_model_summary=False,
+            use_distributed_sampler=args.data == "shared",
         )
         try:
-            trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True))
+            trainer.fit(model, node_loader(args.data, rank, x, y))
         except NodeMismatchError as error:
             if run < args.runs:
                 raise
             (args.out / f"mismatch{trainer.global_rank}.txt").write_text(f"step {trainer.global_step}: {error}")
             continue
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        torch.save({"rank": trainer.global_rank, "params": params, "global_step": trainer.global_step},
+        engine = getattr(trainer.strategy, "privacy", None)
+        privacy = {} if engine is None else {"sample_rate": engine.sample_rate, "epsilon": engine.epsilon(),
+                                             "private_steps": engine.steps}
+        torch.save({"rank": trainer.global_rank, "params": params, "global_step": trainer.global_step,
+                    "steps_per_epoch": trainer.strategy.steps_per_epoch, "epochs": trainer.current_epoch, **privacy},
                    args.out / f"rank{trainer.global_rank}_run{run}.pt")
 
 

@@ -1,0 +1,468 @@
+"""Which models train with which private strategy and per-sample mode: the compatibility matrix of docs/models.md.
+
+Every model is one users bring, built unchanged from a config (no weight download, tiny sizes): torchvision's
+ResNet-18/50 (GroupNorm), MobileNetV3-small (BatchNorm, so ``fix_model=True``), a small VisionTransformer,
+Lightning's own Transformer and LSTM demos, a GRU, a language model with an Embedding, RMSNorm and tied weights,
+Hugging Face GPT-2 and BERT (the privacy unit is a sequence), GPT-2 with LoRA adapters (peft), a frozen backbone
+and Lightning's BoringModel. Each trains for ``--steps`` steps on synthetic data in one 2-process gloo run per cell
+(every cell is a fresh Trainer in the same two processes: Lightning's launcher starts rank 1 once), with each
+private strategy and each ``grad_sample_mode`` it accepts. A cell reads
+
+* ``trains``: the loss stayed finite and the node's epsilon was spent (> 0);
+* ``refused: ...``: the library refused the combination before training, with its reason;
+* ``fails: ...``: anything else (the error's first line).
+
+It also times one private step (best mode) against one non-private step per model in one process (CPU, forward +
+backward [+ clip + noise]) and writes the table to docs/models.md (``--no-record``: print only).
+
+    python benchmarks/compatibility.py                                 # everything (about 20 minutes on 2 cores)
+    python benchmarks/compatibility.py --models resnet18,gpt2 --strategies dp_csgp --modes bookkeeping --no-record
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from machine_info import machine_line, software_line  # noqa: E402
+
+STRATEGY_ARGUMENTS: dict[str, dict[str, Any]] = {
+    "dp_csgp": dict(max_grad_norm=1.0, noise_multiplier=1.0),
+    "privsgp": dict(max_grad_norm=1.0, noise_multiplier=1.0),
+    "dp2sgd": dict(max_grad_norm=1.0, noise_multiplier=1.0),
+    "decor": dict(max_grad_norm=1.0, sigma_cdp=1.0, sigma_cor=1.0),
+    "dyn_d2p": dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5),
+    "privsgp_vr": dict(max_grad_norm=1.0, noise_multiplier=1.0),
+    "cpgt": dict(max_grad_norm=1.0, noise_x=0.1, noise_y=0.1, noise_decay=0.9, lipschitz=0.1, accounting="finite"),
+}
+MODES = ("bookkeeping", "hooks", "functorch", "ghost")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the models, each with its task
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    """A LightningModule factory and its synthetic training set."""
+
+    module: Callable[[bool], Any]  # per_sample_loss -> LightningModule
+    data: Callable[[], Any]  # -> a map-style Dataset
+    fix_model: bool = False
+    precision: str = "32-true"
+
+
+def _classifier(build: Callable[[], Any], lr: float = 0.05):  # noqa: ANN202
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+
+    class Classifier(pl.LightningModule):
+        def __init__(self, per_sample_loss: bool) -> None:
+            super().__init__()
+            self.model, self.per_sample_loss = build(), per_sample_loss
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            x, y = batch
+            losses = F.cross_entropy(self.model(x), y, reduction="none")
+            self.log("train_loss", losses.mean() if len(losses) else torch.zeros(()), sync_dist=True)
+            return losses if self.per_sample_loss else losses.mean()
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=lr)
+
+    return Classifier
+
+
+def _language_model(build: Callable[[], Any], lr: float = 0.05):  # noqa: ANN202
+    """Next-token loss per sequence (the privacy unit) of ``build()(ids) -> logits``."""
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+
+    class LanguageModel(pl.LightningModule):
+        def __init__(self, per_sample_loss: bool) -> None:
+            super().__init__()
+            self.model, self.per_sample_loss = build(), per_sample_loss
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            ids, labels = batch
+            logits = self.model(ids)
+            if logits.dim() == 2:  # sequence classification
+                losses = F.cross_entropy(logits, labels, reduction="none")
+            else:
+                per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+                losses = per_token.mean(1)
+            return losses if self.per_sample_loss else losses.mean()
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=lr)
+
+    return LanguageModel
+
+
+def _images(n: int = 96, size: int = 32, classes: int = 10):  # noqa: ANN202
+    import torch
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 3, size, size, generator=g), torch.randint(0, classes, (n,), generator=g))
+
+
+def _tokens(n: int = 96, length: int = 16, vocab: int = 64, classes: int = 2):  # noqa: ANN202
+    import torch
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randint(1, vocab, (n, length), generator=g), torch.randint(0, classes, (n,), generator=g))
+
+
+def cases() -> dict[str, Case]:
+    import torch
+    from torch import nn
+
+    def group_norm(channels: int) -> nn.Module:
+        return nn.GroupNorm(min(8, channels), channels)
+
+    def resnet18():  # noqa: ANN202
+        from torchvision.models import resnet18 as build
+
+        return build(num_classes=10, norm_layer=group_norm)
+
+    def resnet50():  # noqa: ANN202
+        from torchvision.models import resnet50 as build
+
+        return build(num_classes=10, norm_layer=group_norm)
+
+    def mobilenet():  # noqa: ANN202
+        from torchvision.models import mobilenet_v3_small
+
+        return mobilenet_v3_small(num_classes=10)  # BatchNorm inside: needs fix_model=True
+
+    def vit():  # noqa: ANN202
+        from torchvision.models import VisionTransformer
+
+        return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
+                                 num_classes=10)
+
+    class GRUClassifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.rnn, self.out = nn.Embedding(64, 16), nn.GRU(16, 24, batch_first=True), nn.Linear(24, 2)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.out(self.rnn(self.embed(ids))[0][:, -1])
+
+    class TiedLM(nn.Module):
+        """Embedding, RMSNorm, a LayerNorm'd MLP block and an output layer tied to the embedding."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.block = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32), nn.GELU())
+            self.norm = nn.RMSNorm(32)
+            self.out = nn.Linear(32, 64, bias=False)
+            self.out.weight = self.embed.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.embed(ids)
+            return self.out(self.norm(h + self.block(h)))
+
+    def gpt2(lora: bool = False):  # noqa: ANN202
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True))
+
+        class Logits(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lm = model
+
+            def forward(self, ids: torch.Tensor) -> torch.Tensor:
+                return self.lm(input_ids=ids).logits
+
+        return Logits()
+
+    def bert():  # noqa: ANN202
+        from transformers import BertConfig, BertForSequenceClassification
+
+        config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64, max_position_embeddings=32, num_labels=2)
+        model = BertForSequenceClassification(config)
+
+        class Logits(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.bert = model
+
+            def forward(self, ids: torch.Tensor) -> torch.Tensor:
+                return self.bert(input_ids=ids, attention_mask=(ids != 0).long()).logits  # a padding mask
+
+        return Logits()
+
+    def frozen_backbone():  # noqa: ANN202
+        backbone = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 64), nn.ReLU())
+        for p in backbone.parameters():
+            p.requires_grad_(False)
+        return nn.Sequential(backbone, nn.Linear(64, 10))
+
+    def transformer_demo(per_sample_loss: bool):  # noqa: ANN202
+        from lightning.pytorch.demos.transformer import LightningTransformer
+
+        return LightningTransformer(vocab_size=64)  # unchanged: its training_step returns the mean token loss
+
+    def lstm_demo(per_sample_loss: bool):  # noqa: ANN202
+        from lightning.pytorch.demos.lstm import LightningLSTM
+
+        return LightningLSTM(vocab_size=64)
+
+    def boring(per_sample_loss: bool):  # noqa: ANN202
+        from lightning.pytorch.demos.boring_classes import BoringModel
+
+        return BoringModel()
+
+    def demo_tokens():  # noqa: ANN202
+        from torch.utils.data import TensorDataset
+
+        ids = _tokens(length=17).tensors[0]
+        return TensorDataset(ids[:, :-1], ids[:, 1:])  # (input, target) sequences, as the demos' WikiText2 yields
+
+    def boring_data():  # noqa: ANN202
+        from lightning.pytorch.demos.boring_classes import RandomDataset
+
+        return RandomDataset(32, 96)
+
+    return {
+        "resnet18": Case(_classifier(resnet18), _images),
+        "resnet50": Case(_classifier(resnet50), lambda: _images(48)),
+        "mobilenet_v3_small": Case(_classifier(mobilenet), _images, fix_model=True),
+        "vit": Case(_classifier(vit), _images),
+        "transformer_demo": Case(transformer_demo, demo_tokens),
+        "lstm_demo": Case(lstm_demo, demo_tokens),
+        "gru": Case(_classifier(GRUClassifier), _tokens),
+        "tied_embedding_rmsnorm": Case(_language_model(TiedLM), _tokens),
+        "gpt2": Case(_language_model(gpt2), _tokens),
+        "bert": Case(_language_model(bert), _tokens),
+        "gpt2_lora": Case(_language_model(lambda: gpt2(lora=True)), _tokens),
+        "frozen_backbone": Case(_classifier(frozen_backbone), _images),
+        "boring": Case(boring, boring_data),
+        "resnet18_bf16": Case(_classifier(resnet18), _images, precision="bf16-mixed"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# child: every cell, in the same 2 processes
+# ---------------------------------------------------------------------------------------------------------------------
+def _first_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}"[:200]
+
+
+def run_cell(name: str, case: Case, strategy: str, mode: str, args: argparse.Namespace) -> str:
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_privdec.privacy import PrivacyConfigError
+    from lightning_privdec.strategies import PRIVATE_STRATEGIES
+
+    pl.seed_everything(0, verbose=False)
+    try:
+        built = PRIVATE_STRATEGIES[strategy](grad_sample_mode=mode, fix_model=case.fix_model, noise_seed=0,
+                                             peer_timeout=120, **STRATEGY_ARGUMENTS[strategy])
+    except PrivacyConfigError as refused:
+        return " ".join(f"refused: {str(refused).split('. ')[0]}".split())[:200]
+    module = case.module(mode == "ghost")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=built, max_steps=args.steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        precision=case.precision, default_root_dir=args.workdir,
+    )
+    try:
+        trainer.fit(module, DataLoader(case.data(), batch_size=16))
+    except PrivacyConfigError as refused:
+        return " ".join(f"refused: {str(refused).split('. ')[0]}".split())[:200]
+    except Exception as error:  # noqa: BLE001 - the failure is the result
+        return f"fails: {_first_line(error)}"
+    finite = all(torch.isfinite(p).all() for p in module.parameters())
+    epsilon = built.privacy.epsilon() if built.privacy is not None else 0.0
+    if trainer.global_step == args.steps and finite and epsilon > 0:
+        return "trains"
+    return f"fails: {trainer.global_step} steps, finite parameters {finite}, epsilon {epsilon:.3g}"
+
+
+def run_child(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    zoo = cases()
+    results: dict[str, dict[str, str]] = {}
+    for name in args.model_list:
+        for strategy in args.strategy_list:
+            for mode in args.mode_list:
+                start = time.perf_counter()
+                results.setdefault(name, {})[f"{strategy}/{mode}"] = run_cell(name, zoo[name], strategy, mode, args)
+                if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+                    print(f"{name} {strategy}/{mode}: {results[name][f'{strategy}/{mode}']} "
+                          f"({time.perf_counter() - start:.1f} s)", flush=True)
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# parent: the cells (one 2-process launch), the step-time ratios (one process), docs/models.md
+# ---------------------------------------------------------------------------------------------------------------------
+def step_time_ratio(case: Case, steps: int = 3) -> tuple[float, float]:
+    """(non-private ms, private ms) per step in one process: forward + backward, and the same plus book-keeping
+    clipping and noise (the default mode)."""
+    import torch
+
+    from lightning_privdec.privacy import NodePrivacyEngine, PrivacyParameters
+    from lightning_privdec.privacy.per_sample import check_private_model
+
+    from torch.utils.data import default_collate
+
+    dataset = case.data()
+    batch = default_collate([dataset[i] for i in range(16)])
+
+    def median_ms(step: Callable[[], None]) -> float:
+        step()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    def loss(module: Any) -> torch.Tensor:
+        out = module.training_step(batch, 0)
+        return out["loss"] if isinstance(out, dict) else out
+
+    plain = case.module(False)
+    if case.fix_model:
+        check_private_model(plain, fix=True)
+    plain.log = lambda *a, **k: None  # no Trainer here
+    non_private = median_ms(lambda: (plain.zero_grad(), loss(plain).backward()))
+    private = case.module(False)
+    private.log = lambda *a, **k: None
+    engine = NodePrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0,
+                               device=torch.device("cpu"), noise_seed=0)
+    engine.attach(private, fix_model=case.fix_model)
+    engine.noise_multiplier, engine.sample_rate, engine.expected_batch_size = 1.0, 0.1, 16.0
+    return non_private, median_ms(lambda: (private.zero_grad(), loss(private).backward(), engine.privatize()))
+
+
+def format_table(results: dict[str, dict[str, str]], ratios: dict[str, str], args: argparse.Namespace) -> list[str]:
+    columns = [f"{s}/{m}" for s in args.strategy_list for m in args.mode_list]
+    lines = ["| model | private / non-private step (1 process) | " + " | ".join(columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
+    for name, row in results.items():
+        cells = [" ".join(row.get(c, "-").replace("|", "/").split()) for c in columns]
+        lines.append(f"| {name} | {ratios.get(name, '-')} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="all", help="comma list (default: every model)")
+    parser.add_argument("--strategies", default=",".join(STRATEGY_ARGUMENTS), help="comma list of private strategies")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma list of grad_sample_mode values")
+    parser.add_argument("--steps", type=int, default=2, help="training steps per cell")
+    parser.add_argument("--devices", type=int, default=2, help="CPU processes (gloo) per cell")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed for all cells")
+    parser.add_argument("--no-ratios", action="store_true", help="skip the one-process step-time ratios")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "models.md")
+    parser.add_argument("--no-record", action="store_true", help="print only; do not write docs/models.md")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    known = list(cases()) if args.child or args.models == "all" else None
+    args.model_list = known if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
+    args.strategy_list = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [s for s in args.strategy_list if s not in STRATEGY_ARGUMENTS] + [m for m in args.mode_list if m not in MODES]
+    if unknown:
+        parser.error(f"unknown strategies or modes: {unknown}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        run_child(args)
+        return
+    zoo = cases()
+    unknown = [m for m in args.model_list if m not in zoo]
+    if unknown:
+        raise SystemExit(f"unknown models {unknown}; choose from {', '.join(zoo)}")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cells.json"
+        command = [sys.executable, os.path.abspath(__file__), "--child", "--out", str(out), "--workdir", tmp,
+                   "--models", ",".join(args.model_list), "--strategies", ",".join(args.strategy_list),
+                   "--modes", ",".join(args.mode_list), "--steps", str(args.steps), "--devices", str(args.devices)]
+        subprocess.run(command, check=True, timeout=args.timeout, cwd=tmp)
+        results = json.loads(out.read_text())
+    ratios: dict[str, str] = {}
+    if not args.no_ratios:
+        warnings.filterwarnings("ignore")
+        for name in args.model_list:
+            try:
+                plain, private = step_time_ratio(zoo[name])
+                ratios[name] = f"{private / plain:.2f}x ({plain:.0f} / {private:.0f} ms)"
+            except Exception as error:  # noqa: BLE001
+                ratios[name] = f"fails: {_first_line(error)}"
+    total = time.perf_counter() - started
+    table = format_table(results, ratios, args)
+    print("\n".join(table))
+    cells = [c for row in results.values() for c in row.values()]
+    print(f"{sum(c == 'trains' for c in cells)} of {len(cells)} cells train, "
+          f"{sum(c.startswith('refused') for c in cells)} refused, {sum(c.startswith('fails') for c in cells)} fail; "
+          f"{total:.0f} s")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"cells": results, "ratios": ratios, "seconds": total}, indent=1))
+    if args.no_record:
+        return
+    command_line = "python benchmarks/compatibility.py" + ("" if argv is None else " " + " ".join(argv))
+    doc = [
+        "# Models: what trains with which private strategy",
+        "",
+        f"Generated by `{command_line}` on {datetime.date.today().isoformat()} ({total:.0f} s); "
+        f"{args.steps} steps per cell on {args.devices} CPU processes (gloo), synthetic data, tiny configs. "
+        "'trains': finite loss and parameters, epsilon spent; 'refused': the library's own error before training "
+        "(its first sentence); 'fails': anything else. The second column is one private step (book-keeping "
+        "clipping + noise) against one non-private step (forward + backward), one process, batch 16.",
+        "",
+        f"- {machine_line()}",
+        f"- {software_line(opacus=True)}",
+        "",
+        *table,
+        "",
+    ]
+    args.doc.write_text("\n".join(doc))
+    print(f"written to {args.doc}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] if len(sys.argv) > 1 else None)

@@ -1,0 +1,246 @@
+"""Every random draw that privacy rests on: Gaussian and Laplace noise, Poisson sampling, Decor's streams.
+
+The accountants assume that nobody but the node knows its noise and which examples it sampled. torch's generators
+cannot promise that: the CPU generator (mt19937) keeps only the low 32 bits of its seed, so a stream seeded with 63
+bits of OS entropy is one of 2^32 and can be found by trying seeds against one released update; CUDA's Philox takes a
+64-bit seed. Here every stream is the **ChaCha20 keystream** (RFC 8439, through the ``cryptography`` package, i.e.
+OpenSSL) under a **256-bit key**:
+
+* ``seed=None`` (training): the key is ``os.urandom(32)``, drawn per node and per run, never written anywhere.
+* ``seed=int``: the key is SHA-256(tag, seed, rank, stream). Reproducible for tests and debugging, and therefore
+  NOT private: whoever knows the seed knows the noise.
+
+Draw k of a generator uses nonce k, so each draw is a function of (key, k) alone; a fixed-seed generator's state is
+the number of draws (``get_state``). The keystream's 64-bit words become 53-bit uniforms ``u = (w >> 11) 2^-53`` in
+[0, 1), then
+
+* standard normals by Box-Muller in float64: ``sqrt(-2 log(1 - u1)) (cos 2 pi u2, sin 2 pi u2)``;
+* Laplace(b) as ``b (E1 - E2)`` with ``E = -log(1 - u) ~ Exp(1)``;
+* Bernoulli(q) as ``u < q`` (Poisson sampling).
+
+``secure_mode=True`` adds Opacus's mitigation of floating-point attacks on the Gaussian sampler (Holohan and Braghin
+2021, "Secure Random Sampling in Differential Privacy", Sec. 5.1, as in Opacus's ``_generate_noise``): each noise
+coordinate is the sum of four draws divided by 2, at four times the sampling cost. The keystream is produced on the
+host in chunks and transformed on the target device; buffers are reused across chunks and draws (11.2M normals:
+about 1.5x ``torch.randn`` on 2 threads, 2.5x on one; ``benchmarks/step_time.py`` prints both).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from typing import Any
+
+import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from torch import Tensor
+
+from lightning_privdec.privacy.errors import PrivacyConfigError
+
+__all__ = ["KEY_BYTES", "KeystreamBuffers", "NoiseGenerator", "keyed_standard_normal", "node_noise_generator"]
+
+KEY_BYTES = 32  #: 256-bit keys
+_SEED_DOMAIN = b"lightning_privdec.privacy.noise"
+_CHUNK_WORDS = 1 << 19  # 64-bit words per keystream chunk (4 MiB): bounds host memory, keeps the buffers warm
+_MASK_53 = (1 << 53) - 1
+
+
+class KeystreamBuffers:
+    """Host and device buffers for reading a keystream in chunks, kept across draws (fresh large allocations are
+    slow). They grow to the largest chunk asked for, at most ``_CHUNK_WORDS`` 64-bit words."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.size = 0
+
+    def reserve(self, words: int) -> None:
+        words = min(max(words, 1), _CHUNK_WORDS)
+        if words > self.size:
+            self.zeros = bytes(8 * words)
+            self.raw = bytearray(8 * words)
+            self.words = torch.frombuffer(self.raw, dtype=torch.int64)
+            self.uniform = torch.empty(words, dtype=torch.float64, device=self.device)
+            self.pair_work = torch.empty(3, (words + 1) // 2, dtype=torch.float64, device=self.device)
+            self.size = words
+
+
+class _KeyStream:
+    """The ChaCha20 keystream under (key, nonce), read as 53-bit uniforms and normals in float64."""
+
+    def __init__(self, key: bytes, nonce: bytes, buffers: KeystreamBuffers) -> None:
+        self._encryptor = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
+        self._buffers = buffers
+
+    def uniform(self, n: int) -> Tensor:
+        """The next ``n <= _CHUNK_WORDS`` uniforms in [0, 1): float64 on the buffers' device, a view of a reused
+        buffer (valid until the next read)."""
+        b = self._buffers
+        b.reserve(n)
+        self._encryptor.update_into(memoryview(b.zeros)[: 8 * n], b.raw)
+        words = b.words[:n]
+        words.bitwise_right_shift_(11).bitwise_and_(_MASK_53)  # arithmetic shift: mask off the sign's copies
+        out = b.uniform[:n]
+        out.copy_(words)  # exact: 53-bit integers fit float64
+        return out.mul_(2.0**-53)
+
+    def standard_normal_into(self, out: Tensor, scale: float = 1.0) -> Tensor:
+        """Fill the flat floating tensor ``out`` with ``scale`` times standard normals (Box-Muller in float64: pairs
+        of uniforms give ``r cos t, r sin t``, interleaved, rounded once to ``out``'s dtype), chunk by chunk."""
+        numel = out.numel()
+        for start in range(0, numel, _CHUNK_WORDS):
+            m = min(_CHUNK_WORDS, numel - start)
+            pairs = (m + 1) // 2
+            u = self.uniform(2 * pairs).view(pairs, 2)
+            radius, theta, cosine = self._buffers.pair_work[:, :pairs]  # reused: no allocation per chunk
+            torch.neg(u[:, 0], out=radius)
+            radius.log1p_().mul_(-2.0).sqrt_()  # log(1 - u1), 1 - u1 in (0, 1]: finite, tail up to ~8.6 sigma
+            if scale != 1.0:
+                radius.mul_(scale)
+            torch.mul(u[:, 1], 2.0 * math.pi, out=theta)
+            if m % 2 == 0:
+                block = out[start : start + m].view(pairs, 2)
+                torch.mul(radius, torch.cos(theta, out=cosine), out=block[:, 0])
+                torch.mul(radius, theta.sin_(), out=block[:, 1])
+            else:  # the last odd entry: the pair's sine is dropped
+                both = torch.stack((radius * torch.cos(theta), radius * torch.sin(theta)), dim=1).view(-1)
+                out[start : start + m].copy_(both[:m])
+        return out
+
+
+def keyed_standard_normal(
+    key: bytes, numel: int, device: torch.device | str = "cpu", buffers: KeystreamBuffers | None = None
+) -> Tensor:
+    """N(0, I_numel) in float64: the keystream under ``key`` (nonce 0) through Box-Muller. The same ``key`` gives the
+    same values on every device type to float64 rounding (Decor's pairwise streams, :mod:`.pairwise`)."""
+    device = torch.device(device)
+    buffers = buffers if buffers is not None and buffers.device == device else KeystreamBuffers(device)
+    out = torch.empty(numel, dtype=torch.float64, device=device)
+    return _KeyStream(key, bytes(16), buffers).standard_normal_into(out)
+
+
+class NoiseGenerator:
+    """One node's secret randomness: the ChaCha20 keystream under a 256-bit key, one nonce per draw.
+
+    Build it with :func:`node_noise_generator`. Args:
+        key: 32 bytes; from ``os.urandom`` unless ``seeded``.
+        device: where the draws are returned (the keystream is produced on the host).
+        seeded: the key derives from a public seed (reproducible, not private); only then may the state be saved.
+        secure_mode: Gaussian draws with the floating-point mitigation of Opacus's secure mode (4x the cost).
+    """
+
+    def __init__(
+        self, key: bytes, *, device: torch.device | str = "cpu", seeded: bool = False, secure_mode: bool = False
+    ) -> None:
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise PrivacyConfigError(f"a noise key must be {KEY_BYTES} bytes")
+        self._key = key
+        self.device = torch.device(device)
+        self.seeded = seeded
+        self.secure_mode = bool(secure_mode)
+        self.draws = 0
+        self._buffers = KeystreamBuffers(self.device)
+        self._work: Tensor | None = None
+
+    def _stream(self) -> _KeyStream:
+        nonce = bytes(4) + self.draws.to_bytes(8, "little") + bytes(4)  # block counter 0, then draw index
+        self.draws += 1
+        return _KeyStream(self._key, nonce, self._buffers)
+
+    def _workspace(self, words: int) -> Tensor:
+        """A reused float64 buffer of at least ``min(words, chunk)`` entries (secure mode: two of them)."""
+        words = min(max(words, 1), _CHUNK_WORDS) * (2 if self.secure_mode else 1)
+        if self._work is None or self._work.numel() < words:
+            self._work = torch.empty(words, dtype=torch.float64, device=self.device)
+        return self._work
+
+    def uniform(self, numel: int) -> Tensor:
+        """``numel`` i.i.d. uniforms in [0, 1), float64 on the generator's device (one draw)."""
+        stream = self._stream()
+        out = torch.empty(numel, dtype=torch.float64, device=self.device)
+        for start in range(0, numel, _CHUNK_WORDS):
+            m = min(_CHUNK_WORDS, numel - start)
+            out[start : start + m].copy_(stream.uniform(m))
+        return out
+
+    def bernoulli(self, numel: int, p: float) -> Tensor:
+        """``numel`` i.i.d. Bernoulli(p) as a bool tensor (Poisson sampling's inclusion mask)."""
+        return self.uniform(numel) < p
+
+    def normal(
+        self, numel: int, std: float, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> Tensor:
+        """``numel`` i.i.d. N(0, std^2) entries of ``dtype``, computed in float64 and rounded once, on the generator's
+        device and then moved to ``device`` if given. With ``secure_mode`` each entry is (z1 + z2 + z3 + z4) / 2 of
+        four draws."""
+        stream = self._stream()
+        out = torch.empty(numel, dtype=dtype, device=self.device)
+        if not self.secure_mode:
+            stream.standard_normal_into(out, std)
+        else:
+            work = self._workspace(numel)
+            chunk = min(numel, _CHUNK_WORDS)
+            total, extra = work[:chunk], work[chunk : 2 * chunk]
+            for start in range(0, numel, _CHUNK_WORDS):
+                m = min(_CHUNK_WORDS, numel - start)
+                z = stream.standard_normal_into(total[:m])
+                for _ in range(3):
+                    z.add_(stream.standard_normal_into(extra[:m]))
+                out[start : start + m].copy_(z.mul_(0.5 * std))
+        return out if device is None else out.to(device)
+
+    def laplace(
+        self, numel: int, scale: float, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None
+    ) -> Tensor:
+        """``numel`` i.i.d. Laplace(0, scale) entries: scale (E1 - E2), E = -log(1 - u) ~ Exp(1), in float64."""
+        stream = self._stream()
+        out = torch.empty(numel, dtype=dtype, device=self.device)
+        for start in range(0, numel, _CHUNK_WORDS // 2):
+            m = min(_CHUNK_WORDS // 2, numel - start)
+            u = stream.uniform(2 * m).view(2, m)
+            e = torch.log1p(-u).neg_()
+            out[start : start + m].copy_((e[0] - e[1]).mul_(scale))
+        return out if device is None else out.to(device)
+
+    # ---- state: fixed-seed generators only ---------------------------------------------------------------------
+    def get_state(self) -> dict[str, Any]:
+        """The number of draws so far (with the seed, it fixes every later draw). Refused for OS-entropy keys."""
+        if not self.seeded:
+            raise PrivacyConfigError("a secure noise generator's state is never saved: its key must stay secret")
+        return {"draws": self.draws}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.draws = int(state["draws"])
+
+    def __repr__(self) -> str:
+        kind = "fixed seed, NOT private" if self.seeded else "256-bit OS entropy"
+        return f"NoiseGenerator(ChaCha20, {kind}, device={self.device}, secure_mode={self.secure_mode})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        if not self.seeded:
+            raise TypeError("a secure NoiseGenerator holds a secret key and cannot be pickled")
+        return {k: v for k, v in self.__dict__.items() if k not in ("_buffers", "_work")}  # views: rebuilt, not copied
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._buffers, self._work = KeystreamBuffers(self.device), None
+
+
+def node_noise_generator(
+    device: torch.device | str, seed: int | None, rank: int, stream: str = "noise", *, secure_mode: bool = False
+) -> NoiseGenerator:
+    """The generator of ONE node (process ``rank``) for one purpose (``stream``: "noise", "sampling", ...).
+
+    * ``seed=None`` (training): a fresh 256-bit key from ``os.urandom``, per node and per run. Lightning's
+      ``seed_everything`` gives every rank the same global seed; noise from the global RNG would be the same on
+      every node and a neighbour could subtract it. Fresh OS entropy rules that out, and 256 bits rule out a search.
+    * ``seed=int``: the key is SHA-256 of (tag, stream, seed, rank): reproducible and NOT private (tests only).
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise PrivacyConfigError(f"rank must be a non-negative integer, got {rank!r}")
+    if seed is None:
+        return NoiseGenerator(os.urandom(KEY_BYTES), device=device, secure_mode=secure_mode)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise PrivacyConfigError(f"seed must be an int or None, got {seed!r}")
+    key = hashlib.sha256(_SEED_DOMAIN + f"/{stream}/{seed}/{rank}".encode()).digest()
+    return NoiseGenerator(key, device=device, seeded=True, secure_mode=secure_mode)

@@ -1,0 +1,213 @@
+"""Every random draw privacy rests on comes from ChaCha20 under a 256-bit key (privacy/noise.py).
+
+The attack these tests replay: a neighbour receives one released step ``g + N(0, sigma^2 I)``; for each candidate
+seed it regenerates the noise the code would have drawn and subtracts it. With torch's CPU generator (mt19937, 32
+effective seed bits) the true seed leaves a residual of the size of the gradient, every wrong one a residual of the
+size of the noise, so a search over the seed space recovers the noise exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from lightning_privdec import CorrelatedNoiseStrategy, CPGTStrategy, DPCSGPStrategy, DynD2PStrategy, PrivSGPVRStrategy
+from lightning_privdec.algorithms.cpgt import NOISE_STREAM, laplace_noise
+from lightning_privdec.privacy import NodePrivacyEngine, PrivacyConfigError, PrivacyParameters
+from lightning_privdec.privacy.noise import KEY_BYTES, NoiseGenerator, node_noise_generator
+from lightning_privdec.privacy.sampling import PoissonBatchSampler
+
+D, SIGMA, COORDS = 5000, 1.0, 32  # one released step of d = 5,000 at sigma = 1; the attack looks at 32 coordinates
+WINDOW = 1 << 12  # candidate seeds per search (the real attack covers 2^32 in core-hours; the test covers a window)
+
+
+def _released_step(noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the clipped mean gradient, the released update) of one step: small gradient, unit noise."""
+    gradient = 0.01 * torch.randn(noise.numel(), generator=torch.Generator().manual_seed(123))
+    return gradient, gradient + noise
+
+
+def _best_residual(released: torch.Tensor, candidates) -> float:
+    """The attack: min over candidate noise streams of ||released - candidate|| on the first COORDS coordinates."""
+    target = released[:COORDS]
+    return min(float((target - candidate[:COORDS]).norm()) for candidate in candidates)
+
+
+def test_the_seed_search_finds_a_torch_generator_and_is_therefore_a_real_attack() -> None:
+    """Positive control: the same search recovers noise drawn the old way (torch.Generator, 63-bit seed whose low
+    32 bits fall in the window), so the negative result below is not a search that cannot succeed."""
+    secret = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+    secret = (secret & ~0xFFFFFFFF) | 1234  # low 32 bits inside the searched window
+    generator = torch.Generator().manual_seed(secret)
+    _, released = _released_step(torch.randn(D, generator=generator) * SIGMA)
+    candidates = (torch.randn(COORDS, generator=torch.Generator().manual_seed(s)) * SIGMA for s in range(WINDOW))
+    assert _best_residual(released, candidates) < 0.5  # only the gradient is left: the noise is recovered
+
+
+def test_a_seed_search_cannot_reproduce_the_noise_of_an_os_entropy_generator() -> None:
+    released = _released_step(node_noise_generator("cpu", None, rank=0).normal(D, SIGMA))[1]
+    # every seed the code could have used in a small window, for torch's generators (32/64-bit seeds) and for this
+    # library's own seeded derivation (every rank and stream name it uses)
+    torch_candidates = (torch.randn(COORDS, generator=torch.Generator().manual_seed(s)) for s in range(WINDOW))
+    ours = (
+        node_noise_generator("cpu", s, rank, stream).normal(COORDS, SIGMA)
+        for s in range(WINDOW // 16)
+        for rank in range(4)
+        for stream in ("noise", "sampling", NOISE_STREAM, "decor")
+    )
+    # ||a - b||^2 of two independent N(0, I_32) draws is 2 chi^2_32 (about 64; below 4 with probability ~1e-20 even
+    # for the best of 4096 candidates), while the right candidate leaves only the gradient (~0.06)
+    assert _best_residual(released, torch_candidates) > 2.0
+    assert _best_residual(released, ours) > 2.0
+
+
+def test_keys_have_256_bits_and_no_two_nodes_or_runs_share_noise() -> None:
+    generators = [node_noise_generator("cpu", None, rank) for rank in range(8) for _ in range(4)]
+    keys = {g._key for g in generators}
+    assert len(keys) == len(generators) and all(len(k) == KEY_BYTES == 32 for k in keys)
+    draws = torch.stack([g.normal(256, 1.0, torch.float64) for g in generators])
+    correlation = torch.corrcoef(draws) - torch.eye(len(generators), dtype=torch.float64)
+    assert correlation.abs().max() < 0.35  # 256 coordinates: independent streams correlate by ~1/16
+    assert len({tuple(d[:4].tolist()) for d in draws}) == len(generators)  # none coincide
+
+
+def test_secure_generators_never_leave_the_process() -> None:
+    generator = node_noise_generator("cpu", None, 0)
+    with pytest.raises(PrivacyConfigError, match="never saved"):
+        generator.get_state()
+    with pytest.raises(TypeError, match="secret key"):
+        pickle.dumps(generator)
+    assert "NOT private" in repr(node_noise_generator("cpu", 1, 0)) and "OS entropy" in repr(generator)
+
+
+@pytest.mark.parametrize("secure_mode", [False, True])
+def test_gaussian_noise_has_the_right_mean_std_and_tails(secure_mode: bool) -> None:
+    n, std = 400_000, 2.5
+    draws = node_noise_generator("cpu", None, 0, secure_mode=secure_mode).normal(n, std, torch.float64).numpy()
+    assert abs(draws.mean()) < 5 * std / np.sqrt(n)
+    assert draws.std() == pytest.approx(std, rel=0.01)
+    assert stats.kstest(draws / std, "norm").pvalue > 1e-4
+    for k, expected in ((2, 0.0455), (3, 0.0027), (4, 6.3e-5)):  # two-sided tail mass of N(0, 1)
+        observed = float(np.mean(np.abs(draws) > k * std))
+        assert observed == pytest.approx(expected, rel=5 / np.sqrt(expected * n))
+
+
+def test_float32_and_bfloat16_noise_is_the_float64_draw_rounded_once() -> None:
+    wide = node_noise_generator("cpu", 5, 0).normal(1001, 0.7, torch.float64)
+    assert torch.equal(node_noise_generator("cpu", 5, 0).normal(1001, 0.7, torch.float32), wide.float())
+    assert torch.equal(node_noise_generator("cpu", 5, 0).normal(1001, 0.7, torch.bfloat16), wide.to(torch.bfloat16))
+
+
+def test_laplace_noise_and_bernoulli_sampling_have_their_distributions() -> None:
+    generator = node_noise_generator("cpu", None, 0)
+    scale = 1.5
+    draws = laplace_noise(300_000, scale, generator).numpy()
+    assert stats.kstest(draws, "laplace", args=(0, scale)).pvalue > 1e-4
+    assert np.mean(np.abs(draws)) == pytest.approx(scale, rel=0.01)
+    mask = generator.bernoulli(200_000, 0.05)
+    assert mask.dtype == torch.bool and float(mask.float().mean()) == pytest.approx(0.05, rel=0.03)
+
+
+def test_a_fixed_seed_is_reproducible_and_its_state_continues_the_stream() -> None:
+    def draws(generator: NoiseGenerator) -> list[torch.Tensor]:
+        return [generator.normal(300, 1.0), generator.laplace(50, 2.0), generator.uniform(20)]
+
+    first, again = node_noise_generator("cpu", 7, 2), node_noise_generator("cpu", 7, 2)
+    for a, b in zip(draws(first), draws(again)):
+        assert torch.equal(a, b)
+    state = first.get_state()
+    expected = draws(first)
+    resumed = node_noise_generator("cpu", 7, 2)
+    resumed.set_state(state)
+    for a, b in zip(draws(resumed), expected):
+        assert torch.equal(a, b)
+    others = [node_noise_generator("cpu", 8, 2), node_noise_generator("cpu", 7, 3), node_noise_generator("cpu", 7, 2, "x")]
+    assert all(not torch.equal(o.normal(300, 1.0), draws(node_noise_generator("cpu", 7, 2))[0]) for o in others)
+
+
+def test_draws_do_not_depend_on_the_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_privdec.privacy import noise
+
+    expected = node_noise_generator("cpu", 3, 0).normal(1001, 1.0, torch.float64)
+    monkeypatch.setattr(noise, "_CHUNK_WORDS", 6)
+    assert torch.equal(node_noise_generator("cpu", 3, 0).normal(1001, 1.0, torch.float64), expected)
+
+
+def test_poisson_sampling_is_secret_per_node_and_reproducible_with_a_seed() -> None:
+    def batches(generator: NoiseGenerator) -> list[list[int]]:
+        return list(PoissonBatchSampler(500, 0.1, steps_per_epoch=5, generator=generator))
+
+    assert batches(node_noise_generator("cpu", 4, 0, "sampling")) == batches(node_noise_generator("cpu", 4, 0, "sampling"))
+    assert batches(node_noise_generator("cpu", None, 0, "sampling")) != batches(node_noise_generator("cpu", None, 0, "sampling"))
+    default = PoissonBatchSampler(500, 0.1)
+    assert isinstance(default.generator, NoiseGenerator) and not default.generator.seeded
+
+
+def test_every_private_strategy_draws_its_noise_from_chacha20_keys() -> None:
+    engine = NodePrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0, device=torch.device("cpu"))
+    for generator in (engine.noise_generator, engine.sampling_generator):
+        assert isinstance(generator, NoiseGenerator) and not generator.seeded and len(generator._key) == 32
+    secure = NodePrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0,
+                               device=torch.device("cpu"), secure_mode=True)
+    assert secure.noise_generator.secure_mode and not secure.sampling_generator.secure_mode
+    budget = dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, secure_mode=True)
+    for strategy in (DPCSGPStrategy(**budget), DynD2PStrategy(**budget), PrivSGPVRStrategy(**budget),
+                     CorrelatedNoiseStrategy(**budget)):
+        assert strategy.secure_mode and strategy.configuration()["secure_mode"] is True
+    with pytest.raises(PrivacyConfigError, match="Laplace"):
+        CPGTStrategy(noise_decay=0.9, lipschitz=1.0, **budget)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_draws_equal_the_cpu_draws_of_the_same_key() -> None:
+    cpu = node_noise_generator("cpu", 11, 0).normal(100_003, 1.0, torch.float64)
+    cuda = node_noise_generator("cuda", 11, 0).normal(100_003, 1.0, torch.float64)
+    assert cuda.device.type == "cuda"
+    torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-12, atol=1e-12)
+
+
+def test_the_key_is_the_whole_os_entropy_and_every_key_byte_matters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old defect: 63 bits of OS entropy of which torch kept 32. Here the key is all 32 bytes os.urandom gave,
+    and changing any one of them (not only the low ones) changes the stream."""
+    from lightning_privdec.privacy import noise
+
+    key = bytes(range(100, 132))
+    monkeypatch.setattr(noise.os, "urandom", lambda n: key[:n])
+    generator = node_noise_generator("cpu", None, 0)
+    assert generator._key == key and not generator.seeded
+    stream = generator.normal(64, 1.0, torch.float64)
+    for byte in (0, 3, 4, 8, 16, 31):  # the bytes a 32- or 64-bit truncation would drop are among them
+        flipped = bytearray(key)
+        flipped[byte] ^= 1
+        assert not torch.equal(NoiseGenerator(bytes(flipped)).normal(64, 1.0, torch.float64), stream), byte
+
+
+def test_draw_k_is_the_chacha20_keystream_under_nonce_k_and_draws_never_repeat() -> None:
+    """Each draw reads a fresh keystream (nonce = draw index): no two draws, steps or streams share noise."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    key = bytes(range(32))
+    generator = NoiseGenerator(key, seeded=True)
+    for k in range(3):
+        nonce = bytes(4) + k.to_bytes(8, "little") + bytes(4)
+        raw = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update(bytes(8 * 10))
+        words = np.frombuffer(raw, dtype="<u8") >> np.uint64(11)
+        expected = torch.from_numpy(words.astype(np.float64) * 2.0**-53)
+        assert torch.equal(generator.uniform(10), expected), k
+    first, second = generator.normal(5000, 1.0, torch.float64), generator.normal(5000, 1.0, torch.float64)
+    assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 0.05
+
+
+def test_a_copied_seeded_generator_continues_the_same_stream() -> None:
+    import copy
+
+    generator = node_noise_generator("cpu", 2, 0)
+    generator.normal(10, 1.0)
+    copied, pickled = copy.deepcopy(generator), pickle.loads(pickle.dumps(generator))
+    expected = generator.normal(1000, 1.0)
+    assert torch.equal(copied.normal(1000, 1.0), expected) and torch.equal(pickled.normal(1000, 1.0), expected)

@@ -1,0 +1,144 @@
+"""Every private strategy trains with every grad_sample_mode it accepts, and uses the mode it was given.
+
+(Decor once built its engine with the default mode whatever the user passed: with "ghost" the backward pass got a
+per-sample loss vector and failed with an unrelated error.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_privdec.privacy import GRAD_SAMPLE_MODES, PrivacyConfigError
+from lightning_privdec.strategies import PRIVATE_STRATEGIES
+from tests.test_reliability import REPRESENTATIVE
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers"),
+    pytest.mark.filterwarnings("ignore:The number of training batches"),
+    pytest.mark.filterwarnings("ignore:CPGT's epsilon covers"),
+    pytest.mark.filterwarnings("ignore:noise_multiplier=0 adds no noise"),
+]
+
+ARGUMENTS = {name: REPRESENTATIVE[name] for name in PRIVATE_STRATEGIES}
+#: the modes a strategy refuses, and the words its refusal must contain
+REFUSED = {("privsgp_vr", "ghost"): "ghost"}
+
+
+class PerSampleLossClassifier(pl.LightningModule):
+    """Returns per-example losses under ghost clipping (which needs them), the mean loss otherwise."""
+
+    def __init__(self, ghost: bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.ghost = ghost
+        self.losses: list[float] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        losses = F.cross_entropy(self.net(x), y, reduction="none")
+        self.losses.append(float(losses.mean()) if len(losses) else 0.0)
+        return losses if self.ghost else losses.mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class ModeProbe(pl.Callback):
+    """Records which per-sample machinery the node's engine ran each step."""
+
+    def __init__(self) -> None:
+        self.used: set[str] = set()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        engine = trainer.strategy.privacy
+        self.used.add("ghost" if engine.ghost is not None else engine.per_sample.mode)
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()), batch_size=16)
+
+
+#: what each strategy's end-of-fit privacy summary names
+SUMMARY = {
+    "dp_csgp": "Gaussian noise sigma", "privsgp": "Gaussian noise sigma", "dp2sgd": "Gaussian noise sigma",
+    "privsgp_vr": "Gaussian noise sigma", "decor": "pairwise-cancelling sigma_cor", "dyn_d2p": "Dyn-D2P schedule",
+    "cpgt": "pure epsilon-DP (delta = 0): Laplace noise",
+}
+
+
+@pytest.mark.parametrize("mode", GRAD_SAMPLE_MODES)
+@pytest.mark.parametrize("name", sorted(ARGUMENTS))
+def test_every_private_strategy_trains_with_every_mode_it_accepts(name: str, mode: str, tmp_path, caplog) -> None:
+    assert set(ARGUMENTS) == set(PRIVATE_STRATEGIES)  # a new strategy joins this matrix
+    build = lambda: PRIVATE_STRATEGIES[name](grad_sample_mode=mode, noise_seed=0, **ARGUMENTS[name])  # noqa: E731
+    if (name, mode) in REFUSED:
+        with pytest.raises(PrivacyConfigError, match=REFUSED[name, mode]):
+            build()
+        return
+    strategy, probe, model = build(), ModeProbe(), PerSampleLossClassifier(ghost=mode == "ghost")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], default_root_dir=tmp_path,
+    )
+    with caplog.at_level("INFO"):
+        trainer.fit(model, _loader())
+    assert trainer.global_step == 2 and strategy.privacy.steps == 2
+    # every fit ends with each node's epsilon and the noise that bought it, without any callback
+    summary = next(r.getMessage() for r in caplog.records if "final privacy per node" in r.getMessage())
+    assert SUMMARY[name] in summary and f"node 0: epsilon = {strategy.privacy.epsilon():.4f} after 2" in summary
+    assert not any("stopping after step" in r.getMessage() for r in caplog.records)  # it ended as planned
+    assert probe.used == {mode}  # the mode asked for is the mode that ran
+    assert all(math.isfinite(loss) for loss in model.losses)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert strategy.privacy.epsilon() > 0
+
+
+class GradientDtypes(pl.Callback):
+    """The dtypes of the privatized gradient (clipped sum + noise) each step, as the optimizer sees it."""
+
+    def __init__(self) -> None:
+        self.dtypes: set[torch.dtype] = set()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        self.dtypes |= {p.grad.dtype for p in pl_module.parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", sorted(ARGUMENTS))
+def test_bf16_mixed_trains_every_private_strategy_with_float32_clipping_and_noise(name: str, tmp_path) -> None:
+    strategy, dtypes = PRIVATE_STRATEGIES[name](noise_seed=0, **ARGUMENTS[name]), GradientDtypes()
+    model = PerSampleLossClassifier(ghost=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[dtypes], precision="bf16-mixed",
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, _loader())
+    assert trainer.global_step == 2 and dtypes.dtypes == {torch.float32}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert all(torch.isfinite(p).all() for p in model.parameters()) and strategy.privacy.epsilon() > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_half_precision_parameters_are_refused_with_the_reason(precision: str, tmp_path) -> None:
+    for name, cls in PRIVATE_STRATEGIES.items():
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=cls(noise_seed=0, **ARGUMENTS[name]), max_steps=1,
+                             logger=False, enable_checkpointing=False, precision=precision, default_root_dir=tmp_path)
+        with pytest.raises(PrivacyConfigError, match="significant bits.*Use precision='bf16-mixed'"):
+            trainer.fit(PerSampleLossClassifier(ghost=False), _loader())
+        assert trainer.global_step == 0
+
+
+def test_an_unknown_mode_is_refused_when_the_strategy_is_built() -> None:
+    for name, cls in PRIVATE_STRATEGIES.items():
+        with pytest.raises(PrivacyConfigError, match="grad_sample_mode.*'bookkeeping'"):
+            cls(grad_sample_mode="vmap", **ARGUMENTS[name])
