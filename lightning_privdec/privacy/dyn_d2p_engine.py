@@ -171,10 +171,9 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
         return self.current_clip
 
     def ghost_backward(self, per_sample_losses: torch.Tensor) -> None:
-        """Ghost clipping at this step's bound: the clip-weighted second backward pass uses C_k."""
+        """Ghost clipping at this step's bound C_k."""
         assert self.ghost is not None
         self.ghost.max_grad_norm = self.current_clip
-        self.ghost._hooks.max_grad_norm = self.current_clip
         super().ghost_backward(per_sample_losses)
 
     def privatize(self) -> DPStepStats:
