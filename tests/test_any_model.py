@@ -369,3 +369,26 @@ def test_a_use_the_hooks_cannot_see_stops_the_first_step(mode: str) -> None:
     with pytest.raises(PrivacyConfigError, match="'b.weight' do not add up"):
         psg.clip_and_sum(1.0)
     psg.detach()
+
+
+@pytest.mark.multiprocess
+def test_lora_example_gossips_only_the_adapters(tmp_path) -> None:  # noqa: ANN001
+    """examples/finetune_lora.py --synthetic on 2 processes: the bytes per step are the adapters', not the model's."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("peft")
+    from tests.multiprocess import run_group
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "finetune_lora.py"
+    result: subprocess.CompletedProcess = run_group(
+        [sys.executable, str(example), "--synthetic", "--nodes", "2", "--max-steps", "2", "--examples", "64"], 600,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["steps"] == 2 and report["trainable_parameters"] < report["all_parameters"] / 10
+    assert 0 < report["bytes_sent_node0_per_step"] < 2 * 4 * report["trainable_parameters"]  # float32 adapters
+    assert report["bytes_sent_node0_per_step"] < report["bytes_of_the_whole_model"] / 10
