@@ -81,7 +81,6 @@ from machine_info import append_results, machine_line, software_line, usable_cor
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "pdn"  # every namespace, interface and bridge this benchmark creates starts with it
-BRIDGE_NS = f"{PREFIX}br"
 SUBNET = "10.217.0"
 MASTER_PORT = 29517
 TOPOLOGY = "exponential-one-peer"
@@ -99,49 +98,16 @@ class SetupError(RuntimeError):
 # ---------------------------------------------------------------------------------------------------------------------
 # the emulated network
 # ---------------------------------------------------------------------------------------------------------------------
-def node_ns(rank: int) -> str:
-    return f"{PREFIX}{rank}"
-
-
-def node_if(rank: int) -> str:
-    return f"{PREFIX}n{rank}"
-
-
-def node_addr(rank: int) -> str:
-    return f"{SUBNET}.{rank + 1}"
-
-
 def _ip(*args: str) -> None:
     proc = subprocess.run(["ip", *args], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SetupError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
 
 
-def _our_namespaces() -> list[str]:
-    proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-    return [name for name in names if name.startswith(PREFIX)]
-
-
-def remove_network() -> None:
-    """Delete every namespace this benchmark creates (their veths and the bridge go with them)."""
-    for name in _our_namespaces():
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
-
 def tbf_args(mbit: float) -> list[str]:
     """tbf at ``mbit``: a bucket of 2.5 ms of traffic (at least 32 KiB, the issue's 256 kbit at 100 Mbit/s)."""
     burst = max(32 * 1024, int(mbit * 1e6 / 8 * 0.0025))
     return ["tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "500ms"]
-
-
-def set_rate(nodes: int, mbit: float) -> None:
-    """(Re)place the egress limit of every node's interface."""
-    for rank in range(nodes):
-        proc = subprocess.run(["ip", "netns", "exec", node_ns(rank), "tc", "qdisc", "replace", "dev", node_if(rank),
-                               "root", *tbf_args(mbit)], capture_output=True, text=True)  # fmt: skip
-        if proc.returncode != 0:
-            raise SetupError(f"tc tbf on {node_if(rank)} failed: {proc.stderr.strip()}")
 
 
 def check_privileges() -> None:
@@ -155,44 +121,80 @@ def check_privileges() -> None:
         raise SetupError("`ip netns` does not work on this machine (no network namespace support)")
 
 
-def build_network(nodes: int) -> None:
-    """Bridge namespace + one namespace per node, joined by veth pairs; addresses only inside our namespaces."""
-    remove_network()
-    _ip("netns", "add", BRIDGE_NS)
-    _ip("-n", BRIDGE_NS, "link", "add", f"{PREFIX}bridge", "type", "bridge")
-    _ip("-n", BRIDGE_NS, "link", "set", f"{PREFIX}bridge", "up")
-    for rank in range(nodes):
-        ns, port = node_ns(rank), f"{PREFIX}b{rank}"
-        _ip("netns", "add", ns)
-        _ip("-n", BRIDGE_NS, "link", "add", port, "type", "veth", "peer", "name", node_if(rank), "netns", ns)
-        _ip("-n", BRIDGE_NS, "link", "set", port, "master", f"{PREFIX}bridge", "up")
-        _ip("-n", ns, "addr", "add", f"{node_addr(rank)}/24", "dev", node_if(rank))
-        _ip("-n", ns, "link", "set", node_if(rank), "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
+class Network:
+    """N node namespaces ``{prefix}0..`` joined by a bridge in namespace ``{prefix}br``; node i has the veth
+    ``{prefix}n{i}`` with address 10.217.0.(i+1)/24 and a tbf limit on its egress. Every name starts with ``prefix``,
+    so concurrent runs with different prefixes do not meet, and a rerun removes what an interrupted one left."""
 
+    def __init__(self, nodes: int, prefix: str = PREFIX) -> None:
+        self.nodes, self.prefix = nodes, prefix
 
-def install_cleanup() -> None:
-    """Remove the namespaces at interpreter exit and turn SIGTERM / SIGHUP into an exit (so ``finally`` runs)."""
-    atexit.register(remove_network)
+    def namespace(self, rank: int) -> str:
+        return f"{self.prefix}{rank}"
 
-    def _exit(signum: int, frame: Any) -> None:  # noqa: ARG001
-        raise SystemExit(128 + signum)
+    def interface(self, rank: int) -> str:
+        return f"{self.prefix}n{rank}"
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _exit)
+    @staticmethod
+    def address(rank: int) -> str:
+        return f"{SUBNET}.{rank + 1}"
+
+    def _existing(self) -> list[str]:
+        proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+        names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+        rest = [name[len(self.prefix):] for name in names if name.startswith(self.prefix)]
+        return [self.prefix + r for r in rest if r == "br" or r.isdigit()]
+
+    def remove(self) -> None:
+        """Delete every namespace with this prefix (their veths and the bridge go with them)."""
+        for name in self._existing():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+    def build(self) -> None:
+        self.remove()
+        bridge_ns, bridge = f"{self.prefix}br", f"{self.prefix}bridge"
+        _ip("netns", "add", bridge_ns)
+        _ip("-n", bridge_ns, "link", "add", bridge, "type", "bridge")
+        _ip("-n", bridge_ns, "link", "set", bridge, "up")
+        for rank in range(self.nodes):
+            ns, port, interface = self.namespace(rank), f"{self.prefix}b{rank}", self.interface(rank)
+            _ip("netns", "add", ns)
+            _ip("-n", bridge_ns, "link", "add", port, "type", "veth", "peer", "name", interface, "netns", ns)
+            _ip("-n", bridge_ns, "link", "set", port, "master", bridge, "up")
+            _ip("-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", interface)
+            _ip("-n", ns, "link", "set", interface, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def set_rate(self, mbit: float) -> None:
+        """(Re)place the egress limit of every node's interface."""
+        for rank in range(self.nodes):
+            proc = subprocess.run(["ip", "netns", "exec", self.namespace(rank), "tc", "qdisc", "replace", "dev",
+                                   self.interface(rank), "root", *tbf_args(mbit)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SetupError(f"tc tbf on {self.interface(rank)} failed: {proc.stderr.strip()}")
+
+    def install_cleanup(self) -> None:
+        """Remove the namespaces at interpreter exit; SIGTERM / SIGHUP become an exit (so ``finally`` runs)."""
+        atexit.register(self.remove)
+
+        def _exit(signum: int, frame: Any) -> None:  # noqa: ARG001
+            raise SystemExit(128 + signum)
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _exit)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # child: one rank, in its namespace, training every configuration in turn
 # ---------------------------------------------------------------------------------------------------------------------
-def build_net(model: str):  # noqa: ANN201
+def build_net(model: str, width: int = WIDE_HIDDEN):  # noqa: ANN201
+    """The model's network; ``width``: the hidden width of ``wide`` (the test uses a narrow one)."""
     from torch import nn
 
     if model == "mlp":
         return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))  # DigitsClassifier's network
     if model == "wide":
-        return nn.Sequential(nn.Linear(64, WIDE_HIDDEN), nn.ReLU(), nn.Linear(WIDE_HIDDEN, WIDE_HIDDEN), nn.ReLU(),
-                             nn.Linear(WIDE_HIDDEN, 10))  # fmt: skip
+        return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
     sys.path.insert(0, str(ROOT / "examples"))
     from cifar_resnet import resnet18_groupnorm
 
@@ -377,13 +379,13 @@ def make_probe(warmup: int, interface: str, test: Any, eval_every: int):  # noqa
     return Probe()
 
 
-def local_compute_seconds(model: str, loader: Any, steps: int, warmup: int) -> float:
+def local_compute_seconds(model: str, width: int, loader: Any, steps: int, warmup: int) -> float:
     """Median seconds of forward + backward + SGD step on a local copy of the model (no communication)."""
     import torch
     import torch.nn.functional as F
 
     torch.manual_seed(0)
-    net = build_net(model)
+    net = build_net(model, width)
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     times: list[float] = []
     batches = iter(loader)
@@ -421,9 +423,9 @@ def run_child(args: argparse.Namespace) -> None:
         row: dict[str, Any] = {"rank": rank, "package": lightning_privdec.__file__}
         if config == "ddp":
             dist.barrier()
-            row["compute_seconds"] = local_compute_seconds(args.model, loader, args.steps, args.warmup)
+            row["compute_seconds"] = local_compute_seconds(args.model, args.width, loader, args.steps, args.warmup)
         L.seed_everything(args.seed, verbose=False)
-        module = build_module(build_net(args.model))
+        module = build_module(build_net(args.model, args.width))
         probe = make_probe(args.warmup, interface, test, args.eval_every)
         trainer = L.Trainer(
             accelerator="cpu", devices=1, num_nodes=nodes, strategy=build_strategy(config, args.peer_timeout),
@@ -447,17 +449,19 @@ def run_child(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # parent: build the network, launch the ranks, summarise
 # ---------------------------------------------------------------------------------------------------------------------
-def launch(args: argparse.Namespace, mbit: float, out_dir: Path) -> None:
+def launch(args: argparse.Namespace, network: Network, mbit: float, out_dir: Path) -> None:
     """Start one rank per namespace, wait for all (bounded by --timeout), raise with the failing rank's output."""
     env_base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
     env_base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     procs: list[tuple[subprocess.Popen, Any]] = []
     try:
         for rank in range(args.nodes):
-            env = dict(env_base, MASTER_ADDR=node_addr(0), MASTER_PORT=str(MASTER_PORT), WORLD_SIZE=str(args.nodes),
-                       NODE_RANK=str(rank), LOCAL_RANK="0", GLOO_SOCKET_IFNAME=node_if(rank))  # fmt: skip
-            cmd = ["ip", "netns", "exec", node_ns(rank), sys.executable, os.path.abspath(__file__), "--child",
-                   "--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
+            env = dict(env_base, MASTER_ADDR=network.address(0), MASTER_PORT=str(MASTER_PORT),
+                       WORLD_SIZE=str(args.nodes), NODE_RANK=str(rank), LOCAL_RANK="0",
+                       GLOO_SOCKET_IFNAME=network.interface(rank))  # fmt: skip
+            cmd = ["ip", "netns", "exec", network.namespace(rank), sys.executable, os.path.abspath(__file__),
+                   "--child", "--model", args.model, "--width", str(args.width), "--steps", str(args.steps),
+                   "--warmup", str(args.warmup),
                    "--configs", ",".join(args.configs), "--seed", str(args.seed), "--eval-every", str(args.eval_every),
                    "--peer-timeout", str(args.peer_timeout), "--out-dir", str(out_dir)]  # fmt: skip
             log = (out_dir / f"rank{rank}.log").open("w")
@@ -511,20 +515,21 @@ def summarise(config: str, ranks: list[dict[str, Any]], args: argparse.Namespace
 
 def run_parent(args: argparse.Namespace, argv: list[str]) -> None:
     check_privileges()
-    install_cleanup()
+    network = Network(args.nodes, args.prefix)
+    network.install_cleanup()
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
     print(machine_line(), flush=True)
     try:
-        build_network(args.nodes)
+        network.build()
         for mbit in args.rates:
-            set_rate(args.nodes, mbit)
+            network.set_rate(mbit)
             with tempfile.TemporaryDirectory(prefix="pdn_network_") as tmp:
                 out_dir = Path(tmp)
                 print(f"{args.nodes} nodes at {mbit:g} Mbit/s, model {args.model}: {', '.join(args.configs)} ...",
                       flush=True)  # fmt: skip
                 start = time.perf_counter()
-                launch(args, mbit, out_dir)
+                launch(args, network, mbit, out_dir)
                 print(f"  done in {time.perf_counter() - start:.0f} s", flush=True)
                 for config in args.configs:
                     ranks = [json.loads((out_dir / f"{config}.{rank}.json").read_text()) for rank in range(args.nodes)]
@@ -533,7 +538,7 @@ def run_parent(args: argparse.Namespace, argv: list[str]) -> None:
                                            f"not from this checkout ({ROOT})")  # fmt: skip
                     rows.append(summarise(config, ranks, args, mbit))
     finally:
-        remove_network()
+        network.remove()
     payload = {
         "rows": rows, "command": "python benchmarks/network.py " + " ".join(argv),
         "machine": [machine_line(), software_line(opacus=True)], "total_seconds": time.perf_counter() - started,
@@ -710,6 +715,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=4, help="namespaces, one rank each")
     parser.add_argument("--mbit", default="100", help="egress rate per node in Mbit/s; a comma list runs each")
     parser.add_argument("--model", choices=("mlp", "wide", "resnet18"), default="wide")
+    parser.add_argument("--width", type=int, default=WIDE_HIDDEN, help="hidden width of the wide MLP")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2, help="steps before timing starts")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list out of {','.join(CONFIGS)}")
@@ -718,6 +724,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peer-timeout", type=float, default=300.0, help="seconds a gossip rank waits for a peer")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed for all configs at one rate")
+    parser.add_argument("--prefix", default=PREFIX, help="name prefix of the namespaces and interfaces (<= 8 chars)")
     parser.add_argument("--json", type=Path, default=None, help="write the rows to this file")
     parser.add_argument("--report", nargs="+", default=None, help="JSON files of earlier runs: tables and plots")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "RESULTS.md")
@@ -733,6 +740,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.rates = [float(r) for r in args.mbit.split(",")]
     except ValueError:
         parser.error(f"--mbit takes Mbit/s numbers separated by commas, got {args.mbit!r}")
+    if not (args.prefix.isalpha() and len(args.prefix) <= 8):
+        parser.error("--prefix must be at most 8 letters (interface names are limited to 15 characters)")
     if args.nodes < 2 or args.nodes > 250 or args.steps < 1 or args.warmup < 0 or min(args.rates) <= 0:
         parser.error("need 2 <= --nodes <= 250, --steps >= 1, --warmup >= 0 and positive --mbit")
     return args
