@@ -35,9 +35,11 @@ optimizer, exchange, and Lightning's own per-step work), over ``--steps`` steps 
 node's interface sent per timed step (``tx_bytes`` of its veth: payload, TCP/IP headers and Lightning's control
 collectives, i.e. what the rate limit sees), and the payload bytes the library's exchange counted; the seconds per
 step spent blocked in the exchange (the gossip configs: time inside ``exchange`` and waiting on ``start``'s rounds)
-and the compute (step minus exchange). For DDP, whose all-reduce runs inside backward, the compute is measured
-instead: before its run every rank times the same forward + backward + SGD steps on a local copy of the model, all
-ranks at once (so with the same CPU contention), and exchange = step - compute. A row reports the slowest rank's
+the seconds between one batch's end and the next one's start (Lightning's per-step SIGTERM broadcast from rank 0, a
+global collective that waits for the slowest rank, and fetching the batch); and the compute (the rest of the step).
+For DDP, whose all-reduce runs inside backward, the compute is measured instead: before its run every rank times the
+same forward + backward + SGD steps on a local copy of the model, all ranks at once (so with the same CPU
+contention), and exchange = step - compute - between steps. A row reports the slowest rank's
 median (``step_seconds``) and the medians over ranks of the other numbers. The physical limit of a step is
 ``bytes_per_node_step * 8 / R`` (its bytes through its own link) plus its compute.
 
@@ -366,10 +368,16 @@ def make_probe(warmup: int, interface: str, test: Any, eval_every: int):  # noqa
             bounds = self.starts[1:] + [self.ends[-1]]
             return [b - a - p for a, b, p in zip(self.starts, bounds, self.paused)]
 
+        def gaps(self) -> list[float]:
+            """Batch end -> next batch start (evaluation excluded): Lightning's per-step SIGTERM broadcast from rank 0
+            (a global collective: it waits for the slowest rank) and fetching the next batch."""
+            return [b - a - p for a, b, p in zip(self.ends, self.starts[1:], self.paused)]
+
         def summary(self) -> dict[str, Any]:
-            steps, blocked = self.steps()[warmup:], self.blocked[warmup:]
+            steps, blocked, gaps = self.steps()[warmup:], self.blocked[warmup:], self.gaps()[warmup:]
             return {
                 "step_seconds": statistics.median(steps),
+                "between_steps_seconds": statistics.median(gaps) if gaps else 0.0,
                 "exchange_seconds": statistics.median(blocked) if self.exchange is not None else None,
                 "bytes_per_node_step": self.bytes_per_step,
                 "payload_bytes_per_node_step": self.payload_per_step,
@@ -438,9 +446,9 @@ def run_child(args: argparse.Namespace) -> None:
         row.update(probe.summary())
         row["num_params"] = sum(p.numel() for p in module.parameters())
         if row["exchange_seconds"] is not None:
-            row["compute_seconds"] = row["step_seconds"] - row["exchange_seconds"]
+            row["compute_seconds"] = row["step_seconds"] - row["exchange_seconds"] - row["between_steps_seconds"]
         else:
-            row["exchange_seconds"] = max(0.0, row["step_seconds"] - row["compute_seconds"])
+            row["exchange_seconds"] = max(0.0, row["step_seconds"] - row["compute_seconds"] - row["between_steps_seconds"])
         (args.out_dir / f"{config}.{rank}.json").write_text(json.dumps(row))
         dist.barrier()
     dist.destroy_process_group()
@@ -483,6 +491,14 @@ def launch(args: argparse.Namespace, network: Network, mbit: float, out_dir: Pat
         raise RuntimeError(f"rank {failed[0]} exited with {procs[failed[0]][0].returncode} at {mbit} Mbit/s:\n{tail}")
 
 
+def limit_seconds(row: dict[str, Any]) -> float:
+    """The physical limit of a step: its bytes through the node's link, ``bytes * 8 / R``. With overlap a round is
+    still in flight when the window closes, so the interface's count over a few steps can miss part of the last one:
+    the larger of that count and the exchange's exact payload count is used."""
+    limit_bytes = max(row["bytes_per_node_step"], row["payload_bytes_per_node_step"] or 0.0)
+    return limit_bytes * 8 / (row["mbit"] * 1e6)
+
+
 def summarise(config: str, ranks: list[dict[str, Any]], args: argparse.Namespace, mbit: float) -> dict[str, Any]:
     """One JSON row: the slowest rank's median step, the medians over ranks of the rest, the accuracy curve."""
 
@@ -496,11 +512,12 @@ def summarise(config: str, ranks: list[dict[str, Any]], args: argparse.Namespace
         "bytes_per_node_step": median("bytes_per_node_step"),
         "compute_seconds": median("compute_seconds"),
         "exchange_seconds": median("exchange_seconds"),
+        "between_steps_seconds": median("between_steps_seconds"),
         "payload_bytes_per_node_step": median("payload_bytes_per_node_step"),
         "per_rank_step_seconds": [r["step_seconds"] for r in ranks],
         "num_params": ranks[0]["num_params"], "steps": args.steps, "warmup": args.warmup,
     }  # fmt: skip
-    row["limit_seconds"] = row["bytes_per_node_step"] * 8 / (mbit * 1e6)
+    row["limit_seconds"] = limit_seconds(row)
     if args.eval_every and ranks[0]["curve"]:
         curve = [(step, max(c[1] for c in points), statistics.mean(c[2] for c in points))
                  for step, *_ in ranks[0]["curve"]
@@ -557,12 +574,18 @@ def _mb(value: float | None) -> str:
     return "n/a" if value is None else f"{value / 1e6:.3f}"
 
 
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def step_table(rows: list[dict[str, Any]]) -> list[str]:
     """One markdown table per (model, N, R), with each row's ratio to DDP and to its physical limit."""
     lines: list[str] = []
     groups: dict[tuple[str, int, float], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["model"], row["nodes"], row["mbit"]), []).append(row)
+    for row in rows:
+        row["limit_seconds"] = limit_seconds(row)
     for (model, nodes, mbit), group in groups.items():
         ddp = next((r for r in group if r["config"] == "ddp"), None)
         lines += [
@@ -571,8 +594,9 @@ def step_table(rows: list[dict[str, Any]]) -> list[str]:
             f"({group[0]['steps']} timed steps after {group[0]['warmup']} warm-up)",
             "",
             "| config | step s (slowest rank) | vs DDP | MB/node/step on the wire | of which payload | compute s "
-            "| exchange s | dominated by | limit s (bytes/R) | limit + compute s | step / (limit + compute) |",
-            "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+            "| exchange s | between steps s | dominated by | limit s (bytes/R) | limit + compute s "
+            "| step / (limit + compute) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
         ]
         for r in group:
             floor = r["limit_seconds"] + r["compute_seconds"]
@@ -581,7 +605,7 @@ def step_table(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 f"| {r['config']} | {r['step_seconds']:.3f} | {vs_ddp} | {_mb(r['bytes_per_node_step'])} "
                 f"| {_mb(r['payload_bytes_per_node_step'])} | {r['compute_seconds']:.3f} | {r['exchange_seconds']:.3f} "
-                f"| {dominated} | {r['limit_seconds']:.3f} | {floor:.3f} | {r['step_seconds'] / floor:.2f} |"
+                f"| {_seconds(r.get('between_steps_seconds'))} | {dominated} | {r['limit_seconds']:.3f} | {floor:.3f} | {r['step_seconds'] / floor:.2f} |"
             )
     return lines
 
