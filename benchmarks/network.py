@@ -370,15 +370,19 @@ def make_probe(warmup: int, interface: str, test: Any, eval_every: int):  # noqa
 
         def gaps(self) -> list[float]:
             """Batch end -> next batch start (evaluation excluded): Lightning's per-step SIGTERM broadcast from rank 0
-            (a global collective: it waits for the slowest rank) and fetching the next batch."""
-            return [b - a - p for a, b, p in zip(self.ends, self.starts[1:], self.paused)]
+            (a global collective: it waits for the slowest rank) and fetching the next batch; 0 after the last."""
+            return [b - a - p for a, b, p in zip(self.ends, self.starts[1:], self.paused)] + [0.0]
 
         def summary(self) -> dict[str, Any]:
+            """Medians over the timed steps; compute is taken step by step (step - exchange - between steps)."""
             steps, blocked, gaps = self.steps()[warmup:], self.blocked[warmup:], self.gaps()[warmup:]
+            gossip = self.exchange is not None
             return {
                 "step_seconds": statistics.median(steps),
-                "between_steps_seconds": statistics.median(gaps) if gaps else 0.0,
-                "exchange_seconds": statistics.median(blocked) if self.exchange is not None else None,
+                "between_steps_seconds": statistics.median(gaps),
+                "exchange_seconds": statistics.median(blocked) if gossip else None,
+                "compute_seconds": statistics.median(s - b - g for s, b, g in zip(steps, blocked, gaps)) if gossip
+                else None,
                 "bytes_per_node_step": self.bytes_per_step,
                 "payload_bytes_per_node_step": self.payload_per_step,
                 "curve": self.curve,
@@ -431,7 +435,7 @@ def run_child(args: argparse.Namespace) -> None:
         row: dict[str, Any] = {"rank": rank, "package": lightning_privdec.__file__}
         if config == "ddp":
             dist.barrier()
-            row["compute_seconds"] = local_compute_seconds(args.model, args.width, loader, args.steps, args.warmup)
+            local = local_compute_seconds(args.model, args.width, loader, args.steps, args.warmup)
         L.seed_everything(args.seed, verbose=False)
         module = build_module(build_net(args.model, args.width))
         probe = make_probe(args.warmup, interface, test, args.eval_every)
@@ -445,10 +449,9 @@ def run_child(args: argparse.Namespace) -> None:
         trainer.fit(module, train_dataloaders=loader)
         row.update(probe.summary())
         row["num_params"] = sum(p.numel() for p in module.parameters())
-        if row["exchange_seconds"] is not None:
-            row["compute_seconds"] = row["step_seconds"] - row["exchange_seconds"] - row["between_steps_seconds"]
-        else:
-            row["exchange_seconds"] = max(0.0, row["step_seconds"] - row["compute_seconds"] - row["between_steps_seconds"])
+        if config == "ddp":  # the all-reduce runs inside backward: the exchange is what the local compute leaves
+            row["compute_seconds"] = local
+            row["exchange_seconds"] = max(0.0, row["step_seconds"] - local - row["between_steps_seconds"])
         (args.out_dir / f"{config}.{rank}.json").write_text(json.dumps(row))
         dist.barrier()
     dist.destroy_process_group()
