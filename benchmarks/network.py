@@ -24,8 +24,8 @@ then train every configuration in turn (a fresh Trainer, model and seed each), s
     dp_csgp_qsgd8      DPCSGPStrategy with QSGD(8), consensus step 0.5, C = 1, sigma = 1
     decor              CorrelatedNoiseStrategy on a ring (two messages per node per step), sigma_cdp = sigma_cor = 1
 
-Models (``--model``): ``mlp``, the digits MLP 64-64-10 (messages of 17 KB: compute and latency dominate); ``wide``,
-an MLP 64-3072-3072-10 of 9.6M parameters (38.6 MB messages, little compute per parameter: the network dominates);
+Models (``--model``): ``mlp``, the digits MLP 64-64-10 (4,810 parameters, 19 KB messages: compute and latency dominate); ``wide``,
+an MLP 64-3072-3072-10 of 9.67M parameters (38.7 MB messages, little compute per parameter: the network dominates);
 ``resnet18``, the GroupNorm ResNet-18 of examples/cifar_resnet.py (11.2M parameters) on synthetic CIFAR-shaped data.
 ``mlp`` and ``wide`` train on scikit-learn's bundled digits (real labels, no download; Lightning shards the training
 set over the nodes), so their runs also give a test accuracy; ``resnet18`` gives step time only.
@@ -608,7 +608,8 @@ def step_table(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 f"| {r['config']} | {r['step_seconds']:.3f} | {vs_ddp} | {_mb(r['bytes_per_node_step'])} "
                 f"| {_mb(r['payload_bytes_per_node_step'])} | {r['compute_seconds']:.3f} | {r['exchange_seconds']:.3f} "
-                f"| {_seconds(r.get('between_steps_seconds'))} | {dominated} | {r['limit_seconds']:.3f} | {floor:.3f} | {r['step_seconds'] / floor:.2f} |"
+                f"| {_seconds(r.get('between_steps_seconds'))} | {dominated} | {r['limit_seconds']:.3f} | {floor:.3f} "
+                f"| {r['step_seconds'] / floor:.2f} |"
             )
     return lines
 
