@@ -97,6 +97,15 @@ class _PerSampleArithmetic:
                     params = [p for p in r.module.parameters() if p.requires_grad]
                     calls.append(_Call(r, r.module, "replay", params, [], None, r.batch_size))
             batch = max(c.batch_size for c in calls)
+            for c in calls:
+                if c.batch_size != batch:
+                    raise PrivacyConfigError(
+                        f"{type(c.module).__name__} was called on {c.batch_size} examples of a batch of {batch}: its "
+                        "per-sample gradients cannot be attributed to the examples they come from (a layer applied to "
+                        "a slice of the batch, or computed once and broadcast over it), so one example could move the "
+                        "privatized sum by more than max_grad_norm. Apply the layer to the whole batch (expand its "
+                        "input along the batch dimension)"
+                    )
             scale = batch if self.loss_reduction == "mean" else 1
             for c in calls:
                 c.scale = scale
