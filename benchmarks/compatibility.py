@@ -51,6 +51,17 @@ STRATEGY_ARGUMENTS: dict[str, dict[str, Any]] = {
     "cpgt": dict(max_grad_norm=1.0, noise_x=0.1, noise_y=0.1, noise_decay=0.9, lipschitz=0.1, accounting="finite"),
 }
 MODES = ("bookkeeping", "hooks", "functorch", "ghost")
+#: why a model fails or is refused where the reason is not in the cell
+NOTES = {
+    "lstm_demo": "Lightning's LSTM demo carries its hidden state from one batch into the next (truncated "
+    "backpropagation over one stream). Poisson batches change size and membership every step, and per-example privacy "
+    "needs each example's gradient to depend on that example only: reset the state per batch (`self.hidden = None` "
+    "in training_step), as the `lstm` row does with the demo's own SimpleLSTM.",
+    "boring": "BoringModel's configure_optimizers adds a learning-rate scheduler, which CPGT's constant-step bound "
+    "refuses.",
+    "ghost": "Ghost clipping needs training_step to return per-sample losses; the unchanged demos return a mean loss "
+    "and are refused with that message.",
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -487,6 +498,10 @@ def main(argv: list[str] | None = None) -> None:
         f"- {software_line(opacus=True)}",
         "",
         *table,
+        "",
+        "Notes:",
+        "",
+        *(f"- {name}: {text}" for name, text in NOTES.items()),
         "",
     ]
     args.doc.write_text("\n".join(doc))
