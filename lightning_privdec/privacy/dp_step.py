@@ -68,11 +68,6 @@ def _check_positive(value: float, name: str, *, allow_zero: bool = False) -> flo
     return value
 
 
-def _gaussian(numel: int, std: float, generator: NoiseGenerator, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """N(0, std^2 I_numel) of ``dtype`` on ``device``, computed in float64 and rounded once to ``dtype``."""
-    return generator.normal(numel, std, dtype, device)
-
-
 def _noise_and_scale_into_grads(
     params: Sequence[Tensor],
     clipped_sums: Sequence[Tensor],
@@ -88,7 +83,7 @@ def _noise_and_scale_into_grads(
     std = noise_multiplier * max_grad_norm
     noise: Tensor | None = None
     if std > 0:
-        noise = _gaussian(sum(p.numel() for p in params), std, generator, params[0].dtype, params[0].device)
+        noise = generator.normal(sum(p.numel() for p in params), std, params[0].dtype, params[0].device)
     offset = 0
     for p, summed in zip(params, clipped_sums):
         grad = p.grad

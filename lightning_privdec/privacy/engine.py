@@ -184,6 +184,12 @@ class NodePrivacyEngine:
         self._plan = plan
         self.planned_steps = planned_steps
 
+    @property
+    def fixed_noise_multiplier(self) -> bool:
+        """Whether sigma is one number planned here (engines with a schedule, a split or a noise pair plan their
+        own): only then can a strategy keep it or re-plan it for the steps left (:meth:`calibrate_remaining`)."""
+        return type(self)._plan_noise is NodePrivacyEngine._plan_noise
+
     def calibrate_remaining(self, remaining: int) -> float:
         """The sigma with which ``remaining`` more steps at q spend what is left of ``target_epsilon``."""
         target = float(self.parameters.target_epsilon)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from lightning_privdec.privacy.accountants import PrivacyLedger
 from lightning_privdec.privacy.config import PrivacyParameters
-from lightning_privdec.privacy.dp_step import DPStepStats, _gaussian
+from lightning_privdec.privacy.dp_step import DPStepStats
 from lightning_privdec.privacy.engine import NodePrivacyEngine
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.privacy.errors import PrivacyConfigError
@@ -319,7 +319,8 @@ class SagaPrivacyEngine(NodePrivacyEngine):
         fresh = self.per_sample.flat_per_sample_grads(self.table.workspace(size, params[0].dtype))  # reused buffer
         norms = clip_rows_(fresh, C)
         std = self.noise_multiplier * C
-        noise = _gaussian(self.table.dim, std, self.noise_generator, fresh.dtype, fresh.device) if std > 0 else fresh.new_zeros(self.table.dim)
+        noise = (self.noise_generator.normal(self.table.dim, std, fresh.dtype, fresh.device) if std > 0
+                 else fresh.new_zeros(self.table.dim))
         released = saga_step(self.table, indices, fresh, self.sample_rate, noise)
         offset = 0
         for p in params:

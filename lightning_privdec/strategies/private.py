@@ -262,7 +262,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             return
         if self.privacy_parameters.target_epsilon is None:
             return
-        if type(engine)._plan_noise is not NodePrivacyEngine._plan_noise:
+        if not engine.fixed_noise_multiplier:
             rank_zero_info(
                 f"{type(self).__name__}: the noise is planned for {engine.planned_steps} steps (max_steps/max_epochs); "
                 "max_time may end the run sooner, with budget left"
@@ -301,7 +301,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         new_sigma = engine.noise_multiplier
         if new_sigma <= old_sigma or self.resume_noise == "recalibrate":
             return
-        fixed_sigma = type(engine)._plan_noise is NodePrivacyEngine._plan_noise
+        fixed_sigma = engine.fixed_noise_multiplier
         if self.resume_noise == "keep":
             if not fixed_sigma:
                 raise PrivacyConfigError(
@@ -429,10 +429,11 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         if self.privacy is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         k = self.lightning_module.trainer.accumulate_grad_batches
+        loss = closure_loss * k if k > 1 else closure_loss
         if self.privacy.ghost is not None:
-            self.privacy.ghost_backward(closure_loss * k)  # two passes: per-sample norms, then the clipped sum
+            self.privacy.ghost_backward(loss)  # per-sample losses: the clipped sum without per-sample gradients
         else:
-            super().backward(closure_loss * k, optimizer, *args, **kwargs)
+            super().backward(loss, optimizer, *args, **kwargs)
         if k > 1:
             self.privacy.accumulate_micro_batch()
         return closure_loss
