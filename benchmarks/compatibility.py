@@ -365,7 +365,8 @@ def step_time_ratio(case: Case, steps: int = 3) -> tuple[float, float]:
     clipping and noise (the default mode)."""
     import torch
 
-    from lightning_privdec.privacy import NodePrivacyEngine, PrivacyParameters
+    from lightning_privdec.privacy import PrivacyParameters
+    from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
     from lightning_privdec.privacy.per_sample import check_private_model
 
     from torch.utils.data import default_collate
@@ -393,7 +394,7 @@ def step_time_ratio(case: Case, steps: int = 3) -> tuple[float, float]:
     non_private = median_ms(lambda: (plain.zero_grad(), loss(plain).backward()))
     private = case.module(False)
     private.log = lambda *a, **k: None
-    engine = NodePrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0,
+    engine = DPCSGPNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0,
                                device=torch.device("cpu"), noise_seed=0)
     engine.attach(private, fix_model=case.fix_model)
     engine.noise_multiplier, engine.sample_rate, engine.expected_batch_size = 1.0, 0.1, 16.0

@@ -478,7 +478,8 @@ def run_modes_child(args: argparse.Namespace) -> None:
     from opacus.optimizers import DPOptimizer
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_privdec.privacy import NodePrivacyEngine, PrivacyParameters
+    from lightning_privdec.privacy import PrivacyParameters
+    from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
     from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES
 
     torch.set_num_threads(1)
@@ -517,7 +518,7 @@ def run_modes_child(args: argparse.Namespace) -> None:
     for mode in GRAD_SAMPLE_MODES:
         def engine_step(mode=mode):  # noqa: ANN001, ANN202
             model = fresh_model()
-            engine = NodePrivacyEngine(PrivacyParameters(max_grad_norm=CLIP, noise_multiplier=SIGMA), rank=0,
+            engine = DPCSGPNode(PrivacyParameters(max_grad_norm=CLIP, noise_multiplier=SIGMA), rank=0,
                                        device=torch.device("cpu"), grad_sample_mode=mode, noise_seed=0)
             engine.attach(model)
             engine.noise_multiplier, engine.sample_rate = SIGMA, args.batch_size / 2048
@@ -786,7 +787,8 @@ def run_noise(args: argparse.Namespace) -> dict[str, Any]:
     """Noise generation for ResNet-18's d parameters, old vs new generator, and one private step of that model."""
     import torch
 
-    from lightning_privdec.privacy import NodePrivacyEngine, PrivacyParameters
+    from lightning_privdec.privacy import PrivacyParameters
+    from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
     from lightning_privdec.privacy.noise import node_noise_generator
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -815,7 +817,7 @@ def run_noise(args: argparse.Namespace) -> dict[str, Any]:
         "new_ms": median_ms(lambda: new.normal(d, SIGMA)),
         "secure_ms": median_ms(lambda: secure.normal(d, SIGMA), repeats=3),
     }
-    engine = NodePrivacyEngine(PrivacyParameters(max_grad_norm=CLIP, noise_multiplier=SIGMA), rank=0,
+    engine = DPCSGPNode(PrivacyParameters(max_grad_norm=CLIP, noise_multiplier=SIGMA), rank=0,
                                device=torch.device("cpu"))
     engine.attach(model)
     engine.noise_multiplier, engine.sample_rate = SIGMA, args.noise_batch_size / 50_000

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_privdec.algorithms.push_sum import PushSumGossip
+from lightning_privdec.algorithms.mixing import PushSumGossip
 from lightning_privdec.audit import epsilon_lower_bound, p_value, push_sum_released, run_audit, score_audit
 from lightning_privdec.audit.observer import WireTap
 from lightning_privdec.cli.audit import main
@@ -99,7 +99,7 @@ def test_released_gradients_are_recovered_from_the_messages(compressor) -> None:
 
 
 def _key(sender: int, round_: int) -> int:
-    from lightning_privdec.algorithms.push_sum import BROADCAST, message_key
+    from lightning_privdec.algorithms.mixing import BROADCAST, message_key
 
     return message_key(0, sender, BROADCAST, round_)
 

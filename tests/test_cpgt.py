@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_privdec.algorithms.cpgt import CHANNEL_X, CHANNEL_Y, NOISE_STREAM, CPGTGossip, laplace_noise
-from lightning_privdec.algorithms.push_sum import message_key
+from lightning_privdec.algorithms.mixing import message_key
 from lightning_privdec.comm.loopback import LoopbackNetwork
 from lightning_privdec.compression import QSGD, Identity, TopK
 from lightning_privdec.privacy import PrivacyConfigError
@@ -390,7 +390,7 @@ def test_whole_run_accountings_refuse_mini_batches_and_a_batch_above_the_shard_m
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.privacy.cpgt_engine import CPGTPrivacyEngine
+    from lightning_privdec.algorithms.cpgt_node import CPGTPrivacyEngine
 
     def engine():
         e = CPGTPrivacyEngine(

@@ -71,7 +71,7 @@ def test_the_ldp_and_cdp_baselines_are_calibrated_from_the_same_budget():
     import networkx as nx
 
     from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.privacy.decor_engine import DecorPrivacyEngine
+    from lightning_privdec.algorithms.decor_node import DecorPrivacyEngine
 
     def planned(baseline: str | None) -> DecorPrivacyEngine:
         engine = DecorPrivacyEngine(
@@ -80,7 +80,7 @@ def test_the_ldp_and_cdp_baselines_are_calibrated_from_the_same_budget():
             rank=0, device=torch.device("cpu"),
         )
         engine.sample_rate = 0.1
-        engine._plan_noise(110)
+        engine.plan_noise(110)
         return engine
 
     decor, ldp, cdp = planned(None), planned("ldp"), planned("cdp")
@@ -112,13 +112,13 @@ def test_the_budget_check_counts_the_steps_that_fit_and_agrees_with_the_accounta
     import networkx as nx
 
     from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.privacy.decor_engine import DecorPrivacyEngine
+    from lightning_privdec.algorithms.decor_node import DecorPrivacyEngine
 
     engine = DecorPrivacyEngine(
         PrivacyParameters(max_grad_norm=1.0, target_epsilon=2.0, target_delta=1e-5), graph=nx.cycle_graph(4),
         adversary="eavesdropper", sigma_cdp=20.0, sigma_cor=0.5, clipping="user", rank=0, device=torch.device("cpu"),
     )
-    engine._plan_noise(5)  # 16 steps fit: the search doubles past the plan, then bisects
+    engine.plan_noise(5)  # 16 steps fit: the search doubles past the plan, then bisects
     answers = []
     for steps in range(60):
         engine._steps = steps

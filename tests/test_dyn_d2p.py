@@ -39,7 +39,7 @@ from lightning_privdec.privacy.dyn_d2p import (
     solve_mu0,
     subsampled_gaussian_rdp,
 )
-from lightning_privdec.privacy.dyn_d2p_engine import DynD2PPrivacyEngine
+from lightning_privdec.algorithms.dyn_d2p import DynD2PPrivacyEngine
 from lightning_privdec.strategies import PRIVATE_STRATEGIES
 from lightning_privdec.topology import build_topology
 

@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_privdec import DPCSGPStrategy, DynD2PStrategy, PrivSGPVRStrategy
-from lightning_privdec.privacy import GRAD_SAMPLE_MODES, NodePrivacyEngine, PrivacyConfigError, PrivacyParameters
+from lightning_privdec.privacy import GRAD_SAMPLE_MODES, PrivacyConfigError, PrivacyParameters
+from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
 from lightning_privdec.privacy.noise import node_noise_generator
 from lightning_privdec.privacy.sampling import PoissonBatchSampler
 
@@ -38,7 +39,7 @@ def test_micro_batches_give_the_unsplit_batchs_privatized_gradient(mode: str) ->
 
     def privatized(chunks: list[slice]) -> list[torch.Tensor]:
         model = _model()
-        engine = NodePrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.7), rank=0,
+        engine = DPCSGPNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.7), rank=0,
                                    device=torch.device("cpu"), grad_sample_mode=mode, noise_seed=5)
         engine.attach(model)
         engine.noise_multiplier, engine.sample_rate, engine.expected_batch_size = 0.7, 0.5, 20.0

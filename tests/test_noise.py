@@ -18,7 +18,8 @@ from scipy import stats
 
 from lightning_privdec import CorrelatedNoiseStrategy, CPGTStrategy, DPCSGPStrategy, DynD2PStrategy, PrivSGPVRStrategy
 from lightning_privdec.algorithms.cpgt import NOISE_STREAM, laplace_noise
-from lightning_privdec.privacy import NodePrivacyEngine, PrivacyConfigError, PrivacyParameters
+from lightning_privdec.privacy import PrivacyConfigError, PrivacyParameters
+from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
 from lightning_privdec.privacy.noise import KEY_BYTES, NoiseGenerator, node_noise_generator
 from lightning_privdec.privacy.sampling import PoissonBatchSampler
 
@@ -149,10 +150,10 @@ def test_poisson_sampling_is_secret_per_node_and_reproducible_with_a_seed() -> N
 
 
 def test_every_private_strategy_draws_its_noise_from_chacha20_keys() -> None:
-    engine = NodePrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0, device=torch.device("cpu"))
+    engine = DPCSGPNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0, device=torch.device("cpu"))
     for generator in (engine.noise_generator, engine.sampling_generator):
         assert isinstance(generator, NoiseGenerator) and not generator.seeded and len(generator._key) == 32
-    secure = NodePrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0,
+    secure = DPCSGPNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0,
                                device=torch.device("cpu"), secure_mode=True)
     assert secure.noise_generator.secure_mode and not secure.sampling_generator.secure_mode
     budget = dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, secure_mode=True)

@@ -10,7 +10,8 @@ from torch import nn
 
 from lightning_privdec.compression import TopK
 from lightning_privdec.compression.bits import _pack_numpy, _pack_torch, _unpack_numpy, _unpack_torch, pack_bits
-from lightning_privdec.privacy import NodePrivacyEngine, PerSampleGradients, PrivacyConfigError, PrivacyParameters
+from lightning_privdec.privacy import PerSampleGradients, PrivacyConfigError, PrivacyParameters
+from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
 from lightning_privdec.privacy.dp_step import clip_and_accumulate
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 
@@ -175,7 +176,7 @@ def test_the_engine_defaults_to_bookkeeping_and_releases_what_hooks_release() ->
     for mode in ("bookkeeping", "hooks"):
         model = _model("mlp_root")
         kwargs = {} if mode == DEFAULT_GRAD_SAMPLE_MODE else {"grad_sample_mode": mode}
-        engine = NodePrivacyEngine(PrivacyParameters(max_grad_norm=0.5, noise_multiplier=1.0), rank=3,
+        engine = DPCSGPNode(PrivacyParameters(max_grad_norm=0.5, noise_multiplier=1.0), rank=3,
                                    device=torch.device("cpu"), noise_seed=7, **kwargs)
         engine.attach(model)
         assert engine.per_sample is not None and engine.per_sample.mode == mode

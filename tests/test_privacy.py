@@ -39,7 +39,7 @@ from lightning_privdec import (
     PrivSGPStrategy,
     PrivSGPVRStrategy,
 )
-from lightning_privdec.privacy.accountants import gdp_epsilon_approximation
+from lightning_privdec.privacy.accounting.gaussian import gdp_epsilon_approximation
 from lightning_privdec.privacy.noise import NoiseGenerator
 
 pytestmark = [

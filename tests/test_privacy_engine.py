@@ -1,4 +1,4 @@
-"""NodePrivacyEngine and the private strategies' setup checks, in one process."""
+"""DPCSGPNode and the private strategies' setup checks, in one process."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_privdec import DPCSGPStrategy, PrivacyConfigError
-from lightning_privdec.privacy import NodePrivacyEngine, PrivacyParameters, epsilon_for
+from lightning_privdec.privacy import PrivacyParameters, epsilon_for
 
 
-def engine(seed: int | None = None, **params) -> NodePrivacyEngine:
+from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
+
+
+def engine(seed: int | None = None, **params) -> DPCSGPNode:
     params.setdefault("max_grad_norm", 1.0)
-    return NodePrivacyEngine(PrivacyParameters(**params), rank=1, device=torch.device("cpu"), noise_seed=seed)
+    return DPCSGPNode(PrivacyParameters(**params), rank=1, device=torch.device("cpu"), noise_seed=seed)
 
 
 def loader(n: int = 100, batch_size: int = 10, world_size: int = 4, rank: int = 1) -> DataLoader:
@@ -48,14 +51,14 @@ def test_batch_size_larger_than_the_shard_is_refused():
         engine(noise_multiplier=1.0).private_dataloader(loader(n=20, batch_size=10), planned_steps=5, world_size=4)
 
 
-def attached_engine(**params) -> tuple[NodePrivacyEngine, nn.Module]:
+def attached_engine(**params) -> tuple[DPCSGPNode, nn.Module]:
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     e = engine(**params)
     e.attach(model)
     return e, model
 
 
-def one_step(e: NodePrivacyEngine, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+def one_step(e: DPCSGPNode, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     F.cross_entropy(model(x), y).backward()
     e.privatize()
 

@@ -25,7 +25,7 @@ from lightning_privdec.privacy.saga_accounting import (
     sound_split,
     theorem1_bound,
 )
-from lightning_privdec.privacy.saga_engine import SagaPrivacyEngine
+from lightning_privdec.algorithms.privsgp_vr import SagaPrivacyEngine
 from lightning_privdec.privacy.sampling import PoissonBatchSampler
 from lightning_privdec.privacy.variance_reduction import (
     REFRESH_PASSES,

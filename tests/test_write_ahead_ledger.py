@@ -113,7 +113,7 @@ def test_dyn_d2p_resumes_its_schedule_at_the_released_step(tmp_path):
 
 def cpgt_engine(accounting: str = "finite", target_epsilon: float | None = None):
     from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.privacy.cpgt_engine import CPGTPrivacyEngine
+    from lightning_privdec.algorithms.cpgt_node import CPGTPrivacyEngine
 
     noise = dict(noise_x=1.0, noise_y=1.0) if target_epsilon is None else dict(noise_x=None, noise_y=None)
     e = CPGTPrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0), rank=0, device=torch.device("cpu"),
@@ -206,12 +206,12 @@ def decor_engine():
     import networkx as nx
 
     from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.privacy.decor_engine import DecorPrivacyEngine
+    from lightning_privdec.algorithms.decor_node import DecorPrivacyEngine
 
     e = DecorPrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), graph=nx.cycle_graph(4),
                            adversary="eavesdropper", sigma_cdp=1.0, sigma_cor=0.5, clipping="user", rank=0,
                            device=torch.device("cpu"))
-    e._plan_noise(10)
+    e.plan_noise(10)
     return e
 
 
@@ -265,7 +265,7 @@ def test_a_calibrated_finite_cpgt_plan_takes_every_planned_round():
     """The calibrated scale spends the target exactly (to float rounding): the last planned round must not be
     refused for a few ulp."""
     from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.privacy.cpgt_engine import CPGTPrivacyEngine
+    from lightning_privdec.algorithms.cpgt_node import CPGTPrivacyEngine
 
     data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
     early = []

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_privdec.algorithms.consensus_step import ConsensusStep, choose_consensus_step
-from lightning_privdec.algorithms.push_sum import message_key
+from lightning_privdec.algorithms.mixing import message_key
 from lightning_privdec.comm import Exchange, TensorSpec
 from lightning_privdec.compression import Compressor, Identity
 from lightning_privdec.privacy.noise import NoiseGenerator, node_noise_generator

@@ -9,7 +9,7 @@
     7-8 gossip with a symmetric doubly-stochastic W: x_i^{t+1} = sum_j W_ij x_j^{t+1/2}
 
 Lines 3-5 are :func:`decor_perturbation`; lines 6-8 are the D-PSGD gossip of
-:class:`~lightning_privdec.algorithms.push_sum.PushSumGossip` with ``push_sum_weight=False``. Because v_ij = -v_ji,
+:class:`~lightning_privdec.algorithms.mixing.PushSumGossip` with ``push_sum_weight=False``. Because v_ij = -v_ji,
 sum_i sum_{j in N_i} v_ij = 0: the network average only carries the independent noise (variance sigma_cdp^2 / n).
 """
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_privdec.algorithms.cpgt import CHANNEL_X, CHANNEL_Y
-from lightning_privdec.algorithms.push_sum import BROADCAST, message_key, plan_round
+from lightning_privdec.algorithms.mixing import BROADCAST, message_key, plan_round
 from lightning_privdec.comm import Exchange
 from lightning_privdec.comm.base import Incoming, Outgoing, Received
 from lightning_privdec.compression import Compressor, Identity

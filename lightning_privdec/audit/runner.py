@@ -31,12 +31,12 @@ from lightning_privdec.audit.canaries import AuditModel, CanaryDesign, audit_los
 from lightning_privdec.audit.observer import WireTap, cpgt_observations, push_sum_released
 from lightning_privdec.audit.one_run import score_audit
 from lightning_privdec.comm import LoopbackNetwork
-from lightning_privdec.privacy import NodePrivacyEngine
-from lightning_privdec.privacy.cpgt_engine import CPGTPrivacyEngine
-from lightning_privdec.privacy.decor_engine import DecorPrivacyEngine
-from lightning_privdec.privacy.dyn_d2p_engine import DynD2PPrivacyEngine
+from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
+from lightning_privdec.algorithms.cpgt_node import CPGTPrivacyEngine
+from lightning_privdec.algorithms.decor_node import DecorPrivacyEngine
+from lightning_privdec.algorithms.dyn_d2p import DynD2PPrivacyEngine
 from lightning_privdec.privacy.pairwise import simulate_key_agreement
-from lightning_privdec.privacy.saga_engine import SagaPrivacyEngine
+from lightning_privdec.algorithms.privsgp_vr import SagaPrivacyEngine
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, CorrelatedNoiseStrategy, FlatParameters
 from lightning_privdec.strategies.cpgt import CPGTStrategy
 
@@ -107,7 +107,7 @@ def _make_strategy(name: str, rank: int, nodes: int, kwargs: Mapping[str, Any]) 
     return strategy
 
 
-def _make_engine(strategy: Any, secrets: Mapping[int, Any] | None, rank: int) -> NodePrivacyEngine:
+def _make_engine(strategy: Any, secrets: Mapping[int, Any] | None, rank: int) -> DPCSGPNode:
     """The strategy's own engine; Decor's pairwise keys are agreed in memory instead of over torch.distributed."""
     if not isinstance(strategy, CorrelatedNoiseStrategy):
         return strategy.make_privacy_engine()
@@ -117,7 +117,7 @@ def _make_engine(strategy: Any, secrets: Mapping[int, Any] | None, rank: int) ->
     return engine
 
 
-def _planned_epsilon(engine: NodePrivacyEngine, steps: int) -> float:
+def _planned_epsilon(engine: DPCSGPNode, steps: int) -> float:
     """The accountant's epsilon of ``steps`` steps at the engine's planned noise and rate (nothing recorded)."""
     if isinstance(engine, SagaPrivacyEngine):
         return engine.ledger.epsilon_if_entries(engine.noise.entries(engine.sample_rate), steps)
@@ -155,7 +155,7 @@ def _broken_configuration(
 
 
 def _node(
-    rank: int, exchange: Any, strategy: Any, engine: NodePrivacyEngine, dataset: Any, batch_size: int, *,
+    rank: int, exchange: Any, strategy: Any, engine: DPCSGPNode, dataset: Any, batch_size: int, *,
     dimension: int, steps: int, lr: float,
 ) -> list[dict[int, list[torch.Tensor]]]:
     """One simulated node: DecentralizedStrategy.optimizer_step, ``steps`` times, on its Poisson batches."""

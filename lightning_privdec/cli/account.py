@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_privdec.privacy.accountants import (
+from lightning_privdec.privacy.accounting.gaussian import (
     ACCOUNTANTS,
     calibrate_noise_multiplier,
     epsilon_for,

@@ -14,7 +14,8 @@ Building blocks, in the order a strategy calls them:
 * :class:`PrivacyParameters` - the user's ``max_grad_norm=``, ``noise_multiplier=``/``target_epsilon=`` ... keywords.
 """
 
-from lightning_privdec.privacy.accountants import (
+from lightning_privdec.privacy.accounting import (
+    Accountant,
     ACCOUNTANTS,
     PrivacyLedger,
     calibrate_noise_multiplier,
@@ -23,7 +24,7 @@ from lightning_privdec.privacy.accountants import (
 )
 from lightning_privdec.privacy.config import DEFAULT_DELTA, PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum, privatize_gradients
-from lightning_privdec.privacy.engine import NodePrivacyEngine
+from lightning_privdec.privacy.local_dp import LocalDPSGD
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator, node_noise_generator
 from lightning_privdec.privacy.per_sample import (
@@ -69,10 +70,11 @@ __all__ = [
     "simulate_key_agreement",
     "verify_agreement",
     "ACCOUNTANTS",
+    "Accountant",
     "DEFAULT_DELTA",
     "GRAD_SAMPLE_MODES",
     "GhostClipping",
-    "NodePrivacyEngine",
+    "LocalDPSGD",
     "DPStepStats",
     "PerSampleGradients",
     "PoissonBatchSampler",

@@ -7,7 +7,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from lightning_privdec.privacy.accountants import (
+from lightning_privdec.privacy.accounting.gaussian import (
     _check_sample_rate,
     _check_steps,
     calibrate_noise_multiplier,

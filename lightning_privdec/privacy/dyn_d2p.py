@@ -41,7 +41,7 @@ import numpy as np
 from opacus.accountants.analysis.rdp import get_privacy_spent
 from scipy import optimize, special
 
-from lightning_privdec.privacy.accountants import (
+from lightning_privdec.privacy.accounting.gaussian import (
     ACCOUNTANTS,
     History,
     PrivacyLedger,

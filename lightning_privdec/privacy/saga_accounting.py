@@ -50,7 +50,7 @@ from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp
 from scipy.optimize import minimize_scalar
 
-from lightning_privdec.privacy.accountants import (
+from lightning_privdec.privacy.accounting.gaussian import (
     _check_delta,
     _check_noise_multiplier,
     _check_number,

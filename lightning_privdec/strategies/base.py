@@ -78,7 +78,7 @@ class DecentralizedStrategy(DDPStrategy):
         seed: shared by all nodes; keys compressor randomness and random graphs.
         overlap: SGP's overlap: each round's messages travel during the next ``staleness`` forward/backward passes
             and are mixed in ``staleness`` steps late (exact push-sum only; see
-            :mod:`lightning_privdec.algorithms.push_sum`).
+            :mod:`lightning_privdec.algorithms.mixing`).
         staleness: tau >= 1, the steps a message is late with ``overlap=True``.
         divergence_guard: stop every node with :class:`~lightning_privdec.strategies.divergence.DivergenceError`
             when the gossip correction or the training loss grows without bound (checked every 10 steps with one

@@ -3,7 +3,7 @@
 Per optimizer step on node i (Algorithm 1; the strategy's flow in parentheses):
 
     closure          g_k = grad f_i(x_i(k)), per-sample gradients clipped to C, averaged over q J
-                     (:class:`~lightning_privdec.privacy.cpgt_engine.CPGTPrivacyEngine`, no Gaussian noise)
+                     (:class:`~lightning_privdec.algorithms.cpgt_node.CPGTPrivacyEngine`, no Gaussian noise)
     track            y_i(k) = u_i(k) + g_k written into p.grad (eq. (10) with one gradient per step)
     optimizer        x_i(k) - alpha y_i(k): plain SGD, lr = alpha, no momentum, no weight decay
     gossip.step      Laplace noise d q^k on x and y, compressed differences to the neighbours, replicas, and
@@ -29,9 +29,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_privdec.algorithms.cpgt import CPGTGossip
 from lightning_privdec.comm import TorchDistributedExchange
 from lightning_privdec.privacy import DEFAULT_DELTA, PrivacyConfigError
-from lightning_privdec.privacy.accountants import check_accountant
+from lightning_privdec.privacy.accounting.gaussian import check_accountant
 from lightning_privdec.privacy.cpgt import ACCOUNTING
-from lightning_privdec.privacy.cpgt_engine import CPGTPrivacyEngine
+from lightning_privdec.algorithms.cpgt_node import CPGTPrivacyEngine
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 
 _NO_GAUSSIAN_NOISE = "noise_multiplier=0 adds no noise"

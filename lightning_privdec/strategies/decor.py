@@ -14,7 +14,7 @@ import networkx as nx
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_privdec.privacy import PrivacyConfigError
-from lightning_privdec.privacy.decor_engine import DecorPrivacyEngine
+from lightning_privdec.algorithms.decor_node import DecorPrivacyEngine
 from lightning_privdec.privacy.pairwise import PairwiseSecrets, exchange_public_keys, verify_agreement
 from lightning_privdec.privacy.secldp import collusion_level
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy

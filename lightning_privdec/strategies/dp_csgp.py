@@ -3,7 +3,7 @@
 DP-CSGP (Zhu, Zhao, Huang, Zhou, Ji, Xu), Algorithm 1, per node i and step t:
 
     1-7   compressed error-feedback push-sum: q_i = Q(x_i - x_hat_i), exchange, w_i, y_i, z_i = w_i / y_i
-          (lightning_privdec.algorithms.push_sum, run by the base strategy after the update)
+          (lightning_privdec.algorithms.mixing, run by the base strategy after the update)
     8-10  Poisson-sample a batch, per-sample gradients at z_i clipped to C, noise N(0, sigma^2 C^2 I)
           (lightning_privdec.privacy, run by PrivateDecentralizedStrategy.transform_gradients)
     11    x_i = w_i - eta (g_i + N_i)   (the user's optimizer applied to the numerator)

@@ -5,11 +5,11 @@ Algorithm 1, per node i and step k = 0..K-1 (paper's line numbers):
     3-4   Poisson-sample a batch at q = B / J, per-sample gradients at the de-biased z_i^k
     5-6   clip each to C_k = C_0 rho_c^{-k/K}
     7-9   mu_k = mu_0 rho_mu^{k/K}, sigma_k = C_k / mu_k, add this node's N(0, sigma_k^2 I) to the clipped sum
-          (lightning_privdec.privacy.dyn_d2p_engine, run by PrivateDecentralizedStrategy.transform_gradients)
+          (lightning_privdec.algorithms.dyn_d2p, run by PrivateDecentralizedStrategy.transform_gradients)
     10    x_i^{k+1/2} = x_i^k - gamma (g_i^k + N_i^k)   (the user's optimizer applied to the numerator)
     11-14 push-sum over the time-varying directed graph: x_i^{k+1} = sum_j P^k_ij x_j^{k+1/2},
           w_i^{k+1} = sum_j P^k_ij w_j^k, z_i^{k+1} = x_i^{k+1} / w_i^{k+1}
-          (lightning_privdec.algorithms.push_sum, run by the base strategy after the update)
+          (lightning_privdec.algorithms.mixing, run by the base strategy after the update)
 
 mu_0 comes from the budget before training (P0-P2, lightning_privdec.privacy.dyn_d2p). Differences from the paper, on
 purpose: Poisson mini-batches at q = B / J instead of one example (J = 1/q in eqs. 8-9); the clipped sum is divided
@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_privdec.privacy import PrivacyConfigError
 from lightning_privdec.privacy.dyn_d2p import _check_calibration, _check_rho, _check_rigorous_accountant, _check_variant
-from lightning_privdec.privacy.dyn_d2p_engine import DynD2PPrivacyEngine
+from lightning_privdec.algorithms.dyn_d2p import DynD2PPrivacyEngine
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 
 

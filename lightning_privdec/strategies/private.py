@@ -1,7 +1,7 @@
 """The private step shared by every private strategy: local DP-SGD on each node, then the algorithm's gossip.
 
 Each node Poisson-samples its own shard at q = B / J, clips per-sample gradients to C, adds its OWN Gaussian noise
-N(0, sigma^2 C^2 I), divides by qJ, and records the step in its own ledger (:class:`NodePrivacyEngine`). The gossip
+N(0, sigma^2 C^2 I), divides by qJ, and records the step in its own ledger (:class:`~lightning_privdec.algorithms.base.PrivateNodeAlgorithm`). The gossip
 that follows only sees privatized updates, so it is post-processing: compression costs no privacy.
 """
 
@@ -22,7 +22,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_privdec.privacy import NodePrivacyEngine, PrivacyConfigError, PrivacyParameters
+from lightning_privdec.privacy import PrivacyConfigError, PrivacyParameters
+from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
+from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES
 from lightning_privdec.privacy.write_ahead import WriteAheadLedger, new_run_id
 from lightning_privdec.strategies.base import DecentralizedStrategy
@@ -128,7 +130,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         self.noise_seed = noise_seed
         self.secure_mode = secure_mode
         self.node_local_data = node_local_data
-        self.privacy: NodePrivacyEngine | None = None
+        self.privacy: PrivateNodeAlgorithm | None = None
         self.budget_stopped_at_step: int | None = None
         self.ledger_dir = ledger_dir
         self.write_ahead: WriteAheadLedger | None = None
@@ -154,9 +156,9 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         configuration["noise_seed"] = "fixed seed" if self.noise_seed is not None else "OS entropy"
         return configuration
 
-    def make_privacy_engine(self) -> NodePrivacyEngine:
+    def make_privacy_engine(self) -> DPCSGPNode:
         """This node's privacy engine (per-node DP-SGD); Decor's strategy returns its own."""
-        return NodePrivacyEngine(
+        return DPCSGPNode(
             self.privacy_parameters,
             rank=self.global_rank,
             device=self.root_device,

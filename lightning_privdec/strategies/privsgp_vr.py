@@ -8,7 +8,7 @@ Algorithm 1, per node i and step k:
            (SagaPrivacyEngine.privatize, run by PrivateDecentralizedStrategy.transform_gradients)
     9      x_i^{k+1/2} = x_i^k - gamma g~              (the user's optimizer applied to the numerator)
     10-14  push-sum over a time-varying directed graph with column-stochastic P^k, exact messages: x, w mixed,
-           z = x / w (lightning_privdec.algorithms.push_sum, run by the base strategy after the update)
+           z = x / w (lightning_privdec.algorithms.mixing, run by the base strategy after the update)
 
 Differences from the paper, on purpose: per-sample clipping to C instead of assumed bounded gradients (so every table
 entry is bounded, which the accounting needs); Poisson mini-batches at q = B / J instead of one example; noise
@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
-from lightning_privdec.privacy.saga_engine import DEFAULT_MAX_TABLE_BYTES, SagaPrivacyEngine, check_saga_options
+from lightning_privdec.algorithms.privsgp_vr import DEFAULT_MAX_TABLE_BYTES, SagaPrivacyEngine, check_saga_options
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 
 

@@ -16,7 +16,7 @@ class DecentralizedPushSumStrategy(DecentralizedStrategy):
 
     ``overlap=True`` is SGP's overlap variant: each round's messages are sent without waiting, travel during the next
     ``staleness`` (tau, default 1) forward/backward passes and are mixed in tau steps late; the push-sum weight keeps
-    the average exact (:mod:`lightning_privdec.algorithms.push_sum`). Exact messages only (no ``compressor``).
+    the average exact (:mod:`lightning_privdec.algorithms.mixing`). Exact messages only (no ``compressor``).
 
     Example::
 

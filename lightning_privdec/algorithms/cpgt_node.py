@@ -4,7 +4,7 @@ The Laplace noise of CPGT is added by the algorithm itself (to the state and the
 line 5, :class:`~lightning_privdec.algorithms.cpgt.CPGTGossip`); this engine only bounds how much one example can
 move the node's gradient: per-sample gradients clipped to C, summed and divided by the expected batch size q J, so
 the adjacency distance of Definition 1 is ``2 C / (q J)`` (q = 1 for full batches). Poisson sampling, the node's
-shard and the per-sample machinery are the DP-SGD engine's (:class:`NodePrivacyEngine`).
+shard and the per-sample machinery are the DP-SGD engine's (:class:`DPCSGPNode`).
 
 Crashes. Theorem 2's coupling charges round k the term ``(alpha a_{k-1} / d_x + a_k / d_y) / q^k`` (times the norm
 factor). A run resumed from a checkpoint of round k0 after rounds up to k1 > k0 were released (the write-ahead ledger
@@ -31,12 +31,12 @@ from lightning_privdec.privacy.cpgt import (
     laplace_norm_factor,
 )
 from lightning_privdec.privacy.dp_step import DPStepStats
-from lightning_privdec.privacy.engine import NodePrivacyEngine
+from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 
-class CPGTPrivacyEngine(NodePrivacyEngine):
+class CPGTPrivacyEngine(DPCSGPNode):
     """Clipping, sampling and CPGT's accounting for one node.
 
     Args:
@@ -54,6 +54,8 @@ class CPGTPrivacyEngine(NodePrivacyEngine):
         target_epsilon: refuse to train when the run's epsilon exceeds it (whole-run accountings), or stop before
             exceeding it (``"finite"``).
     """
+
+    fixed_noise_multiplier = False  # its noise follows its own plan
 
     def __init__(
         self,
@@ -115,7 +117,7 @@ class CPGTPrivacyEngine(NodePrivacyEngine):
             )
         return batch_size
 
-    def _plan_noise(self, planned_steps: int) -> None:
+    def plan_noise(self, planned_steps: int) -> None:
         if self.alpha is None or self.norm_factor is None:
             raise RuntimeError("CPGTPrivacyEngine.configure(step_size=..., dimension=...) must run before planning")
         assert self.expected_batch_size is not None
@@ -179,7 +181,7 @@ class CPGTPrivacyEngine(NodePrivacyEngine):
         if self.per_sample is None and self.ghost is None:
             raise RuntimeError("CPGTPrivacyEngine.privatize called before attach() and private_dataloader()")
         assert self.expected_batch_size is not None
-        self.last_step = self._clip_and_noise(self.parameters.max_grad_norm, noise_multiplier=0.0)
+        self.last_step = self.clip_and_noise(self.parameters.max_grad_norm, noise_multiplier=0.0)
         self._steps += 1
         return self.last_step
 
@@ -224,7 +226,7 @@ class CPGTPrivacyEngine(NodePrivacyEngine):
             "replayed": [[start, end] for start, end in self._replayed],
             "noise": [self.noise_x, self.noise_y],
             "sensitivity": self.sensitivity,
-            **self._generator_state(),
+            **self.generator_state(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -239,7 +241,7 @@ class CPGTPrivacyEngine(NodePrivacyEngine):
         noise_x, noise_y = state["noise"]
         if noise_x is not None:  # a calibrated scale is kept: the run goes on with the noise it has used
             self.noise_x, self.noise_y = float(noise_x), float(noise_y)
-        self._load_generator_state(state)
+        self.load_generator_state(state)
 
     def load_accounting_state(self, state: Mapping[str, Any]) -> None:
         """Take the write-ahead ledger's later state of this run: the trajectory restarts at the checkpoint's round

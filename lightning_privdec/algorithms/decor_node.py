@@ -13,7 +13,7 @@ from lightning_privdec.algorithms.decor import decor_perturbation
 from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats, clip_factor
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
-from lightning_privdec.privacy.engine import NodePrivacyEngine
+from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.pairwise import CorrelatedNoise, PairwiseSecrets
 from lightning_privdec.privacy.secldp import (
@@ -26,7 +26,7 @@ from lightning_privdec.privacy.secldp import (
 )
 
 
-class DecorPrivacyEngine(NodePrivacyEngine):
+class DecorPrivacyEngine(DPCSGPNode):
     """Decor Algorithm 1, lines 2-5 for one node, accounted with the SecLDP accountant.
 
     ``clipping="per_sample"`` (example-level privacy): Poisson-sampled per-example gradients clipped to C and summed;
@@ -43,6 +43,8 @@ class DecorPrivacyEngine(NodePrivacyEngine):
             its own) or ``"cdp"`` (sigma_cor = 0, sigma_cdp = sigma_LDP / sqrt(n) on the complete graph: the level a
             trusted aggregator would need; its epsilon is the CENTRAL one, for the average model only).
     """
+
+    fixed_noise_multiplier = False  # its noise follows its own plan
 
     def __init__(
         self,
@@ -99,7 +101,7 @@ class DecorPrivacyEngine(NodePrivacyEngine):
             self._module = module
 
     # ---- planning ------------------------------------------------------------------------------------------------
-    def _plan_noise(self, planned_steps: int) -> None:
+    def plan_noise(self, planned_steps: int) -> None:
         target = self.parameters.target_epsilon
         if self.sigma_cdp is None:
             assert target is not None
@@ -142,7 +144,7 @@ class DecorPrivacyEngine(NodePrivacyEngine):
         C = self.parameters.max_grad_norm
         if self.clipping == "per_sample":
             assert self.expected_batch_size is not None
-            stats = self._clip_and_noise(C, noise_multiplier=0.0)  # p.grad = clipped sum / qJ
+            stats = self.clip_and_noise(C, noise_multiplier=0.0)  # p.grad = clipped sum / qJ
             scale = self.expected_batch_size  # the noise goes on the clipped sum, before the division
         else:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -203,7 +205,7 @@ class DecorPrivacyEngine(NodePrivacyEngine):
 
     # ---- checkpoints (no secrets: a resumed run agrees on new pairwise keys) ---------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self._steps, "sigma_cdp": self.sigma_cdp, "sigma_cor": self.sigma_cor, **self._generator_state()}
+        return {"steps": self._steps, "sigma_cdp": self.sigma_cdp, "sigma_cor": self.sigma_cor, **self.generator_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if int(state["steps"]) < self._steps:
@@ -213,4 +215,4 @@ class DecorPrivacyEngine(NodePrivacyEngine):
             )
         self._steps = int(state["steps"])
         self.sigma_cdp, self.sigma_cor = state["sigma_cdp"], state["sigma_cor"]
-        self._load_generator_state(state)
+        self.load_generator_state(state)

@@ -1,9 +1,11 @@
-"""One node's DP-SGD machinery, as the private strategies drive it once per optimizer step.
+"""One node's local DP-SGD mechanics: Poisson sampling, per-sample clipping and its own Gaussian noise.
 
 Per step (Abadi et al. 2016, Alg. 1, on this node's shard only): Poisson-sample a batch at rate q = B / J, compute
-per-sample gradients, clip each to C, sum, add this node's own N(0, sigma^2 C^2 I), divide by the expected batch
-size qJ, and record the step in this node's ledger. Every node runs its own engine: the noise never comes from a
-shared or central source.
+per-sample gradients, clip each to C, sum, add this node's own N(0, sigma^2 C^2 I) and divide by the expected batch
+size qJ. Every node draws its own noise: it never comes from a shared or central source.
+
+This module holds the mechanics only; which C and sigma a step uses, and what it costs, are each paper's algorithm
+(:mod:`lightning_privdec.algorithms`) and its accountant (:mod:`.accounting`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_privdec.privacy.accountants import PrivacyLedger
 from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum
 from lightning_privdec.privacy.errors import PrivacyConfigError
@@ -27,11 +28,10 @@ from lightning_privdec.privacy.per_sample import (
     check_private_model,
 )
 from lightning_privdec.privacy.sampling import poisson_dataloader, sampler_shard_indices
-from lightning_privdec.privacy.write_ahead import strip_generators
 
 
-class NodePrivacyEngine:
-    """Per-sample clipping, per-node noise, Poisson sampling and the privacy ledger of one node.
+class LocalDPSGD:
+    """Per-sample clipping, per-node noise and Poisson sampling of one node.
 
     Args:
         parameters: the user's privacy parameters (validated here).
@@ -63,7 +63,6 @@ class NodePrivacyEngine:
         self.secure_mode = secure_mode
         self.noise_generator = node_noise_generator(device, noise_seed, rank, stream="noise", secure_mode=secure_mode)
         self.sampling_generator = node_noise_generator("cpu", noise_seed, rank, stream="sampling")
-        self.ledger = PrivacyLedger(parameters.accountant, delta=parameters.delta_for_reporting)
         self.per_sample: PerSampleGradients | None = None
         self.ghost: GhostClipping | None = None
         self._module: nn.Module | None = None
@@ -71,20 +70,16 @@ class NodePrivacyEngine:
         self.noise_multiplier: float | None = None
         self.sample_rate: float | None = None
         self.expected_batch_size: float | None = None
-        self.planned_steps: int | None = None
-        self._plan: tuple[int, float] | None = None  # (planned steps, q) that noise_multiplier was set for
         self.last_step: DPStepStats | None = None
         self.micro_batches = 1  # physical micro-batches per Poisson-sampled logical batch (accumulate_grad_batches)
         self._accumulated: list[torch.Tensor] | None = None  # clipped sums of this logical step's earlier micro-batches
         self._accumulated_norms: list[torch.Tensor] = []
-        # ((sigma, q), ledger steps when counted, further steps at (sigma, q) that fit the target)
-        self._certified: tuple[tuple[float, float], int, int] | None = None
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def attach(self, module: nn.Module, fix_model: bool = False) -> None:
         """Validate (or fix) the model for per-sample DP and attach per-sample gradient hooks to it in place."""
         if self._module is module:
-            return  # a second fit of the same model: hooks and ledger carry on
+            return  # a second fit of the same model: the hooks carry on
         self.detach()
         check_private_model(module, fix=fix_model)
         self._module = module
@@ -94,7 +89,7 @@ class NodePrivacyEngine:
             self.per_sample = PerSampleGradients(module, mode=self.grad_sample_mode)
 
     def detach(self) -> None:
-        """Remove the per-sample hooks from the model they are attached to (the ledger stays)."""
+        """Remove the per-sample hooks from the model they are attached to."""
         for hooks in (self.per_sample, self.ghost):
             if hooks is not None:
                 hooks.detach()
@@ -106,16 +101,15 @@ class NodePrivacyEngine:
         assert self.ghost is not None
         self._ghost_norms = self.ghost.backward(per_sample_losses)
 
-    def private_dataloader(
+    def sample_shard(
         self,
         dataloader: DataLoader,
-        planned_steps: int,
         world_size: int = 1,
         node_local_data: bool = False,
         micro_batches: int = 1,
         steps_per_epoch: int | None = None,
     ) -> DataLoader:
-        """Replace the node's training loader by Poisson sampling of its shard, and fix sigma for the plan.
+        """Replace the node's training loader by Poisson sampling of its shard (sets q and the expected batch size).
 
         The batches per epoch are ``steps_per_epoch`` (common to all nodes, so all gossip the same number of rounds;
         default: those of the user's loader); q = B / J uses this node's own shard size J, so nodes holding more
@@ -158,68 +152,13 @@ class NodePrivacyEngine:
             steps_per_epoch=max(1, (steps_per_epoch or len(dataloader)) // micro_batches), micro_batches=micro_batches,
         )
         self.expected_batch_size = self.sample_rate * shard_size
-        self._plan_noise(planned_steps)
         return private
 
     def _batch_size_for_shard(self, batch_size: int, shard_size: int) -> int:
         """The expected batch size B this node samples with (q = B / J); engines with other sampling rules override."""
         return batch_size
 
-    def _plan_noise(self, planned_steps: int) -> None:
-        """Fix sigma for a plan of ``planned_steps`` steps in all, counting the steps the ledger has already spent.
-
-        A fresh run calibrates to the target over the whole plan. A resumed run with the same plan keeps its sigma
-        (the same trajectory); with a longer or shorter plan it calibrates the remaining steps so that history plus
-        remainder spends the target, never more.
-        """
-        assert self.sample_rate is not None
-        plan = (planned_steps, self.sample_rate)
-        spent = self.ledger.steps
-        if self.parameters.noise_multiplier is not None or spent == 0:
-            self.noise_multiplier = self.parameters.resolve(self.sample_rate, planned_steps)
-        elif self._plan == plan and self.noise_multiplier is not None:
-            pass  # resumed with the plan sigma was calibrated for
-        else:
-            self.noise_multiplier = self.calibrate_remaining(max(1, planned_steps - spent))
-        self._plan = plan
-        self.planned_steps = planned_steps
-
-    @property
-    def fixed_noise_multiplier(self) -> bool:
-        """Whether sigma is one number planned here (engines with a schedule, a split or a noise pair plan their
-        own): only then can a strategy keep it or re-plan it for the steps left (:meth:`calibrate_remaining`)."""
-        return type(self)._plan_noise is NodePrivacyEngine._plan_noise
-
-    def calibrate_remaining(self, remaining: int) -> float:
-        """The sigma with which ``remaining`` more steps at q spend what is left of ``target_epsilon``."""
-        target = float(self.parameters.target_epsilon)  # type: ignore[arg-type]
-        q = self.sample_rate
-        assert q is not None
-        if self.ledger.epsilon() >= target:
-            raise PrivacyConfigError(
-                f"node {self.rank} has already spent epsilon={self.ledger.epsilon():.4f} of target_epsilon={target}: "
-                "there is no budget left to train on; raise target_epsilon or start a new run on new data"
-            )
-        low, high = 1e-3, 1.0
-        while self.ledger.epsilon_if(high, q, remaining) > target:
-            high *= 2.0
-            if high > 1e6:
-                raise PrivacyConfigError(f"no noise multiplier fits the remaining budget of node {self.rank}")
-        while high - low > 1e-4 * high:  # bisection on a quantity monotone in sigma; high always fits
-            mid = (low + high) / 2
-            low, high = (mid, high) if self.ledger.epsilon_if(mid, q, remaining) > target else (low, mid)
-        return high
-
     # ---- the step ------------------------------------------------------------------------------------------------
-    def privatize(self) -> DPStepStats:
-        """Clip, sum, noise and scale this step's per-sample gradients into ``p.grad``; record the step."""
-        if (self.per_sample is None and self.ghost is None) or self.noise_multiplier is None:
-            raise RuntimeError("NodePrivacyEngine.privatize called before attach() and private_dataloader()")
-        assert self.sample_rate is not None
-        self.last_step = self._clip_and_noise(self.parameters.max_grad_norm, self.noise_multiplier)
-        self.ledger.record(self.noise_multiplier, self.sample_rate)
-        return self.last_step
-
     #: whether a logical batch may arrive as several micro-batches (engines that must see the whole batch at once
     #: override this with the reason in :attr:`micro_batch_refusal`)
     supports_micro_batches = True
@@ -266,7 +205,7 @@ class NodePrivacyEngine:
         for p in params:
             p.grad = None
 
-    def _clip_and_noise(self, max_grad_norm: float, noise_multiplier: float) -> DPStepStats:
+    def clip_and_noise(self, max_grad_norm: float, noise_multiplier: float) -> DPStepStats:
         """p.grad <- (sum of per-sample gradients clipped to C + N(0, sigma^2 C^2 I)) / qJ over the whole logical
         batch (its micro-batches included), in any per-sample mode. Records nothing: the caller accounts for the
         step."""
@@ -283,74 +222,8 @@ class NodePrivacyEngine:
             expected_batch_size=self.expected_batch_size, generator=self.noise_generator,
         )
 
-    # ---- budget --------------------------------------------------------------------------------------------------
-    @property
-    def delta(self) -> float:
-        return self.parameters.delta_for_reporting
-
-    @property
-    def steps(self) -> int:
-        """Private steps this node has taken (all fits and resumes together)."""
-        return self.ledger.steps
-
-    def epsilon(self) -> float:
-        """Epsilon this node's data has spent so far (at :attr:`delta`), from the accountant."""
-        return self.ledger.epsilon()
-
-    def noise_summary(self) -> str:
-        """The noise this node adds and how it is accounted, in one line (printed at the end of every fit)."""
-        return (
-            f"Gaussian noise sigma = {self.noise_multiplier or 0.0:.4g} x C (C = {self.parameters.max_grad_norm:g}), "
-            f"Poisson q = {self.sample_rate or 0.0:.4g}, {self.ledger.accountant} accountant"
-        )
-
-    def next_step_exceeds_budget(self) -> bool:
-        """Whether one more step would take this node past ``target_epsilon`` (False without a target).
-
-        Runs after every training step, so it must not recompute the accountant over the whole history each time:
-        for the current (sigma, q) it finds once how many more such steps fit into the target (epsilon grows with the
-        number of steps) and then only counts. The count is redone whenever sigma, q or the ledger change otherwise.
-        """
-        target = self.parameters.target_epsilon
-        if target is None or self.noise_multiplier is None or self.sample_rate is None:
-            return False
-        key = (self.noise_multiplier, self.sample_rate)
-        certified = self._certified
-        if certified is None or certified[0] != key or self.ledger.steps < certified[1]:
-            certified = self._certified = (key, self.ledger.steps, self._steps_within(target, *key))
-        _, base, fitting = certified
-        return self.ledger.steps - base + 1 > fitting
-
-    def _steps_within(self, target: float, noise_multiplier: float, sample_rate: float) -> int:
-        """The largest n >= 0 such that n more steps at (sigma, q) keep the ledger's epsilon <= target."""
-        def fits(n: int) -> bool:
-            return self.ledger.epsilon_if(noise_multiplier, sample_rate, n) <= target
-
-        if not fits(1):
-            return 0
-        low, high = 1, 2  # fits(low) holds; grow high until it fails
-        while fits(high):
-            low, high = high, high * 2
-            if high > 1 << 40:
-                return high
-        while high - low > 1:  # bisection: fits(low), not fits(high)
-            mid = (low + high) // 2
-            low, high = (mid, high) if fits(mid) else (low, mid)
-        return low
-
     # ---- checkpoints ---------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The ledger and the plan. Generator states only with a fixed ``noise_seed`` (tests): a secure generator's
-        key is never written anywhere (a resumed secure run draws a fresh key from OS entropy)."""
-        state: dict[str, Any] = {
-            "ledger": self.ledger.state_dict(),
-            "noise_multiplier": self.noise_multiplier,
-            "plan": list(self._plan) if self._plan is not None else None,
-        }
-        state.update(self._generator_state())
-        return state
-
-    def _generator_state(self) -> dict[str, Any]:
+    def generator_state(self) -> dict[str, Any]:
         if self.noise_seed is None:
             return {}
         return {
@@ -358,32 +231,7 @@ class NodePrivacyEngine:
             "sampling_generator": self.sampling_generator.get_state(),
         }
 
-    def _load_generator_state(self, state: Mapping[str, Any]) -> None:
+    def load_generator_state(self, state: Mapping[str, Any]) -> None:
         if self.noise_seed is not None and "noise_generator" in state:
             self.noise_generator.set_state(state["noise_generator"])
             self.sampling_generator.set_state(state["sampling_generator"])
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue a checkpointed ledger. Never rolls back: a ledger with fewer steps than this one is refused."""
-        saved_steps = sum(int(t) for _, _, t in state["ledger"]["history"])
-        if saved_steps < self.ledger.steps:
-            raise PrivacyConfigError(
-                f"node {self.rank}: the checkpoint's privacy ledger has {saved_steps} steps but this node has already "
-                f"spent {self.ledger.steps}; restoring it would forget spent privacy. Resume into a fresh Trainer."
-            )
-        self.ledger.load_state_dict(state["ledger"])
-        self._certified = None
-        self.noise_multiplier = state["noise_multiplier"]
-        self._plan = (int(state["plan"][0]), float(state["plan"][1])) if state["plan"] is not None else None
-        self._load_generator_state(state)
-
-    def accounting_state(self) -> dict[str, Any]:
-        """:meth:`state_dict` without generator states: what the write-ahead ledger writes before each release
-        (:mod:`lightning_privdec.privacy.write_ahead`)."""
-        return strip_generators(self.state_dict())
-
-    def load_accounting_state(self, state: Mapping[str, Any]) -> None:
-        """Take a later accounting state of the same run (the write-ahead ledger's): ledger, step count, plan and
-        noise levels. The model, the generators and the gossip keep the checkpoint's state."""
-        self.load_state_dict(strip_generators(state))
-        self._certified = None

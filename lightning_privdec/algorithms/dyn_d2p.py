@@ -25,12 +25,12 @@ from lightning_privdec.privacy.dyn_d2p import (
     history_epsilon,
     warn_if_clt_optimistic,
 )
-from lightning_privdec.privacy.engine import NodePrivacyEngine
+from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 
-class DynD2PPrivacyEngine(NodePrivacyEngine):
+class DynD2PPrivacyEngine(DPCSGPNode):
     """Dyn-D2P Algorithm 1, lines 3-9, for one node: Poisson sampling at q, per-sample clipping to C_k, this node's
     own N(0, sigma_k^2 I) on the clipped sum, division by qJ; step k recorded in a ledger of varying multipliers.
 
@@ -51,6 +51,8 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
     picks mu_0 so that the spent history plus the remaining steps spend the target (never more); the paper's
     calibration re-solves P0/P1 for the new K and the rigorous budget check still counts the history.
     """
+
+    fixed_noise_multiplier = False  # its noise follows its own plan
 
     def __init__(
         self,
@@ -110,7 +112,7 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
         return (planned_steps, self.sample_rate, self.variant, self.rho_c, self.rho_mu, self.calibration,
                 float(p.max_grad_norm), float(p.target_epsilon), float(p.target_delta), p.accountant)  # type: ignore[arg-type]
 
-    def _plan_noise(self, planned_steps: int) -> None:
+    def plan_noise(self, planned_steps: int) -> None:
         """P0-P2 for a plan of ``planned_steps`` steps in all (Sec. 4; see the class docstring for resumes)."""
         assert self.sample_rate is not None
         key = self._schedule_key(planned_steps)
@@ -186,7 +188,7 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
         clip, noise_multiplier = schedule.clip(k), schedule.noise_multiplier(k)
         if self.ghost is not None and self._ghost_norms is not None and self.ghost.max_grad_norm != clip:
             raise RuntimeError(f"ghost clipping ran at C={self.ghost.max_grad_norm:g}, but step {k} needs C_k={clip:g}")
-        self.last_step = self._clip_and_noise(clip, noise_multiplier)
+        self.last_step = self.clip_and_noise(clip, noise_multiplier)
         self.ledger.record(noise_multiplier, self.sample_rate)
         self.noise_multiplier = schedule.noise_multiplier(k + 1)
         return self.last_step
@@ -215,7 +217,7 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
             "schedule": None if self.schedule is None else dataclasses.asdict(self.schedule),
             "plan_key": None if self._plan_key is None else list(self._plan_key),
         }
-        state.update(self._generator_state())
+        state.update(self.generator_state())
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -235,4 +237,4 @@ class DynD2PPrivacyEngine(NodePrivacyEngine):
         self.noise_multiplier = state["noise_multiplier"]
         self.schedule = None if state["schedule"] is None else DynD2PSchedule(**state["schedule"])
         self._plan_key = None if state["plan_key"] is None else tuple(state["plan_key"])
-        self._load_generator_state(state)
+        self.load_generator_state(state)

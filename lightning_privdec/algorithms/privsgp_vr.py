@@ -21,10 +21,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_privdec.privacy.accountants import PrivacyLedger
+from lightning_privdec.privacy.accounting.gaussian import PrivacyLedger
 from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats
-from lightning_privdec.privacy.engine import NodePrivacyEngine
+from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.saga_accounting import (
@@ -109,7 +109,7 @@ class CompositionLedger(PrivacyLedger):
         return self._epsilon(history, self._delta(None))
 
 
-class SagaPrivacyEngine(NodePrivacyEngine):
+class SagaPrivacyEngine(DPCSGPNode):
     """PrivSGP-VR's per-node DP step: SAGA gradient table + Gaussian noise + sound accounting.
 
     Args:
@@ -120,8 +120,10 @@ class SagaPrivacyEngine(NodePrivacyEngine):
         max_table_bytes: refuse (before training) a table larger than this (J x d x bytes per element).
         table_init: ``"full"`` (the paper's lines 1-3) or ``"zeros"``.
         table_dtype: storage precision of the table (re-clipped after the cast, so every row stays within C).
-        rank, device, grad_sample_mode, noise_seed: as for :class:`NodePrivacyEngine`.
+        rank, device, grad_sample_mode, noise_seed: as for :class:`DPCSGPNode`.
     """
+
+    fixed_noise_multiplier = False  # its noise follows its own plan
 
     supports_micro_batches = False
     micro_batch_refusal = (
@@ -250,7 +252,7 @@ class SagaPrivacyEngine(NodePrivacyEngine):
         self.table_ready = True
 
     # ---- planning ----------------------------------------------------------------------------------------------------
-    def _plan_noise(self, planned_steps: int) -> None:
+    def plan_noise(self, planned_steps: int) -> None:
         """Fix s (and the split) for a plan of ``planned_steps`` steps, counting the steps already spent."""
         q = self.sample_rate
         assert q is not None
@@ -398,7 +400,7 @@ class SagaPrivacyEngine(NodePrivacyEngine):
         self.ledger.load_state_dict(state["ledger"])
         self.noise_multiplier = state["noise_multiplier"]
         self._plan = (int(state["plan"][0]), float(state["plan"][1])) if state["plan"] is not None else None
-        self._load_generator_state(state)
+        self.load_generator_state(state)
         self._steps, self.split = int(state["steps"]), state["split"]
         self._calibrated_until = None  # the budget check recomputes until the next plan
         self.table_ready = False  # rebuilt at the resumed parameters (table_init="full") or zeroed

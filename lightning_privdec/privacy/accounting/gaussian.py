@@ -37,6 +37,7 @@ from opacus.accountants.analysis import gdp as gdp_analysis
 from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
 from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 
+from lightning_privdec.privacy.accounting.base import Accountant
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 __all__ = [
@@ -346,7 +347,7 @@ def calibrate_noise_multiplier(
 
 
 # ---- per-node ledger --------------------------------------------------------------------------------------------
-class PrivacyLedger:
+class PrivacyLedger(Accountant):
     """One node's privacy history ``[(sigma, q, steps), ...]`` and its epsilon, by an Opacus accountant.
 
     Consecutive identical ``(sigma, q)`` entries are merged, as in Opacus's accountants' ``history``. The epsilon of
@@ -416,6 +417,10 @@ class PrivacyLedger:
         """Epsilon after ``steps`` more hypothetical steps; lets a caller stop *before* exceeding its budget."""
         return self._epsilon(self._extended(noise_multiplier, sample_rate, steps), self._delta(delta))
 
+    def epsilon_after(self, steps: int, noise_multiplier: float = 0.0, sample_rate: float = 1.0) -> float:
+        """:class:`Accountant`'s query: epsilon after ``steps`` more steps at (sigma, q)."""
+        return self.epsilon() if steps == 0 else self.epsilon_if(noise_multiplier, sample_rate, steps)
+
     # -- checkpointing
     def state_dict(self) -> dict[str, Any]:
         """Plain Python types only (loadable with ``torch.load(weights_only=True)``)."""
@@ -425,8 +430,11 @@ class PrivacyLedger:
             "history": [[float(s), float(q), int(t)] for s, q, t in self.history],
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; later :meth:`record` calls continue the count."""
+    def saved_steps(self, state: Mapping[str, Any]) -> int:
+        self._check_state(state)
+        return sum(int(t) for _, _, t in state["history"])
+
+    def _check_state(self, state: Mapping[str, Any]) -> None:
         if not isinstance(state, Mapping) or "history" not in state or "accountant" not in state:
             raise PrivacyConfigError(
                 "not a PrivacyLedger state_dict (needs keys 'accountant' and 'history'); pass what "
@@ -444,6 +452,10 @@ class PrivacyLedger:
                 f"the saved ledger used accountant {state['accountant']!r} but this one uses {self.accountant!r}; "
                 f"create PrivacyLedger(accountant={state['accountant']!r}) to resume it"
             )
+
+    def _load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; later :meth:`record` calls continue the count."""
+        self._check_state(state)
         history: History = []
         for sigma, q, t in _as_entries(state["history"]):
             history = self._append(

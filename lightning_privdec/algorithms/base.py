@@ -1,0 +1,201 @@
+"""What every paper's algorithm file implements, and the private node's lifecycle written once.
+
+A strategy drives one :class:`NodeAlgorithm` per node, once per optimizer step (``strategies/base.py``):
+
+    closure (forward, backward at the node's model)  ->  privatize()  (clip, noise: the paper's direction)
+    ->  accountant.record (inside privatize)  ->  write-ahead ledger  ->  the user's optimizer updates x
+    ->  gossip.step(x)  (communicate)  ->  gossip.debias_into(params)  (the node's model)
+
+A paper's file (``dp_csgp.py``, ``dyn_d2p.py``, ...) supplies :meth:`NodeAlgorithm.build_gossip` (its mixing) and,
+when private, subclasses :class:`PrivateNodeAlgorithm` with :meth:`~PrivateNodeAlgorithm.make_accountant`,
+:meth:`~PrivateNodeAlgorithm.plan_noise`, :meth:`~PrivateNodeAlgorithm.next_release` and
+:meth:`~PrivateNodeAlgorithm.privatize`. The lifecycle around them - the budget check, the plan for the steps left,
+checkpoints that never roll back, the write-ahead state - is :class:`PrivateNodeAlgorithm`'s, for every paper.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_privdec.algorithms.mixing import PushSumGossip
+from lightning_privdec.comm import Exchange
+from lightning_privdec.compression import Compressor
+from lightning_privdec.privacy.accounting import Accountant
+from lightning_privdec.privacy.config import PrivacyParameters
+from lightning_privdec.privacy.dp_step import DPStepStats
+from lightning_privdec.privacy.local_dp import LocalDPSGD
+from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
+from lightning_privdec.privacy.write_ahead import strip_generators
+from lightning_privdec.topology import Topology
+
+
+class Gossip(Protocol):
+    """How a node communicates (``step``) and which model it holds (``debias_into``): the mixing of its paper."""
+
+    x: Tensor
+    round: int
+
+    def step(self, x_half: Tensor) -> None: ...
+
+    def debias_into(self, out: Tensor) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class NodeAlgorithm(Protocol):
+    """One node of a paper's Algorithm 1 on flat tensors: its mixing, and (private ones) its release per step."""
+
+    def build_gossip(
+        self, x0: Tensor, *, rank: int, topology: Topology, exchange: Exchange, compressor: Compressor | None,
+        push_sum_weight: bool, seed: int, consensus_step: float | str, staleness: int,
+    ) -> Gossip: ...
+
+
+def push_sum_gossip(
+    x0: Tensor, *, rank: int, topology: Topology, exchange: Exchange, compressor: Compressor | None,
+    push_sum_weight: bool, seed: int, consensus_step: float | str, staleness: int,
+) -> PushSumGossip:
+    """The push-sum mixing most papers share (exact, overlapped or compressed; D-PSGD without the weight)."""
+    return PushSumGossip(
+        x0, rank=rank, topology=topology, exchange=exchange, compressor=compressor, push_sum_weight=push_sum_weight,
+        reference=x0, seed=seed, consensus_step=consensus_step, staleness=staleness,
+    )
+
+
+class PrivateNodeAlgorithm(LocalDPSGD, ABC):
+    """A private node: local DP-SGD mechanics (:class:`LocalDPSGD`), one accountant, and the lifecycle.
+
+    Args:
+        parameters: the user's privacy parameters (validated here).
+        rank, device, grad_sample_mode, noise_seed, secure_mode: see :class:`LocalDPSGD`.
+    """
+
+    #: whether sigma is one planned number (then a strategy may keep it, or re-plan it for the steps a time limit
+    #: allows, with :meth:`calibrate_remaining`)
+    fixed_noise_multiplier: bool = False
+
+    def __init__(
+        self,
+        parameters: PrivacyParameters,
+        *,
+        rank: int,
+        device: torch.device,
+        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
+        noise_seed: int | None = None,
+        secure_mode: bool = False,
+    ) -> None:
+        super().__init__(
+            parameters, rank=rank, device=device, grad_sample_mode=grad_sample_mode, noise_seed=noise_seed,
+            secure_mode=secure_mode,
+        )
+        self.ledger: Accountant = self.make_accountant()
+        self.planned_steps: int | None = None
+        # (release, ledger steps when counted, further steps with that release that fit the target)
+        self._certified: tuple[Any, int, int] | None = None
+
+    build_gossip = staticmethod(push_sum_gossip)
+
+    # ---- what each paper supplies --------------------------------------------------------------------------------
+    @abstractmethod
+    def make_accountant(self) -> Accountant:
+        """This node's accountant (its mechanism's)."""
+
+    @abstractmethod
+    def plan_noise(self, planned_steps: int) -> None:
+        """Fix the noise for a plan of ``planned_steps`` steps in all (the ledger may hold steps of earlier fits)."""
+
+    @abstractmethod
+    def next_release(self) -> tuple[Any, ...] | None:
+        """What the next step will release, as :meth:`Accountant.epsilon_after` takes it (None: not planned yet)."""
+
+    @abstractmethod
+    def privatize(self) -> DPStepStats:
+        """The paper's private step on this node's gradients (into ``p.grad``); records it in :attr:`ledger`."""
+
+    @abstractmethod
+    def noise_summary(self) -> str:
+        """The noise this node adds and how it is accounted, in one line (printed at the end of every fit)."""
+
+    # ---- the lifecycle -------------------------------------------------------------------------------------------
+    def private_dataloader(
+        self,
+        dataloader: DataLoader,
+        planned_steps: int,
+        world_size: int = 1,
+        node_local_data: bool = False,
+        micro_batches: int = 1,
+        steps_per_epoch: int | None = None,
+    ) -> DataLoader:
+        """Poisson sampling of this node's shard (:meth:`LocalDPSGD.sample_shard`), then the noise plan."""
+        private = self.sample_shard(dataloader, world_size, node_local_data, micro_batches, steps_per_epoch)
+        self.plan_noise(planned_steps)
+        self.planned_steps = planned_steps
+        self._certified = None
+        return private
+
+    @property
+    def delta(self) -> float:
+        return self.parameters.delta_for_reporting
+
+    @property
+    def steps(self) -> int:
+        """Private steps this node has taken (all fits and resumes together)."""
+        return self.ledger.steps
+
+    def epsilon(self) -> float:
+        """Epsilon this node's data has spent so far (at :attr:`delta`), from its accountant."""
+        return self.ledger.epsilon()
+
+    def next_step_exceeds_budget(self) -> bool:
+        """Whether one more step would take this node past ``target_epsilon`` (False without a target).
+
+        Runs after every step, so it does not recompute the accountant each time: for the next release it finds once
+        how many more such steps fit (:meth:`Accountant.steps_within`) and then only counts; the count is redone
+        whenever the release or the ledger change otherwise.
+        """
+        target, release = self.parameters.target_epsilon, self.next_release()
+        if target is None or release is None:
+            return False
+        certified = self._certified
+        if certified is None or certified[0] != release or self.ledger.steps < certified[1]:
+            certified = self._certified = (release, self.ledger.steps, self.ledger.steps_within(target, *release))
+        _, base, fitting = certified
+        return self.ledger.steps - base + 1 > fitting
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+    def plan_state(self) -> dict[str, Any]:
+        """The noise plan a checkpoint keeps beside the ledger (plain types)."""
+        return {"noise_multiplier": self.noise_multiplier}
+
+    def load_plan_state(self, state: Mapping[str, Any]) -> None:
+        self.noise_multiplier = state["noise_multiplier"]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ledger and the plan. Generator states only with a fixed ``noise_seed`` (tests): a secure generator's
+        key is never written anywhere (a resumed secure run draws a fresh key from OS entropy)."""
+        return {"ledger": self.ledger.state_dict(), **self.plan_state(), **self.generator_state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue a checkpointed ledger and plan. Never rolls back (:meth:`Accountant.load_state_dict`)."""
+        self.ledger.load_state_dict(state["ledger"], owner=f"node {self.rank}")
+        self._certified = None
+        self.load_plan_state(state)
+        self.load_generator_state(state)
+
+    def accounting_state(self) -> dict[str, Any]:
+        """:meth:`state_dict` without generator states: what the write-ahead ledger writes before each release
+        (:mod:`lightning_privdec.privacy.write_ahead`)."""
+        return strip_generators(self.state_dict())
+
+    def load_accounting_state(self, state: Mapping[str, Any]) -> None:
+        """Take a later accounting state of the same run (the write-ahead ledger's): ledger and plan. The model, the
+        generators and the gossip keep the checkpoint's state."""
+        self.load_state_dict(strip_generators(state))

@@ -1,0 +1,31 @@
+"""Accountants: one :class:`Accountant` interface, one implementation per mechanism.
+
+* :mod:`.gaussian` - the Poisson-subsampled Gaussian of DP-SGD (Opacus's RDP and PRV accountants): DP-CSGP, PrivSGP,
+  DP2-SGD;
+"""
+
+from lightning_privdec.privacy.accounting.base import Accountant, largest_count, smallest_noise
+from lightning_privdec.privacy.accounting.gaussian import (
+    ACCOUNTANTS,
+    GDP_REFUSAL,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    check_accountant,
+    epsilon_for,
+    gdp_epsilon_approximation,
+    make_accountant,
+)
+
+__all__ = [
+    "ACCOUNTANTS",
+    "Accountant",
+    "GDP_REFUSAL",
+    "PrivacyLedger",
+    "calibrate_noise_multiplier",
+    "check_accountant",
+    "epsilon_for",
+    "gdp_epsilon_approximation",
+    "largest_count",
+    "make_accountant",
+    "smallest_noise",
+]
