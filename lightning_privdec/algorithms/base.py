@@ -170,6 +170,14 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
         _, base, fitting = certified
         return self.ledger.steps - base + 1 > fitting
 
+    def step_metrics(self) -> dict[str, float]:
+        """This node's noise and sampling now (logged by the budget callback as ``privacy/<key>``)."""
+        return {
+            "noise_multiplier": float(self.noise_multiplier or 0.0),
+            "sample_rate": float(self.sample_rate or 0.0),
+            "steps": float(self.steps),
+        }
+
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def plan_state(self) -> dict[str, Any]:
         """The noise plan a checkpoint keeps beside the ledger (plain types)."""

@@ -34,7 +34,7 @@ from lightning_privdec.comm import LoopbackNetwork
 from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
 from lightning_privdec.algorithms.cpgt_node import CPGTPrivacyEngine
 from lightning_privdec.algorithms.decor_node import DecorPrivacyEngine
-from lightning_privdec.algorithms.dyn_d2p import DynD2PPrivacyEngine
+from lightning_privdec.algorithms.dyn_d2p import DynD2PNode
 from lightning_privdec.privacy.pairwise import simulate_key_agreement
 from lightning_privdec.algorithms.privsgp_vr import SagaPrivacyEngine
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, CorrelatedNoiseStrategy, FlatParameters
@@ -358,7 +358,7 @@ def run_audit(
             scores = np.einsum("k,ktm->m", weights, canary_releases)
             observer = "every message of every node (eavesdropper); generalised least squares across nodes"
             noise = {"sigma_cdp": engine.sigma_cdp, "sigma_cor": engine.sigma_cor, "adversary": engine.adversary}
-        elif isinstance(engine, DynD2PPrivacyEngine):
+        elif isinstance(engine, DynD2PNode):
             schedule = engine.schedule
             assert schedule is not None
             weights = np.array([1.0 / (schedule.noise_multiplier(t) ** 2 * schedule.clip(t)) for t in range(steps)])

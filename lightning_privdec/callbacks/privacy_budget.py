@@ -22,11 +22,12 @@ class PrivacyBudgetCallback(Callback):
 
     Logged keys (every ``log_every_n_steps`` optimizer steps and at the end of training):
     ``privacy/epsilon/node_<i>`` for every node, ``privacy/epsilon_max``, ``privacy/epsilon_min``, ``privacy/delta``,
-    ``privacy/noise_multiplier``, ``privacy/sample_rate``, ``privacy/steps``. Engines with a schedule that also offer
-    the paper's own (approximate) accounting (Dyn-D2P: ``paper_epsilon()``, ``current_clip``, ``current_noise_std``)
-    add ``privacy/epsilon_paper_clt/node_<i>`` and ``privacy/epsilon_paper_clt_max`` (the paper's CLT value, NOT the
-    epsilon spent, which stays ``privacy/epsilon/...``), and ``privacy/max_grad_norm``, ``privacy/noise_std`` (the
-    clip and noise std of the next step).
+    ``privacy/noise_multiplier``, ``privacy/sample_rate``, ``privacy/steps``: the node's accountant's
+    :meth:`~lightning_privdec.privacy.accounting.Accountant.metrics` (gathered from every node) and the algorithm's
+    ``step_metrics()``. Dyn-D2P's accountant adds ``privacy/epsilon_paper_clt/node_<i>`` and
+    ``privacy/epsilon_paper_clt_max`` (the paper's CLT value, NOT the epsilon spent, which stays
+    ``privacy/epsilon/...``), its node ``privacy/max_grad_norm`` and ``privacy/noise_std`` (the clip and noise std of
+    the next step).
     """
 
     def __init__(self, log_every_n_steps: int = 10) -> None:
@@ -64,28 +65,21 @@ class PrivacyBudgetCallback(Callback):
         self._log(trainer, pl_module, final=True)
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, final: bool = False) -> None:
-        engine = self._strategy(trainer).privacy
-        assert engine is not None
-        local = torch.tensor([engine.epsilon()], dtype=torch.float64, device=trainer.strategy.root_device)
-        self.epsilons = gather_tensors(local).reshape(-1).tolist()
-        metrics = {f"privacy/epsilon/node_{i}": eps for i, eps in enumerate(self.epsilons)}
-        metrics.update(
-            {
-                "privacy/epsilon_max": max(self.epsilons),
-                "privacy/epsilon_min": min(self.epsilons),
-                "privacy/delta": engine.delta,
-                "privacy/noise_multiplier": float(engine.noise_multiplier or 0.0),
-                "privacy/sample_rate": float(engine.sample_rate or 0.0),
-                "privacy/steps": float(engine.steps),
-            }
-        )
-        if callable(getattr(engine, "paper_epsilon", None)):  # same engine type on every node: the gather matches
-            local = torch.tensor([engine.paper_epsilon()], dtype=torch.float64, device=trainer.strategy.root_device)
-            paper = gather_tensors(local).reshape(-1).tolist()
-            metrics.update({f"privacy/epsilon_paper_clt/node_{i}": eps for i, eps in enumerate(paper)})
-            metrics["privacy/epsilon_paper_clt_max"] = max(paper)
-            metrics["privacy/max_grad_norm"] = float(engine.current_clip)
-            metrics["privacy/noise_std"] = float(engine.current_noise_std)
+        node = self._strategy(trainer).privacy
+        assert node is not None
+        # every node's accountant metrics (same keys on every node: the configuration is checked at setup)
+        mine = node.ledger.metrics()
+        local = torch.tensor(list(mine.values()), dtype=torch.float64, device=trainer.strategy.root_device)
+        gathered = gather_tensors(local).reshape(-1, len(mine)).tolist()
+        metrics: dict[str, float] = {}
+        for column, key in enumerate(mine):
+            values = [row[column] for row in gathered]
+            metrics.update({f"privacy/{key}/node_{i}": value for i, value in enumerate(values)})
+            metrics[f"privacy/{key}_max"] = max(values)
+        self.epsilons = [row[0] for row in gathered]
+        metrics["privacy/epsilon_min"] = min(self.epsilons)
+        metrics["privacy/delta"] = node.delta
+        metrics.update({f"privacy/{key}": value for key, value in node.step_metrics().items()})
         if final:  # hooks outside the training step cannot use self.log: write to the loggers directly
             if trainer.is_global_zero:
                 for logger in trainer.loggers:

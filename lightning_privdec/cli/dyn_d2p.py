@@ -12,12 +12,8 @@ import argparse
 import sys
 from typing import Any
 
-from lightning_privdec.privacy.dyn_d2p import (
-    CALIBRATIONS,
-    VARIANTS,
-    calibrate_schedule,
-    gdp_mu_from_dp,
-)
+from lightning_privdec.algorithms.dyn_d2p import CALIBRATIONS, VARIANTS, calibrate_schedule
+from lightning_privdec.privacy.accounting.schedule import gdp_mu_from_dp
 
 NAME = "dyn-d2p"
 HELP = (

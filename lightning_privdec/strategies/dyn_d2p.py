@@ -1,20 +1,6 @@
-"""Dyn-D2P: SGP with a dynamic clip and noise schedule (Zhu, Huang, Wang, Ji, Xu).
-
-Algorithm 1, per node i and step k = 0..K-1 (paper's line numbers):
-
-    3-4   Poisson-sample a batch at q = B / J, per-sample gradients at the de-biased z_i^k
-    5-6   clip each to C_k = C_0 rho_c^{-k/K}
-    7-9   mu_k = mu_0 rho_mu^{k/K}, sigma_k = C_k / mu_k, add this node's N(0, sigma_k^2 I) to the clipped sum
-          (lightning_privdec.algorithms.dyn_d2p, run by PrivateDecentralizedStrategy.transform_gradients)
-    10    x_i^{k+1/2} = x_i^k - gamma (g_i^k + N_i^k)   (the user's optimizer applied to the numerator)
-    11-14 push-sum over the time-varying directed graph: x_i^{k+1} = sum_j P^k_ij x_j^{k+1/2},
-          w_i^{k+1} = sum_j P^k_ij w_j^k, z_i^{k+1} = x_i^{k+1} / w_i^{k+1}
-          (lightning_privdec.algorithms.mixing, run by the base strategy after the update)
-
-mu_0 comes from the budget before training (P0-P2, lightning_privdec.privacy.dyn_d2p). Differences from the paper, on
-purpose: Poisson mini-batches at q = B / J instead of one example (J = 1/q in eqs. 8-9); the clipped sum is divided
-by the expected batch size qJ; by default mu_0 is calibrated with a rigorous accountant instead of the paper's CLT
-composition (``calibration="paper"`` gives the published one, reported next to its rigorous epsilon).
+"""Dyn-D2P (Zhu, Huang, Wang, Ji, Xu): SGP with a dynamic clip and noise schedule. The algorithm, its schedule
+and Algorithm 1 line by line: :mod:`lightning_privdec.algorithms.dyn_d2p`; its accountant:
+:mod:`lightning_privdec.privacy.accounting.schedule`.
 """
 
 from __future__ import annotations
@@ -23,9 +9,8 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_privdec.privacy import PrivacyConfigError
-from lightning_privdec.privacy.dyn_d2p import _check_calibration, _check_rho, _check_rigorous_accountant, _check_variant
-from lightning_privdec.algorithms.dyn_d2p import DynD2PPrivacyEngine
+from lightning_privdec.algorithms.dyn_d2p import DynD2PNode, DynD2POptions
+from lightning_privdec.privacy import PrivacyParameters
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 
 
@@ -58,7 +43,7 @@ class DynD2PStrategy(PrivateDecentralizedStrategy):
     default_weights = "push-sum"
     required_mixing = "column"
     requires_symmetric_graph = False
-    shared_options = ("rho_c", "rho_mu", "variant", "calibration")
+    shared_options = ("options",)
 
     def __init__(
         self,
@@ -76,38 +61,24 @@ class DynD2PStrategy(PrivateDecentralizedStrategy):
         noise_multiplier: float | None = None,
         **kwargs: Any,
     ) -> None:
-        if noise_multiplier is not None:
-            raise PrivacyConfigError(
-                "DynD2PStrategy sets the noise multiplier 1/mu_k of every step from the budget; do not pass "
-                "noise_multiplier (pass target_epsilon and target_delta; variant='const' gives a fixed noise level)"
-            )
-        if target_epsilon is None or target_delta is None:
-            raise PrivacyConfigError(
-                "DynD2PStrategy needs target_epsilon=... and target_delta=...: its clip and noise schedule are "
-                "derived from the budget (e.g. target_epsilon=1.0, target_delta=1e-5)"
-            )
-        self.rho_c = _check_rho(rho_c, "rho_c", "decay factor of the clipping bound C_k")
-        self.rho_mu = _check_rho(rho_mu, "rho_mu", "growth factor of the per-step GDP budget mu_k")
-        self.variant = _check_variant(variant)
-        self.calibration = _check_calibration(calibration)
-        _check_rigorous_accountant(accountant)
+        self.options = DynD2POptions(rho_c=rho_c, rho_mu=rho_mu, variant=variant, calibration=calibration)
+        DynD2POptions.check_parameters(PrivacyParameters(
+            max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+            target_delta=target_delta, accountant=accountant,
+        ))
         super().__init__(
-            topology,
-            compressor,
-            max_grad_norm=max_grad_norm,
-            target_epsilon=target_epsilon,
-            target_delta=target_delta,
-            accountant=accountant,
-            **kwargs,
+            topology, compressor, max_grad_norm=max_grad_norm, target_epsilon=target_epsilon,
+            target_delta=target_delta, accountant=accountant, **kwargs,
         )
 
-    def make_privacy_engine(self) -> DynD2PPrivacyEngine:
-        return DynD2PPrivacyEngine(
+    @property
+    def calibration(self) -> str:
+        return self.options.calibration
+
+    def make_privacy_engine(self) -> DynD2PNode:
+        return DynD2PNode(
             self.privacy_parameters,
-            rho_c=self.rho_c,
-            rho_mu=self.rho_mu,
-            variant=self.variant,
-            calibration=self.calibration,
+            **vars(self.options),
             rank=self.global_rank,
             device=self.root_device,
             grad_sample_mode=self.grad_sample_mode,
@@ -118,7 +89,7 @@ class DynD2PStrategy(PrivateDecentralizedStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         loader = super().process_dataloader(dataloader)
         engine = self.privacy
-        if isinstance(engine, DynD2PPrivacyEngine) and engine.schedule is not None and loader is not dataloader:
+        if isinstance(engine, DynD2PNode) and engine.schedule is not None and loader is not dataloader:
             s, k = engine.schedule, engine.steps
             rank_zero_info(
                 f"Dyn-D2P ({s.variant}, calibration={self.calibration}): K={s.steps} steps at q={s.sample_rate:.4g}, "
