@@ -16,7 +16,7 @@ checkpoints that never roll back, the write-ahead state - is :class:`PrivateNode
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -123,6 +123,14 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
     @abstractmethod
     def noise_summary(self) -> str:
         """The noise this node adds and how it is accounted, in one line (printed at the end of every fit)."""
+
+    # ---- hooks a paper may use (no-ops by default) ----------------------------------------------------------------
+    def configure_optimizer(self, optimizer: torch.optim.Optimizer, dimension: int) -> None:
+        """See the user's optimizer and the model's size d before training (CPGT's step size and Laplace norm)."""
+
+    def before_first_step(self, backward: Callable[[Any], bool]) -> None:
+        """Work at the starting parameters before the first step; ``backward(batch)`` runs the user's forward and
+        backward on a batch and says whether it did (PrivSGP-VR fills its SAGA table here)."""
 
     # ---- the lifecycle -------------------------------------------------------------------------------------------
     def private_dataloader(

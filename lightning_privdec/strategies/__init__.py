@@ -7,7 +7,7 @@ from lightning_privdec.strategies.cpgt import CPGTStrategy
 from lightning_privdec.strategies.decor import CorrelatedNoiseStrategy
 from lightning_privdec.strategies.dp_csgp import DP2SGDStrategy, DPCSGPStrategy, PrivSGPStrategy
 from lightning_privdec.strategies.dyn_d2p import DynD2PStrategy
-from lightning_privdec.strategies.flat_parameters import FlatParameters
+from lightning_privdec.algorithms.flat_parameters import FlatParameters
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 from lightning_privdec.strategies.privsgp_vr import PrivSGPVRStrategy
 from lightning_privdec.strategies.push_sum import DecentralizedPushSumStrategy, DecentralizedSGDStrategy

@@ -15,6 +15,7 @@ checkpointing; training itself only talks to graph neighbours.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import warnings
@@ -36,9 +37,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
-from lightning_privdec.algorithms import PushSumGossip
+from lightning_privdec.algorithms.base import Gossip, NodeAlgorithm
+from lightning_privdec.algorithms.sgp import SGPNode
 from lightning_privdec.algorithms.consensus_step import check_consensus_step, choose_consensus_step
-from lightning_privdec.comm import TorchDistributedExchange
+from lightning_privdec.comm import Exchange, TorchDistributedExchange
 from lightning_privdec.compression import Compressor, build_compressor
 from lightning_privdec.data.cycled import CycledLoader
 from lightning_privdec.strategies.checks import (
@@ -51,7 +53,7 @@ from lightning_privdec.strategies.checks import (
     nonfinite_parameters,
 )
 from lightning_privdec.strategies.divergence import DivergenceError, DivergenceGuard, Verdict
-from lightning_privdec.strategies.flat_parameters import FlatParameters
+from lightning_privdec.algorithms.flat_parameters import FlatParameters
 from lightning_privdec.topology import Topology, TopologyError, build_topology
 
 # Lightning's CombinedLoader (every fit) calls a torch pytree API that this torch deprecates: nothing a user of these
@@ -152,7 +154,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.staleness = self._check_overlap(overlap, staleness)
         self.topology: Topology | None = None
         self.flat: FlatParameters | None = None
-        self.gossip: PushSumGossip | None = None
+        self.gossip: Gossip | None = None
         self.steps_per_epoch: int | None = None  # common to every node, fixed when training starts
         if isinstance(topology, Topology):  # a user-built graph can be checked now, before any process starts
             self._build_topology(topology.num_nodes)
@@ -227,7 +229,9 @@ class DecentralizedStrategy(DDPStrategy):
                      "precision"):
             configuration[f"Trainer.{name}"] = getattr(trainer, name, None)
         for cls in type(self).__mro__:
-            configuration.update({name: getattr(self, name) for name in vars(cls).get("shared_options", ())})
+            for name in vars(cls).get("shared_options", ()):
+                value = getattr(self, name)  # an options dataclass is compared field by field
+                configuration.update(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else {name: value})
         return configuration
 
     def check_same_configuration(self) -> None:
@@ -250,19 +254,17 @@ class DecentralizedStrategy(DDPStrategy):
         self._report_consensus_step()
         self._warn_about_unstable_compression(self.flat.numel)
 
-    def build_gossip(self, x0: torch.Tensor, exchange: TorchDistributedExchange) -> PushSumGossip:
-        """The gossip state machine of this strategy; subclasses choose the algorithm and its options."""
+    def node_algorithm(self) -> NodeAlgorithm:
+        """This node's algorithm (:mod:`lightning_privdec.algorithms`): SGP here; private strategies return their
+        paper's node."""
+        return SGPNode()
+
+    def build_gossip(self, x0: torch.Tensor, exchange: Exchange) -> Gossip:
+        """The node's mixing, as its algorithm builds it, with this strategy's graph, compressor and options."""
         assert self.topology is not None
-        return PushSumGossip(
-            x0,
-            rank=self.global_rank,
-            topology=self.topology,
-            exchange=exchange,
-            compressor=self.compressor,
-            push_sum_weight=self.required_mixing == "column",
-            reference=x0,
-            seed=self.seed,
-            consensus_step=self._consensus_step,
+        return self.node_algorithm().build_gossip(
+            x0, rank=self.global_rank, topology=self.topology, exchange=exchange, compressor=self.compressor,
+            push_sum_weight=self.required_mixing == "column", seed=self.seed, consensus_step=self._consensus_step,
             staleness=self.staleness,
         )
 

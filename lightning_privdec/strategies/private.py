@@ -156,6 +156,10 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         configuration["noise_seed"] = "fixed seed" if self.noise_seed is not None else "OS entropy"
         return configuration
 
+    def node_algorithm(self) -> PrivateNodeAlgorithm:
+        assert self.privacy is not None, "the node algorithm is made in configure_ddp"
+        return self.privacy
+
     def make_privacy_engine(self) -> DPCSGPNode:
         """This node's privacy engine (per-node DP-SGD); Decor's strategy returns its own."""
         return DPCSGPNode(
@@ -169,6 +173,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
 
     def _check_optimization(self, trainer: pl.Trainer) -> None:
         super()._check_optimization(trainer)
+        assert self.privacy is not None and self.flat is not None
+        self.privacy.configure_optimizer(self.optimizers[0], self.flat.numel)
         assert self.lightning_module is not None
         if not self.lightning_module.automatic_optimization:
             raise PrivacyConfigError(
@@ -338,6 +344,28 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 f"private strategies train on ONE DataLoader; got {len(loaders.flattened)}. Each would have its own "
                 "sampling rate q while the accountant records one per step: combine the datasets into one loader."
             )
+        assert self.privacy is not None
+        self.privacy.before_first_step(self.user_backward)
+
+    def user_backward(self, batch: Any) -> bool:
+        """The user's forward and backward on one batch outside a training step (nothing logged, no optimizer);
+        whether a loss was returned. For work an algorithm does at the starting parameters (PrivSGP-VR's table)."""
+        module = self.lightning_module
+        assert module is not None
+        was_training = module.training
+        module.train()
+        module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        try:
+            with torch.enable_grad():
+                output = self.training_step(self.batch_to_device(batch), 0)
+                loss = output.get("loss") if isinstance(output, dict) else output
+                if loss is None:
+                    return False
+                loss.backward()
+                return True
+        finally:
+            del module.log, module.log_dict  # the class's own methods again
+            module.train(was_training)
 
     @staticmethod
     def _planned_steps(trainer: pl.Trainer, batches_per_epoch: int) -> int:

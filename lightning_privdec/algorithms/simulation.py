@@ -1,0 +1,105 @@
+"""Run a paper's node algorithm without Lightning: n simulated nodes on the loopback network, one thread each.
+
+The loop is the strategies' private step (``strategies/base.py``), on plain PyTorch: forward and backward at the
+node's model, :meth:`~.base.PrivateNodeAlgorithm.privatize`, the optimizer on the numerator x, the gossip round and
+the de-biased model. The papers' toy experiments (``examples/toy_*.py``) and the privacy audit use it::
+
+    network = LoopbackNetwork(4)
+    runs = network.run(lambda rank, exchange: train_node(make_node(rank), make_model(), datasets[rank],
+                                                         exchange=exchange, topology=topology, batch_size=32,
+                                                         steps=100, lr=0.1, loss=loss_fn))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_privdec.algorithms.base import Gossip, PrivateNodeAlgorithm
+from lightning_privdec.algorithms.flat_parameters import FlatParameters
+from lightning_privdec.comm import Exchange
+from lightning_privdec.compression import Compressor
+from lightning_privdec.topology import Topology
+
+
+@dataclass
+class NodeRun:
+    """What one simulated node ends with."""
+
+    model: nn.Module
+    gossip: Gossip
+    losses: list[float] = field(default_factory=list)  # the mean training loss of every non-empty batch
+
+    @property
+    def parameters(self) -> Tensor:
+        """The node's final (de-biased) parameters, flat."""
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters() if p.requires_grad])
+
+
+def train_node(
+    node: PrivateNodeAlgorithm,
+    model: nn.Module,
+    dataset: Dataset,
+    *,
+    exchange: Exchange,
+    topology: Topology,
+    batch_size: int,
+    steps: int,
+    lr: float,
+    loss: Callable[[Tensor, Any], Tensor],
+    compressor: Compressor | None = None,
+    push_sum_weight: bool = True,
+    consensus_step: float | str = "auto",
+    seed: int = 0,
+    after_step: Callable[[int, NodeRun], None] | None = None,
+) -> NodeRun:
+    """``steps`` private steps of one node (plain SGD at ``lr``) on Poisson batches of its ``dataset``.
+
+    ``loss(model(x), y)`` gives per-example or mean losses of a batch ``(x, y)``; ``after_step(t, run)`` sees the
+    node after every step. Every node must start from the same parameters (build ``model`` under a fixed seed).
+    """
+    node.attach(model)
+    flat = FlatParameters(model)
+    gossip = node.build_gossip(
+        flat.buffer, rank=exchange.rank, topology=topology, exchange=exchange, compressor=compressor,
+        push_sum_weight=push_sum_weight, seed=seed, consensus_step=consensus_step, staleness=0,
+    )
+    optimizer = torch.optim.SGD(flat.parameters, lr=lr)
+    node.configure_optimizer(optimizer, flat.numel)
+    loader = node.private_dataloader(DataLoader(dataset, batch_size=batch_size), steps, exchange.world_size,
+                                     node_local_data=True)
+    run = NodeRun(model, gossip)
+
+    def backward(batch: Sequence[Tensor]) -> bool:
+        x, y = batch[0], batch[1]
+        if len(x) == 0:
+            return False  # an empty Poisson batch releases pure noise
+        value = loss(model(x), y)
+        if value.dim() > 0:
+            value = value.mean()
+        value.backward()
+        run.losses.append(float(value))
+        return True
+
+    node.before_first_step(backward)
+    taken = 0
+    while taken < steps:
+        for batch in loader:
+            if taken == steps:
+                break
+            optimizer.zero_grad(set_to_none=True)
+            backward(batch)
+            node.privatize()  # clip, noise, record: the paper's private step
+            flat.buffer.copy_(gossip.x)  # the optimizer updates the numerator x
+            optimizer.step()
+            gossip.step(flat.buffer)  # communicate
+            gossip.debias_into(flat.buffer)  # the node's model
+            taken += 1
+            if after_step is not None:
+                after_step(taken, run)
+    return run
