@@ -4,10 +4,9 @@ The loop is the strategies' private step (``strategies/base.py``), on plain PyTo
 node's model, :meth:`~.base.PrivateNodeAlgorithm.privatize`, the optimizer on the numerator x, the gossip round and
 the de-biased model. The papers' toy experiments (``examples/toy_*.py``) and the privacy audit use it::
 
-    network = LoopbackNetwork(4)
-    runs = network.run(lambda rank, exchange: train_node(make_node(rank), make_model(), datasets[rank],
-                                                         exchange=exchange, topology=topology, batch_size=32,
-                                                         steps=100, lr=0.1, loss=loss_fn))
+    runs = train_network(make_node, make_model, datasets, topology=topology, batch_size=32, steps=100, lr=0.1,
+                         loss=loss_fn)
+    print(consensus_distance(runs), [run.node.epsilon() for run in runs])
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_privdec.algorithms.base import Gossip, PrivateNodeAlgorithm
 from lightning_privdec.algorithms.flat_parameters import FlatParameters
-from lightning_privdec.comm import Exchange
+from lightning_privdec.comm import Exchange, LoopbackNetwork
 from lightning_privdec.compression import Compressor
 from lightning_privdec.topology import Topology
 
@@ -31,6 +30,7 @@ from lightning_privdec.topology import Topology
 class NodeRun:
     """What one simulated node ends with."""
 
+    node: PrivateNodeAlgorithm
     model: nn.Module
     gossip: Gossip
     losses: list[float] = field(default_factory=list)  # the mean training loss of every non-empty batch
@@ -73,7 +73,7 @@ def train_node(
     node.configure_optimizer(optimizer, flat.numel)
     loader = node.private_dataloader(DataLoader(dataset, batch_size=batch_size), steps, exchange.world_size,
                                      node_local_data=True)
-    run = NodeRun(model, gossip)
+    run = NodeRun(node, model, gossip)
 
     def backward(batch: Sequence[Tensor]) -> bool:
         x, y = batch[0], batch[1]
@@ -83,7 +83,7 @@ def train_node(
         if value.dim() > 0:
             value = value.mean()
         value.backward()
-        run.losses.append(float(value))
+        run.losses.append(float(value.detach()))
         return True
 
     node.before_first_step(backward)
@@ -103,3 +103,29 @@ def train_node(
             if after_step is not None:
                 after_step(taken, run)
     return run
+
+
+def train_network(
+    make_node: Callable[[int], PrivateNodeAlgorithm],
+    make_model: Callable[[], nn.Module],
+    datasets: Sequence[Dataset],
+    **options: Any,
+) -> list[NodeRun]:
+    """:func:`train_node` for every node of a loopback network of ``len(datasets)`` nodes (one thread each, one
+    intra-op thread: tiny tensors). ``make_model`` must give every node the same starting parameters."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        network = LoopbackNetwork(len(datasets), timeout=600.0)
+        return network.run(
+            lambda rank, exchange: train_node(make_node(rank), make_model(), datasets[rank], exchange=exchange,
+                                              **options)
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def consensus_distance(runs: Sequence[NodeRun]) -> float:
+    """max_i ||x_i - x_bar||: how far the farthest node's model is from the network average."""
+    models = torch.stack([run.parameters for run in runs])
+    return float((models - models.mean(0)).norm(dim=1).max())

@@ -1,0 +1,31 @@
+"""The papers' toy experiments run their algorithm files without Lightning, on the loopback network."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load(name: str):  # noqa: ANN201
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("example", "arguments"),
+    [("toy_dp_csgp", ["--compressor", "randk:0.5"]), ("toy_dp_csgp", ["--compressor", "none"]), ("toy_dyn_d2p", [])],
+)
+def test_a_toy_experiment_learns_within_its_budget(example: str, arguments: list[str], capsys) -> None:
+    result = load(example).main(["--nodes", "3", "--steps", "60", "--epsilon", "3", *arguments])
+    printed = capsys.readouterr().out
+    assert result["worst_accuracy"] > 0.6  # ten classes: chance is 0.1
+    assert 2.9 <= result["epsilon"] <= 3.0  # the accountant spent the budget it was calibrated to, never more
+    assert printed.count("node ") == 3 and "consensus distance" in printed
