@@ -6,6 +6,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_privdec.tensors import split_like
 from lightning_privdec.callbacks._parameters import float_state
 
 
@@ -30,11 +31,9 @@ class NetworkAverageEvaluation(Callback):
         self._saved = [t.detach().clone() for t in tensors]
         flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
         average = trainer.strategy.reduce(flat, reduce_op="sum") / trainer.world_size
-        offset = 0
         with torch.no_grad():
-            for t in tensors:
-                t.copy_(average[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            for t, value in zip(tensors, split_like(average, tensors)):
+                t.copy_(value)
 
     def _restore(self, pl_module: pl.LightningModule) -> None:
         if self._saved is None:

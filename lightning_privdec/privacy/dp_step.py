@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_privdec.tensors import split_like
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator
 
@@ -84,16 +85,15 @@ def _noise_and_scale_into_grads(
     noise: Tensor | None = None
     if std > 0:
         noise = generator.normal(sum(p.numel() for p in params), std, params[0].dtype, params[0].device)
-    offset = 0
-    for p, summed in zip(params, clipped_sums):
+    noises = split_like(noise, params) if noise is not None else [None] * len(params)
+    for p, summed, noise_p in zip(params, clipped_sums, noises):
         grad = p.grad
         if grad is None or grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
             grad = torch.empty_like(p)
-        if noise is not None:
-            torch.add(summed, noise[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype), out=grad)
+        if noise_p is not None:
+            torch.add(summed, noise_p.to(p.device, p.dtype), out=grad)
         elif summed is not grad:
             grad.copy_(summed)
-        offset += p.numel()
         p.grad = grad.div_(expected_batch_size)
     return std
 

@@ -52,6 +52,7 @@ from lightning_privdec.strategies.checks import (
     gather_tensors,
     nonfinite_parameters,
 )
+from lightning_privdec.tensors import split_like
 from lightning_privdec.strategies.divergence import DivergenceError, DivergenceGuard, Verdict
 from lightning_privdec.algorithms.flat_parameters import FlatParameters
 from lightning_privdec.topology import Topology, TopologyError, build_topology
@@ -508,11 +509,10 @@ class DecentralizedStrategy(DDPStrategy):
         assert self.lightning_module is not None
         gossip = node["gossip"]
         z = gossip["x"] / gossip["y"].to(gossip["x"].dtype)
-        offset = 0
+        parameters = [p for p in self.lightning_module.parameters() if p.requires_grad]
         with torch.no_grad():
-            for p in (p for p in self.lightning_module.parameters() if p.requires_grad):
-                p.copy_(z[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for p, value in zip(parameters, split_like(z, parameters)):
+                p.copy_(value)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         node = self._node_state_from(checkpoint) if self._fitting() else None
