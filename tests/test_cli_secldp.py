@@ -9,11 +9,8 @@ import sys
 import pytest
 
 from lightning_privdec.cli.account import SUBCOMMANDS, main
-from lightning_privdec.privacy.secldp import (
-    secldp_epsilon,
-    secldp_epsilon_example_level,
-    secldp_step,
-)
+from lightning_privdec.privacy.accounting.secldp_step import secldp_step
+from lightning_privdec.privacy.accounting.secldp import secldp_epsilon, secldp_epsilon_example_level
 from lightning_privdec.topology import build_topology
 
 KEYS = {

@@ -10,7 +10,8 @@ from lightning_privdec import CorrelatedNoiseStrategy, PrivacyConfigError
 from lightning_privdec.algorithms.decor import decor_perturbation
 from lightning_privdec.privacy.noise import node_noise_generator
 from lightning_privdec.privacy.pairwise import CorrelatedNoise, simulate_key_agreement
-from lightning_privdec.privacy.secldp import secldp_epsilon_example_level, secldp_step
+from lightning_privdec.privacy.accounting.secldp_step import secldp_step
+from lightning_privdec.privacy.accounting.secldp import secldp_epsilon_example_level
 from lightning_privdec.topology import StaticTopology
 from tests.multiprocess import fit_digits
 
@@ -71,12 +72,12 @@ def test_the_ldp_and_cdp_baselines_are_calibrated_from_the_same_budget():
     import networkx as nx
 
     from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.algorithms.decor_node import DecorPrivacyEngine
+    from lightning_privdec.algorithms.decor import DecorNode, DecorOptions
 
-    def planned(baseline: str | None) -> DecorPrivacyEngine:
-        engine = DecorPrivacyEngine(
+    def planned(baseline: str | None) -> DecorNode:
+        engine = DecorNode(
             PrivacyParameters(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5), graph=nx.cycle_graph(4),
-            adversary="eavesdropper", sigma_cdp=None, sigma_cor=None, clipping="per_sample", baseline=baseline,
+            options=DecorOptions(adversary="eavesdropper", clipping="per_sample", baseline=baseline),
             rank=0, device=torch.device("cpu"),
         )
         engine.sample_rate = 0.1
@@ -88,7 +89,7 @@ def test_the_ldp_and_cdp_baselines_are_calibrated_from_the_same_budget():
     assert ldp.sigma_cdp > decor.sigma_cdp  # the correlated noise lets Decor's independent noise be smaller
     assert cdp.sigma_cdp == pytest.approx(ldp.sigma_cdp / 2, rel=1e-6)  # sigma_LDP / sqrt(n), n = 4
     for engine in (decor, ldp, cdp):
-        assert 2.9 < engine._epsilon_after(110) <= 3.0
+        assert 2.9 < engine.ledger.epsilon_after(110, *engine.next_release()) <= 3.0
 
 
 @pytest.mark.multiprocess
@@ -112,17 +113,18 @@ def test_the_budget_check_counts_the_steps_that_fit_and_agrees_with_the_accounta
     import networkx as nx
 
     from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.algorithms.decor_node import DecorPrivacyEngine
+    from lightning_privdec.algorithms.decor import DecorNode, DecorOptions
 
-    engine = DecorPrivacyEngine(
+    engine = DecorNode(
         PrivacyParameters(max_grad_norm=1.0, target_epsilon=2.0, target_delta=1e-5), graph=nx.cycle_graph(4),
-        adversary="eavesdropper", sigma_cdp=20.0, sigma_cor=0.5, clipping="user", rank=0, device=torch.device("cpu"),
+        options=DecorOptions(sigma_cdp=20.0, sigma_cor=0.5, clipping="user"), rank=0, device=torch.device("cpu"),
     )
     engine.plan_noise(5)  # 16 steps fit: the search doubles past the plan, then bisects
     answers = []
     for steps in range(60):
-        engine._steps = steps
-        direct = engine._epsilon_after(steps + 1) > 2.0
+        assert engine.steps == steps
+        direct = engine.ledger.epsilon_after(1, *engine.next_release()) > 2.0  # one more round
         assert engine.next_step_exceeds_budget() == direct, steps
         answers.append(direct)
+        engine.ledger.record(*engine.next_release())  # one more released round
     assert not answers[0] and answers[-1]  # the boundary lies inside the range checked

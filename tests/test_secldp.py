@@ -1,4 +1,4 @@
-"""Tests for the SecLDP accountant of Decor (lightning_privdec.privacy.secldp)."""
+"""Tests for the SecLDP accountant of Decor (lightning_privdec.privacy.accounting.secldp)."""
 
 from __future__ import annotations
 
@@ -13,17 +13,8 @@ from opacus.accountants import RDPAccountant
 from scipy.optimize import minimize_scalar
 
 from lightning_privdec.privacy import PrivacyConfigError, epsilon_for
-from lightning_privdec.privacy.secldp import (
-    MAX_COLLUDING_SUBSETS,
-    calibrate_secldp,
-    cdp_sigma,
-    eps_step_for,
-    ldp_sigma,
-    secldp_epsilon,
-    secldp_epsilon_example_level,
-    secldp_step,
-    secldp_step_bound,
-)
+from lightning_privdec.privacy.accounting.secldp_step import MAX_COLLUDING_SUBSETS, secldp_step, secldp_step_bound
+from lightning_privdec.privacy.accounting.secldp import calibrate_secldp, cdp_sigma, eps_step_for, ldp_sigma, secldp_epsilon, secldp_epsilon_example_level
 from lightning_privdec.topology import build_topology
 
 pytestmark = pytest.mark.filterwarnings("ignore:Optimal order is the")

@@ -206,11 +206,11 @@ def decor_engine():
     import networkx as nx
 
     from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.algorithms.decor_node import DecorPrivacyEngine
+    from lightning_privdec.algorithms.decor import DecorNode, DecorOptions
 
-    e = DecorPrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), graph=nx.cycle_graph(4),
-                           adversary="eavesdropper", sigma_cdp=1.0, sigma_cor=0.5, clipping="user", rank=0,
-                           device=torch.device("cpu"))
+    e = DecorNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), graph=nx.cycle_graph(4),
+                  options=DecorOptions(sigma_cdp=1.0, sigma_cor=0.5, clipping="user"), rank=0,
+                  device=torch.device("cpu"))
     e.plan_noise(10)
     return e
 
@@ -220,7 +220,8 @@ def test_engines_that_count_steps_resume_at_the_released_count(tmp_path, make):
     """CPGT (accounting='finite') and Decor (SecLDP) price the number of steps taken: the lost ones count too."""
     e = make()
     saved = checkpoint(e)  # after 0 steps
-    e._steps = 6  # six released steps (the counter privatize() advances)
+    for _ in range(6):  # six released steps (what privatize() records)
+        e.ledger.record(*e.next_release())
     WriteAheadLedger(tmp_path, "run", rank=0).write(e)
     resumed = make()
     resumed.load_state_dict(saved)

@@ -33,7 +33,7 @@ from lightning_privdec.audit.one_run import score_audit
 from lightning_privdec.comm import LoopbackNetwork
 from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
 from lightning_privdec.algorithms.cpgt_node import CPGTPrivacyEngine
-from lightning_privdec.algorithms.decor_node import DecorPrivacyEngine
+from lightning_privdec.algorithms.decor import DecorNode
 from lightning_privdec.algorithms.dyn_d2p import DynD2PNode
 from lightning_privdec.privacy.pairwise import simulate_key_agreement
 from lightning_privdec.algorithms.privsgp_vr import SagaPrivacyEngine
@@ -121,7 +121,9 @@ def _planned_epsilon(engine: DPCSGPNode, steps: int) -> float:
     """The accountant's epsilon of ``steps`` steps at the engine's planned noise and rate (nothing recorded)."""
     if isinstance(engine, SagaPrivacyEngine):
         return engine.ledger.epsilon_if_entries(engine.noise.entries(engine.sample_rate), steps)
-    if isinstance(engine, (DecorPrivacyEngine, CPGTPrivacyEngine)):
+    if isinstance(engine, DecorNode):
+        return engine.ledger.epsilon_after(steps, *engine.next_release())
+    if isinstance(engine, CPGTPrivacyEngine):
         return engine._epsilon_after(steps)
     return engine.ledger.epsilon_if(engine.noise_multiplier, engine.sample_rate, steps)
 
@@ -141,7 +143,7 @@ def _broken_configuration(
     update: dict[str, Any] = {"target_epsilon": None}
     if broken == "clipping":
         update["max_grad_norm"] = clip * CLIP_BREAK_FACTOR
-    if isinstance(engine, DecorPrivacyEngine):  # absolute noise stds on the clipped sum
+    if isinstance(engine, DecorNode):  # absolute noise stds on the clipped sum
         off = broken == "noise"
         update.update(sigma_cdp=engine.sigma_cdp * (NOISE_BREAK_FACTOR if off else 1.0),
                       sigma_cor=0.0 if off else engine.sigma_cor)
@@ -163,9 +165,10 @@ def _node(
     engine.attach(model)
     flat = FlatParameters(model)
     tap = WireTap(exchange)
+    strategy.privacy = engine
     gossip = strategy.build_gossip(flat.buffer, tap)
     optimizer = torch.optim.SGD(flat.parameters, lr=lr)
-    strategy.privacy, strategy.gossip, strategy.flat = engine, gossip, flat
+    strategy.gossip, strategy.flat = gossip, flat
     strategy.optimizers = [optimizer]
     if isinstance(strategy, CPGTStrategy):
         engine.configure(step_size=lr, dimension=flat.numel)  # type: ignore[attr-defined]
@@ -199,7 +202,7 @@ def _node(
     return tap.sent
 
 
-def _decor_weights(engine: DecorPrivacyEngine, graph: nx.Graph, node: int) -> np.ndarray:
+def _decor_weights(engine: DecorNode, graph: nx.Graph, node: int) -> np.ndarray:
     """Sigma^{-1} e_node: the eavesdropper's generalised least squares over all nodes' releases of one coordinate.
 
     Node k adds vbar_k + sum_{l in N_k} v_kl with v_kl = -v_lk, so the noise across nodes has covariance
@@ -353,7 +356,7 @@ def run_audit(
         # in the units of the clipped sum (times each node's public expected batch size qJ), where the noise lives
         batch = np.array([e.expected_batch_size for e in engines])
         canary_releases = released[:, :, coords].numpy() * batch[:, None, None]  # (nodes, rounds, m)
-        if isinstance(engine, DecorPrivacyEngine):
+        if isinstance(engine, DecorNode):
             weights = _decor_weights(engine, graph, 0)
             scores = np.einsum("k,ktm->m", weights, canary_releases)
             observer = "every message of every node (eavesdropper); generalised least squares across nodes"

@@ -35,13 +35,8 @@ from lightning_privdec.privacy.accounting.gaussian import (
     gdp_epsilon_approximation,
 )
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.secldp import (
-    ADVERSARIES,
-    collusion_level,
-    secldp_epsilon,
-    secldp_epsilon_example_level,
-    secldp_step,
-)
+from lightning_privdec.privacy.accounting.secldp_step import ADVERSARIES, collusion_level, secldp_step
+from lightning_privdec.privacy.accounting.secldp import secldp_epsilon, secldp_epsilon_example_level
 from lightning_privdec.topology import TopologyError, build_topology
 
 __all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "main", "register"]

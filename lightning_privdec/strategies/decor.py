@@ -14,9 +14,9 @@ import networkx as nx
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_privdec.privacy import PrivacyConfigError
-from lightning_privdec.algorithms.decor_node import DecorPrivacyEngine
+from lightning_privdec.algorithms.decor import DecorNode, DecorOptions
 from lightning_privdec.privacy.pairwise import PairwiseSecrets, exchange_public_keys, verify_agreement
-from lightning_privdec.privacy.secldp import collusion_level
+from lightning_privdec.privacy.accounting.secldp_step import collusion_level
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 
 
@@ -42,7 +42,7 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
     default_weights = "metropolis"
     required_mixing = "doubly"
     requires_symmetric_graph = True
-    shared_options = ("sigma_cdp", "sigma_cor", "adversary", "clipping", "baseline")
+    shared_options = ("options",)
     local_options = ("key_file_dir",)  # a per-node path
 
     def __init__(
@@ -61,25 +61,9 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
         key_file_dir: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if (sigma_cdp is None) == (target_epsilon is None):
-            raise PrivacyConfigError(
-                "give the noise levels (sigma_cdp=..., sigma_cor=...) or a budget (target_epsilon=..., "
-                "target_delta=...), not both and not neither"
-            )
-        if sigma_cdp is not None and (sigma_cdp <= 0 or (sigma_cor is not None and sigma_cor < 0)):
-            raise PrivacyConfigError(f"need sigma_cdp > 0 and sigma_cor >= 0, got {sigma_cdp}, {sigma_cor}")
-        if clipping not in ("per_sample", "user"):
-            raise PrivacyConfigError(f"clipping must be 'per_sample' or 'user', got {clipping!r}")
-        if not (adversary in ("eavesdropper", "curious") or (isinstance(adversary, int) and adversary >= 0)):
-            raise PrivacyConfigError(
-                f"adversary must be 'eavesdropper', 'curious' or a number of colluding nodes, got {adversary!r}"
-            )
-        if baseline not in (None, "ldp", "cdp"):
-            raise PrivacyConfigError(f"baseline must be None, 'ldp' or 'cdp', got {baseline!r}")
-        if baseline is not None and target_epsilon is None:
-            raise PrivacyConfigError(f"baseline={baseline!r} is calibrated from target_epsilon and target_delta")
-        self.sigma_cdp, self.sigma_cor, self.baseline = sigma_cdp, sigma_cor, baseline
-        self.adversary, self.clipping, self.key_file_dir = adversary, clipping, key_file_dir
+        self.options = DecorOptions(sigma_cdp, sigma_cor, adversary, clipping, baseline)
+        self.options.check_parameters(target_epsilon)
+        self.key_file_dir = key_file_dir
         super().__init__(
             topology,
             compressor,
@@ -89,6 +73,14 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
             target_delta=target_delta,
             **kwargs,
         )
+
+    @property
+    def adversary(self) -> str | int:
+        return self.options.adversary
+
+    @property
+    def baseline(self) -> str | None:
+        return self.options.baseline
 
     def _build_topology(self, world_size: int):  # type: ignore[no-untyped-def]
         topology = super()._build_topology(world_size)
@@ -102,17 +94,13 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
             )
         return topology
 
-    def new_engine(self) -> DecorPrivacyEngine:
-        """This node's engine, before its pairwise secrets are agreed."""
+    def new_engine(self) -> DecorNode:
+        """This node's algorithm, before its pairwise secrets are agreed."""
         assert self.topology is not None
-        return DecorPrivacyEngine(
+        return DecorNode(
             self.privacy_parameters,
             graph=nx.Graph(self.topology.union_graph()),
-            adversary=self.adversary,
-            sigma_cdp=self.sigma_cdp,
-            sigma_cor=self.sigma_cor,
-            clipping=self.clipping,
-            baseline=self.baseline,
+            options=self.options,
             rank=self.global_rank,
             device=self.root_device,
             grad_sample_mode=self.grad_sample_mode,
@@ -120,7 +108,7 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
             secure_mode=self.secure_mode,
         )
 
-    def make_privacy_engine(self) -> DecorPrivacyEngine:
+    def make_privacy_engine(self) -> DecorNode:
         engine = self.new_engine()
         assert self.topology is not None
         # Pairwise secrets: real X25519 key agreement with every neighbour (public keys travel, secrets never do).
@@ -135,7 +123,7 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         loader = super().process_dataloader(dataloader)
         engine = self.privacy
-        if isinstance(engine, DecorPrivacyEngine) and engine.calibration is not None:
+        if isinstance(engine, DecorNode) and engine.calibration is not None:
             c = engine.calibration
             options = ", ".join(
                 f"({a.sigma_cdp:.3g}, {a.sigma_cor:.3g})" for a in c.alternatives if a.feasible and a.sigma_cor is not None
