@@ -219,6 +219,11 @@ class SagaPrivacyEngine(DPCSGPNode):
         return private
 
     # ---- Algorithm 1, lines 1-3 --------------------------------------------------------------------------------------
+    def before_first_step(self, backward: Callable[[Any], bool]) -> None:
+        """Lines 1-3 at the starting (or resumed) parameters, unless the table is already filled."""
+        if not self.table_ready:
+            self.fill_table(backward)
+
     def fill_table(self, backward: Callable[[Any], bool]) -> None:
         """Lines 1-3: table[j] = clip(grad f_i(z^0; j)) for every example j of the shard, at the current parameters.
 

@@ -3,7 +3,7 @@
 Algorithm 1, per node i and step k:
 
     1-3    the SAGA table at z^0: every example's clipped gradient, one pass over the shard before the first step
-           (SagaPrivacyEngine.fill_table, run from on_train_start)
+           (SagaPrivacyEngine.before_first_step, run from the private strategy's on_train_start)
     5-8    Poisson batch, g = SAGA correction with the table before its update, table update, this node's own noise
            (SagaPrivacyEngine.privatize, run by PrivateDecentralizedStrategy.transform_gradients)
     9      x_i^{k+1/2} = x_i^k - gamma g~              (the user's optimizer applied to the numerator)
@@ -18,8 +18,6 @@ calibrated by a sound numerical accountant that charges the table mean at every 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,18 +26,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.algorithms.privsgp_vr import DEFAULT_MAX_TABLE_BYTES, SagaPrivacyEngine, check_saga_options
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
-
-
-@contextmanager
-def _logging_silenced(module: torch.nn.Module) -> Iterator[None]:
-    """``self.log`` / ``self.log_dict`` do nothing inside (the table pass is not a training step to report)."""
-    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del module.log
-        del module.log_dict
 
 
 class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
@@ -94,7 +80,7 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
         self.table_init, self.table_dtype = table_init, table_dtype
         super().__init__(topology, compressor, **kwargs)
 
-    def make_privacy_engine(self) -> SagaPrivacyEngine:
+    def make_node_algorithm(self) -> SagaPrivacyEngine:
         return SagaPrivacyEngine(
             self.privacy_parameters,
             accounting=self.accounting,
@@ -124,31 +110,3 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
                 f"init {engine.table_init!r})"
             )
         return loader
-
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        engine = self.privacy
-        assert isinstance(engine, SagaPrivacyEngine)
-        if not engine.table_ready:
-            self._fill_table(engine)
-
-    def _fill_table(self, engine: SagaPrivacyEngine) -> None:
-        """Algorithm 1, lines 1-3 at the current (common, or resumed) parameters, with the user's training_step."""
-        module = self.lightning_module
-        assert module is not None
-        was_training = module.training
-        module.train()
-
-        def backward(batch: Any) -> bool:
-            output = self.training_step(self.batch_to_device(batch), 0)
-            loss = output.get("loss") if isinstance(output, dict) else output
-            if loss is None:
-                return False
-            loss.backward()
-            return True
-
-        try:
-            with _logging_silenced(module), torch.enable_grad():
-                engine.fill_table(backward)
-        finally:
-            module.train(was_training)
