@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lightning_privdec.privacy.saga_accounting import (
+from lightning_privdec.privacy.accounting.saga import (
     ACCOUNTINGS,
     SAGA_ACCOUNTANTS,
     calibrate_saga_noise,
