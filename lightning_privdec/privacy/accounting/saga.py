@@ -35,7 +35,8 @@ is smaller elsewhere.
 ``accounting="no_amplification"``: always the joint analysis (one Gaussian at rate 1, sensitivity (2 - q) C). Sound
 and simple; far looser than the split for small q.
 
-The K* helpers transcribe the paper's Theorem 1 (eq. 10), Theorem 2 (eq. 11) and Corollary 1 (eq. 12).
+One node's ledger is :class:`SagaAccountant`: a release is one step's mechanisms (:meth:`SagaNoise.entries`). The K*
+helpers transcribe the paper's Theorem 1 (eq. 10), Theorem 2 (eq. 11) and Corollary 1 (eq. 12).
 """
 
 from __future__ import annotations
