@@ -2,9 +2,9 @@
 
 Part 1 (measured). Each private strategy runs on n simulated nodes in ONE process (the loopback exchange, one thread
 per node; messages packed exactly as on the wire, so the byte counts are those of a real run) for n = 16, 64, 256 on
-scikit-learn's digits. The total training set is fixed (1,347 images), split among the n nodes by a Dirichlet(alpha)
-label partition, so each node holds 1347 / n images on average (5 at n = 256). Every node samples its shard by
-Poisson sampling at the same rate q, so the expected global batch (q x 1,347) is the same at every n (CPGT, whose
+scikit-learn's digits. The total training set is fixed (1,348 images), split among the n nodes by a Dirichlet(alpha)
+label partition, so each node holds 1348 / n images on average (5 at n = 256). Every node samples its shard by
+Poisson sampling at the same rate q, so the expected global batch (q x 1,348) is the same at every n (CPGT, whose
 sound accounting needs full batches, uses q = 1). Noise and
 clipping as in ``benchmarks/network.py``: C = 1, sigma = 1 (Decor: sigma_cdp = sigma_cor = 1; CPGT and Dyn-D2P take
 their noise from their own rules at the given noise multiplier), plain SGD. Reported per (strategy, n): the mean test
@@ -231,7 +231,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "RESULTS.md")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
+    parser.add_argument("--report", nargs="+", type=Path, default=None,
+                        help="JSON files of earlier runs (--json): print and record them instead of running")
     args = parser.parse_args()
+    if args.report:
+        record([json.loads(path.read_text()) for path in args.report], args)
+        return
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown:
@@ -258,27 +263,43 @@ def main() -> None:
                   f"{row['min_node_accuracy']:.3f} | {row['average_model_accuracy']:.3f} | "
                   f"{row['consensus_relative_mean']:.2e} | {row['bytes_per_node_step']:,.0f} | "
                   f"{row['epsilon_max']:.2f} | {row['seconds']:.0f} |", flush=True)
-    table = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"] + [
-        f"| {r['strategy']} | {r['nodes']} | {r['examples_per_node']:.1f} | {r['mean_node_accuracy']:.3f} | "
-        f"{r['min_node_accuracy']:.3f} | {r['average_model_accuracy']:.3f} | {r['consensus_relative_mean']:.2e} | "
-        f"{r['bytes_per_node_step']:,.0f} | {r['epsilon_max']:.2f} | {r['seconds']:.0f} |" for r in rows]
-    prediction = prediction_table(rows, args.mbit)
-    print(f"\npredicted communication seconds per step at R = {args.mbit:g} Mbit/s\n" + "\n".join(prediction))
     elapsed = time.perf_counter() - started
+    command = "python benchmarks/loopback_scaling.py " + " ".join(sys.argv[1:])
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "failures": failures}, indent=1))
-    if not args.no_record:
-        command = "python benchmarks/loopback_scaling.py " + " ".join(sys.argv[1:])
-        text = "\n".join([
-            f"## loopback_scaling.py — {datetime.date.today()}", "",
-            f"`{command}` ({elapsed:.0f} s)", "", f"- {machine_line()}", f"- {software_line(opacus=True)}", "",
-            f"{args.steps} steps, q = {args.sample_rate}, Dirichlet alpha = {args.alpha}, lr = {args.lr}, C = {CLIP}, "
-            f"sigma = {SIGMA}, digits MLP (4,810 parameters), 1,347 training images in all.", "",
-            *table, "", *([f"Failed: {f}" for f in failures] + [""] if failures else []),
-            f"Predicted communication seconds per step at R = {args.mbit:g} Mbit/s (formulas in the script's "
-            "docstring and below):", "", *prediction, ""])
-        append_results(text, args.results)
+        args.json.write_text(json.dumps({"rows": rows, "failures": failures, "command": command, "seconds": elapsed,
+                                         "machine": machine_line()}, indent=1))
+    record([{"rows": rows, "failures": failures, "command": command, "seconds": elapsed, "machine": machine_line()}],
+           args)
 
+
+def record(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Print the scaling table and the prediction; append both to RESULTS.md unless --no-record."""
+    order = list(STRATEGIES)
+    rows = sorted((r for run_ in runs for r in run_["rows"]), key=lambda r: (order.index(r["strategy"]), r["nodes"]))
+    failures = [f for run_ in runs for f in run_["failures"]]
+    table = ["| strategy | n | examples/node | mean node acc | min node acc | average-model acc | consensus distance | "
+             "bytes/node/step | epsilon (max node) | run s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    table += [f"| {r['strategy']} | {r['nodes']} | {r['examples_per_node']:.1f} | {r['mean_node_accuracy']:.3f} | "
+              f"{r['min_node_accuracy']:.3f} | {r['average_model_accuracy']:.3f} | {r['consensus_relative_mean']:.2e} | "
+              f"{r['bytes_per_node_step']:,.0f} | {r['epsilon_max']:.2f} | {r['seconds']:.0f} |" for r in rows]
+    prediction = prediction_table(rows, args.mbit)
+    print("\n" + "\n".join(table))
+    print(f"\npredicted communication seconds per step at R = {args.mbit:g} Mbit/s\n" + "\n".join(prediction))
+    if args.no_record:
+        return
+    steps = sorted({r["steps"] for r in rows})
+    text = "\n".join([
+        f"## loopback_scaling.py — {datetime.date.today()}", "",
+        *[f"- `{run_.get('command', '(command not recorded)')}` ({run_.get('seconds', 0):.0f} s); "
+          f"{run_.get('machine', machine_line())}" for run_ in runs],
+        f"- {software_line(opacus=True)}", "",
+        f"{', '.join(map(str, steps))} steps, q = {args.sample_rate}, Dirichlet alpha = {args.alpha}, lr = {args.lr}, "
+        f"C = {CLIP}, sigma = {SIGMA}, digits MLP (4,810 parameters), 1,348 training images in all; consensus distance "
+        "= mean_i ||z_i - z_bar||^2 / ||z_bar||^2; run s: wall-clock of the whole cell (one process, n threads).", "",
+        *table, "", *([f"Failed: {f}" for f in failures] + [""] if failures else []),
+        f"Predicted communication seconds per step at R = {args.mbit:g} Mbit/s (formulas in the script's docstring):",
+        "", *prediction, ""])
+    append_results(text, args.results)
 
 if __name__ == "__main__":
     main()
