@@ -289,7 +289,7 @@ def record(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
         return
     steps = sorted({r["steps"] for r in rows})
     text = "\n".join([
-        f"## loopback_scaling.py — {datetime.date.today()}", "",
+        "", f"## loopback_scaling.py — {datetime.date.today()}", "",
         *[f"- `{run_.get('command', '(command not recorded)')}` ({run_.get('seconds', 0):.0f} s); "
           f"{run_.get('machine', machine_line())}" for run_ in runs],
         f"- {software_line(opacus=True)}", "",
