@@ -222,7 +222,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="16,64,256", help="comma list of n")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma list out of {','.join(STRATEGIES)}")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--sample-rate", type=float, default=0.25, help="q: each node's batch is q x its shard")
     parser.add_argument("--alpha", type=float, default=1.0, help="Dirichlet concentration of the label split")
     parser.add_argument("--lr", type=float, default=0.1)

@@ -54,6 +54,11 @@ How to run (as root)
     python benchmarks/network.py --nodes 8 --mbit 10,100,1000 --model wide --steps 6 --json wide8.json
     python benchmarks/network.py --nodes 8 --mbit 100 --model mlp --steps 60 --eval-every 5 --json acc.json
     python benchmarks/network.py --report wide8.json acc.json     # tables + plots, appended to RESULTS.md
+    python benchmarks/network.py --nodes 8 --mbit 100 --configs push_sum_overlap --sigterm-every 0   # ablation
+
+``--sigterm-every K`` runs Lightning's per-step SIGTERM broadcast (a global collective from rank 0 before every step)
+only every K steps (0: never), in this benchmark only, to measure what that synchronisation costs; the default, 1,
+leaves Lightning as it is.
 
 ``--json`` writes ``{"rows": [{"config", "nodes", "mbit", "step_seconds", "bytes_per_node_step",
 "compute_seconds", "exchange_seconds", ...}], ...}``. ``--report`` reads such files, prints the tables, writes
