@@ -89,62 +89,28 @@ def make_model(seed: int) -> nn.Module:
 
 def private_node(rank: int, exchange: Any, name: str, kwargs: dict[str, Any], secrets: dict | None,
                  model: nn.Module, data: TensorDataset, batch_size: int, steps: int, lr: float) -> dict[str, Any]:
-    """One node's ``steps`` private steps without Lightning, as DecentralizedStrategy.optimizer_step does them:
-    forward and backward on the node's Poisson batch, the strategy's clip + noise (``transform_gradients``), the SGD
-    update of the numerator, the gossip round, the de-biased model written back. All use of the strategy's internals
-    (privacy engine, gossip, flat parameters) is in this function. Returns the de-biased parameters and counters."""
+    """One node's ``steps`` private steps without Lightning: the strategy's own node algorithm driven by
+    :func:`lightning_privdec.algorithms.simulation.train_node` (the strategies' private step on plain PyTorch). All
+    use of the library's node-level API is in this function. Returns the de-biased parameters and counters."""
     from lightning.fabric.plugins.environments import LightningEnvironment
 
-    from lightning_privdec.strategies import PRIVATE_STRATEGIES, CorrelatedNoiseStrategy, FlatParameters
-    from lightning_privdec.strategies.cpgt import CPGTStrategy
+    from lightning_privdec.algorithms.simulation import train_node
+    from lightning_privdec.strategies import PRIVATE_STRATEGIES
 
     environment = LightningEnvironment()
     environment.set_global_rank(rank)
     environment.set_world_size(exchange.world_size)
     strategy = PRIVATE_STRATEGIES[name](**kwargs, parallel_devices=[torch.device("cpu")],
                                         cluster_environment=environment)  # fmt: skip
-    strategy.topology = strategy._build_topology(exchange.world_size)
-    if isinstance(strategy, CorrelatedNoiseStrategy):  # pairwise keys agreed in memory, not over torch.distributed
-        engine = strategy.new_engine()
-        engine.secrets = secrets[rank]  # type: ignore[index]
-    else:
-        engine = strategy.make_privacy_engine()
-    engine.attach(model)
-    flat = FlatParameters(model)
-    gossip = strategy.build_gossip(flat.buffer, exchange)
-    optimizer = torch.optim.SGD(flat.parameters, lr=lr)
-    strategy.privacy, strategy.gossip, strategy.flat, strategy.optimizers = engine, gossip, flat, [optimizer]
-    if isinstance(strategy, CPGTStrategy):
-        engine.configure(step_size=lr, dimension=flat.numel)
-    loader = engine.private_dataloader(DataLoader(data, batch_size=batch_size), steps, exchange.world_size,
-                                       node_local_data=True)  # fmt: skip
-    if isinstance(strategy, CPGTStrategy):
-        gossip.set_noise(engine.noise_x, engine.noise_y)
-
-    def backward(batch: Any) -> bool:
-        x, y = batch
-        if len(x) == 0:
-            return False  # an empty Poisson batch releases pure noise
-        F.cross_entropy(model(x), y).backward()
-        return True
-
-    if hasattr(engine, "fill_table") and not engine.table_ready:
-        engine.fill_table(backward)  # PrivSGP-VR's gradient table
-    taken = 0
-    while taken < steps:
-        for batch in loader:
-            if taken == steps:
-                break
-            optimizer.zero_grad(set_to_none=True)
-            backward(batch)
-            strategy.transform_gradients()
-            flat.buffer.copy_(gossip.x)
-            optimizer.step()
-            gossip.step(flat.buffer)
-            gossip.debias_into(flat.buffer)
-            taken += 1
-    return {"z": flat.buffer.detach().clone(), "bytes_sent": exchange.traffic.bytes_sent,
-            "epsilon": float(engine.epsilon())}
+    strategy.topology = strategy.make_topology(exchange.world_size)
+    node = strategy.make_node_algorithm()
+    if secrets is not None:  # Decor: pairwise keys agreed in memory, not over torch.distributed
+        node.secrets = secrets[rank]
+    run = train_node(node, model, data, exchange=exchange, topology=strategy.topology, batch_size=batch_size,
+                     steps=steps, lr=lr, loss=F.cross_entropy, compressor=strategy.compressor,
+                     push_sum_weight=strategy.required_mixing == "column", consensus_step=strategy.consensus_step,
+                     seed=strategy.seed)  # fmt: skip
+    return {"z": run.parameters.clone(), "bytes_sent": exchange.traffic.bytes_sent, "epsilon": float(node.epsilon())}
 
 
 @torch.no_grad()
