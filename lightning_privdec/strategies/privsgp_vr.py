@@ -17,6 +17,7 @@ from lightning_privdec.algorithms.privsgp_vr import DEFAULT_MAX_TABLE_BYTES, Pri
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 
+
 class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
     """PrivSGP-VR: push-sum SGP over a time-varying directed graph + the SAGA-corrected, noised gradient.
 
@@ -69,7 +70,7 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
     def accounting(self) -> str:
         return self.options.accounting
 
-    def make_privacy_engine(self) -> PrivSGPVRNode:
+    def make_node_algorithm(self) -> PrivSGPVRNode:
         return PrivSGPVRNode(
             self.privacy_parameters,
             options=self.options,
