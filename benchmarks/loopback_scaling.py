@@ -92,24 +92,12 @@ def private_node(rank: int, exchange: Any, name: str, kwargs: dict[str, Any], se
     """One node's ``steps`` private steps without Lightning: the strategy's own node algorithm driven by
     :func:`lightning_privdec.algorithms.simulation.train_node` (the strategies' private step on plain PyTorch). All
     use of the library's node-level API is in this function. Returns the de-biased parameters and counters."""
-    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning_privdec.strategies.offline import offline_node, offline_strategy, train_offline
 
-    from lightning_privdec.algorithms.simulation import train_node
-    from lightning_privdec.strategies import PRIVATE_STRATEGIES
-
-    environment = LightningEnvironment()
-    environment.set_global_rank(rank)
-    environment.set_world_size(exchange.world_size)
-    strategy = PRIVATE_STRATEGIES[name](**kwargs, parallel_devices=[torch.device("cpu")],
-                                        cluster_environment=environment)  # fmt: skip
-    strategy.topology = strategy.make_topology(exchange.world_size)
-    node = strategy.make_node_algorithm()
-    if secrets is not None:  # Decor: pairwise keys agreed in memory, not over torch.distributed
-        node.secrets = secrets[rank]
-    run = train_node(node, model, data, exchange=exchange, topology=strategy.topology, batch_size=batch_size,
-                     steps=steps, lr=lr, loss=F.cross_entropy, compressor=strategy.compressor,
-                     push_sum_weight=strategy.required_mixing == "column", consensus_step=strategy.consensus_step,
-                     seed=strategy.seed)  # fmt: skip
+    strategy = offline_strategy(name, rank, exchange.world_size, **kwargs)
+    node = offline_node(strategy, secrets)  # Decor: pairwise keys agreed in memory, not over torch.distributed
+    run = train_offline(strategy, node, model, data, exchange=exchange, batch_size=batch_size, steps=steps, lr=lr,
+                        loss=F.cross_entropy)
     return {"z": run.parameters.clone(), "bytes_sent": exchange.traffic.bytes_sent, "epsilon": float(node.epsilon())}
 
 
