@@ -150,7 +150,7 @@ def test_cpgt_charges_every_round_a_resume_sends_again(tmp_path, accounting):
 
     def advance(engine, rounds):
         for _ in range(rounds):
-            engine.ledger.record(*engine.next_release())  # what privatize() records, then the write before the message leaves
+            engine.ledger.record(*engine.next_release())  # what privatize() records, then the write before sending
             ledger.write(engine)
 
     e = cpgt_engine(accounting)

@@ -376,8 +376,8 @@ class CPGTNode(PrivateNodeAlgorithm):
         if self.noise_x is None:
             assert target is not None
             self.noise_x = self.noise_y = calibrate_cpgt_noise(
-                target, o.accounting, steps=max(1, planned_steps), norm_factor=self.norm_factor,  # type: ignore[arg-type]
-                **constants,
+                target, o.accounting, steps=max(1, planned_steps),  # type: ignore[arg-type]
+                norm_factor=self.norm_factor, **constants,
             )
         assert self.noise_y is not None
         self.mechanism = self.ledger.mechanism = LaplaceTracking(

@@ -213,7 +213,8 @@ def clipping_sensitivity(max_grad_norm: float, expected_batch_size: float) -> fl
     Per-sample gradients are clipped to C and their sum is divided by the expected batch size q J (J for full
     batches), so replacing one example changes the average by at most 2 C / (q J) at any point x.
     """
-    return 2.0 * positive_number(max_grad_norm, "max_grad_norm") / positive_number(expected_batch_size, "expected_batch_size")
+    clip = positive_number(max_grad_norm, "max_grad_norm")
+    return 2.0 * clip / positive_number(expected_batch_size, "expected_batch_size")
 
 
 def cpgt_epsilon_for(
