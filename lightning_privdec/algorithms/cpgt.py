@@ -3,9 +3,10 @@
     1-2   alpha = the SGD learning rate, d_x, d_y, q planned; x_i(0) given; x_j^c(-1) = y_j^c(-1) = 0 for j = i
           and every neighbour; y_i(0) = grad f_i(x_i(0))           :meth:`CPGTNode.configure_optimizer`,
                                                                    :meth:`CPGTNode.plan_noise`, :class:`CPGTGossip`
-    3-4   round k: g_k = grad f_i(x_i(k)), per-sample clipped to C, over q J; y_i(k) = u_i(k) + g_k into p.grad
-          (eq. (10), one gradient per round), accounted                             :meth:`CPGTNode.privatize`
-          the descent x_i(k) - alpha y_i(k): the user's plain SGD (``lr`` = alpha)
+    3-4   for k = 0..K-1: g_k = grad f_i(x_i(k)) from per-sample gradients clipped to C, over q J, and
+          y_i(k) = u_i(k) + g_k into p.grad (eq. (10)'s gradient term, taken at the start of the next round: one
+          gradient per round); the round recorded in the accountant              :meth:`CPGTNode.privatize`
+          the descent - alpha y_i(k) of (9): the user's plain SGD (``lr`` = alpha)
     5     eta_x ~ Lap_d(d_x q^k),  eta_y ~ Lap_d(d_y q^k)   (this node's own generator)    :meth:`CPGTGossip.step`
     6     x_i^a = x_i(k) + eta_x,  y_i^a = y_i(k) + eta_y                                  (5)-(6)
     7     send C(x_i^a - x_i^c(k-1)) and C(y_i^a - y_i^c(k-1)) to every neighbour   (the only messages)
