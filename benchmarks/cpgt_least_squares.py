@@ -23,8 +23,8 @@ Setup (as in the paper, with the choices it leaves open stated):
   adjacency distance delta = max_i sigma_max(A_i) / 3: one agent's measurements b_i move by at most 1 in l2 norm
   (Assumption 4 holds: the gradient changes by the constant A_i^T (b_i - b_i') / 3). Theorem 2 needs alpha < 1/(2L)
   and q > (alpha L + sqrt(alpha^2 L^2 + 4 alpha L)) / 2; the table says whether each variant meets them and prints
-  the paper's eq. (23) and the sound bound (the accountant's LaplaceTracking, lightning_privdec.privacy.accounting.cpgt)
-  when it does, and the finite-horizon bound of the first K rounds otherwise.
+  the paper's eq. (23) and the sound bound (lightning_privdec.privacy.accounting.cpgt) when it does, and the finite-horizon
+  bound of the first K rounds otherwise.
 
 Run::
 
@@ -48,7 +48,13 @@ import torch
 from lightning_privdec.algorithms.cpgt import CPGTGossip
 from lightning_privdec.comm.loopback import LoopbackNetwork
 from lightning_privdec.compression import QSGD, Compressor, TopK
-from lightning_privdec.privacy.accounting.cpgt import LaplaceTracking, laplace_norm_factor
+from lightning_privdec.privacy.accounting.cpgt import (
+    check_theorem2,
+    cpgt_epsilon,
+    cpgt_epsilon_after,
+    laplace_norm_factor,
+    theorem2_epsilon,
+)
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.topology import build_topology
 
@@ -143,17 +149,18 @@ def fitted_rate(residual: np.ndarray) -> float:
 def privacy_columns(variant: Variant, A: torch.Tensor, rounds: int) -> dict[str, object]:
     L = max(float(torch.linalg.eigvalsh(A[i].T @ A[i]).max()) for i in range(N_AGENTS)) / 3.0
     delta = max(float(torch.linalg.matrix_norm(A[i], ord=2)) for i in range(N_AGENTS)) / 3.0
-    mechanism = LaplaceTracking(alpha=variant.alpha, lipschitz=L, q=variant.q, noise_x=variant.noise,
-                                noise_y=variant.noise, sensitivity=delta, norm_factor=laplace_norm_factor(DIM, "l2"),
-                                accounting="sound")
+    common = dict(alpha=variant.alpha, lipschitz=L, q=variant.q, noise_x=variant.noise, noise_y=variant.noise,
+                  sensitivity=delta)
+    factor = laplace_norm_factor(DIM, "l2")
     out: dict[str, object] = {"L": L, "sensitivity": delta, "alpha_L": variant.alpha * L}
     try:
-        out.update(conditions="met", epsilon_theorem2=mechanism.theorem2_epsilon(),
-                   epsilon_sound=mechanism.trajectory_epsilon(rounds))
+        check_theorem2(variant.alpha, L, variant.q)
+        out.update(conditions="met", epsilon_theorem2=theorem2_epsilon(**common),
+                   epsilon_sound=cpgt_epsilon(**common, norm_factor=factor))
     except PrivacyConfigError as err:
         out.update(conditions=f"violated: {str(err).split(':', 1)[1].split('.')[0].strip()}",
                    epsilon_theorem2=None, epsilon_sound=None)
-    out["epsilon_first_K_rounds"] = mechanism.rounds_epsilon(rounds)  # the coupling over K rounds (Assumption 4)
+    out["epsilon_first_K_rounds"] = cpgt_epsilon_after(rounds, **common, norm_factor=factor)
     return out
 
 

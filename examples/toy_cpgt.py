@@ -42,9 +42,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     data = load_digits_tensors()
     (x, y), (x_test, y_test) = data["train"], data["test"]
     shards = [TensorDataset(x[k :: args.nodes], y[k :: args.nodes]) for k in range(args.nodes)]
-    parameters = PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0, target_epsilon=args.epsilon,
-                                   target_delta=1e-5)
-    options = CPGTOptions(noise_decay=args.noise_decay, lipschitz=args.lipschitz)  # d_x = d_y calibrated
+    parameters = PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0)  # C; no Gaussian noise
+    options = CPGTOptions(noise_decay=args.noise_decay, lipschitz=args.lipschitz, target_epsilon=args.epsilon)
 
     def public_start() -> nn.Module:
         model = nn.Linear(x.shape[1], 10)

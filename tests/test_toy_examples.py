@@ -36,6 +36,18 @@ def test_the_cpgt_toy_learns_and_its_agents_agree_within_the_pure_epsilon_budget
     result = load("toy_cpgt").main(["--nodes", "3", "--steps", "60", "--epsilon", "20"])
     printed = capsys.readouterr().out
     assert result["worst_accuracy"] > 0.6  # ten classes: chance is 0.1
-    assert 20.0 * (1 - 1e-9) <= result["epsilon"] <= 20.0  # the calibrated scales spend the budget, never more
+    assert result["epsilon"] == pytest.approx(20.0, rel=1e-9)  # the calibrated scales spend the budget
     assert result["consensus_distance"] < 0.01  # gradient tracking keeps the agents together
     assert printed.count("pure epsilon-DP (delta = 0)") == 3 and "after 60 rounds" in printed
+
+
+def test_the_privsgp_vr_toy_experiment_learns_and_spends_what_its_accountant_says(capsys) -> None:
+    result = load("toy_privsgp_vr").main(["--nodes", "3", "--steps", "40", "--epsilon", "3"])
+    printed = capsys.readouterr().out
+    assert result["last_loss"] < 0.5 * result["first_loss"]  # every node's training loss at least halves
+    assert result["worst_accuracy"] > 0.6  # ten classes: chance is 0.1
+    assert 2.9 <= result["epsilon"] <= 3.0
+    node = result["node_0"]  # the ledger's epsilon is the composition of the two mechanisms of each of its steps
+    assert node["steps"] == 40 and node["split"] is not None
+    assert node["epsilon"] == pytest.approx(node["epsilon_sound_formula"], rel=1e-12)
+    assert printed.count("node ") == 3 and "consensus distance" in printed

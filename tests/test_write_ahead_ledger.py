@@ -111,16 +111,20 @@ def test_dyn_d2p_resumes_its_schedule_at_the_released_step(tmp_path):
     assert resumed.noise_multiplier == e.schedule.noise_multiplier(5)  # the schedule goes on at step 5, not 1
 
 
-def cpgt_engine(accounting: str = "finite", target_epsilon: float | None = None):
-    from lightning_privdec.privacy import PrivacyParameters
+def make_cpgt_node(**options):  # noqa: ANN201
+    """A CPGT node with alpha = 0.1 and d = 3, q = 0.9, L = 1 unless ``options`` say otherwise."""
     from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
+    from lightning_privdec.privacy import PrivacyParameters
 
+    e = CPGTNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0), rank=0, device=torch.device("cpu"),
+                 options=CPGTOptions(**{"noise_decay": 0.9, "lipschitz": 1.0, **options}))
+    e.configure_optimizer(torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1), 3)
+    return e
+
+
+def cpgt_engine(accounting: str = "finite", target_epsilon: float | None = None):
     noise = dict(noise_x=1.0, noise_y=1.0) if target_epsilon is None else dict(noise_x=None, noise_y=None)
-    budget = dict(target_epsilon=target_epsilon, target_delta=1e-5) if target_epsilon is not None else {}
-    e = CPGTNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0, **budget), rank=0,
-                 device=torch.device("cpu"),
-                 options=CPGTOptions(noise_decay=0.9, lipschitz=1.0, accounting=accounting, **noise))
-    e.configure(step_size=0.1, dimension=3)
+    e = make_cpgt_node(accounting=accounting, target_epsilon=target_epsilon, **noise)
     data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
     batch_size = 5 if accounting == "finite" else 50  # whole-run accountings need full batches
     e.private_dataloader(torch.utils.data.DataLoader(data, batch_size=batch_size), planned_steps=10)
@@ -132,9 +136,8 @@ def _cpgt_round_terms(e, rounds: int) -> list[float]:
     engine from its parameters (Assumption 4 unless accounting='finite')."""
     from lightning_privdec.privacy.accounting.cpgt import cpgt_epsilon_after
 
-    common = dict(alpha=e.alpha, lipschitz=e.options.lipschitz, q=e.options.noise_decay, noise_x=e.noise_x,
-                  noise_y=e.noise_y, sensitivity=e.sensitivity, norm_factor=e.norm_factor,
-                  linear_difference=e.options.accounting != "finite")
+    common = dict(alpha=e.alpha, lipschitz=e.lipschitz, q=e.noise_decay, noise_x=e.noise_x, noise_y=e.noise_y,
+                  sensitivity=e.sensitivity, norm_factor=e.norm_factor, linear_difference=e.accounting != "finite")
     partial = [cpgt_epsilon_after(k, **common) for k in range(rounds + 1)]
     return [b - a for a, b in zip(partial, partial[1:])]
 
@@ -150,7 +153,7 @@ def test_cpgt_charges_every_round_a_resume_sends_again(tmp_path, accounting):
 
     def advance(engine, rounds):
         for _ in range(rounds):
-            engine.ledger.record(*engine.next_release())  # what privatize() records, then the write before sending
+            engine.ledger.record()  # what privatize() records, then the write before the message leaves
             ledger.write(engine)
 
     e = cpgt_engine(accounting)
@@ -191,11 +194,10 @@ def test_cpgt_refuses_to_resume_past_its_target_once_replays_are_charged(tmp_pat
     ledger = WriteAheadLedger(tmp_path, "run", rank=0)
     e = cpgt_engine("sound", target_epsilon=2.0)
     assert e.epsilon() == 0.0 and not e.next_step_exceeds_budget()
-    e.ledger.record(*e.next_release())
+    e.ledger.rounds = 1
     ledger.write(e)
     saved = checkpoint(e)
-    for _ in range(3):
-        e.ledger.record(*e.next_release())
+    e.ledger.rounds = 4
     ledger.write(e)
     assert e.epsilon() == pytest.approx(2.0) and not e.next_step_exceeds_budget()
     resumed = cpgt_engine("sound", target_epsilon=2.0)
@@ -218,8 +220,8 @@ def test_cpgt_loads_the_node_states_saved_before_its_accountant_kept_its_own(tmp
     with pytest.warns(UserWarning, match="5 private steps were released"):
         ledger.recover(resumed)  # rounds 2..4 of the crashed trajectory are charged again
     assert resumed.ledger.rounds == 2 and resumed.ledger.replayed == [(1, 3), (2, 5)]
-    assert resumed.epsilon() == pytest.approx(
-        sum(_cpgt_round_terms(e, 5)[:2]) + sum(_cpgt_round_terms(e, 5)[k] for k in (1, 2, 2, 3, 4)), rel=1e-12)
+    terms = _cpgt_round_terms(e, 5)
+    assert resumed.epsilon() == pytest.approx(sum(terms[:2]) + sum(terms[k] for k in (1, 2, 2, 3, 4)), rel=1e-12)
 
 
 def decor_engine():
@@ -285,22 +287,15 @@ def test_a_lightning_resume_after_a_crash_counts_the_released_steps(tmp_path):
 def test_a_calibrated_finite_cpgt_plan_takes_every_planned_round():
     """The calibrated scale spends the target exactly (to float rounding): the last planned round must not be
     refused for a few ulp."""
-    from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
-
     data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
     early = []
     for planned in range(2, 40, 3):
         for target in (0.5, 3.0, 7.3):
-            e = CPGTNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0, target_epsilon=target,
-                                           target_delta=1e-5), rank=0, device=torch.device("cpu"),
-                         options=CPGTOptions(noise_decay=0.9, lipschitz=1.0, accounting="finite"))
-            e.configure(step_size=0.1, dimension=3)
+            e = make_cpgt_node(accounting="finite", target_epsilon=target)
             e.private_dataloader(torch.utils.data.DataLoader(data, batch_size=5), planned_steps=planned)
-            for _ in range(planned - 1):
-                e.ledger.record(*e.next_release())
+            e.ledger.rounds = planned - 1
             if e.next_step_exceeds_budget():
                 early.append((planned, target))
-            e.ledger.record(*e.next_release())
+            e.ledger.rounds = planned
             assert e.next_step_exceeds_budget() and e.epsilon() == pytest.approx(target, rel=1e-9)
     assert early == []

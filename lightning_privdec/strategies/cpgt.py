@@ -1,15 +1,19 @@
 """CPGT: Compressed differentially Private Gradient Tracking (Xie, Yi, Wang, Cao, Ren), as a Lightning strategy.
 
-Per optimizer step on node i, the private step of every strategy: the closure (gradients at x_i(k)), then
-:meth:`~lightning_privdec.algorithms.cpgt.CPGTNode.privatize` (per-sample clipping, no Gaussian noise, and the
-tracking direction y_i(k) into p.grad), the write-ahead ledger, the user's plain SGD (x_i(k) - alpha y_i(k)) and
-the gossip round (Laplace noise d q^k on x and y, compressed differences, replicas, eqs. (5)-(12)). Algorithm 1 line
-by line: :mod:`lightning_privdec.algorithms.cpgt`; its accountant: :mod:`lightning_privdec.privacy.accounting.cpgt`.
+Per optimizer step on node i (Algorithm 1; the strategy's flow in parentheses):
 
-The privacy is pure epsilon-DP of the node's MESSAGES over the whole run (Theorem 2's coupling, delta = 0). It does
-not cover the node's clean state: the trained model x_i(K) (and a checkpoint, which holds x and the tracker) reveals
-y(K-1) exactly; publish a network average or a noisy x^a instead. See docs/privacy.md, "CPGT", for what it assumes
-and what it means for neural networks.
+    closure, privatize   g_k = grad f_i(x_i(k)), per-sample gradients clipped to C, averaged over q J (no Gaussian
+                     noise), then y_i(k) = u_i(k) + g_k written into p.grad (eq. (10) with one gradient per step)
+                     (:class:`~lightning_privdec.algorithms.cpgt.CPGTNode`)
+    optimizer        x_i(k) - alpha y_i(k): plain SGD, lr = alpha, no momentum, no weight decay
+    gossip.step      Laplace noise d q^k on x and y, compressed differences to the neighbours, replicas, and
+                     x_i(k+1) = x_i^a + gamma sum_j w_ij (x_j^c - x_i^c) - alpha y_i(k) (eqs. (5)-(12))
+
+over a static undirected graph with doubly-stochastic (Metropolis) weights. The privacy is pure epsilon-DP of the
+node's MESSAGES over the whole run (Theorem 2's coupling, delta = 0). It does not cover the node's clean state: the
+trained model x_i(K) (and a checkpoint, which holds x and the tracker) reveals y(K-1) exactly; publish a network
+average or a noisy x^a instead. See docs/privacy.md, "CPGT", for what it assumes and what it means for neural
+networks.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_privdec.algorithms.cpgt import CPGTGossip, CPGTNode, CPGTOptions
+from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
 from lightning_privdec.privacy import DEFAULT_DELTA, PrivacyConfigError
 from lightning_privdec.privacy.accounting.gaussian import check_accountant
-from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 from lightning_privdec.tensors import split_like
+from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 
 _NO_GAUSSIAN_NOISE = "noise_multiplier=0 adds no noise"
 
@@ -103,9 +107,8 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             )
         self.options = CPGTOptions(
             noise_decay=noise_decay, lipschitz=lipschitz, noise_x=noise_x, noise_y=noise_y, sensitivity=sensitivity,
-            sensitivity_norm=sensitivity_norm, accounting=accounting,
+            sensitivity_norm=sensitivity_norm, accounting=accounting, target_epsilon=target_epsilon,
         )
-        self.options.check_budget(target_epsilon)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_GAUSSIAN_NOISE)
             super().__init__(
@@ -121,8 +124,8 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             )
 
     # ---- setup ---------------------------------------------------------------------------------------------------
-    def _build_topology(self, world_size: int):  # type: ignore[no-untyped-def]
-        topology = super()._build_topology(world_size)
+    def make_topology(self, world_size: int):  # type: ignore[no-untyped-def]
+        topology = super().make_topology(world_size)
         if not topology.is_static:
             raise PrivacyConfigError(
                 f"CPGT needs a static undirected graph (its replicas x_j^c follow one fixed set of neighbours); "
@@ -130,7 +133,7 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             )
         return topology
 
-    def make_privacy_engine(self) -> CPGTNode:
+    def make_node_algorithm(self) -> CPGTNode:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_GAUSSIAN_NOISE)
             return CPGTNode(
@@ -139,7 +142,7 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             )
 
     def _check_optimization(self, trainer: pl.Trainer) -> None:
-        super()._check_optimization(trainer)  # the node takes alpha from the optimizer and checks Theorem 2
+        super()._check_optimization(trainer)
         if trainer.lr_scheduler_configs:
             raise PrivacyConfigError(
                 "CPGT's privacy bound and its convergence use a constant step size alpha: remove the learning-rate "
@@ -152,36 +155,34 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             )
 
     def process_dataloader(self, dataloader: object) -> object:
-        gossip = self.gossip
-        planned = (gossip.noise_x, gossip.noise_y) if isinstance(gossip, CPGTGossip) else None
-        loader = super().process_dataloader(dataloader)  # the node plans d_x, d_y and hands them to its gossip
+        loader = super().process_dataloader(dataloader)
         engine = self.privacy
-        if planned is None or not isinstance(engine, CPGTNode) or (gossip.noise_x, gossip.noise_y) == planned:
-            return loader
-        bound = (
-            f"epsilon = {engine.run_epsilon:.4g} for the whole run ({engine.options.accounting}; the paper's eq. (23): "
-            f"{engine.mechanism.theorem2_epsilon():.4g})" if engine.run_epsilon is not None
-            else "epsilon growing with every step (finite accounting)"
-        )
-        rank_zero_warn(
-            "CPGT's epsilon covers the messages each node sends, under the paper's assumptions: every node's "
-            f"gradient map is L-smooth with L = {self.options.lipschitz} (your assumption) and"
-            + (" one example changes it by a constant vector (Assumption 4, false for neural networks; "
-               "accounting='finite' drops it)" if self.options.accounting != "finite" else " nothing more")
-            + ". It does not cover a node's own final model x_i(K), which reveals its tracker, nor the "
-            "network average of the clean models: publish the noisy x^a the node already sent instead."
-        )
-        rank_zero_info(
-            f"CPGT: Laplace noise d_x = {engine.noise_x:.4g}, d_y = {engine.noise_y:.4g}, decay q = "
-            f"{self.options.noise_decay}, alpha = {engine.alpha}, L = {self.options.lipschitz}, adjacency distance "
-            f"{engine.sensitivity:.4g}, d = {engine.dimension}: {bound}, delta = 0"
-        )
+        if isinstance(engine, CPGTNode) and engine.noise_x is not None and loader is not dataloader:
+            bound = (
+                f"epsilon = {engine.run_epsilon:.4g} for the whole run ({engine.accounting}; the paper's eq. (23): "
+                f"{engine.epsilon_theorem2:.4g})" if engine.run_epsilon is not None
+                else "epsilon growing with every step (finite accounting)"
+            )
+            rank_zero_warn(
+                "CPGT's epsilon covers the messages each node sends, under the paper's assumptions: every node's "
+                f"gradient map is L-smooth with L = {engine.lipschitz} (your assumption) and"
+                + (" one example changes it by a constant vector (Assumption 4, false for neural networks; "
+                   "accounting='finite' drops it)" if engine.accounting != "finite" else " nothing more")
+                + ". It does not cover a node's own final model x_i(K), which reveals its tracker, nor the "
+                "network average of the clean models: publish the noisy x^a the node already sent instead."
+            )
+            rank_zero_info(
+                f"CPGT: Laplace noise d_x = {engine.noise_x:.4g}, d_y = {engine.noise_y:.4g}, decay q = "
+                f"{engine.noise_decay}, alpha = {engine.alpha}, L = {engine.lipschitz}, adjacency distance "
+                f"{engine.sensitivity:.4g}, d = {engine.dimension}: {bound}, delta = 0"
+            )
         return loader
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def _load_debiased_parameters(self, node: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
+        x = node["gossip"]["x"]  # CPGT evaluates at x itself (no push-sum weight)
         parameters = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        with torch.no_grad():  # CPGT evaluates at x itself (no push-sum weight)
-            for p, value in zip(parameters, split_like(node["gossip"]["x"], parameters)):
+        with torch.no_grad():
+            for p, value in zip(parameters, split_like(x, parameters)):
                 p.copy_(value)

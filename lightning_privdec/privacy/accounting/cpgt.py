@@ -30,19 +30,12 @@ an l2 sensitivity and an l2 smoothness constant, ||v||_1 <= sqrt(d) ||v||_2 mult
 :func:`cpgt_epsilon_after` sums the same coupling over a finite number of rounds, and optionally without
 Assumption 4 (then the change of the gradient difference adds up to 2 * sensitivity per round): the only bound that
 applies to non-convex models trained with clipped gradients, for which Assumption 4 does not hold.
-
-:class:`CPGTAccountant` is one node's ledger: the rounds of its trajectory, priced by :class:`LaplaceTracking` (the
-run's constants and accounting), plus the rounds a resume released again. A run resumed from a checkpoint of round
-k0 after rounds up to k1 > k0 were released (the write-ahead ledger says so) sends rounds k0..k1-1 again with fresh
-noise at the same scales; the two transcripts compose, so epsilon = (the trajectory's bound) + (the coupling's terms
-of rounds k0..k1-1), once per replay.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from lightning_privdec.privacy.accounting.base import Accountant
@@ -51,7 +44,6 @@ from lightning_privdec.privacy.errors import PrivacyConfigError
 __all__ = [
     "ACCOUNTING",
     "CPGTAccountant",
-    "LaplaceTracking",
     "calibrate_cpgt_noise",
     "check_theorem2",
     "clipping_sensitivity",
@@ -60,7 +52,6 @@ __all__ = [
     "cpgt_epsilon_for",
     "min_noise_decay",
     "laplace_norm_factor",
-    "positive_number",
     "theorem2_epsilon",
 ]
 
@@ -70,8 +61,7 @@ ACCOUNTING = ("sound", "theorem2", "finite")
 Accounting = Literal["sound", "theorem2", "finite"]
 
 
-def positive_number(value: float, name: str) -> float:
-    """``value`` as a float, or :class:`PrivacyConfigError` naming ``name`` unless it is a finite number > 0."""
+def _positive(value: float, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise PrivacyConfigError(f"CPGT: {name} must be a finite number > 0, got {value!r}")
     return float(value)
@@ -88,9 +78,9 @@ def check_theorem2(alpha: float, lipschitz: float, q: float) -> None:
 
     Raises :class:`PrivacyConfigError` naming the violated condition, its numbers, and how to fix it.
     """
-    alpha = positive_number(alpha, "the step size alpha (the SGD learning rate)")
-    lipschitz = positive_number(lipschitz, "the smoothness constant L (lipschitz)")
-    q = positive_number(q, "the noise decay rate q (noise_decay)")
+    alpha = _positive(alpha, "the step size alpha (the SGD learning rate)")
+    lipschitz = _positive(lipschitz, "the smoothness constant L (lipschitz)")
+    q = _positive(q, "the noise decay rate q (noise_decay)")
     if alpha * lipschitz >= 0.5:
         raise PrivacyConfigError(
             f"CPGT Theorem 2 needs alpha < 1/(2L): alpha = {alpha:g} and L = {lipschitz:g} give alpha L = "
@@ -119,13 +109,13 @@ def _series(alpha: float, lipschitz: float, q: float, sensitivity: float) -> flo
 def theorem2_epsilon(
     *, alpha: float, lipschitz: float, q: float, noise_x: float, noise_y: float, sensitivity: float
 ) -> float:
-    """Theorem 2, the paper's eq. (23), verbatim: tau q^2 delta / (q^2 - alpha L - q alpha L), tau = alpha/d_x + 1/d_y.
+    """The paper's eq. (23), verbatim: tau q^2 delta / (q^2 - alpha L - q alpha L), tau = alpha/d_x + 1/d_y.
 
     Kept for comparison with the paper; it understates the bound its proof gives (see :func:`cpgt_epsilon`).
     """
     check_theorem2(alpha, lipschitz, q)
-    tau = alpha / positive_number(noise_x, "noise_x") + 1.0 / positive_number(noise_y, "noise_y")
-    return tau * _series(alpha, lipschitz, q, positive_number(sensitivity, "the sensitivity (adjacency distance)"))
+    tau = alpha / _positive(noise_x, "noise_x") + 1.0 / _positive(noise_y, "noise_y")
+    return tau * _series(alpha, lipschitz, q, _positive(sensitivity, "the sensitivity (adjacency distance)"))
 
 
 def cpgt_epsilon(
@@ -145,9 +135,9 @@ def cpgt_epsilon(
     (:func:`laplace_norm_factor`).
     """
     check_theorem2(alpha, lipschitz, q)
-    tau = alpha / (q * positive_number(noise_x, "noise_x")) + 1.0 / positive_number(noise_y, "noise_y")
-    series = _series(alpha, lipschitz, q, positive_number(sensitivity, "the sensitivity (adjacency distance)"))
-    return positive_number(norm_factor, "norm_factor") * tau * series
+    tau = alpha / (q * _positive(noise_x, "noise_x")) + 1.0 / _positive(noise_y, "noise_y")
+    series = _series(alpha, lipschitz, q, _positive(sensitivity, "the sensitivity (adjacency distance)"))
+    return _positive(norm_factor, "norm_factor") * tau * series
 
 
 def cpgt_epsilon_after(
@@ -171,13 +161,13 @@ def cpgt_epsilon_after(
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise PrivacyConfigError(f"CPGT: steps must be an integer >= 0, got {steps!r}")
-    alpha = positive_number(alpha, "the step size alpha")
-    al = alpha * positive_number(lipschitz, "the smoothness constant L")
-    q = positive_number(q, "the noise decay rate q")
+    alpha = _positive(alpha, "the step size alpha")
+    al = alpha * _positive(lipschitz, "the smoothness constant L")
+    q = _positive(q, "the noise decay rate q")
     if q > 1.0:
         raise PrivacyConfigError(f"CPGT: the noise decay rate q must be <= 1, got {q}")
-    d_x, d_y = positive_number(noise_x, "noise_x"), positive_number(noise_y, "noise_y")
-    delta = positive_number(sensitivity, "the sensitivity (adjacency distance)")
+    d_x, d_y = _positive(noise_x, "noise_x"), _positive(noise_y, "noise_y")
+    delta = _positive(sensitivity, "the sensitivity (adjacency distance)")
     drift = 0.0 if linear_difference else 2.0 * delta
     if steps == 0:
         return 0.0
@@ -193,7 +183,7 @@ def cpgt_epsilon_after(
         if not math.isfinite(epsilon):
             return math.inf
         a_older, a_last = a_last, a_k
-    return positive_number(norm_factor, "norm_factor") * epsilon
+    return _positive(norm_factor, "norm_factor") * epsilon
 
 
 def laplace_norm_factor(dimension: int, norm: str = "l2") -> float:
@@ -213,8 +203,7 @@ def clipping_sensitivity(max_grad_norm: float, expected_batch_size: float) -> fl
     Per-sample gradients are clipped to C and their sum is divided by the expected batch size q J (J for full
     batches), so replacing one example changes the average by at most 2 C / (q J) at any point x.
     """
-    clip = positive_number(max_grad_norm, "max_grad_norm")
-    return 2.0 * clip / positive_number(expected_batch_size, "expected_batch_size")
+    return 2.0 * _positive(max_grad_norm, "max_grad_norm") / _positive(expected_batch_size, "expected_batch_size")
 
 
 def cpgt_epsilon_for(
@@ -256,7 +245,7 @@ def calibrate_cpgt_noise(
 ) -> float:
     """The noise scale d = noise_x = noise_y that spends exactly ``target_epsilon`` (every bound is proportional to
     1/d when both scales are d, so this is a division, not a search)."""
-    target = positive_number(target_epsilon, "target_epsilon")
+    target = _positive(target_epsilon, "target_epsilon")
     at_one = cpgt_epsilon_for(
         accounting, steps=steps, alpha=alpha, lipschitz=lipschitz, q=q, noise_x=1.0, noise_y=1.0,
         sensitivity=sensitivity, norm_factor=norm_factor,
@@ -266,70 +255,58 @@ def calibrate_cpgt_noise(
             f"CPGT: the finite-horizon bound overflows for {steps} steps at q = {q:g}: no noise level reaches "
             f"target_epsilon = {target:g}; use fewer steps or a decay rate q closer to 1"
         )
-    d = at_one / target
-    common = dict(steps=steps, alpha=alpha, lipschitz=lipschitz, q=q, sensitivity=sensitivity, norm_factor=norm_factor)
-    while cpgt_epsilon_for(accounting, noise_x=d, noise_y=d, **common) > target:  # never above it by rounding
-        d = math.nextafter(d, math.inf)
-    return d
-
-
-@dataclass(frozen=True)
-class LaplaceTracking:
-    """What every round of one CPGT trajectory releases, and how it is accounted: the step size alpha, the assumed
-    smoothness L, the decay q, the Laplace scales d_x, d_y, the adjacency distance, the norm factor (sqrt(d) or 1)
-    and the accounting (:data:`ACCOUNTING`)."""
-
-    alpha: float
-    lipschitz: float
-    q: float
-    noise_x: float
-    noise_y: float
-    sensitivity: float
-    norm_factor: float
-    accounting: Accounting
-
-    def _constants(self) -> dict[str, float]:
-        return dict(alpha=self.alpha, lipschitz=self.lipschitz, q=self.q, noise_x=self.noise_x, noise_y=self.noise_y,
-                    sensitivity=self.sensitivity)
-
-    @property
-    def whole_run(self) -> bool:
-        """Whether one bound covers every round of the trajectory, past and future ("sound", "theorem2")."""
-        return self.accounting != "finite"
-
-    def trajectory_epsilon(self, rounds: int) -> float:
-        """The accounting's epsilon of rounds 0..rounds-1 (the whole-run bound, whatever ``rounds``)."""
-        return cpgt_epsilon_for(self.accounting, steps=rounds, norm_factor=self.norm_factor, **self._constants())
-
-    def theorem2_epsilon(self) -> float:
-        """Theorem 2's eq. (23), the paper's own number, for reference."""
-        return theorem2_epsilon(**self._constants())
-
-    def rounds_epsilon(self, rounds: int) -> float:
-        """The coupling's terms of rounds 0..rounds-1 summed (Assumption 4 unless finite; eq. (23) has no norm
-        factor)."""
-        return cpgt_epsilon_after(
-            rounds, norm_factor=1.0 if self.accounting == "theorem2" else self.norm_factor,
-            linear_difference=self.whole_run, **self._constants(),
-        )
+    return at_one / target
 
 
 class CPGTAccountant(Accountant):
-    """One node's pure epsilon-DP ledger (delta = 0): the trajectory's rounds and the rounds replayed after crashes.
+    """One CPGT node's pure epsilon-DP ledger (delta = 0): the rounds it released and the rounds a resume released
+    again.
 
-    A release is the round's :class:`LaplaceTracking`; :attr:`mechanism` is the one the node planned (every recorded
-    round sets it too), with which epsilon is priced.
+    Epsilon: 0 before the first message; then the whole-run bound (``"sound"``, ``"theorem2"``: it covers every
+    round of the trajectory, past and future), or the coupling of the rounds taken so far (``"finite"``); plus, by
+    composition, the terms of every replayed round. A release is one round (no arguments). The bound's terms (alpha,
+    L, q, the Laplace scales, the sensitivity, the norm factor) are set by :meth:`configure` once the noise is planned.
+
+    Crashes: a run resumed from a checkpoint of round k0 after rounds up to k1 > k0 were released (the write-ahead
+    ledger says so) sends rounds k0..k1-1 again with fresh noise at the same scales; the two transcripts compose, so
+    :meth:`charge_replay` adds the terms of rounds k0..k1-1 (Theorem 2's coupling must absorb both).
     """
 
     delta = 0.0
 
-    def __init__(self) -> None:
-        self.mechanism: LaplaceTracking | None = None
-        self.rounds = 0  # rounds of the current trajectory (= the gossip's round counter)
+    def __init__(self, accounting: Accounting) -> None:
+        if accounting not in ACCOUNTING:
+            raise PrivacyConfigError(f"CPGT: accounting must be one of {ACCOUNTING}, got {accounting!r}")
+        self.accounting = accounting
+        self.rounds = 0  # rounds of the current trajectory (the algorithm's round counter)
         self.replayed: list[tuple[int, int]] = []  # [k0, k1): rounds released again after a resume
+        self.terms: dict[str, float] | None = None
+        self.run_epsilon: float | None = None  # the whole-run bound (sound or theorem2 accountings)
 
-    def record(self, mechanism: LaplaceTracking) -> None:  # type: ignore[override]
-        self.mechanism = mechanism
+    def configure(
+        self, *, alpha: float, lipschitz: float, q: float, noise_x: float, noise_y: float, sensitivity: float,
+        norm_factor: float,
+    ) -> None:
+        """The bound's terms; eq. (23) (``"theorem2"``) is the paper's, verbatim, without the l1 norm factor."""
+        self.terms = dict(alpha=alpha, lipschitz=lipschitz, q=q, noise_x=noise_x, noise_y=noise_y,
+                          sensitivity=sensitivity, norm_factor=1.0 if self.accounting == "theorem2" else norm_factor)
+        self.run_epsilon = None if self.accounting == "finite" else self.trajectory_epsilon(None)
+
+    def trajectory_epsilon(self, rounds: int | None) -> float:
+        """The accounting's epsilon of rounds 0..rounds-1 of one trajectory (``None``: the whole run)."""
+        assert self.terms is not None
+        return cpgt_epsilon_for(self.accounting, steps=rounds, **self.terms)  # type: ignore[arg-type]
+
+    def _rounds_epsilon(self, rounds: int) -> float:
+        """The coupling's terms of rounds 0..rounds-1 summed (Assumption 4 unless ``accounting="finite"``)."""
+        assert self.terms is not None
+        return cpgt_epsilon_after(rounds, **self.terms, linear_difference=self.accounting != "finite")
+
+    def replay_epsilon(self) -> float:
+        """What the rounds released twice add by composition: their terms, once more per replay."""
+        return sum(self._rounds_epsilon(end) - self._rounds_epsilon(start) for start, end in self.replayed)
+
+    def record(self) -> None:
         self.rounds += 1
 
     @property
@@ -337,35 +314,26 @@ class CPGTAccountant(Accountant):
         """Rounds released in all: the current trajectory's and every replayed one."""
         return self.rounds + sum(end - start for start, end in self.replayed)
 
-    def epsilon_after(self, steps: int, mechanism: LaplaceTracking | None = None) -> float:  # type: ignore[override]
-        """0 before the first message; then the trajectory's bound after ``steps`` more rounds plus, by composition,
-        the terms of every replayed round."""
-        mechanism = mechanism or self.mechanism
-        if mechanism is None or self.steps + steps == 0:
+    def epsilon_after(self, steps: int) -> float:
+        if self.steps + steps == 0 or self.terms is None:
             return 0.0
-        replays = sum(mechanism.rounds_epsilon(end) - mechanism.rounds_epsilon(start) for start, end in self.replayed)
-        return mechanism.trajectory_epsilon(self.rounds + steps) + replays
+        trajectory = self.run_epsilon if self.run_epsilon is not None else self.trajectory_epsilon(self.rounds + steps)
+        return trajectory + self.replay_epsilon()
 
-    def replay_state(self, written: Mapping[str, Any]) -> dict[str, Any]:
-        """This ledger after a crash whose write-ahead state ``written`` went further: the trajectory restarts at
-        this ledger's round k0 (the checkpoint's), and rounds k0..k1-1, already released once, are replayed."""
-        replayed = [list(interval) for interval in written["replayed"]]
-        if int(written["rounds"]) > self.rounds:
-            replayed.append([self.rounds, int(written["rounds"])])
-        return {**written, "rounds": self.rounds, "replayed": replayed}
+    def charge_replay(self, state: Mapping[str, Any]) -> None:
+        """Adopt a later state of this run (the write-ahead ledger's): the trajectory restarts at this ledger's round
+        k0, and the rounds k0..k1-1 the crashed run had released are charged again as the resumed run re-sends them."""
+        replayed = [(int(start), int(end)) for start, end in state.get("replayed", [])]
+        if int(state["steps"]) > self.rounds:
+            replayed.append((self.rounds, int(state["steps"])))
+        self.replayed = replayed
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "rounds": self.rounds,
-            "replayed": [[start, end] for start, end in self.replayed],
-            "mechanism": None if self.mechanism is None else asdict(self.mechanism),
-        }
+        return {"steps": self.rounds, "replayed": [[start, end] for start, end in self.replayed]}
 
     def saved_steps(self, state: Mapping[str, Any]) -> int:
-        return int(state["rounds"]) + sum(int(end) - int(start) for start, end in state["replayed"])
+        return int(state["steps"]) + sum(int(end) - int(start) for start, end in state.get("replayed", []))
 
     def _load_state(self, state: Mapping[str, Any]) -> None:
-        self.rounds = int(state["rounds"])
-        self.replayed = [(int(start), int(end)) for start, end in state["replayed"]]
-        if state.get("mechanism") is not None:
-            self.mechanism = LaplaceTracking(**state["mechanism"])
+        self.rounds = int(state["steps"])
+        self.replayed = [(int(start), int(end)) for start, end in state.get("replayed", [])]
