@@ -13,60 +13,33 @@ and the consensus distance::
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import TensorDataset
+from toy_digits import digits_shards, parser, public_linear, report
 
 from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
-from lightning_privdec.algorithms.simulation import consensus_distance, train_network
+from lightning_privdec.algorithms.simulation import train_network
 from lightning_privdec.compression import build_compressor
-from lightning_privdec.data.digits import accuracy, load_digits_tensors
 from lightning_privdec.privacy import PrivacyParameters
 from lightning_privdec.topology import build_topology
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--epsilon", type=float, default=20.0)
+    p = parser(__doc__, epsilon=20.0, lr=0.3)
     p.add_argument("--compressor", default="none", help="'none', 'topk:0.5', 'qsgd:8', ...")
-    p.add_argument("--lr", type=float, default=0.3, help="alpha; Theorem 2 needs alpha L < 1/2")
     p.add_argument("--lipschitz", type=float, default=0.1, help="L, assumed for every agent's gradient")
     p.add_argument("--noise-decay", type=float, default=0.5, help="q")
-    args = p.parse_args(argv)
-
-    data = load_digits_tensors()
-    (x, y), (x_test, y_test) = data["train"], data["test"]
-    shards = [TensorDataset(x[k :: args.nodes], y[k :: args.nodes]) for k in range(args.nodes)]
+    args = p.parse_args(argv)  # --lr is alpha: Theorem 2 needs alpha L < 1/2
+    shards, test = digits_shards(args.nodes)
     parameters = PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0)  # C; no Gaussian noise
     options = CPGTOptions(noise_decay=args.noise_decay, lipschitz=args.lipschitz, target_epsilon=args.epsilon)
-
-    def public_start() -> nn.Module:
-        model = nn.Linear(x.shape[1], 10)
-        with torch.no_grad():
-            for weight in model.parameters():
-                weight.zero_()
-        return model
-
     runs = train_network(
         lambda rank: CPGTNode(parameters, options=options, rank=rank, device=torch.device("cpu")),
-        public_start, shards,
-        topology=build_topology("ring", args.nodes, weights="metropolis"),
+        public_linear, shards, topology=build_topology("ring", args.nodes, weights="metropolis"),
         compressor=None if args.compressor == "none" else build_compressor(args.compressor),
         batch_size=max(map(len, shards)), steps=args.steps, lr=args.lr, loss=F.cross_entropy,  # full batches: q = 1
     )
-    accuracies = [accuracy(run.model, x_test, y_test) for run in runs]
-    for rank, (run, acc) in enumerate(zip(runs, accuracies)):
-        print(f"node {rank}: test accuracy {acc:.3f}, epsilon {run.node.epsilon():.3f} after {run.node.steps} rounds "
-              f"({run.node.noise_summary()})")
-    distance = consensus_distance(runs)
-    print(f"consensus distance max_i ||x_i - x_bar|| = {distance:.4f}")
-    return {"worst_accuracy": min(accuracies), "epsilon": max(run.node.epsilon() for run in runs),
-            "consensus_distance": distance}
+    return report(runs, test)
 
 
 if __name__ == "__main__":
