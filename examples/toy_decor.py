@@ -66,7 +66,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"node {rank}: test accuracy {acc:.3f}, epsilon {run.node.epsilon():.3f} after {run.node.steps} steps "
               f"({run.node.noise_summary()})")
     print(f"consensus distance max_i ||x_i - x_bar|| = {consensus_distance(runs):.4f}")
-    return {"worst_accuracy": min(accuracies), "epsilon": max(run.node.epsilon() for run in runs)}
+    node = runs[0].node
+    return {
+        "worst_accuracy": min(accuracies), "epsilon": max(run.node.epsilon() for run in runs),
+        "sigma_cdp": node.sigma_cdp, "sigma_cor": node.sigma_cor, "sample_rate": node.sample_rate, "steps": node.steps,
+    }
 
 
 if __name__ == "__main__":

@@ -161,16 +161,23 @@ class DecorNode(PrivateNodeAlgorithm):
             }[self.options.baseline]
         assert self.sigma_cdp is not None
         self.sigma_cor = self.sigma_cor or 0.0
-        if self.options.baseline == "cdp":  # central DP of the network average: one node's input moves it by Delta / n
-            n = self.graph.number_of_nodes()
-            self.epsilon_step = secldp_sensitivity(C, self.level) ** 2 / (2.0 * n * self.sigma_cdp**2)  # type: ignore[arg-type]
-        else:
-            self.epsilon_step = secldp_step(
-                self.graph, self.sigma_cdp, self.sigma_cor, C, self.adversary, level=self.level,  # type: ignore[arg-type]
-            )
+        self.epsilon_step = self.round_slope(self.sigma_cdp, self.sigma_cor)
         self.noise_multiplier = self.sigma_cdp / C  # reported as sigma_cdp / C
         if self.secrets is not None:
             self.correlated = CorrelatedNoise(self.secrets, self.sigma_cor) if self.sigma_cor > 0 else None
+        if self.level == "example":  # rounds of an earlier checkpoint format, loaded before the rate was known
+            self.ledger.assume_sample_rate(self.sample_rate)  # type: ignore[attr-defined]
+
+    def round_slope(self, sigma_cdp: float, sigma_cor: float) -> float:
+        """eps_step of one round: (Delta^2 / 2) max_i [(sigma_cdp^2 I + sigma_cor^2 L_H)^-1]_ii (Alg. 2-3, Thm. 6);
+        the ``"cdp"`` baseline: central DP of the network average, where one node's input moves it by Delta / n."""
+        C = self.parameters.max_grad_norm
+        if self.options.baseline == "cdp":
+            n = self.graph.number_of_nodes()
+            return secldp_sensitivity(C, self.level) ** 2 / (2.0 * n * sigma_cdp**2)  # type: ignore[arg-type]
+        return secldp_step(
+            self.graph, sigma_cdp, sigma_cor, C, self.adversary, level=self.level,  # type: ignore[arg-type]
+        )
 
     def next_release(self) -> tuple[float, float | None] | None:
         if self.epsilon_step is None:
@@ -221,3 +228,11 @@ class DecorNode(PrivateNodeAlgorithm):
 
     def load_plan_state(self, state: Mapping[str, Any]) -> None:
         self.sigma_cdp, self.sigma_cor = state["sigma_cdp"], state["sigma_cor"]
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Also the earlier format ``{"steps", "sigma_cdp", "sigma_cor", ...}``: its rounds at its noise pair."""
+        if "ledger" not in state:
+            rounds, release = int(state["steps"]), self.round_slope(state["sigma_cdp"], state["sigma_cor"] or 0.0)
+            history = [[release, self.sample_rate if self.level == "example" else None, rounds]] if rounds else []
+            state = {**state, "ledger": {"level": self.level, "delta": self.delta, "history": history}}
+        super().load_state_dict(state)

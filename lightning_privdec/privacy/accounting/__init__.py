@@ -2,6 +2,7 @@
 
 * :mod:`.gaussian` - the Poisson-subsampled Gaussian of DP-SGD (Opacus's RDP and PRV accountants): DP-CSGP, PrivSGP,
   DP2-SGD;
+* :mod:`.secldp` - Decor's correlated noise, SecLDP per round (:mod:`.secldp_step`) composed over rounds;
 """
 
 from lightning_privdec.privacy.accounting.base import Accountant, largest_count, smallest_noise
@@ -15,12 +16,14 @@ from lightning_privdec.privacy.accounting.gaussian import (
     gdp_epsilon_approximation,
     make_accountant,
 )
+from lightning_privdec.privacy.accounting.secldp import SecLDPAccountant
 
 __all__ = [
     "ACCOUNTANTS",
     "Accountant",
     "GDP_REFUSAL",
     "PrivacyLedger",
+    "SecLDPAccountant",
     "calibrate_noise_multiplier",
     "check_accountant",
     "epsilon_for",
