@@ -1,15 +1,20 @@
 """Decor (Allouah, Koloskova, El Firdoussi, Jaggi, Guerraoui, ICML 2024), Algorithm 1, for one user i and round t.
 
-    1   sample a batch (Poisson, at q = B / J: example level; the user's batch: user level)
-    2   g_i = Clip(grad; C)                        per example, summed (example level), or the batch gradient (user)
-    3   v_ij ~ N(0, sigma_cor^2 I) for j in N_i, v_ij = -v_ji       (from the pairwise secret of edge {i, j})
-    4   vbar_i ~ N(0, sigma_cdp^2 I)                               (this node's own randomness)
-    5   g~_i = g_i + sum_{j in N_i} v_ij + vbar_i                  lines 2-5: :meth:`DecorNode.privatize`
-        (one round, (alpha, alpha eps_step)-SecRDP, Thm. 6)        :class:`~lightning_privdec.privacy.accounting.
-                                                                   secldp.SecLDPAccountant`
+    1   sample a batch (Poisson, at q = B / J: example level;      :meth:`~.base.PrivateNodeAlgorithm.
+        the user's batch: user level)                              private_dataloader`
+    2   g_i = Clip(grad; C)  per example, summed (example level),  :meth:`DecorNode.privatize`
+        or the batch gradient (user level)
+    3   v_ij ~ N(0, sigma_cor^2 I) for j in N_i, v_ij = -v_ji      :func:`decor_perturbation`, from the pairwise
+        (from the pairwise secret of edge {i, j})                  secrets (:class:`~lightning_privdec.privacy.
+                                                                   pairwise.CorrelatedNoise`)
+    4   vbar_i ~ N(0, sigma_cdp^2 I)  (this node's randomness)     :func:`decor_perturbation`
+    5   g~_i = g_i + sum_{j in N_i} v_ij + vbar_i                  :meth:`DecorNode.privatize`; the round is
+        (alpha, alpha eps_step)-SecRDP, eps_step = (Delta^2 / 2)   :meth:`DecorNode.round_slope` (Thm. 6, Alg. 2-3),
+        max_i [(sigma_cdp^2 I + sigma_cor^2 L_H)^-1]_ii            recorded in the :class:`~lightning_privdec.
+                                                                   privacy.accounting.secldp.SecLDPAccountant`
     6   x_i^{t+1/2} = x_i^t - eta_t g~_i                           the user's optimizer
-    7-8 x_i^{t+1} = sum_j W_ij x_j^{t+1/2}, W symmetric doubly stochastic   D-PSGD: :func:`~.base.push_sum_gossip`
-                                                                   without the push-sum weight
+    7-8 x_i^{t+1} = sum_j W_ij x_j^{t+1/2}, W symmetric doubly     :meth:`DecorNode.build_gossip` (D-PSGD)
+        stochastic
 
 Because v_ij = -v_ji, sum_i sum_{j in N_i} v_ij = 0: the network average only carries the independent noise
 (variance sigma_cdp^2 / n), while each message is private against the chosen adversary (SecLDP). The noise pair is
@@ -27,7 +32,7 @@ import networkx as nx
 import torch
 from torch import Tensor, nn
 
-from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
+from lightning_privdec.algorithms.base import Gossip, PrivateNodeAlgorithm, push_sum_gossip
 from lightning_privdec.privacy.accounting.secldp import CalibrationResult, SecLDPAccountant, calibrate_secldp
 from lightning_privdec.privacy.accounting.secldp_step import secldp_sensitivity, secldp_step
 from lightning_privdec.privacy.config import PrivacyParameters
@@ -144,6 +149,12 @@ class DecorNode(PrivateNodeAlgorithm):
             super().attach(module, fix_model)
         else:  # user level clips the batch gradient: no per-sample machinery
             self._module = module
+
+    @staticmethod
+    def build_gossip(x0: Tensor, *, push_sum_weight: bool = False, **mixing: Any) -> Gossip:
+        """Lines 7-8: x_i^{t+1} = sum_j W_ij x_j^{t+1/2} with W symmetric doubly stochastic (D-PSGD: the push-sum
+        mixing without its weight, which stays 1; the caller's ``push_sum_weight`` does not apply)."""
+        return push_sum_gossip(x0, push_sum_weight=False, **mixing)
 
     # ---- before training: the noise pair and the per-round slope -------------------------------------------------
     def plan_noise(self, planned_steps: int) -> None:
