@@ -114,6 +114,8 @@ class DecorOptions:
 class DecorNode(PrivateNodeAlgorithm):
     """One Decor node on the undirected ``graph``; ``secrets`` (its pairwise keys) are set before the first step."""
 
+    ledger: SecLDPAccountant
+
     def __init__(self, parameters: PrivacyParameters, *, graph: nx.Graph, options: DecorOptions, **kwargs: Any) -> None:
         self.options = options
         super().__init__(parameters, **kwargs)
@@ -177,7 +179,7 @@ class DecorNode(PrivateNodeAlgorithm):
         if self.secrets is not None:
             self.correlated = CorrelatedNoise(self.secrets, self.sigma_cor) if self.sigma_cor > 0 else None
         if self.level == "example":  # rounds of an earlier checkpoint format, loaded before the rate was known
-            self.ledger.assume_sample_rate(self.sample_rate)  # type: ignore[attr-defined]
+            self.ledger.assume_sample_rate(self.sample_rate)
 
     def round_slope(self, sigma_cdp: float, sigma_cor: float) -> float:
         """eps_step of one round: (Delta^2 / 2) max_i [(sigma_cdp^2 I + sigma_cor^2 L_H)^-1]_ii (Alg. 2-3, Thm. 6);
@@ -243,7 +245,7 @@ class DecorNode(PrivateNodeAlgorithm):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Also the earlier format ``{"steps", "sigma_cdp", "sigma_cor", ...}``: its rounds at its noise pair."""
         if "ledger" not in state:
-            rounds, release = int(state["steps"]), self.round_slope(state["sigma_cdp"], state["sigma_cor"] or 0.0)
-            history = [[release, self.sample_rate if self.level == "example" else None, rounds]] if rounds else []
+            rounds, slope = int(state["steps"]), self.round_slope(state["sigma_cdp"], state["sigma_cor"] or 0.0)
+            history = [[slope, self.sample_rate if self.level == "example" else None, rounds]] if rounds else []
             state = {**state, "ledger": {"level": self.level, "delta": self.delta, "history": history}}
         super().load_state_dict(state)
