@@ -2,6 +2,8 @@
 
 * :mod:`.gaussian` - the Poisson-subsampled Gaussian of DP-SGD (Opacus's RDP and PRV accountants): DP-CSGP, PrivSGP,
   DP2-SGD;
+* :mod:`.saga` - PrivSGP-VR's release, a subsampled and an always-present Gaussian per step (sound), or the paper's
+  Theorem 2 for comparison;
 * :mod:`.secldp` - Decor's correlated noise, SecLDP per round (:mod:`.secldp_step`) composed over rounds;
 """
 
@@ -16,6 +18,7 @@ from lightning_privdec.privacy.accounting.gaussian import (
     gdp_epsilon_approximation,
     make_accountant,
 )
+from lightning_privdec.privacy.accounting.saga import SagaAccountant, SagaNoise, calibrate_saga_noise, saga_epsilon
 from lightning_privdec.privacy.accounting.secldp import SecLDPAccountant
 
 __all__ = [
@@ -23,12 +26,16 @@ __all__ = [
     "Accountant",
     "GDP_REFUSAL",
     "PrivacyLedger",
+    "SagaAccountant",
+    "SagaNoise",
     "SecLDPAccountant",
     "calibrate_noise_multiplier",
+    "calibrate_saga_noise",
     "check_accountant",
     "epsilon_for",
     "gdp_epsilon_approximation",
     "largest_count",
     "make_accountant",
+    "saga_epsilon",
     "smallest_noise",
 ]
