@@ -228,14 +228,15 @@ def fit_decentralized(job: dict[str, Any], settings: dict[str, Any], data: dict[
 def memoize_decor_accounting() -> None:
     """Compute each SecLDP calibration and accountant value once per process.
 
-    Both are pure functions of their numbers, so results are identical; Decor's engine re-evaluates the accountant
-    after every step and calibrates every fit, which on a few shared cores costs more than the training itself.
+    Both are pure functions of their numbers, so results are identical; every fit calibrates Decor's noise pair and
+    searches the rounds its budget allows, which on a few shared cores costs more than the training itself.
     """
     import functools
 
-    from lightning_privdec.privacy import decor_engine
+    from lightning_privdec.algorithms import decor
+    from lightning_privdec.privacy.accounting import secldp
 
-    calibrate, calibrations = decor_engine.calibrate_secldp, {}
+    calibrate, calibrations = decor.calibrate_secldp, {}
 
     def calibrate_once(target, delta, steps, graph, clip, adversary, **options):  # noqa: ANN001, ANN202
         edges = tuple(sorted(tuple(sorted(e)) for e in graph.edges()))
@@ -244,10 +245,8 @@ def memoize_decor_accounting() -> None:
             calibrations[key] = calibrate(target, delta, steps, graph, clip, adversary, **options)
         return calibrations[key]
 
-    decor_engine.calibrate_secldp = calibrate_once
-    decor_engine.secldp_epsilon_example_level = functools.lru_cache(maxsize=None)(
-        decor_engine.secldp_epsilon_example_level
-    )
+    decor.calibrate_secldp = calibrate_once
+    secldp.secldp_epsilon_example_level = functools.lru_cache(maxsize=None)(secldp.secldp_epsilon_example_level)
 
 
 def run_worker(plan_path: Path) -> None:

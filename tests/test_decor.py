@@ -128,3 +128,58 @@ def test_the_budget_check_counts_the_steps_that_fit_and_agrees_with_the_accounta
         answers.append(direct)
         engine.ledger.record(*engine.next_release())  # one more released round
     assert not answers[0] and answers[-1]  # the boundary lies inside the range checked
+
+
+def ring_node(rank: int = 0, sigma_cdp: float = 20.0, sigma_cor: float = 0.5, clipping: str = "user"):  # noqa: ANN201
+    from lightning_privdec.algorithms.decor import DecorNode, DecorOptions
+    from lightning_privdec.privacy import PrivacyParameters
+
+    return DecorNode(
+        PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), graph=nx.cycle_graph(4),
+        options=DecorOptions(sigma_cdp=sigma_cdp, sigma_cor=sigma_cor, clipping=clipping), rank=rank,
+        device=torch.device("cpu"), noise_seed=rank,
+    )
+
+
+def test_privatize_releases_messages_whose_average_carries_only_the_independent_noise():
+    """Lines 2-5 on four nodes of a ring at a zero gradient: each message has variance sigma_cdp^2 + 2 sigma_cor^2,
+    the network average sigma_cdp^2 / n; every node's epsilon is one round of its SecLDP slope (Thm. 6)."""
+    from lightning_privdec.privacy.accounting.secldp import secldp_epsilon
+
+    n, d, sigma_cdp, sigma_cor = 4, 40_000, 0.5, 2.0
+    secrets = simulate_key_agreement({i: sorted(nx.cycle_graph(n).neighbors(i)) for i in range(n)})
+    messages = []
+    for rank in range(n):
+        node, model = ring_node(rank, sigma_cdp, sigma_cor), torch.nn.Linear(d, 1, bias=False)
+        node.secrets = secrets[rank]
+        node.attach(model)
+        node.plan_noise(10)
+        model.weight.grad = torch.zeros_like(model.weight)
+        node.privatize()
+        messages.append(model.weight.grad.reshape(-1).clone())
+        slope = secldp_step(nx.cycle_graph(n), sigma_cdp, sigma_cor, 1.0, "eavesdropper", level="user")
+        assert node.steps == 1 and node.epsilon() == pytest.approx(secldp_epsilon(slope, 1, node.delta), rel=1e-12)
+    noise = torch.stack(messages)
+    assert noise.var(dim=1).numpy() == pytest.approx([sigma_cdp**2 + 2 * sigma_cor**2] * n, rel=0.05)
+    assert noise.mean(0).var().item() == pytest.approx(sigma_cdp**2 / n, rel=0.05)
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order is the")
+@pytest.mark.parametrize("clipping", ["user", "per_sample"])
+def test_a_checkpoint_of_the_earlier_format_keeps_its_rounds_at_its_noise(clipping):
+    """``{"steps", "sigma_cdp", "sigma_cor"}`` (before the SecLDP ledger) loads as that many rounds at that pair,
+    priced at the node's Poisson rate at the example level, and is still never rolled back."""
+    from lightning_privdec.privacy.accounting.secldp import secldp_epsilon
+
+    node = ring_node(clipping=clipping)
+    node.load_state_dict({"steps": 7, "sigma_cdp": 20.0, "sigma_cor": 0.5})
+    assert node.steps == 7
+    node.sample_rate = 0.1 if clipping == "per_sample" else None  # known once the dataloader is sampled
+    node.plan_noise(10)
+    level = "user" if clipping == "user" else "example"
+    slope = secldp_step(nx.cycle_graph(4), 20.0, 0.5, 1.0, "eavesdropper", level=level)
+    expected = (secldp_epsilon(slope, 7, node.delta) if clipping == "user"
+                else secldp_epsilon_example_level(slope, 7, node.delta, 0.1))
+    assert node.epsilon() == pytest.approx(expected, rel=1e-12) and node.epsilon() > 0
+    with pytest.raises(PrivacyConfigError, match="forget spent privacy"):
+        node.load_state_dict({"steps": 3, "sigma_cdp": 20.0, "sigma_cor": 0.5})

@@ -14,7 +14,14 @@ from scipy.optimize import minimize_scalar
 
 from lightning_privdec.privacy import PrivacyConfigError, epsilon_for
 from lightning_privdec.privacy.accounting.secldp_step import MAX_COLLUDING_SUBSETS, secldp_step, secldp_step_bound
-from lightning_privdec.privacy.accounting.secldp import calibrate_secldp, cdp_sigma, eps_step_for, ldp_sigma, secldp_epsilon, secldp_epsilon_example_level
+from lightning_privdec.privacy.accounting.secldp import (
+    calibrate_secldp,
+    cdp_sigma,
+    eps_step_for,
+    ldp_sigma,
+    secldp_epsilon,
+    secldp_epsilon_example_level,
+)
 from lightning_privdec.topology import build_topology
 
 pytestmark = pytest.mark.filterwarnings("ignore:Optimal order is the")

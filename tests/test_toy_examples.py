@@ -53,3 +53,19 @@ def test_the_privsgp_vr_toy_experiment_learns_and_spends_what_its_accountant_say
     assert node["steps"] == 40 and node["split"] is not None
     assert node["epsilon"] == pytest.approx(node["epsilon_sound_formula"], rel=1e-12)
     assert printed.count("node ") == 3 and "consensus distance" in printed
+
+
+def test_the_decor_toy_spends_what_the_secldp_formula_gives_for_its_noise(capsys) -> None:
+    """The epsilon the toy prints is Thm. 6's slope for its calibrated pair, amplified and composed over its rounds."""
+    import networkx as nx
+
+    from lightning_privdec.privacy.accounting.secldp import secldp_epsilon_example_level
+    from lightning_privdec.privacy.accounting.secldp_step import secldp_step
+
+    result = load("toy_decor").main(["--nodes", "4", "--steps", "20", "--epsilon", "2"])
+    assert result["sigma_cor"] > 0 and result["steps"] == 20  # the correlated noise is used, every round counted
+    slope = secldp_step(nx.cycle_graph(4), result["sigma_cdp"], result["sigma_cor"], 1.0, "eavesdropper",
+                        level="example")
+    expected = secldp_epsilon_example_level(slope, 20, 1e-5, result["sample_rate"])
+    assert result["epsilon"] == pytest.approx(expected, rel=1e-9) and 1.9 < expected <= 2.0
+    assert f"epsilon {expected:.3f} after 20 steps" in capsys.readouterr().out

@@ -1,15 +1,20 @@
 """Decor (Allouah, Koloskova, El Firdoussi, Jaggi, Guerraoui, ICML 2024), Algorithm 1, for one user i and round t.
 
-    1   sample a batch (Poisson, at q = B / J: example level; the user's batch: user level)
-    2   g_i = Clip(grad; C)                        per example, summed (example level), or the batch gradient (user)
-    3   v_ij ~ N(0, sigma_cor^2 I) for j in N_i, v_ij = -v_ji       (from the pairwise secret of edge {i, j})
-    4   vbar_i ~ N(0, sigma_cdp^2 I)                               (this node's own randomness)
-    5   g~_i = g_i + sum_{j in N_i} v_ij + vbar_i                  lines 2-5: :meth:`DecorNode.privatize`
-        (one round, (alpha, alpha eps_step)-SecRDP, Thm. 6)        :class:`~lightning_privdec.privacy.accounting.
-                                                                   secldp.SecLDPAccountant`
+    1   sample a batch (Poisson, at q = B / J: example level;      :meth:`~.base.PrivateNodeAlgorithm.
+        the user's batch: user level)                              private_dataloader`
+    2   g_i = Clip(grad; C)  per example, summed (example level),  :meth:`DecorNode.privatize`
+        or the batch gradient (user level)
+    3   v_ij ~ N(0, sigma_cor^2 I) for j in N_i, v_ij = -v_ji      :func:`decor_perturbation`, from the pairwise
+        (from the pairwise secret of edge {i, j})                  secrets (:class:`~lightning_privdec.privacy.
+                                                                   pairwise.CorrelatedNoise`)
+    4   vbar_i ~ N(0, sigma_cdp^2 I)  (this node's randomness)     :func:`decor_perturbation`
+    5   g~_i = g_i + sum_{j in N_i} v_ij + vbar_i                  :meth:`DecorNode.privatize`; the round is
+        (alpha, alpha eps_step)-SecRDP, eps_step = (Delta^2 / 2)   :meth:`DecorNode.round_slope` (Thm. 6, Alg. 2-3),
+        max_i [(sigma_cdp^2 I + sigma_cor^2 L_H)^-1]_ii            recorded in the :class:`~lightning_privdec.
+                                                                   privacy.accounting.secldp.SecLDPAccountant`
     6   x_i^{t+1/2} = x_i^t - eta_t g~_i                           the user's optimizer
-    7-8 x_i^{t+1} = sum_j W_ij x_j^{t+1/2}, W symmetric doubly stochastic   D-PSGD: :func:`~.base.push_sum_gossip`
-                                                                   without the push-sum weight
+    7-8 x_i^{t+1} = sum_j W_ij x_j^{t+1/2}, W symmetric doubly     :meth:`DecorNode.build_gossip` (D-PSGD)
+        stochastic
 
 Because v_ij = -v_ji, sum_i sum_{j in N_i} v_ij = 0: the network average only carries the independent noise
 (variance sigma_cdp^2 / n), while each message is private against the chosen adversary (SecLDP). The noise pair is
@@ -27,7 +32,7 @@ import networkx as nx
 import torch
 from torch import Tensor, nn
 
-from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
+from lightning_privdec.algorithms.base import Gossip, PrivateNodeAlgorithm, push_sum_gossip
 from lightning_privdec.privacy.accounting.secldp import CalibrationResult, SecLDPAccountant, calibrate_secldp
 from lightning_privdec.privacy.accounting.secldp_step import secldp_sensitivity, secldp_step
 from lightning_privdec.privacy.config import PrivacyParameters
@@ -109,6 +114,8 @@ class DecorOptions:
 class DecorNode(PrivateNodeAlgorithm):
     """One Decor node on the undirected ``graph``; ``secrets`` (its pairwise keys) are set before the first step."""
 
+    ledger: SecLDPAccountant
+
     def __init__(self, parameters: PrivacyParameters, *, graph: nx.Graph, options: DecorOptions, **kwargs: Any) -> None:
         self.options = options
         super().__init__(parameters, **kwargs)
@@ -145,6 +152,12 @@ class DecorNode(PrivateNodeAlgorithm):
         else:  # user level clips the batch gradient: no per-sample machinery
             self._module = module
 
+    @staticmethod
+    def build_gossip(x0: Tensor, *, push_sum_weight: bool = False, **mixing: Any) -> Gossip:
+        """Lines 7-8: x_i^{t+1} = sum_j W_ij x_j^{t+1/2} with W symmetric doubly stochastic (D-PSGD: the push-sum
+        mixing without its weight, which stays 1; the caller's ``push_sum_weight`` does not apply)."""
+        return push_sum_gossip(x0, push_sum_weight=False, **mixing)
+
     # ---- before training: the noise pair and the per-round slope -------------------------------------------------
     def plan_noise(self, planned_steps: int) -> None:
         C = self.parameters.max_grad_norm
@@ -161,16 +174,23 @@ class DecorNode(PrivateNodeAlgorithm):
             }[self.options.baseline]
         assert self.sigma_cdp is not None
         self.sigma_cor = self.sigma_cor or 0.0
-        if self.options.baseline == "cdp":  # central DP of the network average: one node's input moves it by Delta / n
-            n = self.graph.number_of_nodes()
-            self.epsilon_step = secldp_sensitivity(C, self.level) ** 2 / (2.0 * n * self.sigma_cdp**2)  # type: ignore[arg-type]
-        else:
-            self.epsilon_step = secldp_step(
-                self.graph, self.sigma_cdp, self.sigma_cor, C, self.adversary, level=self.level,  # type: ignore[arg-type]
-            )
+        self.epsilon_step = self.round_slope(self.sigma_cdp, self.sigma_cor)
         self.noise_multiplier = self.sigma_cdp / C  # reported as sigma_cdp / C
         if self.secrets is not None:
             self.correlated = CorrelatedNoise(self.secrets, self.sigma_cor) if self.sigma_cor > 0 else None
+        if self.level == "example":  # rounds of an earlier checkpoint format, loaded before the rate was known
+            self.ledger.assume_sample_rate(self.sample_rate)
+
+    def round_slope(self, sigma_cdp: float, sigma_cor: float) -> float:
+        """eps_step of one round: (Delta^2 / 2) max_i [(sigma_cdp^2 I + sigma_cor^2 L_H)^-1]_ii (Alg. 2-3, Thm. 6);
+        the ``"cdp"`` baseline: central DP of the network average, where one node's input moves it by Delta / n."""
+        C = self.parameters.max_grad_norm
+        if self.options.baseline == "cdp":
+            n = self.graph.number_of_nodes()
+            return secldp_sensitivity(C, self.level) ** 2 / (2.0 * n * sigma_cdp**2)  # type: ignore[arg-type]
+        return secldp_step(
+            self.graph, sigma_cdp, sigma_cor, C, self.adversary, level=self.level,  # type: ignore[arg-type]
+        )
 
     def next_release(self) -> tuple[float, float | None] | None:
         if self.epsilon_step is None:
@@ -226,3 +246,11 @@ class DecorNode(PrivateNodeAlgorithm):
 
     def load_plan_state(self, state: Mapping[str, Any]) -> None:
         self.sigma_cdp, self.sigma_cor = state["sigma_cdp"], state["sigma_cor"]
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Also the earlier format ``{"steps", "sigma_cdp", "sigma_cor", ...}``: its rounds at its noise pair."""
+        if "ledger" not in state:
+            rounds, slope = int(state["steps"]), self.round_slope(state["sigma_cdp"], state["sigma_cor"] or 0.0)
+            history = [[slope, self.sample_rate if self.level == "example" else None, rounds]] if rounds else []
+            state = {**state, "ledger": {"level": self.level, "delta": self.delta, "history": history}}
+        super().load_state_dict(state)

@@ -42,8 +42,16 @@ from lightning_privdec.privacy.pairwise import (
 )
 from lightning_privdec.privacy.sampling import PoissonBatchSampler, node_shard_indices, poisson_dataloader
 
+from lightning_privdec.privacy.accounting.secldp import (
+    CalibrationResult,
+    calibrate_secldp,
+    cdp_sigma,
+    eps_step_for,
+    ldp_sigma,
+    secldp_epsilon,
+    secldp_epsilon_example_level,
+)
 from lightning_privdec.privacy.accounting.secldp_step import secldp_step, secldp_step_bound
-from lightning_privdec.privacy.accounting.secldp import CalibrationResult, calibrate_secldp, cdp_sigma, eps_step_for, ldp_sigma, secldp_epsilon, secldp_epsilon_example_level
 
 __all__ = [
     "CalibrationResult",

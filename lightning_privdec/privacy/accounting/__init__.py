@@ -5,6 +5,7 @@
 * :mod:`.cpgt` - CPGT's decaying Laplace noise, pure epsilon-DP (Theorem 2 and the bound its proof gives);
 * :mod:`.saga` - PrivSGP-VR's release, a subsampled and an always-present Gaussian per step (sound), or the paper's
   Theorem 2 for comparison;
+* :mod:`.secldp` - Decor's correlated noise, SecLDP per round (:mod:`.secldp_step`) composed over rounds;
 """
 
 from lightning_privdec.privacy.accounting.base import Accountant, largest_count, smallest_noise
@@ -20,6 +21,7 @@ from lightning_privdec.privacy.accounting.gaussian import (
     make_accountant,
 )
 from lightning_privdec.privacy.accounting.saga import SagaAccountant, SagaNoise, calibrate_saga_noise, saga_epsilon
+from lightning_privdec.privacy.accounting.secldp import SecLDPAccountant
 
 __all__ = [
     "ACCOUNTANTS",
@@ -29,6 +31,7 @@ __all__ = [
     "PrivacyLedger",
     "SagaAccountant",
     "SagaNoise",
+    "SecLDPAccountant",
     "calibrate_noise_multiplier",
     "calibrate_saga_noise",
     "check_accountant",
