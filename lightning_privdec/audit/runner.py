@@ -32,13 +32,12 @@ from lightning_privdec.audit.observer import WireTap, cpgt_observations, push_su
 from lightning_privdec.audit.one_run import score_audit
 from lightning_privdec.comm import LoopbackNetwork
 from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
-from lightning_privdec.algorithms.cpgt_node import CPGTPrivacyEngine
+from lightning_privdec.algorithms.cpgt import CPGTNode
 from lightning_privdec.algorithms.decor import DecorNode
 from lightning_privdec.algorithms.dyn_d2p import DynD2PNode
 from lightning_privdec.privacy.pairwise import simulate_key_agreement
 from lightning_privdec.algorithms.privsgp_vr import SagaPrivacyEngine
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, CorrelatedNoiseStrategy, FlatParameters
-from lightning_privdec.strategies.cpgt import CPGTStrategy
 
 __all__ = ["AUDITED_STRATEGIES", "BREAKABLE", "BREAKS", "AuditReport", "run_audit"]
 
@@ -121,10 +120,8 @@ def _planned_epsilon(engine: DPCSGPNode, steps: int) -> float:
     """The accountant's epsilon of ``steps`` steps at the engine's planned noise and rate (nothing recorded)."""
     if isinstance(engine, SagaPrivacyEngine):
         return engine.ledger.epsilon_if_entries(engine.noise.entries(engine.sample_rate), steps)
-    if isinstance(engine, DecorNode):
+    if isinstance(engine, (DecorNode, CPGTNode)):
         return engine.ledger.epsilon_after(steps, *engine.next_release())
-    if isinstance(engine, CPGTPrivacyEngine):
-        return engine._epsilon_after(steps)
     return engine.ledger.epsilon_if(engine.noise_multiplier, engine.sample_rate, steps)
 
 
@@ -135,8 +132,7 @@ def _broken_configuration(
     """The broken run's strategy arguments, and the epsilon the accountant claims for the honest configuration."""
     engine = _make_engine(_make_strategy(name, 0, nodes, kwargs), None, 0)
     engine.attach(AuditModel(dimension))
-    if isinstance(engine, CPGTPrivacyEngine):
-        engine.configure(step_size=lr, dimension=dimension)
+    engine.configure_optimizer(torch.optim.SGD([torch.zeros(dimension, requires_grad=True)], lr=lr), dimension)
     engine.private_dataloader(loader, steps, nodes, node_local_data=True)  # plans the honest noise
     claimed = _planned_epsilon(engine, steps)
     clip = float(kwargs["max_grad_norm"])
@@ -147,7 +143,7 @@ def _broken_configuration(
         off = broken == "noise"
         update.update(sigma_cdp=engine.sigma_cdp * (NOISE_BREAK_FACTOR if off else 1.0),
                       sigma_cor=0.0 if off else engine.sigma_cor)
-    elif isinstance(engine, CPGTPrivacyEngine):  # absolute Laplace scales
+    elif isinstance(engine, CPGTNode):  # absolute Laplace scales
         factor = NOISE_BREAK_FACTOR if broken == "noise" else 1.0
         update.update(noise_x=engine.noise_x * factor, noise_y=engine.noise_y * factor)
     else:  # sigma in units of C
@@ -170,12 +166,9 @@ def _node(
     optimizer = torch.optim.SGD(flat.parameters, lr=lr)
     strategy.gossip, strategy.flat = gossip, flat
     strategy.optimizers = [optimizer]
-    if isinstance(strategy, CPGTStrategy):
-        engine.configure(step_size=lr, dimension=flat.numel)  # type: ignore[attr-defined]
+    engine.configure_optimizer(optimizer, flat.numel)
     loader = engine.private_dataloader(DataLoader(dataset, batch_size=batch_size), steps, exchange.world_size,
                                        node_local_data=True)
-    if isinstance(strategy, CPGTStrategy):
-        gossip.set_noise(engine.noise_x, engine.noise_y)  # type: ignore[attr-defined]
 
     def backward(batch: Sequence[torch.Tensor]) -> bool:
         x, y, canary = batch

@@ -2,9 +2,11 @@
 
 * :mod:`.gaussian` - the Poisson-subsampled Gaussian of DP-SGD (Opacus's RDP and PRV accountants): DP-CSGP, PrivSGP,
   DP2-SGD;
+* :mod:`.cpgt` - CPGT's decaying Laplace noise, pure epsilon-DP (Theorem 2's coupling);
 """
 
 from lightning_privdec.privacy.accounting.base import Accountant, largest_count, smallest_noise
+from lightning_privdec.privacy.accounting.cpgt import CPGTAccountant, LaplaceRounds
 from lightning_privdec.privacy.accounting.gaussian import (
     ACCOUNTANTS,
     GDP_REFUSAL,
@@ -19,7 +21,9 @@ from lightning_privdec.privacy.accounting.gaussian import (
 __all__ = [
     "ACCOUNTANTS",
     "Accountant",
+    "CPGTAccountant",
     "GDP_REFUSAL",
+    "LaplaceRounds",
     "PrivacyLedger",
     "calibrate_noise_multiplier",
     "check_accountant",

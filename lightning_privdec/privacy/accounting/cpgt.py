@@ -30,17 +30,27 @@ an l2 sensitivity and an l2 smoothness constant, ||v||_1 <= sqrt(d) ||v||_2 mult
 :func:`cpgt_epsilon_after` sums the same coupling over a finite number of rounds, and optionally without
 Assumption 4 (then the change of the gradient difference adds up to 2 * sensitivity per round): the only bound that
 applies to non-convex models trained with clipped gradients, for which Assumption 4 does not hold.
+
+:class:`CPGTAccountant` is one node's ledger: the rounds of its trajectory and the rounds a resume released again.
+A run resumed from a checkpoint of round k0 after rounds up to k1 > k0 were released (the write-ahead ledger says so)
+sends rounds k0..k1-1 again with fresh noise at the same scales. The two transcripts compose: the coupling must absorb
+both, so epsilon = (the trajectory's bound) + (the terms of rounds k0..k1-1).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
+from lightning_privdec.privacy.accounting.base import Accountant, largest_count
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 __all__ = [
     "ACCOUNTING",
+    "CPGTAccountant",
+    "LaplaceRounds",
     "calibrate_cpgt_noise",
     "check_theorem2",
     "clipping_sensitivity",
@@ -253,3 +263,104 @@ def calibrate_cpgt_noise(
             f"target_epsilon = {target:g}; use fewer steps or a decay rate q closer to 1"
         )
     return at_one / target
+
+
+#: the slack of budget checks: a calibrated scale spends the target exactly, up to float rounding
+_ROUNDING = 1e-9
+
+
+@dataclass(frozen=True)
+class LaplaceRounds:
+    """What every round of one CPGT node releases: its state and tracker under Laplace noise of scales
+    ``noise_x q^k``, ``noise_y q^k``, with the step size alpha, smoothness L, adjacency distance and norm factor."""
+
+    alpha: float
+    lipschitz: float
+    q: float
+    noise_x: float
+    noise_y: float
+    sensitivity: float
+    norm_factor: float
+
+
+class CPGTAccountant(Accountant):
+    """One CPGT node's ledger (pure epsilon-DP, delta = 0): the rounds of its trajectory, the intervals of rounds a
+    resume released again, and the mechanism (:class:`LaplaceRounds`, set once the noise is planned).
+
+    Epsilon: 0 before the first message; then, by ``accounting``, the whole-run bound (``"sound"``,
+    ``"theorem2"``: it covers every round of the trajectory, past and future) or the coupling over the rounds taken
+    (``"finite"``); plus, by composition, the terms of every replayed round.
+    """
+
+    delta = 0.0
+
+    def __init__(self, accounting: str = "sound") -> None:
+        if accounting not in ACCOUNTING:
+            raise PrivacyConfigError(f"CPGT: accounting must be one of {ACCOUNTING}, got {accounting!r}")
+        self.accounting: Accounting = accounting  # type: ignore[assignment]
+        self.rounds = 0  # rounds of the current trajectory (= the gossip's round counter)
+        self.replayed: list[tuple[int, int]] = []  # [k0, k1): rounds released again after a resume
+        self.mechanism: LaplaceRounds | None = None
+
+    def record(self, *release: Any) -> None:
+        self.rounds += 1
+
+    @property
+    def steps(self) -> int:
+        """Rounds released in all: the current trajectory's and every replayed one."""
+        return self.rounds + sum(end - start for start, end in self.replayed)
+
+    def trajectory_epsilon(self, rounds: int | None) -> float:
+        """The accounting's epsilon of rounds 0..rounds-1 of one trajectory (``None``: the whole run)."""
+        m = self._planned()
+        return cpgt_epsilon_for(
+            self.accounting, steps=rounds, alpha=m.alpha, lipschitz=m.lipschitz, q=m.q, noise_x=m.noise_x,
+            noise_y=m.noise_y, sensitivity=m.sensitivity, norm_factor=m.norm_factor,
+        )
+
+    def epsilon_after(self, steps: int, *release: Any) -> float:
+        if self.steps + steps == 0 or self.mechanism is None:
+            return 0.0
+        rounds = None if self.accounting != "finite" else self.rounds + steps  # None: the whole-run bound
+        return self.trajectory_epsilon(rounds) + self._replay_epsilon()
+
+    def steps_within(self, target: float, *release: Any, limit: int | None = None) -> int:
+        """As :meth:`Accountant.steps_within`, with a relative slack of 1e-9 for a scale calibrated to ``target``."""
+        return largest_count(lambda n: self.epsilon_after(n) <= target * (1 + _ROUNDING), limit)
+
+    def _planned(self) -> LaplaceRounds:
+        if self.mechanism is None:
+            raise RuntimeError("CPGTAccountant: the Laplace noise is not planned yet")
+        return self.mechanism
+
+    def _rounds_epsilon(self, rounds: int) -> float:
+        """The coupling's terms of rounds 0..rounds-1 summed (Assumption 4 unless ``accounting="finite"``)."""
+        m = self._planned()
+        return cpgt_epsilon_after(
+            rounds, alpha=m.alpha, lipschitz=m.lipschitz, q=m.q, noise_x=m.noise_x, noise_y=m.noise_y,
+            sensitivity=m.sensitivity, norm_factor=1.0 if self.accounting == "theorem2" else m.norm_factor,
+            linear_difference=self.accounting != "finite",
+        )
+
+    def _replay_epsilon(self) -> float:
+        """What the rounds released twice add by composition: their terms, once more per replay."""
+        return sum(self._rounds_epsilon(end) - self._rounds_epsilon(start) for start, end in self.replayed)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.rounds, "replayed": [[start, end] for start, end in self.replayed]}
+
+    def saved_steps(self, state: Mapping[str, Any]) -> int:
+        return int(state["steps"]) + sum(int(end) - int(start) for start, end in state.get("replayed", []))
+
+    def _load_state(self, state: Mapping[str, Any]) -> None:
+        self.rounds = int(state["steps"])
+        self.replayed = [(int(start), int(end)) for start, end in state.get("replayed", [])]
+
+    def replayed_state(self, later: Mapping[str, Any]) -> dict[str, Any]:
+        """A later state of this run (the write-ahead ledger's, ``rounds = k1``) as this trajectory goes on: it
+        restarts at this ledger's round k0, and rounds k0..k1-1 are replayed (charged again as they are re-sent)."""
+        replayed = [[int(start), int(end)] for start, end in later.get("replayed", [])]
+        if int(later["steps"]) > self.rounds:
+            replayed.append([self.rounds, int(later["steps"])])
+        return {"steps": self.rounds, "replayed": replayed}
