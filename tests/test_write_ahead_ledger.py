@@ -112,11 +112,10 @@ def test_dyn_d2p_resumes_its_schedule_at_the_released_step(tmp_path):
 
 
 def cpgt_engine(accounting: str = "finite", target_epsilon: float | None = None):
-    from lightning_privdec.privacy import PrivacyParameters
     from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
 
     noise = dict(noise_x=1.0, noise_y=1.0) if target_epsilon is None else dict(noise_x=None, noise_y=None)
-    e = CPGTNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0, target_epsilon=target_epsilon),
+    e = CPGTNode(CPGTOptions.privacy_parameters(1.0, target_epsilon),
                  options=CPGTOptions(noise_decay=0.9, lipschitz=1.0, accounting=accounting, **noise), rank=0,
                  device=torch.device("cpu"))
     e.configure_optimizer(torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1), 3)
@@ -265,14 +264,13 @@ def test_a_lightning_resume_after_a_crash_counts_the_released_steps(tmp_path):
 def test_a_calibrated_finite_cpgt_plan_takes_every_planned_round():
     """The calibrated scale spends the target exactly (to float rounding): the last planned round must not be
     refused for a few ulp."""
-    from lightning_privdec.privacy import PrivacyParameters
     from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
 
     data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
     early = []
     for planned in range(2, 40, 3):
         for target in (0.5, 3.0, 7.3):
-            e = CPGTNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0, target_epsilon=target),
+            e = CPGTNode(CPGTOptions.privacy_parameters(1.0, target),
                          options=CPGTOptions(noise_decay=0.9, lipschitz=1.0, accounting="finite"), rank=0,
                          device=torch.device("cpu"))
             e.configure_optimizer(torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1), 3)

@@ -419,7 +419,7 @@ class CPGTGossip:
         self.last_noise: tuple[Tensor, Tensor] | None = None  # (eta_x(k), eta_y(k)) of the last round, diagnostics
 
     def set_noise(self, noise_x: float, noise_y: float) -> None:
-        """d_x and d_y (both >= 0); the strategy sets them once they are calibrated."""
+        """d_x and d_y (both >= 0); :meth:`CPGTNode.plan_noise` sets them once planned."""
         if not (noise_x >= 0 and noise_y >= 0):
             raise ValueError(f"noise scales must be >= 0, got noise_x={noise_x}, noise_y={noise_y}")
         self.noise_x, self.noise_y = float(noise_x), float(noise_y)

@@ -108,7 +108,6 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             noise_decay=noise_decay, lipschitz=lipschitz, noise_x=noise_x, noise_y=noise_y, sensitivity=sensitivity,
             sensitivity_norm=sensitivity_norm, accounting=accounting,
         )
-        self._announced: tuple[float, float] | None = None  # the Laplace scales the setup lines were printed for
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=NO_GAUSSIAN_NOISE)
             super().__init__(
@@ -155,27 +154,25 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         loader = super().process_dataloader(dataloader)
         engine = self.privacy
-        if isinstance(engine, CPGTNode) and engine.noise_x is not None and engine.noise_y is not None:
-            if self._announced != (engine.noise_x, engine.noise_y):
-                self._announced = (engine.noise_x, engine.noise_y)
-                bound = (
-                    f"epsilon = {engine.run_epsilon:.4g} for the whole run ({engine.accounting}; the paper's eq. (23): "
-                    f"{engine.epsilon_theorem2:.4g})" if engine.run_epsilon is not None
-                    else "epsilon growing with every step (finite accounting)"
-                )
-                rank_zero_warn(
-                    "CPGT's epsilon covers the messages each node sends, under the paper's assumptions: every node's "
-                    f"gradient map is L-smooth with L = {engine.lipschitz} (your assumption) and"
-                    + (" one example changes it by a constant vector (Assumption 4, false for neural networks; "
-                       "accounting='finite' drops it)" if engine.accounting != "finite" else " nothing more")
-                    + ". It does not cover a node's own final model x_i(K), which reveals its tracker, nor the "
-                    "network average of the clean models: publish the noisy x^a the node already sent instead."
-                )
-                rank_zero_info(
-                    f"CPGT: Laplace noise d_x = {engine.noise_x:.4g}, d_y = {engine.noise_y:.4g}, decay q = "
-                    f"{engine.noise_decay}, alpha = {engine.alpha}, L = {engine.lipschitz}, adjacency distance "
-                    f"{engine.sensitivity:.4g}, d = {engine.dimension}: {bound}, delta = 0"
-                )
+        if isinstance(engine, CPGTNode) and loader is not dataloader and engine.steps == 0:  # once, as a run starts
+            bound = (
+                f"epsilon = {engine.run_epsilon:.4g} for the whole run ({engine.accounting}; the paper's eq. (23): "
+                f"{engine.epsilon_theorem2:.4g})" if engine.run_epsilon is not None
+                else "epsilon growing with every step (finite accounting)"
+            )
+            rank_zero_warn(
+                "CPGT's epsilon covers the messages each node sends, under the paper's assumptions: every node's "
+                f"gradient map is L-smooth with L = {engine.lipschitz} (your assumption) and"
+                + (" one example changes it by a constant vector (Assumption 4, false for neural networks; "
+                   "accounting='finite' drops it)" if engine.accounting != "finite" else " nothing more")
+                + ". It does not cover a node's own final model x_i(K), which reveals its tracker, nor the "
+                "network average of the clean models: publish the noisy x^a the node already sent instead."
+            )
+            rank_zero_info(
+                f"CPGT: Laplace noise d_x = {engine.noise_x:.4g}, d_y = {engine.noise_y:.4g}, decay q = "
+                f"{engine.noise_decay}, alpha = {engine.alpha}, L = {engine.lipschitz}, adjacency distance "
+                f"{engine.sensitivity:.4g}, d = {engine.dimension}: {bound}, delta = 0"
+            )
         return loader
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
