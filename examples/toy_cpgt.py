@@ -17,6 +17,7 @@ user makes, as for any model).
 from __future__ import annotations
 
 import argparse
+import warnings
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from torch.utils.data import TensorDataset
 from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
 from lightning_privdec.algorithms.simulation import consensus_distance, train_network
 from lightning_privdec.compression import build_compressor
+from lightning_privdec.privacy import PrivacyParameters
 from lightning_privdec.topology import build_topology
 
 ROWS, DIM = 50, 3  # per node
@@ -52,8 +54,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                                                                                      dtype=torch.float64)
     solution = torch.linalg.lstsq(A.reshape(-1, DIM), b.reshape(-1, 1)).solution.squeeze(-1)
     lipschitz = max(float(torch.linalg.eigvalsh(A[i].T @ A[i] / ROWS).max()) for i in range(args.nodes))
-    parameters = CPGTOptions.privacy_parameters(args.max_grad_norm, target_epsilon=args.epsilon)
-    options = CPGTOptions(noise_decay=args.noise_decay, lipschitz=lipschitz)
+    parameters = PrivacyParameters(max_grad_norm=args.max_grad_norm, noise_multiplier=0.0)  # no Gaussian noise
+    options = CPGTOptions(noise_decay=args.noise_decay, lipschitz=lipschitz, target_epsilon=args.epsilon)
+
+    def make_node(rank: int) -> CPGTNode:
+        with warnings.catch_warnings():  # the Gaussian-noise warning of noise_multiplier=0: CPGT's noise is Laplace
+            warnings.filterwarnings("ignore", message="noise_multiplier=0 adds no noise")
+            return CPGTNode(parameters, options=options, rank=rank, device=torch.device("cpu"))
 
     def public_start() -> nn.Module:
         model = nn.Linear(DIM, 1, bias=False, dtype=torch.float64)
@@ -65,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     start = distance(public_start())
     runs = train_network(
-        lambda rank: CPGTNode(parameters, options=options, rank=rank, device=torch.device("cpu")),
+        make_node,
         public_start,
         [TensorDataset(A[i], b[i]) for i in range(args.nodes)],
         topology=build_topology("ring", args.nodes, weights="metropolis"),

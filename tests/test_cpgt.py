@@ -389,16 +389,10 @@ def test_whole_run_accountings_refuse_mini_batches_and_a_batch_above_the_shard_m
     the privacy audit measured epsilon >= 4.6 against a claimed 2 at q = 0.1 (docs/audit.md)."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
+    from tests.test_write_ahead_ledger import make_cpgt_node
 
     def engine():
-        e = CPGTNode(
-            PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0), rank=0, device=torch.device("cpu"),
-            options=CPGTOptions(noise_x=1.0, noise_y=1.0, noise_decay=0.9, lipschitz=1.0, accounting=accounting),
-        )
-        e.configure_optimizer(torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1), 3)
-        return e
+        return make_cpgt_node(noise_x=1.0, noise_y=1.0, accounting=accounting)
 
     data = TensorDataset(torch.randn(50, 3), torch.randn(50))
     full = engine()

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_privdec.algorithms import PushSumGossip
 from lightning_privdec.comm import LoopbackNetwork
 from lightning_privdec.privacy import PrivacyConfigError, PrivacyParameters, epsilon_for, node_noise_generator
-from lightning_privdec.privacy.saga_accounting import (
+from lightning_privdec.privacy.accounting.saga import (
     c2_for_optimal_steps,
     calibrate_saga_noise,
     optimal_split,
@@ -25,15 +25,15 @@ from lightning_privdec.privacy.saga_accounting import (
     sound_split,
     theorem1_bound,
 )
-from lightning_privdec.algorithms.privsgp_vr import SagaPrivacyEngine
-from lightning_privdec.privacy.sampling import PoissonBatchSampler
-from lightning_privdec.privacy.variance_reduction import (
+from lightning_privdec.algorithms.privsgp_vr import (
     REFRESH_PASSES,
+    PrivSGPVRNode,
     SagaTable,
-    clip_rows,
     saga_gradient_sum,
     saga_step,
 )
+from lightning_privdec.privacy.dp_step import clip_rows
+from lightning_privdec.privacy.sampling import PoissonBatchSampler
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, PrivSGPVRStrategy
 from lightning_privdec.topology import build_topology
 
@@ -62,20 +62,20 @@ def squared_loss(module: nn.Module, batch) -> torch.Tensor:  # noqa: ANN001
     return 0.5 * ((module(x) - y) ** 2).sum(1).mean()
 
 
-def make_engine(rank: int, C: float, noise: float, seed: int = 11, **options) -> SagaPrivacyEngine:  # noqa: ANN003
+def make_engine(rank: int, C: float, noise: float, seed: int = 11, **options) -> PrivSGPVRNode:  # noqa: ANN003
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # noise 0 warns that it is not private
         parameters = PrivacyParameters(max_grad_norm=C, noise_multiplier=noise, target_delta=DELTA)
-        return SagaPrivacyEngine(parameters, rank=rank, device=torch.device("cpu"), noise_seed=seed, **options)
+        return PrivSGPVRNode(parameters, rank=rank, device=torch.device("cpu"), noise_seed=seed, **options)
 
 
-def attach_with_data(engine: SagaPrivacyEngine, module: nn.Module, x, y, batch_size: int, steps: int):  # noqa: ANN001, ANN201
+def attach_with_data(engine: PrivSGPVRNode, module: nn.Module, x, y, batch_size: int, steps: int):  # noqa: ANN001, ANN201
     engine.attach(module)
     dataset = TensorDataset(x, y, torch.arange(len(y)))
     return engine.private_dataloader(DataLoader(dataset, batch_size=batch_size), planned_steps=steps)
 
 
-def fill(engine: SagaPrivacyEngine, module: nn.Module) -> None:
+def fill(engine: PrivSGPVRNode, module: nn.Module) -> None:
     def backward(batch) -> bool:  # noqa: ANN001
         squared_loss(module, batch).backward()
         return True
@@ -513,6 +513,29 @@ def test_checkpoints_hold_no_table_and_a_resumed_engine_rebuilds_it_at_the_resum
     other = make_engine(0, 1.0, 1.5, accounting="no_amplification")
     with pytest.raises(PrivacyConfigError, match="same accounting"):
         other.load_state_dict(state)
+
+
+#: a node's state as the engine before the accountant counted its steps wrote it (4 steps at q = 1/4, target 3)
+OLD_STATE = {
+    "ledger": {"accountant": "rdp", "delta": 1e-05,
+               "history": [[1.7537816414746124, 0.25, 4], [7.45024875172985, 1.0, 4]]},
+    "noise_multiplier": 3.971415124084777, "plan": [8, 0.25], "steps": 4, "split": 0.7800464410974725,
+    "accounting": "sound",
+}
+
+
+def test_a_checkpoint_written_before_the_accountant_counted_its_steps_resumes_with_its_epsilon():
+    parameters = PrivacyParameters(max_grad_norm=1.0, target_epsilon=3.0, target_delta=DELTA)
+    node = PrivSGPVRNode(parameters, rank=0, device=torch.device("cpu"))
+    node.load_state_dict(OLD_STATE)
+    assert node.steps == 4 and node.epsilon() == pytest.approx(2.2140620521134196, rel=1e-12)  # the old engine's
+    assert (node.noise_multiplier, node.split) == (OLD_STATE["noise_multiplier"], OLD_STATE["split"])
+    attach_with_data(node, nn.Linear(3, 2), *node_data(0, 8), batch_size=2, steps=8)
+    assert node.noise_multiplier == OLD_STATE["noise_multiplier"]  # the plan it was calibrated for: kept
+    assert node.ledger.state_dict()["steps"] == 4
+    node.ledger.record(*node.next_release())
+    with pytest.raises(PrivacyConfigError, match="has 4 steps but 5"):
+        node.load_state_dict(OLD_STATE)  # never rolls back
 
 
 # ---- Corollary 1 ---------------------------------------------------------------------------------------------------

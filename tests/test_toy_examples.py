@@ -46,3 +46,15 @@ def test_cpgt_approaches_the_least_squares_solution_at_its_calibrated_pure_epsil
                             norm_factor=result["dimension"] ** 0.5)
     assert result["epsilon"] == pytest.approx(expected, rel=1e-12) and expected == pytest.approx(3.0, rel=1e-9)
     assert printed.count("node ") == 3 and "consensus distance" in printed
+
+
+def test_the_privsgp_vr_toy_experiment_learns_and_spends_what_its_accountant_says(capsys) -> None:
+    result = load("toy_privsgp_vr").main(["--nodes", "3", "--steps", "40", "--epsilon", "3"])
+    printed = capsys.readouterr().out
+    assert result["last_loss"] < 0.5 * result["first_loss"]  # every node's training loss at least halves
+    assert result["worst_accuracy"] > 0.6  # ten classes: chance is 0.1
+    assert 2.9 <= result["epsilon"] <= 3.0
+    node = result["node_0"]  # the ledger's epsilon is the composition of the two mechanisms of each of its steps
+    assert node["steps"] == 40 and node["split"] is not None
+    assert node["epsilon"] == pytest.approx(node["epsilon_sound_formula"], rel=1e-12)
+    assert printed.count("node ") == 3 and "consensus distance" in printed

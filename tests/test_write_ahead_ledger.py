@@ -111,14 +111,20 @@ def test_dyn_d2p_resumes_its_schedule_at_the_released_step(tmp_path):
     assert resumed.noise_multiplier == e.schedule.noise_multiplier(5)  # the schedule goes on at step 5, not 1
 
 
-def cpgt_engine(accounting: str = "finite", target_epsilon: float | None = None):
+def make_cpgt_node(**options):  # noqa: ANN201
+    """A CPGT node with alpha = 0.1 and d = 3, q = 0.9, L = 1 unless ``options`` say otherwise."""
     from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
+    from lightning_privdec.privacy import PrivacyParameters
 
-    noise = dict(noise_x=1.0, noise_y=1.0) if target_epsilon is None else dict(noise_x=None, noise_y=None)
-    e = CPGTNode(CPGTOptions.privacy_parameters(1.0, target_epsilon),
-                 options=CPGTOptions(noise_decay=0.9, lipschitz=1.0, accounting=accounting, **noise), rank=0,
-                 device=torch.device("cpu"))
+    e = CPGTNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0), rank=0, device=torch.device("cpu"),
+                 options=CPGTOptions(**{"noise_decay": 0.9, "lipschitz": 1.0, **options}))
     e.configure_optimizer(torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1), 3)
+    return e
+
+
+def cpgt_engine(accounting: str = "finite", target_epsilon: float | None = None):
+    noise = dict(noise_x=1.0, noise_y=1.0) if target_epsilon is None else dict(noise_x=None, noise_y=None)
+    e = make_cpgt_node(accounting=accounting, target_epsilon=target_epsilon, **noise)
     data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
     batch_size = 5 if accounting == "finite" else 50  # whole-run accountings need full batches
     e.private_dataloader(torch.utils.data.DataLoader(data, batch_size=batch_size), planned_steps=10)
@@ -131,7 +137,7 @@ def _cpgt_round_terms(e, rounds: int) -> list[float]:
     from lightning_privdec.privacy.accounting.cpgt import cpgt_epsilon_after
 
     common = dict(alpha=e.alpha, lipschitz=e.lipschitz, q=e.noise_decay, noise_x=e.noise_x, noise_y=e.noise_y,
-                  sensitivity=e.sensitivity, norm_factor=e.ledger.mechanism.norm_factor, linear_difference=e.accounting != "finite")
+                  sensitivity=e.sensitivity, norm_factor=e.norm_factor, linear_difference=e.accounting != "finite")
     partial = [cpgt_epsilon_after(k, **common) for k in range(rounds + 1)]
     return [b - a for a, b in zip(partial, partial[1:])]
 
@@ -147,7 +153,7 @@ def test_cpgt_charges_every_round_a_resume_sends_again(tmp_path, accounting):
 
     def advance(engine, rounds):
         for _ in range(rounds):
-            engine.ledger.record()  # what privatize() advances, then the write before the message leaves
+            engine.ledger.record()  # what privatize() records, then the write before the message leaves
             ledger.write(engine)
 
     e = cpgt_engine(accounting)
@@ -162,7 +168,7 @@ def test_cpgt_charges_every_round_a_resume_sends_again(tmp_path, accounting):
     assert resumed.steps == 6 and resumed.ledger.rounds == 1  # 6 rounds released; the trajectory goes on from round 1
     terms = _cpgt_round_terms(e, 12)
     whole = cpgt_epsilon(alpha=0.1, lipschitz=1.0, q=0.9, noise_x=1.0, noise_y=1.0, sensitivity=e.sensitivity,
-                         norm_factor=e.ledger.mechanism.norm_factor)
+                         norm_factor=e.norm_factor)
 
     def composed(trajectory_rounds: int, replayed: list[int]) -> float:
         mine = whole if accounting == "sound" else sum(terms[:trajectory_rounds])
@@ -264,16 +270,11 @@ def test_a_lightning_resume_after_a_crash_counts_the_released_steps(tmp_path):
 def test_a_calibrated_finite_cpgt_plan_takes_every_planned_round():
     """The calibrated scale spends the target exactly (to float rounding): the last planned round must not be
     refused for a few ulp."""
-    from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
-
     data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
     early = []
     for planned in range(2, 40, 3):
         for target in (0.5, 3.0, 7.3):
-            e = CPGTNode(CPGTOptions.privacy_parameters(1.0, target),
-                         options=CPGTOptions(noise_decay=0.9, lipschitz=1.0, accounting="finite"), rank=0,
-                         device=torch.device("cpu"))
-            e.configure_optimizer(torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1), 3)
+            e = make_cpgt_node(accounting="finite", target_epsilon=target)
             e.private_dataloader(torch.utils.data.DataLoader(data, batch_size=5), planned_steps=planned)
             e.ledger.rounds = planned - 1
             if e.next_step_exceeds_budget():

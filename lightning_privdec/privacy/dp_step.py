@@ -32,7 +32,10 @@ from lightning_privdec.tensors import split_like
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator
 
-__all__ = ["DPStepStats", "clip_and_accumulate", "clip_factor", "noise_clipped_sum", "privatize_gradients"]
+__all__ = [
+    "DPStepStats", "clip_and_accumulate", "clip_factor", "clip_rows", "clip_rows_", "noise_clipped_sum",
+    "privatize_gradients",
+]
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,19 @@ def _norm_stats(norms: Tensor, max_grad_norm: float, device: torch.device) -> tu
 def clip_factor(norms: Tensor, max_grad_norm: float) -> Tensor:
     """min(1, C / (||g|| + 1e-6)) per norm: the scale that clips each gradient to C (Opacus's flat clipping)."""
     return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+
+
+def clip_rows(rows: Tensor, max_norm: float) -> tuple[Tensor, Tensor]:
+    """Each row (one flat per-sample gradient) clipped to C by :func:`clip_factor`; returns (clipped rows, norms)."""
+    clipped = rows.clone()
+    return clipped, clip_rows_(clipped, max_norm)
+
+
+def clip_rows_(rows: Tensor, max_norm: float) -> Tensor:
+    """:func:`clip_rows` in place (no B x d temporary); returns the norms before clipping."""
+    norms = torch.linalg.vector_norm(rows, dim=1)
+    rows.mul_(clip_factor(norms, max_norm).unsqueeze(1))
+    return norms
 
 
 def clip_and_accumulate(

@@ -2,9 +2,9 @@
 
 Per optimizer step on node i (Algorithm 1; the strategy's flow in parentheses):
 
-    closure          g_k = grad f_i(x_i(k)), per-sample gradients clipped to C, averaged over q J
-                     (:class:`~lightning_privdec.algorithms.cpgt.CPGTNode`, no Gaussian noise)
-    track            y_i(k) = u_i(k) + g_k written into p.grad (eq. (10) with one gradient per step)
+    closure, privatize   g_k = grad f_i(x_i(k)), per-sample gradients clipped to C, averaged over q J (no Gaussian
+                     noise), then y_i(k) = u_i(k) + g_k written into p.grad (eq. (10) with one gradient per step)
+                     (:class:`~lightning_privdec.algorithms.cpgt.CPGTNode`)
     optimizer        x_i(k) - alpha y_i(k): plain SGD, lr = alpha, no momentum, no weight decay
     gossip.step      Laplace noise d q^k on x and y, compressed differences to the neighbours, replicas, and
                      x_i(k+1) = x_i^a + gamma sum_j w_ij (x_j^c - x_i^c) - alpha y_i(k) (eqs. (5)-(12))
@@ -26,11 +26,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_privdec.algorithms.cpgt import NO_GAUSSIAN_NOISE, CPGTNode, CPGTOptions
+from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
 from lightning_privdec.privacy import DEFAULT_DELTA, PrivacyConfigError
 from lightning_privdec.privacy.accounting.gaussian import check_accountant
-from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 from lightning_privdec.tensors import split_like
+from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
+
+_NO_GAUSSIAN_NOISE = "noise_multiplier=0 adds no noise"
 
 
 class CPGTStrategy(PrivateDecentralizedStrategy):
@@ -103,13 +105,12 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
                 f"CPGT adds Laplace noise in the gossip, not Gaussian noise to gradients: noise_multiplier must be "
                 f"None or 0, got {noise_multiplier}; set noise_x and noise_y (or target_epsilon) instead"
             )
-        CPGTOptions.check_noise_or_budget(noise_x, noise_y, target_epsilon)
         self.options = CPGTOptions(
             noise_decay=noise_decay, lipschitz=lipschitz, noise_x=noise_x, noise_y=noise_y, sensitivity=sensitivity,
-            sensitivity_norm=sensitivity_norm, accounting=accounting,
+            sensitivity_norm=sensitivity_norm, accounting=accounting, target_epsilon=target_epsilon,
         )
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=NO_GAUSSIAN_NOISE)
+            warnings.filterwarnings("ignore", message=_NO_GAUSSIAN_NOISE)
             super().__init__(
                 topology,
                 compressor,
@@ -123,8 +124,8 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             )
 
     # ---- setup ---------------------------------------------------------------------------------------------------
-    def _build_topology(self, world_size: int):  # type: ignore[no-untyped-def]
-        topology = super()._build_topology(world_size)
+    def make_topology(self, world_size: int):  # type: ignore[no-untyped-def]
+        topology = super().make_topology(world_size)
         if not topology.is_static:
             raise PrivacyConfigError(
                 f"CPGT needs a static undirected graph (its replicas x_j^c follow one fixed set of neighbours); "
@@ -132,14 +133,16 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             )
         return topology
 
-    def make_privacy_engine(self) -> CPGTNode:
-        return CPGTNode(
-            self.privacy_parameters, options=self.options, rank=self.global_rank, device=self.root_device,
-            grad_sample_mode=self.grad_sample_mode, noise_seed=self.noise_seed,
-        )
+    def make_node_algorithm(self) -> CPGTNode:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_GAUSSIAN_NOISE)
+            return CPGTNode(
+                self.privacy_parameters, options=self.options, rank=self.global_rank, device=self.root_device,
+                grad_sample_mode=self.grad_sample_mode, noise_seed=self.noise_seed,
+            )
 
     def _check_optimization(self, trainer: pl.Trainer) -> None:
-        super()._check_optimization(trainer)  # the node takes alpha and d, and checks Theorem 2's conditions
+        super()._check_optimization(trainer)
         if trainer.lr_scheduler_configs:
             raise PrivacyConfigError(
                 "CPGT's privacy bound and its convergence use a constant step size alpha: remove the learning-rate "
@@ -154,7 +157,7 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         loader = super().process_dataloader(dataloader)
         engine = self.privacy
-        if isinstance(engine, CPGTNode) and loader is not dataloader and engine.steps == 0:  # once, as a run starts
+        if isinstance(engine, CPGTNode) and engine.noise_x is not None and loader is not dataloader:
             bound = (
                 f"epsilon = {engine.run_epsilon:.4g} for the whole run ({engine.accounting}; the paper's eq. (23): "
                 f"{engine.epsilon_theorem2:.4g})" if engine.run_epsilon is not None

@@ -30,27 +30,20 @@ an l2 sensitivity and an l2 smoothness constant, ||v||_1 <= sqrt(d) ||v||_2 mult
 :func:`cpgt_epsilon_after` sums the same coupling over a finite number of rounds, and optionally without
 Assumption 4 (then the change of the gradient difference adds up to 2 * sensitivity per round): the only bound that
 applies to non-convex models trained with clipped gradients, for which Assumption 4 does not hold.
-
-:class:`CPGTAccountant` is one node's ledger: the rounds of its trajectory and the rounds a resume released again.
-A run resumed from a checkpoint of round k0 after rounds up to k1 > k0 were released (the write-ahead ledger says so)
-sends rounds k0..k1-1 again with fresh noise at the same scales. The two transcripts compose: the coupling must absorb
-both, so epsilon = (the trajectory's bound) + (the terms of rounds k0..k1-1).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_privdec.privacy.accounting.base import Accountant, largest_count
+from lightning_privdec.privacy.accounting.base import Accountant
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 __all__ = [
     "ACCOUNTING",
     "CPGTAccountant",
-    "LaplaceRounds",
     "calibrate_cpgt_noise",
     "check_theorem2",
     "clipping_sensitivity",
@@ -265,44 +258,55 @@ def calibrate_cpgt_noise(
     return at_one / target
 
 
-#: the slack of budget checks: a calibrated scale spends the target exactly, up to float rounding
-_ROUNDING = 1e-9
-
-
-@dataclass(frozen=True)
-class LaplaceRounds:
-    """What every round of one CPGT node releases: its state and tracker under Laplace noise of scales
-    ``noise_x q^k``, ``noise_y q^k``, with the step size alpha, smoothness L, adjacency distance and norm factor."""
-
-    alpha: float
-    lipschitz: float
-    q: float
-    noise_x: float
-    noise_y: float
-    sensitivity: float
-    norm_factor: float
-
-
 class CPGTAccountant(Accountant):
-    """One CPGT node's ledger (pure epsilon-DP, delta = 0): the rounds of its trajectory, the intervals of rounds a
-    resume released again, and the mechanism (:class:`LaplaceRounds`, set once the noise is planned).
+    """One CPGT node's pure epsilon-DP ledger (delta = 0): the rounds it released and the rounds a resume released
+    again.
 
-    Epsilon: 0 before the first message; then, by ``accounting``, the whole-run bound (``"sound"``,
-    ``"theorem2"``: it covers every round of the trajectory, past and future) or the coupling over the rounds taken
-    (``"finite"``); plus, by composition, the terms of every replayed round.
+    Epsilon: 0 before the first message; then the whole-run bound (``"sound"``, ``"theorem2"``: it covers every
+    round of the trajectory, past and future), or the coupling of the rounds taken so far (``"finite"``); plus, by
+    composition, the terms of every replayed round. A release is one round (no arguments). The bound's terms (alpha,
+    L, q, the Laplace scales, the sensitivity, the norm factor) are set by :meth:`configure` once the noise is planned.
+
+    Crashes: a run resumed from a checkpoint of round k0 after rounds up to k1 > k0 were released (the write-ahead
+    ledger says so) sends rounds k0..k1-1 again with fresh noise at the same scales; the two transcripts compose, so
+    :meth:`charge_replay` adds the terms of rounds k0..k1-1 (Theorem 2's coupling must absorb both).
     """
 
     delta = 0.0
 
-    def __init__(self, accounting: str = "sound") -> None:
+    def __init__(self, accounting: Accounting) -> None:
         if accounting not in ACCOUNTING:
             raise PrivacyConfigError(f"CPGT: accounting must be one of {ACCOUNTING}, got {accounting!r}")
-        self.accounting: Accounting = accounting  # type: ignore[assignment]
-        self.rounds = 0  # rounds of the current trajectory (= the gossip's round counter)
+        self.accounting = accounting
+        self.rounds = 0  # rounds of the current trajectory (the algorithm's round counter)
         self.replayed: list[tuple[int, int]] = []  # [k0, k1): rounds released again after a resume
-        self.mechanism: LaplaceRounds | None = None
+        self.terms: dict[str, float] | None = None
+        self.run_epsilon: float | None = None  # the whole-run bound (sound or theorem2 accountings)
 
-    def record(self, *release: Any) -> None:
+    def configure(
+        self, *, alpha: float, lipschitz: float, q: float, noise_x: float, noise_y: float, sensitivity: float,
+        norm_factor: float,
+    ) -> None:
+        """The bound's terms; eq. (23) (``"theorem2"``) is the paper's, verbatim, without the l1 norm factor."""
+        self.terms = dict(alpha=alpha, lipschitz=lipschitz, q=q, noise_x=noise_x, noise_y=noise_y,
+                          sensitivity=sensitivity, norm_factor=1.0 if self.accounting == "theorem2" else norm_factor)
+        self.run_epsilon = None if self.accounting == "finite" else self.trajectory_epsilon(None)
+
+    def trajectory_epsilon(self, rounds: int | None) -> float:
+        """The accounting's epsilon of rounds 0..rounds-1 of one trajectory (``None``: the whole run)."""
+        assert self.terms is not None
+        return cpgt_epsilon_for(self.accounting, steps=rounds, **self.terms)  # type: ignore[arg-type]
+
+    def _rounds_epsilon(self, rounds: int) -> float:
+        """The coupling's terms of rounds 0..rounds-1 summed (Assumption 4 unless ``accounting="finite"``)."""
+        assert self.terms is not None
+        return cpgt_epsilon_after(rounds, **self.terms, linear_difference=self.accounting != "finite")
+
+    def replay_epsilon(self) -> float:
+        """What the rounds released twice add by composition: their terms, once more per replay."""
+        return sum(self._rounds_epsilon(end) - self._rounds_epsilon(start) for start, end in self.replayed)
+
+    def record(self) -> None:
         self.rounds += 1
 
     @property
@@ -310,43 +314,20 @@ class CPGTAccountant(Accountant):
         """Rounds released in all: the current trajectory's and every replayed one."""
         return self.rounds + sum(end - start for start, end in self.replayed)
 
-    def trajectory_epsilon(self, rounds: int | None) -> float:
-        """The accounting's epsilon of rounds 0..rounds-1 of one trajectory (``None``: the whole run)."""
-        m = self._planned()
-        return cpgt_epsilon_for(
-            self.accounting, steps=rounds, alpha=m.alpha, lipschitz=m.lipschitz, q=m.q, noise_x=m.noise_x,
-            noise_y=m.noise_y, sensitivity=m.sensitivity, norm_factor=m.norm_factor,
-        )
-
-    def epsilon_after(self, steps: int, *release: Any) -> float:
-        if self.steps + steps == 0 or self.mechanism is None:
+    def epsilon_after(self, steps: int) -> float:
+        if self.steps + steps == 0 or self.terms is None:
             return 0.0
-        rounds = None if self.accounting != "finite" else self.rounds + steps  # None: the whole-run bound
-        return self.trajectory_epsilon(rounds) + self._replay_epsilon()
+        trajectory = self.run_epsilon if self.run_epsilon is not None else self.trajectory_epsilon(self.rounds + steps)
+        return trajectory + self.replay_epsilon()
 
-    def steps_within(self, target: float, *release: Any, limit: int | None = None) -> int:
-        """As :meth:`Accountant.steps_within`, with a relative slack of 1e-9 for a scale calibrated to ``target``."""
-        return largest_count(lambda n: self.epsilon_after(n) <= target * (1 + _ROUNDING), limit)
+    def charge_replay(self, state: Mapping[str, Any]) -> None:
+        """Adopt a later state of this run (the write-ahead ledger's): the trajectory restarts at this ledger's round
+        k0, and the rounds k0..k1-1 the crashed run had released are charged again as the resumed run re-sends them."""
+        replayed = [(int(start), int(end)) for start, end in state.get("replayed", [])]
+        if int(state["steps"]) > self.rounds:
+            replayed.append((self.rounds, int(state["steps"])))
+        self.replayed = replayed
 
-    def _planned(self) -> LaplaceRounds:
-        if self.mechanism is None:
-            raise RuntimeError("CPGTAccountant: the Laplace noise is not planned yet")
-        return self.mechanism
-
-    def _rounds_epsilon(self, rounds: int) -> float:
-        """The coupling's terms of rounds 0..rounds-1 summed (Assumption 4 unless ``accounting="finite"``)."""
-        m = self._planned()
-        return cpgt_epsilon_after(
-            rounds, alpha=m.alpha, lipschitz=m.lipschitz, q=m.q, noise_x=m.noise_x, noise_y=m.noise_y,
-            sensitivity=m.sensitivity, norm_factor=1.0 if self.accounting == "theorem2" else m.norm_factor,
-            linear_difference=self.accounting != "finite",
-        )
-
-    def _replay_epsilon(self) -> float:
-        """What the rounds released twice add by composition: their terms, once more per replay."""
-        return sum(self._rounds_epsilon(end) - self._rounds_epsilon(start) for start, end in self.replayed)
-
-    # ---- checkpoints ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.rounds, "replayed": [[start, end] for start, end in self.replayed]}
 
@@ -356,11 +337,3 @@ class CPGTAccountant(Accountant):
     def _load_state(self, state: Mapping[str, Any]) -> None:
         self.rounds = int(state["steps"])
         self.replayed = [(int(start), int(end)) for start, end in state.get("replayed", [])]
-
-    def replayed_state(self, later: Mapping[str, Any]) -> dict[str, Any]:
-        """A later state of this run (the write-ahead ledger's, ``rounds = k1``) as this trajectory goes on: it
-        restarts at this ledger's round k0, and rounds k0..k1-1 are replayed (charged again as they are re-sent)."""
-        replayed = [[int(start), int(end)] for start, end in later.get("replayed", [])]
-        if int(later["steps"]) > self.rounds:
-            replayed.append([self.rounds, int(later["steps"])])
-        return {"steps": self.rounds, "replayed": replayed}

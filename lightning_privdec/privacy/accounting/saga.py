@@ -35,15 +35,17 @@ is smaller elsewhere.
 ``accounting="no_amplification"``: always the joint analysis (one Gaussian at rate 1, sensitivity (2 - q) C). Sound
 and simple; far looser than the split for small q.
 
-The K* helpers transcribe the paper's Theorem 1 (eq. 10), Theorem 2 (eq. 11) and Corollary 1 (eq. 12).
+One node's ledger is :class:`SagaAccountant`: a release is one step's mechanisms (:meth:`SagaNoise.entries`). The K*
+helpers transcribe the paper's Theorem 1 (eq. 10), Theorem 2 (eq. 11) and Corollary 1 (eq. 12).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from opacus.accountants import RDPAccountant
@@ -51,6 +53,7 @@ from opacus.accountants.analysis.rdp import compute_rdp
 from scipy.optimize import minimize_scalar
 
 from lightning_privdec.privacy.accounting.gaussian import (
+    PrivacyLedger,
     _check_delta,
     _check_noise_multiplier,
     _check_number,
@@ -63,6 +66,7 @@ from lightning_privdec.privacy.errors import PrivacyConfigError
 
 __all__ = [
     "ACCOUNTINGS",
+    "SagaAccountant",
     "SagaNoise",
     "c2_for_optimal_steps",
     "calibrate_saga_noise",
@@ -85,6 +89,7 @@ SAGA_ACCOUNTANTS: tuple[str, ...] = ("rdp", "prv")
 _ORDERS = np.asarray(RDPAccountant.DEFAULT_ALPHAS, dtype=float)
 
 History = Sequence[tuple[float, float, int]]
+
 
 
 def check_accounting(accounting: str, accountant: str) -> None:
@@ -276,6 +281,66 @@ def saga_epsilon(
     with warnings.catch_warnings(), np.errstate(divide="ignore"):  # PRV at rate 1 takes log(1 - q) = -inf
         warnings.filterwarnings("ignore", message="Optimal order is the")
         return _epsilon_of_history(_entries_history(history, noise, sample_rate, steps), delta, accountant)
+
+
+class SagaAccountant(PrivacyLedger):
+    """One PrivSGP-VR node's accountant: a release is one step's mechanisms ``((sigma, q), ...)``
+    (:meth:`SagaNoise.entries`), composed with everything recorded before by Opacus's RDP or PRV accountant.
+
+    Each mechanism merges with any equal ``(sigma, q)`` entry of :attr:`history`, not only the last one: composition
+    does not depend on the order, and the sound accounting records two alternating mechanisms per step, so the history
+    stays at two entries. :attr:`steps` counts private steps (releases), not mechanisms.
+    """
+
+    def __init__(self, accountant: str = "rdp", delta: float | None = None) -> None:
+        super().__init__(accountant, delta)
+        self._steps = 0
+
+    @staticmethod
+    def _append(history: History, noise_multiplier: float, sample_rate: float, steps: int) -> list[tuple[float, float, int]]:
+        history = list(history)
+        for i, (sigma, q, count) in enumerate(history):
+            if sigma == noise_multiplier and q == sample_rate:
+                history[i] = (sigma, q, count + steps)
+                return history
+        history.append((noise_multiplier, sample_rate, steps))
+        return history
+
+    def _composed(self, entries: Sequence[tuple[float, float]], steps: int) -> list[tuple[float, float, int]]:
+        history = self.history
+        for sigma, q in entries:
+            history = self._append(history, _check_noise_multiplier(sigma), _check_sample_rate(q), steps)
+        return history
+
+    def _epsilon(self, history: History, delta: float) -> float:
+        with warnings.catch_warnings(), np.errstate(divide="ignore"):  # PRV at rate 1 takes log(1 - q) = -inf
+            warnings.filterwarnings("ignore", message="Optimal order is the")
+            return super()._epsilon(history, delta)
+
+    def record(self, *entries: tuple[float, float]) -> None:  # type: ignore[override]
+        """Account for one step that released every mechanism of ``entries``."""
+        self.history = self._composed(entries, 1)
+        self._steps += 1
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    def epsilon_after(self, steps: int, *entries: tuple[float, float]) -> float:  # type: ignore[override]
+        if steps == 0:
+            return self.epsilon()
+        return self._epsilon(self._composed(entries, _check_steps(steps, minimum=1)), self._delta(None))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "steps": self._steps}
+
+    def saved_steps(self, state: Mapping[str, Any]) -> int:
+        self._check_state(state)
+        return int(state["steps"])
+
+    def _load_state(self, state: Mapping[str, Any]) -> None:
+        super()._load_state(state)
+        self._steps = int(state["steps"])
 
 
 # ---- calibration --------------------------------------------------------------------------------------------------
