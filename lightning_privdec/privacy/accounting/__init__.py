@@ -4,9 +4,12 @@
   DP2-SGD;
 * :mod:`.saga` - PrivSGP-VR's release, a subsampled and an always-present Gaussian per step (sound), or the paper's
   Theorem 2 for comparison;
+* :mod:`.cpgt` - CPGT's decaying Laplace noise, pure epsilon-DP: Theorem 2's coupling (the sound whole-run bound, the
+  paper's eq. (23), or the finite-horizon sum), with the rounds a resume released again;
 """
 
 from lightning_privdec.privacy.accounting.base import Accountant, largest_count, smallest_noise
+from lightning_privdec.privacy.accounting.cpgt import CPGTAccountant
 from lightning_privdec.privacy.accounting.gaussian import (
     ACCOUNTANTS,
     GDP_REFUSAL,
@@ -22,6 +25,7 @@ from lightning_privdec.privacy.accounting.saga import SagaAccountant, SagaNoise,
 __all__ = [
     "ACCOUNTANTS",
     "Accountant",
+    "CPGTAccountant",
     "GDP_REFUSAL",
     "PrivacyLedger",
     "SagaAccountant",
