@@ -2,10 +2,9 @@
 
 * :mod:`.gaussian` - the Poisson-subsampled Gaussian of DP-SGD (Opacus's RDP and PRV accountants): DP-CSGP, PrivSGP,
   DP2-SGD;
+* :mod:`.cpgt` - CPGT's decaying Laplace noise, pure epsilon-DP (Theorem 2 and the bound its proof gives);
 * :mod:`.saga` - PrivSGP-VR's release, a subsampled and an always-present Gaussian per step (sound), or the paper's
   Theorem 2 for comparison;
-* :mod:`.cpgt` - CPGT's decaying Laplace noise, pure epsilon-DP: Theorem 2's coupling (the sound whole-run bound, the
-  paper's eq. (23), or the finite-horizon sum), with the rounds a resume released again;
 """
 
 from lightning_privdec.privacy.accounting.base import Accountant, largest_count, smallest_noise
