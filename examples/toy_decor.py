@@ -21,7 +21,7 @@ from lightning_privdec.privacy import PrivacyParameters, simulate_key_agreement
 from lightning_privdec.topology import build_topology
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def main(argv: list[str] | None = None) -> dict[str, float | int | None]:
     args = parser(__doc__).parse_args(argv)
     shards, test = digits_shards(args.nodes)
     parameters = PrivacyParameters(max_grad_norm=1.0, target_epsilon=args.epsilon, target_delta=1e-5)
@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     runs = train_network(node, public_linear, shards, topology=topology, push_sum_weight=False, batch_size=32,
                          steps=args.steps, lr=args.lr, loss=F.cross_entropy)
-    return report(runs, test)
+    node = runs[0].node  # the calibrated noise pair and the accountant's inputs, for a reader to recompute epsilon
+    return {**report(runs, test), "sigma_cdp": node.sigma_cdp, "sigma_cor": node.sigma_cor, "steps": node.steps,
+            "sample_rate": node.sample_rate}
 
 
 if __name__ == "__main__":
