@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_privdec.algorithms import PushSumGossip
 from lightning_privdec.comm import LoopbackNetwork
 from lightning_privdec.privacy import PrivacyConfigError, PrivacyParameters, epsilon_for, node_noise_generator
-from lightning_privdec.privacy.saga_accounting import (
+from lightning_privdec.privacy.accounting.saga import (
     c2_for_optimal_steps,
     calibrate_saga_noise,
     optimal_split,
@@ -25,15 +25,9 @@ from lightning_privdec.privacy.saga_accounting import (
     sound_split,
     theorem1_bound,
 )
-from lightning_privdec.algorithms.privsgp_vr import SagaPrivacyEngine
+from lightning_privdec.algorithms.privsgp_vr import REFRESH_PASSES, PrivSGPVRNode, SagaTable, saga_gradient_sum, saga_step
+from lightning_privdec.privacy.dp_step import clip_rows
 from lightning_privdec.privacy.sampling import PoissonBatchSampler
-from lightning_privdec.privacy.variance_reduction import (
-    REFRESH_PASSES,
-    SagaTable,
-    clip_rows,
-    saga_gradient_sum,
-    saga_step,
-)
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, PrivSGPVRStrategy
 from lightning_privdec.topology import build_topology
 
@@ -62,25 +56,25 @@ def squared_loss(module: nn.Module, batch) -> torch.Tensor:  # noqa: ANN001
     return 0.5 * ((module(x) - y) ** 2).sum(1).mean()
 
 
-def make_engine(rank: int, C: float, noise: float, seed: int = 11, **options) -> SagaPrivacyEngine:  # noqa: ANN003
+def make_engine(rank: int, C: float, noise: float, seed: int = 11, **options) -> PrivSGPVRNode:  # noqa: ANN003
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # noise 0 warns that it is not private
         parameters = PrivacyParameters(max_grad_norm=C, noise_multiplier=noise, target_delta=DELTA)
-        return SagaPrivacyEngine(parameters, rank=rank, device=torch.device("cpu"), noise_seed=seed, **options)
+        return PrivSGPVRNode(parameters, rank=rank, device=torch.device("cpu"), noise_seed=seed, **options)
 
 
-def attach_with_data(engine: SagaPrivacyEngine, module: nn.Module, x, y, batch_size: int, steps: int):  # noqa: ANN001, ANN201
+def attach_with_data(engine: PrivSGPVRNode, module: nn.Module, x, y, batch_size: int, steps: int):  # noqa: ANN001, ANN201
     engine.attach(module)
     dataset = TensorDataset(x, y, torch.arange(len(y)))
     return engine.private_dataloader(DataLoader(dataset, batch_size=batch_size), planned_steps=steps)
 
 
-def fill(engine: SagaPrivacyEngine, module: nn.Module) -> None:
+def fill(engine: PrivSGPVRNode, module: nn.Module) -> None:
     def backward(batch) -> bool:  # noqa: ANN001
         squared_loss(module, batch).backward()
         return True
 
-    engine.fill_table(backward)
+    engine.before_first_step(backward)
 
 
 def common_start() -> torch.Tensor:

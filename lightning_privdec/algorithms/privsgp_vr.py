@@ -1,129 +1,213 @@
-"""One node's privacy machinery for PrivSGP-VR: the SAGA gradient table, its noise and its (sound) accounting.
+"""PrivSGP-VR (Zhu, Huang, Wang, Xu, IJCAI 2024), Algorithm 1, for one node i.
 
-Algorithm 1 of Zhu, Huang, Wang, Xu (2024), lines 1-8, in the private strategies' step (lines 9-14, push-sum, are
-the base strategy's gossip):
+Mini-batch form: Poisson sampling at q = B / J over the node's shard of J examples, every per-sample gradient clipped
+to C (c = clip_C(grad f_i), where the paper assumes ||grad f_i|| <= G), noise on the sum, division by qJ. With one
+example and q = 1/J it is the paper's algorithm.
 
-    1-3  fill_table(): the table at the common start z^0, one pass over the shard (nothing is released)
-    5    the Poisson batch (its example ids come from the batch sampler's FIFO)
-    6-8  privatize(): fresh clipped per-sample gradients, the SAGA correction with the table before its update,
-         the table update, this node's own Gaussian noise on the sum, division by qJ
+    1-3   table[j] = c_j(z^0) for every j of the shard; g_bar = (1/J) sum_j table[j]
+                                                                 :meth:`PrivSGPVRNode.before_first_step`
+    4     for k = 0, ..., K - 1 (the strategy's steps; K planned by :meth:`PrivSGPVRNode.plan_noise`)
+    5     S ~ Poisson(q), its example ids from the sampler's FIFO    :meth:`PrivSGPVRNode.privatize`
+    6     g = (1/(qJ)) [sum_{xi in S} (c_xi(z^k) - table[xi]) + qJ g_bar]  (eq. 6; the table BEFORE line 7)
+                                                                 :func:`saga_gradient_sum`, :func:`saga_step`
+    7     g_bar += (1/J) sum_{xi in S} (c_xi - table[xi]); table[xi] = c_xi(z^k)   (eq. 5)   :meth:`SagaTable.store`
+    8     g~ = g + N / (qJ), N ~ N(0, s^2 I); s from the budget (instead of Theorem 2, eq. 11: see below)
+                                                                 :func:`saga_step`, :meth:`PrivSGPVRNode.plan_noise`
+    9     x_i^{k+1/2} = x_i^k - gamma g~  (eq. 7)                   the user's optimizer, on the numerator x
+    10-14 send (x_i^{k+1/2}, w_i); x_i = sum_j P_ij x_j^{k+1/2}; w_i = sum_j P_ij w_j; z_i = x_i / w_i
+                                                                 :func:`~.base.push_sum_gossip` (``mixing.py``)
+
+The SAGA gradient is unbiased whatever the table holds: E_S[sum_{xi in S} (c_xi - table[xi])] = q sum_j (c_j -
+table[j]), so E[g~] = (1/J) sum_j c_j. But qJ g_bar = q sum_j table[j] puts every example into every release,
+weighted q: the accountant (:class:`~lightning_privdec.privacy.accounting.saga.SagaAccountant`) charges that part at
+every step without amplification. ``accounting="paper"`` charges Theorem 2's formula instead (sensitivity 3C
+amplified at rate q), for comparison only: not a proven guarantee. Differences from the paper, on purpose: clipping
+instead of assumed bounded gradients (every table row is bounded, which the accounting needs), Poisson mini-batches
+instead of one example, noise calibrated by that sound accountant.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-from torch import nn
+from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_privdec.privacy.accounting.gaussian import PrivacyLedger
+from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
+from lightning_privdec.privacy.accounting.saga import (
+    ACCOUNTINGS, SagaAccountant, SagaNoise, check_accounting, saga_epsilon,
+)
 from lightning_privdec.privacy.config import PrivacyParameters
-from lightning_privdec.privacy.dp_step import DPStepStats
-from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
-from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
+from lightning_privdec.privacy.dp_step import DPStepStats, clip_rows_, rows_within
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.saga_accounting import (
-    SagaNoise,
-    calibrate_saga_noise,
-    check_accounting,
-    saga_epsilon,
-    sound_split,
-)
+from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.privacy.sampling import PoissonBatchSampler
-from lightning_privdec.privacy.variance_reduction import (
-    TABLE_DTYPES,
-    SagaTable,
-    clip_rows_,
-    saga_step,
-)
-
-__all__ = ["DEFAULT_MAX_TABLE_BYTES", "TABLE_INITS", "CompositionLedger", "SagaPrivacyEngine", "check_saga_options"]
+from lightning_privdec.tensors import split_like
 
 #: default memory budget of one node's gradient table (J x d x bytes)
 DEFAULT_MAX_TABLE_BYTES = 2 * 1024**3
-
 #: "full": the paper's table at z^0 (lines 1-3, one pass over the shard); "zeros": a zero table (a standard SAGA start)
 TABLE_INITS: tuple[str, ...] = ("full", "zeros")
+TABLE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+#: the float64 sum of the table is recomputed from its rows after this many passes' worth (x J) of stored rows
+REFRESH_PASSES = 32
 
 
-def check_saga_options(
-    *, accounting: str, accountant: str, max_table_bytes: Any, table_init: str, table_dtype: Any, grad_sample_mode: str
-) -> None:
-    """Reject PrivSGP-VR options that cannot work, before any process starts."""
-    check_accounting(accounting, accountant)
-    if grad_sample_mode == "ghost":
-        raise PrivacyConfigError(
-            "PrivSGP-VR stores every sampled example's clipped gradient in its table (Algorithm 1, line 7), but ghost "
-            "clipping never materialises per-sample gradients. Use grad_sample_mode='bookkeeping' (default), 'hooks' or "
-            "'functorch'."
-        )
-    if isinstance(max_table_bytes, bool) or not isinstance(max_table_bytes, (int, float)) or not max_table_bytes > 0:
-        raise PrivacyConfigError(
-            f"max_table_bytes must be a positive number of bytes (e.g. 2 * 1024**3), got {max_table_bytes!r}"
-        )
-    if table_init not in TABLE_INITS:
-        raise PrivacyConfigError(
-            f"table_init must be 'full' (the paper's table at z^0, one extra pass over the shard) or 'zeros', got "
-            f"{table_init!r}"
-        )
-    if table_dtype not in TABLE_DTYPES:
-        raise PrivacyConfigError(f"table_dtype must be one of {', '.join(map(str, TABLE_DTYPES))}, got {table_dtype!r}")
+@dataclass(frozen=True)
+class PrivSGPVROptions:
+    """PrivSGP-VR's own arguments, validated once (by the strategy when it is built, before any process starts).
 
-
-def _gib(size: float) -> str:
-    return f"{size / 1024**3:.3g} GiB"
-
-
-class CompositionLedger(PrivacyLedger):
-    """A :class:`PrivacyLedger` whose entries merge with any equal ``(sigma, q)`` entry, not only the last one.
-
-    Composition does not depend on the order of the mechanisms, and PrivSGP-VR records two alternating mechanisms
-    per step; merging keeps the history at two entries. ``steps`` counts mechanisms, not optimizer steps.
+    ``accounting``: ``"sound"`` (default), ``"paper"`` or ``"no_amplification"`` (:mod:`~lightning_privdec.privacy.
+    accounting.saga`). ``max_table_bytes``: refuse a larger table (J x d x bytes) before training. ``table_init``:
+    ``"full"`` (lines 1-3) or ``"zeros"``. ``table_dtype``: storage precision (rows re-clipped after the cast).
     """
 
+    accounting: str = "sound"
+    max_table_bytes: float = DEFAULT_MAX_TABLE_BYTES
+    table_init: str = "full"
+    table_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        check_accounting(self.accounting, "rdp")
+        size = self.max_table_bytes
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+            raise PrivacyConfigError(f"max_table_bytes must be a positive number of bytes (e.g. 2 * 1024**3), got {size!r}")
+        if self.table_init not in TABLE_INITS:
+            raise PrivacyConfigError(
+                "table_init must be 'full' (the paper's table at z^0, one extra pass over the shard) or 'zeros', got "
+                f"{self.table_init!r}"
+            )
+        if self.table_dtype not in TABLE_DTYPES:
+            raise PrivacyConfigError(
+                f"table_dtype must be one of {', '.join(map(str, TABLE_DTYPES))}, got {self.table_dtype!r}"
+            )
+
+    def check_node(self, accountant: str, grad_sample_mode: str) -> None:
+        """The accountant must compose two mechanisms; the table needs materialised per-sample gradients."""
+        check_accounting(self.accounting, accountant)
+        if grad_sample_mode == "ghost":
+            raise PrivacyConfigError(
+                "PrivSGP-VR stores every sampled example's clipped gradient in its table (Algorithm 1, line 7), but "
+                "ghost clipping never materialises per-sample gradients. Use grad_sample_mode='bookkeeping' "
+                "(default), 'hooks' or 'functorch'."
+            )
+
+
+class SagaTable:
+    """Lines 2 and 7: one clipped gradient per example of the shard (every row within C, also after a cast to a
+    reduced-precision ``dtype``) and their float64 sum, kept incrementally; :attr:`mean` is g_bar. :meth:`workspace`
+    is a reused B x d buffer for a step's per-sample gradients (a step allocates nothing of size B x d)."""
+
+    def __init__(
+        self, num_rows: int, dim: int, *, max_norm: float, dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if dtype not in TABLE_DTYPES:
+            raise PrivacyConfigError(f"table_dtype must be one of {TABLE_DTYPES}, got {dtype!r}")
+        self.num_rows, self.dim, self.max_norm, self.dtype = int(num_rows), int(dim), float(max_norm), dtype
+        self.rows = torch.zeros(self.num_rows, self.dim, dtype=dtype, device=device)
+        self.total = torch.zeros(self.dim, dtype=torch.float64, device=device)
+        self._workspace = torch.empty(0, self.dim, device=device)
+        self._rows_since_refresh = 0
+
     @staticmethod
-    def _append(history: Any, noise_multiplier: float, sample_rate: float, steps: int) -> Any:
-        history = list(history)
-        for i, (sigma, q, count) in enumerate(history):
-            if sigma == noise_multiplier and q == sample_rate:
-                history[i] = (sigma, q, count + steps)
-                return history
-        history.append((noise_multiplier, sample_rate, steps))
-        return history
+    def nbytes_for(num_rows: int, dim: int, dtype: torch.dtype = torch.float32) -> int:
+        """Memory of a J x d table of ``dtype`` (the float64 sum of d entries comes on top)."""
+        return int(num_rows) * int(dim) * torch.empty((), dtype=dtype).element_size()
 
-    def _epsilon(self, history: Any, delta: float) -> float:
-        with warnings.catch_warnings(), np.errstate(divide="ignore"):
-            warnings.filterwarnings("ignore", message="Optimal order is the")
-            return super()._epsilon(history, delta)
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size() + self.total.numel() * self.total.element_size()
 
-    def epsilon_if_entries(self, entries: list[tuple[float, float]], steps: int = 1) -> float:
-        """Epsilon after ``steps`` more steps, each composing all of ``entries``."""
-        history = self.history
-        for sigma, q in entries:
-            history = self._append(history, sigma, q, steps)
-        return self._epsilon(history, self._delta(None))
+    @property
+    def mean(self) -> Tensor:
+        """g_bar = (1/J) sum_j table[j] (float64)."""
+        return self.total / self.num_rows
+
+    def workspace(self, batch: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        """A ``(batch, d)`` buffer, reused across steps (grown by a quarter for a larger batch than any before)."""
+        if self._workspace.shape[0] < batch or self._workspace.dtype != dtype:
+            rows = max(batch, int(1.25 * batch) if self._workspace.shape[0] else batch)
+            self._workspace = torch.empty(rows, self.dim, dtype=dtype, device=self.rows.device)
+        return self._workspace[:batch]
+
+    @torch.no_grad()
+    def store(self, indices: Tensor | Sequence[int], values: Tensor) -> Tensor:
+        """Line 7 (eq. 5): table[indices] = values and g_bar += (new - old) / J; returns line 6's correction
+        ``sum_{xi in S} (values[xi] - old table[xi])`` as stored (a row may shrink by an ulp to stay within C).
+
+        The float64 sum takes the correction as computed and is recomputed from the rows after every
+        :data:`REFRESH_PASSES` passes' worth of stored rows, so rounding cannot accumulate."""
+        index = torch.as_tensor(indices, dtype=torch.long).tolist()
+        if len(index) != values.shape[0]:
+            raise RuntimeError(f"{values.shape[0]} per-sample gradients for {len(index)} sampled examples")
+        if len(set(index)) != len(index):
+            raise RuntimeError("an example was sampled twice in one batch; each table row is replaced once per step")
+        correction = torch.zeros(self.dim, dtype=torch.promote_types(values.dtype, torch.float32), device=self.rows.device)
+        if not index:
+            return correction
+        new = rows_within(values.to(self.rows.device), self.max_norm, self.dtype)
+        for position, row in enumerate(index):
+            correction.sub_(self.rows[row]).add_(new[position])
+            self.rows[row].copy_(new[position])
+        self.total.add_(correction)
+        self._rows_since_refresh += len(index)
+        if self._rows_since_refresh >= REFRESH_PASSES * self.num_rows:
+            self.refresh_total()
+        return correction
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """A zero table (a standard SAGA start; unbiased as well, only less accurate at first)."""
+        self.rows.zero_()
+        self.total.zero_()
+
+    @torch.no_grad()
+    def refresh_total(self) -> None:
+        """The float64 sum recomputed from the rows, row by row (no J x d float64 copy)."""
+        self.total.zero_()
+        for row in self.rows:
+            self.total.add_(row)
+        self._rows_since_refresh = 0
 
 
-class SagaPrivacyEngine(DPCSGPNode):
-    """PrivSGP-VR's per-node DP step: SAGA gradient table + Gaussian noise + sound accounting.
+def saga_gradient_sum(table: SagaTable, indices: Tensor | Sequence[int], fresh: Tensor, sample_rate: float) -> Tensor:
+    """Line 6 times qJ: ``sum_{xi in S} (c_xi - table[xi]) + q sum_j table[j]``, reading the table only
+    (:func:`saga_step` computes the same sum while it updates the table). ``fresh``: c_xi in the order of ``indices``."""
+    index = torch.as_tensor(indices, dtype=torch.long, device=table.rows.device)
+    if fresh.shape[0] != index.numel():
+        raise RuntimeError(f"{fresh.shape[0]} per-sample gradients for {index.numel()} sampled examples")
+    correction = (fresh - table.rows[index].to(fresh.dtype)).sum(0) if index.numel() else fresh.new_zeros(table.dim)
+    return correction + (sample_rate * table.total).to(fresh.dtype)
+
+
+def saga_step(
+    table: SagaTable, indices: Tensor | Sequence[int], fresh: Tensor, sample_rate: float, noise: Tensor
+) -> Tensor:
+    """Lines 6-8: g~ = (line 6's sum + N) / (qJ), with the table updated (line 7); ``noise`` is N ~ N(0, s^2 I)."""
+    mean_term = sample_rate * table.total  # line 6: q sum_j table[j], the table before line 7
+    correction = table.store(indices, fresh)  # lines 6-7: sum_{xi in S} (c_xi - table[xi]); table[xi] = c_xi
+    summed = correction + mean_term.to(correction.dtype)
+    return (summed + noise.to(summed.dtype)) / (sample_rate * table.num_rows)  # line 8, divided by qJ
+
+
+class PrivSGPVRNode(PrivateNodeAlgorithm):
+    """One PrivSGP-VR node: the SAGA table, its noise, and its accountant (:class:`SagaAccountant`).
 
     Args:
         parameters: ``max_grad_norm`` (C), ``noise_multiplier`` (s / C: the std of the noise on the released sum, in
             units of C) or ``target_epsilon`` + ``target_delta``, and ``accountant`` ("rdp" or "prv").
-        accounting: ``"sound"`` (default), ``"paper"`` (the published formula; not a proven guarantee) or
-            ``"no_amplification"`` (see :mod:`lightning_privdec.privacy.saga_accounting`).
-        max_table_bytes: refuse (before training) a table larger than this (J x d x bytes per element).
-        table_init: ``"full"`` (the paper's lines 1-3) or ``"zeros"``.
-        table_dtype: storage precision of the table (re-clipped after the cast, so every row stays within C).
-        rank, device, grad_sample_mode, noise_seed: as for :class:`DPCSGPNode`.
-    """
+        accounting, max_table_bytes, table_init, table_dtype: :class:`PrivSGPVROptions`.
+        rank, device, grad_sample_mode, noise_seed, secure_mode: as for every private node.
 
-    fixed_noise_multiplier = False  # its noise follows its own plan
+    Checkpoints hold the ledger, the noise, the split and the plan, never the table (per-sample gradients): a resumed
+    node rebuilds it at the resumed parameters.
+    """
 
     supports_micro_batches = False
     micro_batch_refusal = (
@@ -132,82 +216,46 @@ class SagaPrivacyEngine(DPCSGPNode):
     )
 
     def __init__(
-        self,
-        parameters: PrivacyParameters,
-        *,
-        accounting: str = "sound",
-        max_table_bytes: float = DEFAULT_MAX_TABLE_BYTES,
-        table_init: str = "full",
-        table_dtype: torch.dtype = torch.float32,
-        rank: int,
-        device: torch.device,
-        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
-        noise_seed: int | None = None,
-        secure_mode: bool = False,
+        self, parameters: PrivacyParameters, *, accounting: str = "sound",
+        max_table_bytes: float = DEFAULT_MAX_TABLE_BYTES, table_init: str = "full",
+        table_dtype: torch.dtype = torch.float32, **kwargs: Any,
     ) -> None:
-        check_saga_options(
-            accounting=accounting, accountant=parameters.accountant, max_table_bytes=max_table_bytes,
-            table_init=table_init, table_dtype=table_dtype, grad_sample_mode=grad_sample_mode,
-        )
-        super().__init__(
-            parameters, rank=rank, device=device, grad_sample_mode=grad_sample_mode, noise_seed=noise_seed,
-            secure_mode=secure_mode,
-        )
-        self.ledger = CompositionLedger(parameters.accountant, delta=parameters.delta_for_reporting)
-        self.accounting, self.max_table_bytes = accounting, max_table_bytes
-        self.table_init, self.table_dtype = table_init, table_dtype
+        self.options = PrivSGPVROptions(accounting, max_table_bytes, table_init, table_dtype)
+        self.options.check_node(parameters.accountant, kwargs.get("grad_sample_mode", DEFAULT_GRAD_SAMPLE_MODE))
+        super().__init__(parameters, **kwargs)
         self.split: float | None = None
         self.table: SagaTable | None = None
         self.table_ready = False
-        self._batches: deque[list[int]] | None = None
+        self._batches: deque[list[int]] | None = None  # the Poisson sampler's batches, in order (line 5)
         self._shard_loader: DataLoader | None = None
-        self._steps = 0
+        self._plan: tuple[int, float] | None = None  # (planned steps, q) that the noise was set for
 
-    # ---- setup -------------------------------------------------------------------------------------------------------
+    @property
+    def accounting(self) -> str:
+        return self.options.accounting
+
     @property
     def noise(self) -> SagaNoise:
         assert self.noise_multiplier is not None
         return SagaNoise(self.accounting, self.noise_multiplier, self.split)
 
-    def _parameters(self) -> list[nn.Parameter]:
+    def make_accountant(self) -> SagaAccountant:
+        return SagaAccountant(self.parameters.accountant, delta=self.delta, accounting=self.options.accounting)
+
+    def private_dataloader(self, dataloader: DataLoader, planned_steps: int, *args: Any, **kwargs: Any) -> DataLoader:
+        """The Poisson loader and noise plan (:class:`PrivateNodeAlgorithm`), the table (refused above
+        ``max_table_bytes``), the FIFO of sampled example ids and an ordered loader of the shard for lines 1-3."""
         assert self._module is not None, "attach() the model first"
-        return [p for p in self._module.parameters() if p.requires_grad]
-
-    def check_table_memory(self, num_rows: int, dim: int) -> None:
-        """Refuse a table above ``max_table_bytes``, naming its size and the fixes."""
-        size = SagaTable.nbytes_for(num_rows, dim, self.table_dtype)
-        if size > self.max_table_bytes:
-            raise PrivacyConfigError(
-                f"PrivSGP-VR's gradient table on node {self.rank} would need J x d x bytes = {num_rows:,} x {dim:,} x "
-                f"{size // max(1, num_rows * dim)} = {_gib(size)} ({size:,} bytes), above max_table_bytes="
-                f"{_gib(self.max_table_bytes)}: it stores one clipped gradient per example of the node's shard "
-                "(Algorithm 1, lines 1-7). Fix: raise max_table_bytes if the device has room, use "
-                "table_dtype=torch.bfloat16 (half the memory), spread the data over more nodes, use a smaller "
-                "model, or use PrivSGPStrategy (no table)."
-            )
-
-    def private_dataloader(
-        self,
-        dataloader: DataLoader,
-        planned_steps: int,
-        world_size: int = 1,
-        node_local_data: bool = False,
-        micro_batches: int = 1,
-        steps_per_epoch: int | None = None,
-    ) -> DataLoader:
-        """The Poisson loader of the shard, the memory check and table, and the FIFO of sampled example ids."""
-        dim = sum(p.numel() for p in self._parameters())
-        private = super().private_dataloader(
-            dataloader, planned_steps, world_size, node_local_data, micro_batches, steps_per_epoch
-        )
+        params = [p for p in self._module.parameters() if p.requires_grad]
+        dim = sum(p.numel() for p in params)
+        private = super().private_dataloader(dataloader, planned_steps, *args, **kwargs)
         shard_size = len(private.dataset)  # type: ignore[arg-type]
         self.check_table_memory(shard_size, dim)
-        device = self._parameters()[0].device
         if self.table is None or (self.table.num_rows, self.table.dim) != (shard_size, dim):
-            self.table = SagaTable(shard_size, dim, max_norm=self.parameters.max_grad_norm, dtype=self.table_dtype,
-                                   device=device)
+            self.table = SagaTable(shard_size, dim, max_norm=self.parameters.max_grad_norm,
+                                   dtype=self.options.table_dtype, device=params[0].device)
             self.table_ready = False
-        if not self.table_ready and self.table_init == "zeros":
+        if not self.table_ready and self.options.table_init == "zeros":
             self.table.reset()
             self.table_ready = True
         sampler = private.batch_sampler
@@ -218,192 +266,165 @@ class SagaPrivacyEngine(DPCSGPNode):
         )
         return private
 
-    # ---- Algorithm 1, lines 1-3 --------------------------------------------------------------------------------------
-    def fill_table(self, backward: Callable[[Any], bool]) -> None:
-        """Lines 1-3: table[j] = clip(grad f_i(z^0; j)) for every example j of the shard, at the current parameters.
+    def check_table_memory(self, num_rows: int, dim: int) -> None:
+        """Refuse a table above ``max_table_bytes``, naming its size and the fixes."""
+        size, limit = SagaTable.nbytes_for(num_rows, dim, self.options.table_dtype), self.options.max_table_bytes
+        if size > limit:
+            raise PrivacyConfigError(
+                f"PrivSGP-VR's gradient table on node {self.rank} would need J x d x bytes = {num_rows:,} x {dim:,} x "
+                f"{size // max(1, num_rows * dim)} = {size / 1024**3:.3g} GiB ({size:,} bytes), above max_table_bytes="
+                f"{limit / 1024**3:.3g} GiB: it stores one clipped gradient per example of the node's shard "
+                "(Algorithm 1, lines 1-7). Fix: raise max_table_bytes if the device has room, use "
+                "table_dtype=torch.bfloat16 (half the memory), spread the data over more nodes, use a smaller "
+                "model, or use PrivSGPStrategy (no table)."
+            )
 
-        ``backward(batch)`` runs the user's loss on one chunk of the shard and its backward pass (the per-sample hooks
-        record the gradients); it returns False when the step produced no loss. Nothing is released; the noise and
-        the sampling generators are not touched.
-        """
+    # ---- lines 1-3 ---------------------------------------------------------------------------------------------
+    def before_first_step(self, backward: Callable[[Any], bool]) -> None:
+        """Lines 1-3: table[j] = c_j(z^0) for every example j of the shard, at the current (common or resumed)
+        parameters, unless the table is ready. ``backward(batch)`` runs the loss of one chunk of the shard and its
+        backward pass; nothing is released and no noise or sampling generator is touched."""
+        if self.table_ready:
+            return
         if self.table is None or self._shard_loader is None or self.per_sample is None:
-            raise RuntimeError("SagaPrivacyEngine.fill_table called before attach() and private_dataloader()")
-        params = self._parameters()
+            raise RuntimeError("PrivSGPVRNode.before_first_step called before attach() and private_dataloader()")
         row = 0
         for batch in self._shard_loader:
             self.per_sample.clear()
-            has_loss = backward(batch)
-            size = self.per_sample.batch_size
-            if not has_loss or size == 0:
+            size = self.per_sample.batch_size if backward(batch) else 0
+            if size == 0:
                 raise PrivacyConfigError(
                     "training_step returned no loss on a batch of the shard while PrivSGP-VR filled its gradient table "
                     "(Algorithm 1, lines 1-3); every example needs a gradient. Use table_init='zeros' to skip the pass."
                 )
-            clipped = self.per_sample.flat_per_sample_grads(self.table.workspace(size, params[0].dtype))
+            clipped = self.per_sample.flat_per_sample_grads(self.table.workspace(size, self.per_sample.parameters[0].dtype))
             clip_rows_(clipped, self.parameters.max_grad_norm)
             self.table.store(range(row, row + size), clipped)
             row += size
         self.per_sample.clear()
-        for p in params:
+        for p in self.per_sample.parameters:
             p.grad = None
         if row != self.table.num_rows:
             raise RuntimeError(f"the table pass saw {row} examples for a shard of {self.table.num_rows}")
         self.table.refresh_total()
         self.table_ready = True
 
-    # ---- planning ----------------------------------------------------------------------------------------------------
+    # ---- line 8's s: the noise for the planned steps -----------------------------------------------------------
     def plan_noise(self, planned_steps: int) -> None:
-        """Fix s (and the split) for a plan of ``planned_steps`` steps, counting the steps already spent."""
-        q = self.sample_rate
+        """Fix s (and the split) for ``planned_steps`` in all: calibrated to the target over the steps left, kept on
+        a resume with the same plan; a given ``noise_multiplier`` only gets its split."""
+        q, spent = self.sample_rate, self.ledger.steps
         assert q is not None
-        plan = (planned_steps, q)
-        remaining = max(1, planned_steps - self._steps)
-        history = self.ledger.history
-        delta = self.delta
+        plan, remaining = (planned_steps, q), max(1, planned_steps - spent)
         if self.accounting == "paper":
             warnings.warn(
                 "accounting='paper' calibrates PrivSGP-VR with the published formula (sensitivity 3C amplified at rate "
                 "q), whose argument ignores that the table mean carries every example at every step. It is not a "
                 "guarantee this library vouches for; use accounting='sound' (default) for reported epsilons.",
-                UserWarning,
-                stacklevel=2,
+                UserWarning, stacklevel=2,
             )
         if self.parameters.noise_multiplier is not None:
             self.noise_multiplier = float(self.parameters.noise_multiplier)
-            if self.accounting == "sound" and (self._plan != plan or self._steps == 0):
-                self.split = (
-                    sound_split(self.noise_multiplier, q, remaining, delta, history, self.parameters.accountant)
-                    if self.noise_multiplier > 0 else None
-                )
-        elif self._plan == plan and self.noise_multiplier is not None and self._steps > 0:
-            pass  # resumed with the plan the noise was calibrated for
-        else:
+            if self._plan != plan or spent == 0:
+                self.split = self.ledger.split_for(self.noise_multiplier, q, remaining)
+        elif self._plan != plan or self.noise_multiplier is None or spent == 0:
             target = float(self.parameters.target_epsilon)  # type: ignore[arg-type]
-            if self._steps > 0 and self.ledger.epsilon() >= target:
+            if spent > 0 and self.ledger.epsilon() >= target:
                 raise PrivacyConfigError(
                     f"node {self.rank} has already spent epsilon={self.ledger.epsilon():.4f} of target_epsilon={target}: "
                     "there is no budget left to train on; raise target_epsilon or start a new run on new data"
                 )
-            noise = calibrate_saga_noise(
-                target, delta, q, remaining, accounting=self.accounting, accountant=self.parameters.accountant,
-                history=history,
-            )
+            noise = self.ledger.calibrate(target, q, remaining)
             self.noise_multiplier, self.split = noise.noise_multiplier, noise.split
         self._plan = plan
-        self.planned_steps = planned_steps
-        self._calibrated_until = planned_steps if self.parameters.noise_multiplier is None else None
 
-    # ---- Algorithm 1, lines 5-8 --------------------------------------------------------------------------------------
-    def _next_batch(self) -> list[int]:
-        if not self._batches:
+    def next_release(self) -> tuple[tuple[float, float], ...] | None:
+        if self.noise_multiplier is None or self.sample_rate is None:
+            return None
+        return tuple(self.noise.entries(self.sample_rate))
+
+    # ---- lines 5-8 ---------------------------------------------------------------------------------------------
+    def privatize(self) -> DPStepStats:
+        """Lines 5-8 on this step's Poisson batch: g~ into ``p.grad``, the table updated, the step recorded."""
+        release = self.next_release()
+        if self.per_sample is None or self.table is None or release is None:
+            raise RuntimeError("PrivSGPVRNode.privatize called before attach() and private_dataloader()")
+        if not self.table_ready:
+            raise RuntimeError("the PrivSGP-VR gradient table was not filled (before_first_step) before the first step")
+        if not self._batches:  # line 5: which examples this step used
             raise RuntimeError(
                 "PrivSGP-VR does not know which examples this step used: the Poisson batch sampler recorded no "
                 "batch. Train with the loader returned by private_dataloader()."
             )
-        return self._batches.popleft()
-
-    def privatize(self) -> DPStepStats:
-        """Lines 6-8 on this step's Poisson batch: the released gradient g~ into ``p.grad``; the table updated."""
-        if self.per_sample is None or self.noise_multiplier is None or self.table is None:
-            raise RuntimeError("SagaPrivacyEngine.privatize called before attach() and private_dataloader()")
-        if not self.table_ready:
-            raise RuntimeError("the PrivSGP-VR gradient table was not filled (fill_table) before the first step")
-        assert self.sample_rate is not None
-        indices = self._next_batch()
-        params = self.per_sample.parameters
-        C = self.parameters.max_grad_norm
-        size = self.per_sample.batch_size
+        indices, params, size = self._batches.popleft(), self.per_sample.parameters, self.per_sample.batch_size
         if size != len(indices):
             raise RuntimeError(
                 f"the step's per-sample gradients ({size}) do not match the {len(indices)} examples the "
                 "sampler drew: training_step must compute one loss per example of the batch, in order"
             )
-        fresh = self.per_sample.flat_per_sample_grads(self.table.workspace(size, params[0].dtype))  # reused buffer
+        C = self.parameters.max_grad_norm
+        fresh = self.per_sample.flat_per_sample_grads(self.table.workspace(size, params[0].dtype))  # c_xi(z^k)
         norms = clip_rows_(fresh, C)
-        std = self.noise_multiplier * C
+        std = self.noise_multiplier * C  # type: ignore[operator]
         noise = (self.noise_generator.normal(self.table.dim, std, fresh.dtype, fresh.device) if std > 0
                  else fresh.new_zeros(self.table.dim))
-        released = saga_step(self.table, indices, fresh, self.sample_rate, noise)
-        offset = 0
-        for p in params:
-            value = released[offset : offset + p.numel()].view_as(p).to(p.dtype)
-            offset += p.numel()
+        released = saga_step(self.table, indices, fresh, self.sample_rate, noise)  # type: ignore[arg-type]
+        for p, value in zip(params, split_like(released, params)):
             if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
                 p.grad.copy_(value)
             else:
-                p.grad = value.clone()
+                p.grad = value.to(p.dtype).clone()
         self.per_sample.clear()
-        for sigma, q in self.noise.entries(self.sample_rate):
-            self.ledger.record(sigma, q)
-        self._steps += 1
-        if norms.numel():
-            mean, top, clipped = norms.mean(), norms.max(), (norms > C).float().mean()
-        else:
-            mean = top = clipped = torch.zeros((), device=fresh.device)
-        self.last_step = DPStepStats(
-            batch_size=len(indices), mean_norm=mean, max_norm=top, clipped_fraction=clipped, noise_std=std
-        )
+        self.ledger.record(*release)
+        self.last_step = DPStepStats.of(norms, C, std)
         return self.last_step
 
-    # ---- budget ------------------------------------------------------------------------------------------------------
-    @property
-    def steps(self) -> int:
-        """Private steps this node has taken (all fits and resumes together)."""
-        return self._steps
-
-    def next_step_exceeds_budget(self) -> bool:
-        target = self.parameters.target_epsilon
-        if target is None or self.noise_multiplier is None or self.sample_rate is None:
-            return False
-        calibrated = getattr(self, "_calibrated_until", None)
-        if calibrated is not None and self._steps + 1 <= calibrated:
-            return False  # the calibration checked epsilon(planned steps) <= target, and epsilon grows with steps
-        return self.ledger.epsilon_if_entries(self.noise.entries(self.sample_rate)) > target
+    def noise_summary(self) -> str:
+        return (
+            f"Gaussian noise sigma = {self.noise_multiplier or 0.0:.4g} x C (C = {self.parameters.max_grad_norm:g}), "
+            f"Poisson q = {self.sample_rate or 0.0:.4g}, {self.ledger.accountant} accountant"
+        )
 
     def report(self) -> dict[str, Any]:
         """The noise, its split and the epsilon of this node's history under each accounting (for comparison)."""
-        q = self.sample_rate
+        q, steps = self.sample_rate, self.steps
         out: dict[str, Any] = {
-            "accounting": self.accounting,
-            "noise_multiplier": self.noise_multiplier,
-            "split": self.split,
+            "accounting": self.accounting, "noise_multiplier": self.noise_multiplier, "split": self.split,
             "entries_per_step": self.noise.entries(q) if q is not None and self.noise_multiplier is not None else None,
-            "steps": self._steps,
-            "epsilon": self.epsilon(),
+            "steps": steps, "epsilon": self.epsilon(),
         }
-        if q is not None and self.noise_multiplier and self._steps:
+        if q is not None and self.noise_multiplier and steps:
             for name in ("sound", "paper"):
                 out[f"epsilon_{name}_formula"] = saga_epsilon(
-                    self.noise_multiplier, q, self._steps, self.delta, accounting=name,
-                    accountant=self.parameters.accountant, split=self.split if name == self.accounting else "best",
+                    self.noise_multiplier, q, steps, self.delta, accounting=name, accountant=self.parameters.accountant,
+                    split=self.split if name == self.accounting else "best",
                 )
         return out
 
-    # ---- checkpoints: the ledger, the noise and the plan; never the table (per-sample gradients) ----------------------
+    # ---- checkpoints: ledger, noise, split and plan; never the table -------------------------------------------
+    def plan_state(self) -> dict[str, Any]:
+        plan = list(self._plan) if self._plan is not None else None
+        return {"noise_multiplier": self.noise_multiplier, "plan": plan, "split": self.split, "accounting": self.accounting}
+
+    def load_plan_state(self, state: Mapping[str, Any]) -> None:
+        self.noise_multiplier, self.split = state["noise_multiplier"], state["split"]
+        self._plan = (int(state["plan"][0]), float(state["plan"][1])) if state["plan"] is not None else None
+
     def state_dict(self) -> dict[str, Any]:
-        """No table: it holds every example's clipped gradient. A resumed run rebuilds it (``fill_table``)."""
+        """PrivSGP-VR's checkpoint layout: the step count beside the ledger (``steps``), not inside it."""
         state = super().state_dict()
-        state.update(steps=self._steps, split=self.split, accounting=self.accounting)
+        state["steps"] = state["ledger"].pop("steps")
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue a checkpointed ledger kept with the same accounting; the table is rebuilt (or zeroed)."""
         if state.get("accounting") != self.accounting:
             raise PrivacyConfigError(
                 f"node {self.rank}: the checkpoint's ledger was kept with accounting={state.get('accounting')!r}, this "
                 f"run uses accounting={self.accounting!r}; resume with the same accounting"
             )
-        if int(state["steps"]) < self._steps:
-            raise PrivacyConfigError(
-                f"node {self.rank}: the checkpoint has {state['steps']} private steps but this node has already taken "
-                f"{self._steps}; restoring it would forget spent privacy. Resume into a fresh Trainer."
-            )
-        self.ledger.load_state_dict(state["ledger"])
-        self.noise_multiplier = state["noise_multiplier"]
-        self._plan = (int(state["plan"][0]), float(state["plan"][1])) if state["plan"] is not None else None
-        self.load_generator_state(state)
-        self._steps, self.split = int(state["steps"]), state["split"]
-        self._calibrated_until = None  # the budget check recomputes until the next plan
+        super().load_state_dict({**state, "ledger": {**state["ledger"], "steps": state["steps"]}})
         self.table_ready = False  # rebuilt at the resumed parameters (table_init="full") or zeroed
-        if self.table is not None and self.table_init == "zeros":
+        if self.table is not None and self.options.table_init == "zeros":
             self.table.reset()
             self.table_ready = True

@@ -36,7 +36,7 @@ from lightning_privdec.algorithms.cpgt_node import CPGTPrivacyEngine
 from lightning_privdec.algorithms.decor import DecorNode
 from lightning_privdec.algorithms.dyn_d2p import DynD2PNode
 from lightning_privdec.privacy.pairwise import simulate_key_agreement
-from lightning_privdec.algorithms.privsgp_vr import SagaPrivacyEngine
+from lightning_privdec.algorithms.privsgp_vr import PrivSGPVRNode
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, CorrelatedNoiseStrategy, FlatParameters
 from lightning_privdec.strategies.cpgt import CPGTStrategy
 
@@ -119,9 +119,7 @@ def _make_engine(strategy: Any, secrets: Mapping[int, Any] | None, rank: int) ->
 
 def _planned_epsilon(engine: DPCSGPNode, steps: int) -> float:
     """The accountant's epsilon of ``steps`` steps at the engine's planned noise and rate (nothing recorded)."""
-    if isinstance(engine, SagaPrivacyEngine):
-        return engine.ledger.epsilon_if_entries(engine.noise.entries(engine.sample_rate), steps)
-    if isinstance(engine, DecorNode):
+    if isinstance(engine, (PrivSGPVRNode, DecorNode)):
         return engine.ledger.epsilon_after(steps, *engine.next_release())
     if isinstance(engine, CPGTPrivacyEngine):
         return engine._epsilon_after(steps)
@@ -184,8 +182,8 @@ def _node(
         audit_loss(model(x), y, canary).mean().backward()
         return True
 
-    if isinstance(engine, SagaPrivacyEngine) and not engine.table_ready:
-        engine.fill_table(backward)  # PrivSGP-VR, Algorithm 1 lines 1-3
+    if isinstance(engine, PrivSGPVRNode):
+        engine.before_first_step(backward)  # PrivSGP-VR, Algorithm 1 lines 1-3
     taken = 0
     while taken < steps:
         for batch in loader:
@@ -373,7 +371,7 @@ def run_audit(
             scores = canary_releases[0].sum(0)
             observer = "every message; node 0's released gradients summed over the rounds"
             noise = {"noise_multiplier": engine.noise_multiplier, "max_grad_norm": engine.parameters.max_grad_norm}
-            if isinstance(engine, SagaPrivacyEngine):
+            if isinstance(engine, PrivSGPVRNode):
                 noise["split"] = engine.split
     outcome = score_audit(scores, included, delta=engine.delta, confidence=confidence, guess_counts=guess_counts,
                           seed=seed)

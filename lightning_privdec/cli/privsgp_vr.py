@@ -6,7 +6,7 @@
 ``--noise-multiplier`` is s / C, the std of the noise on the released SUM in units of C. Prints the noise, the split
 (sound accounting; ``null``: the joint analysis was tighter), the epsilon of the chosen accounting and, for
 comparison, the epsilon the same noise gets under the paper's formula and under the sound accounting
-(lightning_privdec.privacy.saga_accounting, docs/privacy.md). Registered in :mod:`lightning_privdec.cli.account`.
+(lightning_privdec.privacy.accounting.saga, docs/privacy.md). Registered in :mod:`lightning_privdec.cli.account`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lightning_privdec.privacy.saga_accounting import (
+from lightning_privdec.privacy.accounting.saga import (
     ACCOUNTINGS,
     SAGA_ACCOUNTANTS,
     calibrate_saga_noise,

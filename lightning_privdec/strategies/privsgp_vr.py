@@ -1,45 +1,18 @@
-"""PrivSGP-VR (Zhu, Huang, Wang, Xu, IJCAI 2024): stochastic gradient push with SAGA variance reduction and local DP.
-
-Algorithm 1, per node i and step k:
-
-    1-3    the SAGA table at z^0: every example's clipped gradient, one pass over the shard before the first step
-           (SagaPrivacyEngine.fill_table, run from on_train_start)
-    5-8    Poisson batch, g = SAGA correction with the table before its update, table update, this node's own noise
-           (SagaPrivacyEngine.privatize, run by PrivateDecentralizedStrategy.transform_gradients)
-    9      x_i^{k+1/2} = x_i^k - gamma g~              (the user's optimizer applied to the numerator)
-    10-14  push-sum over a time-varying directed graph with column-stochastic P^k, exact messages: x, w mixed,
-           z = x / w (lightning_privdec.algorithms.mixing, run by the base strategy after the update)
-
-Differences from the paper, on purpose: per-sample clipping to C instead of assumed bounded gradients (so every table
-entry is bounded, which the accounting needs); Poisson mini-batches at q = B / J instead of one example; noise
-calibrated by a sound numerical accountant that charges the table mean at every step instead of Theorem 2's formula
-(``accounting="paper"`` reproduces the latter for comparison; docs/privacy.md, "PrivSGP-VR").
+"""PrivSGP-VR (Zhu, Huang, Wang, Xu, IJCAI 2024): SGP with SAGA variance reduction and local DP. The algorithm and
+Algorithm 1 line by line: :mod:`lightning_privdec.algorithms.privsgp_vr`; its accountant:
+:mod:`lightning_privdec.privacy.accounting.saga`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_privdec.algorithms.privsgp_vr import DEFAULT_MAX_TABLE_BYTES, PrivSGPVRNode, PrivSGPVROptions
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
-from lightning_privdec.algorithms.privsgp_vr import DEFAULT_MAX_TABLE_BYTES, SagaPrivacyEngine, check_saga_options
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
-
-
-@contextmanager
-def _logging_silenced(module: torch.nn.Module) -> Iterator[None]:
-    """``self.log`` / ``self.log_dict`` do nothing inside (the table pass is not a training step to report)."""
-    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del module.log
-        del module.log_dict
 
 
 class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
@@ -73,7 +46,7 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
     default_weights = "push-sum"
     required_mixing = "column"
     requires_symmetric_graph = False
-    shared_options = ("accounting", "max_table_bytes", "table_init", "table_dtype")
+    shared_options = ("options",)
 
     def __init__(
         self,
@@ -86,21 +59,18 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
         table_dtype: torch.dtype = torch.float32,
         **kwargs: Any,
     ) -> None:
-        check_saga_options(
-            accounting=accounting, accountant=kwargs.get("accountant", "rdp"), max_table_bytes=max_table_bytes,
-            table_init=table_init, table_dtype=table_dtype, grad_sample_mode=kwargs.get("grad_sample_mode", DEFAULT_GRAD_SAMPLE_MODE),
-        )
-        self.accounting, self.max_table_bytes = accounting, max_table_bytes
-        self.table_init, self.table_dtype = table_init, table_dtype
+        self.options = PrivSGPVROptions(accounting, max_table_bytes, table_init, table_dtype)
+        self.options.check_node(kwargs.get("accountant", "rdp"), kwargs.get("grad_sample_mode", DEFAULT_GRAD_SAMPLE_MODE))
         super().__init__(topology, compressor, **kwargs)
 
-    def make_privacy_engine(self) -> SagaPrivacyEngine:
-        return SagaPrivacyEngine(
+    @property
+    def accounting(self) -> str:
+        return self.options.accounting
+
+    def make_privacy_engine(self) -> PrivSGPVRNode:
+        return PrivSGPVRNode(
             self.privacy_parameters,
-            accounting=self.accounting,
-            max_table_bytes=self.max_table_bytes,
-            table_init=self.table_init,
-            table_dtype=self.table_dtype,
+            **vars(self.options),
             rank=self.global_rank,
             device=self.root_device,
             grad_sample_mode=self.grad_sample_mode,
@@ -111,7 +81,8 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         loader = super().process_dataloader(dataloader)
         engine = self.privacy
-        if isinstance(engine, SagaPrivacyEngine) and loader is not dataloader and engine.noise_multiplier is not None:
+        if isinstance(engine, PrivSGPVRNode) and loader is not dataloader and engine.noise_multiplier is not None:
+            assert engine.table is not None
             entries = ", ".join(f"({s:.4g}, q={q:.4g})" for s, q in engine.noise.entries(engine.sample_rate))
             rank_zero_info(
                 f"PrivSGP-VR: noise std {engine.noise_multiplier:.4g} C on the released sum "
@@ -120,35 +91,7 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
                 + (", joint analysis: one Gaussian, sensitivity (2 - q) C"
                    if engine.accounting == "sound" and engine.split is None else "")
                 + f"); per step the ledger composes {entries}; table {engine.table.num_rows} x {engine.table.dim} "
-                f"({engine.table.nbytes / 1024**2:.1f} MiB, {str(engine.table_dtype).replace('torch.', '')}, "
-                f"init {engine.table_init!r})"
+                f"({engine.table.nbytes / 1024**2:.1f} MiB, {str(self.options.table_dtype).replace('torch.', '')}, "
+                f"init {self.options.table_init!r})"
             )
         return loader
-
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        engine = self.privacy
-        assert isinstance(engine, SagaPrivacyEngine)
-        if not engine.table_ready:
-            self._fill_table(engine)
-
-    def _fill_table(self, engine: SagaPrivacyEngine) -> None:
-        """Algorithm 1, lines 1-3 at the current (common, or resumed) parameters, with the user's training_step."""
-        module = self.lightning_module
-        assert module is not None
-        was_training = module.training
-        module.train()
-
-        def backward(batch: Any) -> bool:
-            output = self.training_step(self.batch_to_device(batch), 0)
-            loss = output.get("loss") if isinstance(output, dict) else output
-            if loss is None:
-                return False
-            loss.backward()
-            return True
-
-        try:
-            with _logging_silenced(module), torch.enable_grad():
-                engine.fill_table(backward)
-        finally:
-            module.train(was_training)

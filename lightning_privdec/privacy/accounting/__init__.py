@@ -2,6 +2,8 @@
 
 * :mod:`.gaussian` - the Poisson-subsampled Gaussian of DP-SGD (Opacus's RDP and PRV accountants): DP-CSGP, PrivSGP,
   DP2-SGD;
+* :mod:`.saga` - PrivSGP-VR's split release (a subsampled Gaussian for the fresh gradients, an unsampled one for the
+  table mean; and the paper's Theorem 2 formula, for comparison only);
 """
 
 from lightning_privdec.privacy.accounting.base import Accountant, largest_count, smallest_noise
@@ -15,17 +17,22 @@ from lightning_privdec.privacy.accounting.gaussian import (
     gdp_epsilon_approximation,
     make_accountant,
 )
+from lightning_privdec.privacy.accounting.saga import SagaAccountant, SagaNoise, calibrate_saga_noise, saga_epsilon
 
 __all__ = [
     "ACCOUNTANTS",
     "Accountant",
     "GDP_REFUSAL",
     "PrivacyLedger",
+    "SagaAccountant",
+    "SagaNoise",
     "calibrate_noise_multiplier",
+    "calibrate_saga_noise",
     "check_accountant",
     "epsilon_for",
     "gdp_epsilon_approximation",
     "largest_count",
     "make_accountant",
+    "saga_epsilon",
     "smallest_noise",
 ]

@@ -1,4 +1,4 @@
-"""Privacy accounting for PrivSGP-VR's released gradient (Zhu, Huang, Wang, Xu 2024), one node, one example.
+"""PrivSGP-VR's accountant (Zhu, Huang, Wang, Xu 2024): the released SAGA gradient of one node, one example.
 
 Per step node i releases, in sum space (before the division by the public expected batch size qJ; Algorithm 1,
 lines 6 and 8 in mini-batch form)::
@@ -35,15 +35,18 @@ is smaller elsewhere.
 ``accounting="no_amplification"``: always the joint analysis (one Gaussian at rate 1, sensitivity (2 - q) C). Sound
 and simple; far looser than the split for small q.
 
-The K* helpers transcribe the paper's Theorem 1 (eq. 10), Theorem 2 (eq. 11) and Corollary 1 (eq. 12).
+:class:`SagaAccountant` is the node's ledger: a release is one step's mechanisms, ``((sigma, q), ...)`` as
+:meth:`SagaNoise.entries` gives them. The K* helpers transcribe the paper's Theorem 1 (eq. 10), Theorem 2 (eq. 11)
+and Corollary 1 (eq. 12).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from opacus.accountants import RDPAccountant
@@ -58,11 +61,13 @@ from lightning_privdec.privacy.accounting.gaussian import (
     _check_steps,
     _epsilon_of_history,
     calibrate_noise_multiplier,
+    PrivacyLedger,
 )
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 __all__ = [
     "ACCOUNTINGS",
+    "SagaAccountant",
     "SagaNoise",
     "c2_for_optimal_steps",
     "calibrate_saga_noise",
@@ -418,6 +423,79 @@ def _calibrate(
     start = calibrate_noise_multiplier(target, delta, q if accounting == "paper" else 1.0, steps, accountant) * factor
     m = _bisect_noise(lambda m: epsilon(SagaNoise(accounting, m)), target, start, epsilon_tolerance, where)
     return SagaNoise(accounting, m)
+
+
+# ---- the ledger ---------------------------------------------------------------------------------------------------
+class SagaAccountant(PrivacyLedger):
+    """One PrivSGP-VR node's ledger: a release is one step's mechanisms ``((sigma, q), ...)``, composed by Opacus's
+    RDP or PRV accountant.
+
+    Composition does not depend on the order of the mechanisms and a step records two alternating ones (the split), so
+    an entry merges with any equal ``(sigma, q)`` entry, not only the last: the history stays at two entries. The
+    history counts mechanisms, :attr:`steps` counts private steps. ``accounting`` is how the noise is charged (module
+    docstring); :meth:`calibrate` and :meth:`split_for` plan the noise of further steps after the history.
+    """
+
+    def __init__(self, accountant: str = "rdp", delta: float | None = None, accounting: str = "sound") -> None:
+        check_accounting(accounting, accountant)
+        super().__init__(accountant, delta)
+        self.accounting = accounting
+        self._steps = 0
+
+    @staticmethod
+    def _append(history: Any, noise_multiplier: float, sample_rate: float, steps: int) -> Any:
+        history = list(history)
+        for i, (sigma, q, count) in enumerate(history):
+            if sigma == noise_multiplier and q == sample_rate:
+                history[i] = (sigma, q, count + steps)
+                return history
+        history.append((noise_multiplier, sample_rate, steps))
+        return history
+
+    def record(self, *entries: tuple[float, float]) -> None:  # type: ignore[override]
+        """One private step composing every ``(sigma, q)`` of ``entries``."""
+        for sigma, q in entries:
+            self.history = self._extended(sigma, q, 1)
+        self._steps += 1
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    def epsilon_after(self, steps: int, *entries: tuple[float, float]) -> float:  # type: ignore[override]
+        """Epsilon after ``steps`` more steps, each composing all of ``entries``."""
+        history = self.history
+        for sigma, q in entries if steps else ():
+            history = self._append(history, _check_noise_multiplier(sigma), _check_sample_rate(q), steps)
+        return self._epsilon(history, self._delta(None))
+
+    def _epsilon(self, history: Any, delta: float) -> float:
+        with warnings.catch_warnings(), np.errstate(divide="ignore"):  # Opacus's order-range note; PRV's log(1 - 1)
+            warnings.filterwarnings("ignore", message="Optimal order is the")
+            return super()._epsilon(history, delta)
+
+    def calibrate(self, target_epsilon: float, sample_rate: float, steps: int) -> SagaNoise:
+        """The smallest noise with which the history plus ``steps`` more steps spend at most ``target_epsilon``."""
+        return calibrate_saga_noise(
+            target_epsilon, self._delta(None), sample_rate, steps, accounting=self.accounting,
+            accountant=self.accountant, history=self.history,
+        )
+
+    def split_for(self, noise_multiplier: float, sample_rate: float, steps: int) -> float | None:
+        """The split of a given noise for ``steps`` more steps (:func:`sound_split`; None unless ``"sound"``)."""
+        if self.accounting != "sound" or noise_multiplier == 0:
+            return None
+        return sound_split(noise_multiplier, sample_rate, steps, self._delta(None), self.history, self.accountant)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "steps": self._steps}
+
+    def saved_steps(self, state: Mapping[str, Any]) -> int:
+        return int(state["steps"])
+
+    def _load_state(self, state: Mapping[str, Any]) -> None:
+        super()._load_state(state)
+        self._steps = int(state["steps"])
 
 
 # ---- the paper's formulas (Theorem 1 eq. 10, Theorem 2 eq. 11, Corollary 1 eq. 12) ---------------------------------
