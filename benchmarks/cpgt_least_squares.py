@@ -23,7 +23,7 @@ Setup (as in the paper, with the choices it leaves open stated):
   adjacency distance delta = max_i sigma_max(A_i) / 3: one agent's measurements b_i move by at most 1 in l2 norm
   (Assumption 4 holds: the gradient changes by the constant A_i^T (b_i - b_i') / 3). Theorem 2 needs alpha < 1/(2L)
   and q > (alpha L + sqrt(alpha^2 L^2 + 4 alpha L)) / 2; the table says whether each variant meets them and prints
-  the paper's eq. (23) and the sound bound (lightning_privdec.privacy.cpgt) when it does, and the finite-horizon
+  the paper's eq. (23) and the sound bound (lightning_privdec.privacy.accounting.cpgt) when it does, and the finite-horizon
   bound of the first K rounds otherwise.
 
 Run::
@@ -48,7 +48,7 @@ import torch
 from lightning_privdec.algorithms.cpgt import CPGTGossip
 from lightning_privdec.comm.loopback import LoopbackNetwork
 from lightning_privdec.compression import QSGD, Compressor, TopK
-from lightning_privdec.privacy.cpgt import (
+from lightning_privdec.privacy.accounting.cpgt import (
     check_theorem2,
     cpgt_epsilon,
     cpgt_epsilon_after,

@@ -18,7 +18,7 @@ from lightning_privdec.algorithms.mixing import message_key
 from lightning_privdec.comm.loopback import LoopbackNetwork
 from lightning_privdec.compression import QSGD, Identity, TopK
 from lightning_privdec.privacy import PrivacyConfigError
-from lightning_privdec.privacy.cpgt import (
+from lightning_privdec.privacy.accounting.cpgt import (
     calibrate_cpgt_noise,
     check_theorem2,
     clipping_sensitivity,
@@ -31,7 +31,7 @@ from lightning_privdec.privacy.cpgt import (
 )
 from lightning_privdec.privacy.noise import node_noise_generator
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, CPGTStrategy
-from lightning_privdec.strategies.cpgt import plain_sgd_step_size
+from lightning_privdec.algorithms.cpgt import plain_sgd_step_size
 from lightning_privdec.topology import TopologyError, build_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -389,16 +389,10 @@ def test_whole_run_accountings_refuse_mini_batches_and_a_batch_above_the_shard_m
     the privacy audit measured epsilon >= 4.6 against a claimed 2 at q = 0.1 (docs/audit.md)."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.algorithms.cpgt_node import CPGTPrivacyEngine
+    from tests.test_write_ahead_ledger import make_cpgt_node
 
     def engine():
-        e = CPGTPrivacyEngine(
-            PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0), rank=0, device=torch.device("cpu"),
-            noise_x=1.0, noise_y=1.0, noise_decay=0.9, lipschitz=1.0, accounting=accounting,
-        )
-        e.configure(step_size=0.1, dimension=3)
-        return e
+        return make_cpgt_node(noise_x=1.0, noise_y=1.0, accounting=accounting)
 
     data = TensorDataset(torch.randn(50, 3), torch.randn(50))
     full = engine()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_privdec.privacy.cpgt import cpgt_epsilon, laplace_norm_factor
+from lightning_privdec.privacy.accounting.cpgt import cpgt_epsilon, laplace_norm_factor
 from tests.multiprocess import fit_digits
 
 pytestmark = pytest.mark.multiprocess

@@ -111,15 +111,20 @@ def test_dyn_d2p_resumes_its_schedule_at_the_released_step(tmp_path):
     assert resumed.noise_multiplier == e.schedule.noise_multiplier(5)  # the schedule goes on at step 5, not 1
 
 
-def cpgt_engine(accounting: str = "finite", target_epsilon: float | None = None):
+def make_cpgt_node(**options):  # noqa: ANN201
+    """A CPGT node with alpha = 0.1 and d = 3, q = 0.9, L = 1 unless ``options`` say otherwise."""
+    from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
     from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.algorithms.cpgt_node import CPGTPrivacyEngine
 
+    e = CPGTNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0), rank=0, device=torch.device("cpu"),
+                 options=CPGTOptions(**{"noise_decay": 0.9, "lipschitz": 1.0, **options}))
+    e.configure_optimizer(torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1), 3)
+    return e
+
+
+def cpgt_engine(accounting: str = "finite", target_epsilon: float | None = None):
     noise = dict(noise_x=1.0, noise_y=1.0) if target_epsilon is None else dict(noise_x=None, noise_y=None)
-    e = CPGTPrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0), rank=0, device=torch.device("cpu"),
-                          noise_decay=0.9, lipschitz=1.0, accounting=accounting, target_epsilon=target_epsilon,
-                          **noise)
-    e.configure(step_size=0.1, dimension=3)
+    e = make_cpgt_node(accounting=accounting, target_epsilon=target_epsilon, **noise)
     data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
     batch_size = 5 if accounting == "finite" else 50  # whole-run accountings need full batches
     e.private_dataloader(torch.utils.data.DataLoader(data, batch_size=batch_size), planned_steps=10)
@@ -129,7 +134,7 @@ def cpgt_engine(accounting: str = "finite", target_epsilon: float | None = None)
 def _cpgt_round_terms(e, rounds: int) -> list[float]:
     """The coupling's per-round epsilon terms of Theorem 2's proof, one per round, computed independently of the
     engine from its parameters (Assumption 4 unless accounting='finite')."""
-    from lightning_privdec.privacy.cpgt import cpgt_epsilon_after
+    from lightning_privdec.privacy.accounting.cpgt import cpgt_epsilon_after
 
     common = dict(alpha=e.alpha, lipschitz=e.lipschitz, q=e.noise_decay, noise_x=e.noise_x, noise_y=e.noise_y,
                   sensitivity=e.sensitivity, norm_factor=e.norm_factor, linear_difference=e.accounting != "finite")
@@ -142,13 +147,13 @@ def test_cpgt_charges_every_round_a_resume_sends_again(tmp_path, accounting):
     """Checkpoint after round 1, crash after round 6, resume: rounds 1..5 go out twice (fresh Laplace noise, same
     scales); the printed epsilon is the composition, every released round's term counted once per release. A second
     crash (after round 3 of the resumed run, resumed from a checkpoint at round 2) adds round 2 once more."""
-    from lightning_privdec.privacy.cpgt import cpgt_epsilon
+    from lightning_privdec.privacy.accounting.cpgt import cpgt_epsilon
 
     ledger = WriteAheadLedger(tmp_path, "run", rank=0)
 
     def advance(engine, rounds):
         for _ in range(rounds):
-            engine._steps += 1  # what privatize() advances, then the write before the message leaves
+            engine.ledger.record()  # what privatize() records, then the write before the message leaves
             ledger.write(engine)
 
     e = cpgt_engine(accounting)
@@ -160,7 +165,7 @@ def test_cpgt_charges_every_round_a_resume_sends_again(tmp_path, accounting):
     resumed.load_state_dict(at_round_1)
     with pytest.warns(UserWarning, match="5 private steps were released"):
         ledger.recover(resumed)
-    assert resumed.steps == 6 and resumed._steps == 1  # 6 rounds released; the trajectory goes on from round 1
+    assert resumed.steps == 6 and resumed.ledger.rounds == 1  # 6 rounds released; the trajectory goes on from round 1
     terms = _cpgt_round_terms(e, 12)
     whole = cpgt_epsilon(alpha=0.1, lipschitz=1.0, q=0.9, noise_x=1.0, noise_y=1.0, sensitivity=e.sensitivity,
                          norm_factor=e.norm_factor)
@@ -180,7 +185,7 @@ def test_cpgt_charges_every_round_a_resume_sends_again(tmp_path, accounting):
     with pytest.warns(UserWarning, match="1 private steps were released"):
         ledger.recover(again)
     advance(again, 4)
-    assert again.steps == 6 + 2 + 4 and again._steps == 6
+    assert again.steps == 6 + 2 + 4 and again.ledger.rounds == 6
     assert again.epsilon() == pytest.approx(composed(6, [1, 2, 3, 4, 5, 2]), rel=1e-12)
 
 
@@ -189,10 +194,10 @@ def test_cpgt_refuses_to_resume_past_its_target_once_replays_are_charged(tmp_pat
     ledger = WriteAheadLedger(tmp_path, "run", rank=0)
     e = cpgt_engine("sound", target_epsilon=2.0)
     assert e.epsilon() == 0.0 and not e.next_step_exceeds_budget()
-    e._steps = 1
+    e.ledger.rounds = 1
     ledger.write(e)
     saved = checkpoint(e)
-    e._steps = 4
+    e.ledger.rounds = 4
     ledger.write(e)
     assert e.epsilon() == pytest.approx(2.0) and not e.next_step_exceeds_budget()
     resumed = cpgt_engine("sound", target_epsilon=2.0)
@@ -265,21 +270,15 @@ def test_a_lightning_resume_after_a_crash_counts_the_released_steps(tmp_path):
 def test_a_calibrated_finite_cpgt_plan_takes_every_planned_round():
     """The calibrated scale spends the target exactly (to float rounding): the last planned round must not be
     refused for a few ulp."""
-    from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.algorithms.cpgt_node import CPGTPrivacyEngine
-
     data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
     early = []
     for planned in range(2, 40, 3):
         for target in (0.5, 3.0, 7.3):
-            e = CPGTPrivacyEngine(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0), rank=0,
-                                  device=torch.device("cpu"), noise_x=None, noise_y=None, noise_decay=0.9,
-                                  lipschitz=1.0, accounting="finite", target_epsilon=target)
-            e.configure(step_size=0.1, dimension=3)
+            e = make_cpgt_node(accounting="finite", target_epsilon=target)
             e.private_dataloader(torch.utils.data.DataLoader(data, batch_size=5), planned_steps=planned)
-            e._steps = planned - 1
+            e.ledger.rounds = planned - 1
             if e.next_step_exceeds_budget():
                 early.append((planned, target))
-            e._steps = planned
+            e.ledger.rounds = planned
             assert e.next_step_exceeds_budget() and e.epsilon() == pytest.approx(target, rel=1e-9)
     assert early == []

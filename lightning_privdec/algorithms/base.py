@@ -81,6 +81,10 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
     #: whether sigma is one planned number (then a strategy may keep it, or re-plan it for the steps a time limit
     #: allows, with :meth:`calibrate_remaining`)
     fixed_noise_multiplier: bool = False
+    #: whether the strategy arguments of :meth:`planned_noise` are in units of the clip bound C (else absolute stds)
+    noise_relative_to_clip: bool = True
+    #: relative slack of the budget check (a scale calibrated in closed form spends the target up to float rounding)
+    budget_tolerance: float = 0.0
 
     def __init__(
         self,
@@ -154,6 +158,11 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
         return self.parameters.delta_for_reporting
 
     @property
+    def target_epsilon(self) -> float | None:
+        """The budget the node stops before exceeding (None: no budget)."""
+        return self.parameters.target_epsilon
+
+    @property
     def steps(self) -> int:
         """Private steps this node has taken (all fits and resumes together)."""
         return self.ledger.steps
@@ -169,14 +178,19 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
         how many more such steps fit (:meth:`Accountant.steps_within`) and then only counts; the count is redone
         whenever the release or the ledger change otherwise.
         """
-        target, release = self.parameters.target_epsilon, self.next_release()
+        target, release = self.target_epsilon, self.next_release()
         if target is None or release is None:
             return False
         certified = self._certified
         if certified is None or certified[0] != release or self.ledger.steps < certified[1]:
-            certified = self._certified = (release, self.ledger.steps, self.ledger.steps_within(target, *release))
+            limit = target * (1.0 + self.budget_tolerance)
+            certified = self._certified = (release, self.ledger.steps, self.ledger.steps_within(limit, *release))
         _, base, fitting = certified
         return self.ledger.steps - base + 1 > fitting
+
+    def planned_noise(self) -> dict[str, float]:
+        """The strategy arguments that give the noise planned now (a calibrated level, as if passed by hand)."""
+        return {"noise_multiplier": float(self.noise_multiplier or 0.0)}
 
     def step_metrics(self) -> dict[str, float]:
         """This node's noise and sampling now (logged by the budget callback as ``privacy/<key>``)."""

@@ -12,10 +12,17 @@
 W is doubly stochastic on a static undirected graph. With C = identity and gamma = 1 this is DiaDSP (Ding et al.
 2021): x_i(k+1) = sum_j w_ij x_j^a - alpha y_i(k), eq. (7).
 
-One gradient per round: :meth:`CPGTGossip.track` takes g_k = grad f_i(x_i(k)) and returns y_i(k) = u_i(k) + g_k,
-where u_i(k+1) = y_i^a + gamma sum_j w_ij (y_j^c - y_i^c) - g_k is kept from the previous round (u_i(0) = 0 gives
-y_i(0) = g_0). The descent x_i(k) - alpha y_i(k) is left to the caller (plain SGD with lr = alpha on p.grad = y(k)
-in the Lightning strategy); :meth:`CPGTGossip.step` then adds the noise and the consensus term of line 10.
+Where each line runs, per round k (the strategy calls the pieces in this order):
+
+    g_k   per-sample gradients at x_i(k) clipped to C, summed, divided by qJ        :meth:`CPGTNode.privatize`
+    10    y_i(k) = u_i(k) + g_k into p.grad (one gradient per round: u_i(k+1) = y_i^a + gamma sum_j w_ij
+          (y_j^c - y_i^c) - g_k is kept from the previous round; u_i(0) = 0 gives y_i(0) = g_0)
+                                                                 :meth:`CPGTNode.privatize` -> :meth:`CPGTGossip.track`
+    10    x_i(k) - alpha y_i(k)                                  the user's optimizer: plain SGD, lr = alpha
+    5-10  Laplace noise, compressed differences, replicas, consensus               :meth:`CPGTGossip.step`
+    eps   pure epsilon-DP of the node's messages (Theorem 2's coupling; delta = 0)
+          :class:`~lightning_privdec.privacy.accounting.cpgt.CPGTAccountant`, the scales planned in
+          :meth:`CPGTNode.plan_noise`
 
 The compressor's randomness is keyed by public (seed, sender, channel, round) integers: independent of the data
 and of the noise, so compression is post-processing (Theorem 2's proof shares it between the coupled runs).
@@ -24,6 +31,7 @@ and of the noise, so compression is post-processing (Theorem 2's proof shares it
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,10 +41,24 @@ from lightning_privdec.algorithms.consensus_step import ConsensusStep, choose_co
 from lightning_privdec.algorithms.mixing import message_key
 from lightning_privdec.comm import Exchange, TensorSpec
 from lightning_privdec.compression import Compressor, Identity
+from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
+from lightning_privdec.privacy.accounting.cpgt import (
+    ACCOUNTING,
+    CPGTAccountant,
+    calibrate_cpgt_noise,
+    check_theorem2,
+    clipping_sensitivity,
+    cpgt_epsilon_for,
+    laplace_norm_factor,
+)
+from lightning_privdec.privacy.config import PrivacyParameters
+from lightning_privdec.privacy.dp_step import DPStepStats
+from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator, node_noise_generator
+from lightning_privdec.tensors import split_like
 from lightning_privdec.topology import Topology, TopologyError
 
-__all__ = ["CHANNEL_X", "CHANNEL_Y", "CPGTGossip", "laplace_noise"]
+__all__ = ["CHANNEL_X", "CHANNEL_Y", "CPGTGossip", "CPGTNode", "CPGTOptions", "laplace_noise"]
 
 CHANNEL_X, CHANNEL_Y = 0, 1  # compressor keys of the two messages of a round
 NOISE_STREAM = "cpgt-laplace"
@@ -234,3 +256,228 @@ class CPGTGossip:
         self.exchange.traffic.load_state_dict(state["traffic"])
         if self.noise_seed is not None and "generator" in state:
             self.generator.set_state(state["generator"])
+
+
+
+# ---- the private node --------------------------------------------------------------------------------------------
+def plain_sgd_step_size(optimizer: torch.optim.Optimizer) -> float:
+    """alpha, the one learning rate of a plain SGD optimizer (no momentum, weight decay, Nesterov or maximize);
+    raises :class:`PrivacyConfigError` for anything else: CPGT's x(k) - alpha y(k) is exactly such a step."""
+    groups = optimizer.param_groups
+    if type(optimizer) is not torch.optim.SGD or any(
+        g.get("momentum", 0) or g.get("weight_decay", 0) or g.get("nesterov", False) or g.get("maximize", False)
+        for g in groups
+    ):
+        keys = ("momentum", "weight_decay", "nesterov", "maximize")
+        settings = [{k: g.get(k) for k in keys if k in g} for g in groups]
+        raise PrivacyConfigError(
+            f"CPGT's update x(k+1) = x^a + gamma sum_j w_ij (x_j^c - x_i^c) - alpha y(k) needs plain SGD whose "
+            f"learning rate is alpha; got {type(optimizer).__name__} with {settings}. Return "
+            "torch.optim.SGD(params, lr=alpha) (momentum=0, weight_decay=0) from configure_optimizers."
+        )
+    rates = {float(g["lr"]) for g in groups}
+    if len(rates) != 1:
+        raise PrivacyConfigError(f"CPGT uses one step size alpha; the parameter groups have learning rates {rates}")
+    return rates.pop()
+
+
+def _positive(value: Any, name: str) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+        raise PrivacyConfigError(f"CPGT: {name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CPGTOptions:
+    """CPGT's own arguments, validated once (by the strategy when it is built): the Laplace scales d_x, d_y (or
+    ``None`` to calibrate d_x = d_y to the budget), the decay q, the assumed smoothness L, the adjacency distance (or
+    ``None``: 2 C / (q J) from clipping), its norm, the accounting and the budget."""
+
+    noise_decay: float
+    lipschitz: float
+    noise_x: float | None = None
+    noise_y: float | None = None
+    sensitivity: float | None = None
+    sensitivity_norm: str = "l2"
+    accounting: str = "sound"
+    target_epsilon: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.noise_x is None) != (self.noise_y is None):
+            raise PrivacyConfigError("give both noise_x and noise_y (the Laplace scales d_x, d_y), or neither")
+        if self.noise_x is None and self.target_epsilon is None:
+            raise PrivacyConfigError(
+                "CPGT needs its Laplace noise scales: pass noise_x=... and noise_y=..., or target_epsilon=... to "
+                "calibrate them (d_x = d_y)"
+            )
+        for name in ("noise_x", "noise_y", "target_epsilon", "sensitivity"):
+            _positive(getattr(self, name), name)
+        if not (isinstance(self.lipschitz, (int, float)) and 0 < self.lipschitz < float("inf")):
+            raise PrivacyConfigError(
+                f"CPGT: lipschitz (L, the smoothness constant assumed for each node's gradient) must be a finite "
+                f"number > 0, got {self.lipschitz!r}"
+            )
+        if not (isinstance(self.noise_decay, (int, float)) and 0 < self.noise_decay < 1):
+            raise PrivacyConfigError(f"CPGT: noise_decay (q) must lie in (0, 1), got {self.noise_decay!r}")
+        if self.accounting not in ACCOUNTING:
+            raise PrivacyConfigError(f"CPGT: accounting must be one of {ACCOUNTING}, got {self.accounting!r}")
+        if self.sensitivity_norm not in ("l2", "l1"):
+            raise PrivacyConfigError(f"CPGT: sensitivity_norm must be 'l2' or 'l1', got {self.sensitivity_norm!r}")
+        if self.sensitivity_norm == "l1" and self.sensitivity is None:
+            raise PrivacyConfigError(
+                "CPGT: sensitivity_norm='l1' needs an explicit l1 sensitivity=...: the distance derived from "
+                "per-sample clipping, 2C/(qJ), is an l2 bound (keep sensitivity_norm='l2' to use it)"
+            )
+
+
+class CPGTNode(PrivateNodeAlgorithm):
+    """One CPGT node: clipping without Gaussian noise, gradient tracking, decaying Laplace noise in the gossip."""
+
+    budget_tolerance = 1e-9  # a calibrated scale spends the target exactly, up to float rounding
+
+    def __init__(self, parameters: PrivacyParameters, *, options: CPGTOptions, **kwargs: Any) -> None:
+        self.options = options
+        super().__init__(parameters, **kwargs)
+        self.noise_x, self.noise_y = options.noise_x, options.noise_y
+        self.noise_decay, self.lipschitz, self.accounting = options.noise_decay, options.lipschitz, options.accounting
+        self.sensitivity = options.sensitivity
+        self.alpha: float | None = None
+        self.dimension: int | None = None
+        self.norm_factor: float | None = None  # ||v||_1 <= norm_factor ||v|| for the sensitivity's norm
+        self.epsilon_theorem2: float | None = None  # the paper's eq. (23), for reference
+        self.noise_multiplier = 0.0  # no Gaussian noise: reported as 0 by the budget callback
+        self.gossip: CPGTGossip | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    def make_accountant(self) -> CPGTAccountant:
+        return CPGTAccountant(self.options.accounting)  # type: ignore[arg-type]
+
+    @property
+    def delta(self) -> float:
+        return 0.0  # pure epsilon-DP
+
+    @property
+    def target_epsilon(self) -> float | None:
+        return self.options.target_epsilon
+
+    @property
+    def run_epsilon(self) -> float | None:
+        return self.ledger.run_epsilon
+
+    def build_gossip(self, x0: Tensor, *, rank: int, topology: Topology, exchange: Exchange,
+                     compressor: Compressor | None, seed: int, consensus_step: float | str, **_: Any) -> CPGTGossip:
+        """Lines 5-10's state: x, u and the replicas; the Laplace scales are set once planned."""
+        self.gossip = CPGTGossip(
+            x0, rank=rank, topology=topology, exchange=exchange, compressor=compressor, consensus_step=consensus_step,
+            noise_x=0.0, noise_y=0.0, noise_decay=self.noise_decay, noise_seed=self.noise_seed, seed=seed,
+        )
+        return self.gossip
+
+    def configure_optimizer(self, optimizer: torch.optim.Optimizer, dimension: int) -> None:
+        """alpha (plain SGD's learning rate) and d; checks Theorem 2's conditions."""
+        self._optimizer = optimizer
+        self.alpha, self.dimension = plain_sgd_step_size(optimizer), int(dimension)
+        if self.accounting != "finite":
+            check_theorem2(self.alpha, self.lipschitz, self.noise_decay)
+
+    def _batch_size_for_shard(self, batch_size: int, shard_size: int) -> int:
+        """Whole-run accountings need full batches (Assumption 4 fails under mini-batches: the privacy audit,
+        docs/audit.md, measures epsilon >= 4.6 against a claimed 2 with q = 0.1); a batch size of at least the shard
+        means q = 1 (all of J)."""
+        if batch_size >= shard_size:
+            return shard_size
+        if self.accounting != "finite":
+            raise PrivacyConfigError(
+                f"CPGT: accounting={self.accounting!r} needs full batches (Assumption 4 fails under mini-batches: an "
+                f"example enters the tracker afresh each time it is sampled), but node {self.rank} would sample "
+                f"{batch_size} of its {shard_size} examples per step. Use a batch size of at least the largest "
+                "node's shard (every node then uses all of its data each step), or accounting='finite'"
+            )
+        return batch_size
+
+    # ---- before training: the Laplace scales d_x, d_y ------------------------------------------------------------
+    def plan_noise(self, planned_steps: int) -> None:
+        if self.alpha is None or self.dimension is None:
+            raise RuntimeError("CPGTNode.configure_optimizer(...) must run before planning")
+        assert self.expected_batch_size is not None
+        if self.options.sensitivity is None:
+            self.sensitivity = clipping_sensitivity(self.parameters.max_grad_norm, self.expected_batch_size)
+        self.norm_factor = norm_factor = laplace_norm_factor(self.dimension, self.options.sensitivity_norm)
+        common = dict(alpha=self.alpha, lipschitz=self.lipschitz, q=self.noise_decay, sensitivity=self.sensitivity)
+        target = self.options.target_epsilon
+        if self.noise_x is None:  # calibrate d_x = d_y = d to the target over the plan
+            assert target is not None
+            self.noise_x = self.noise_y = calibrate_cpgt_noise(
+                target, self.accounting, steps=max(1, planned_steps), norm_factor=norm_factor, **common,  # type: ignore[arg-type]
+            )
+        assert self.noise_y is not None
+        self.ledger.configure(noise_x=self.noise_x, noise_y=self.noise_y, norm_factor=norm_factor, **common)  # type: ignore[arg-type]
+        if self.accounting != "finite":
+            run = self.ledger.run_epsilon
+            if target is not None and run > target * (1 + self.budget_tolerance):  # type: ignore[operator]
+                raise PrivacyConfigError(
+                    f"CPGT: noise_x = {self.noise_x:g}, noise_y = {self.noise_y:g} give epsilon = {run:.4g} "
+                    f"({self.accounting} accounting) > target_epsilon = {target:g}; raise the noise scales or the "
+                    "budget, or give only target_epsilon to calibrate them"
+                )
+            self.epsilon_theorem2 = cpgt_epsilon_for(
+                "theorem2", steps=None, noise_x=self.noise_x, noise_y=self.noise_y, **common  # type: ignore[arg-type]
+            )
+        if self.gossip is not None:
+            self.gossip.set_noise(self.noise_x, self.noise_y)
+
+    def next_release(self) -> tuple[()] | None:
+        return () if self.ledger.terms is not None else None
+
+    # ---- round k ---------------------------------------------------------------------------------------------------
+    def privatize(self) -> DPStepStats:
+        """g_k = clipped per-sample gradients at x_i(k) summed over qJ, then p.grad <- y_i(k) = u_i(k) + g_k."""
+        gossip = self.gossip
+        if (self.per_sample is None and self.ghost is None) or gossip is None or self.next_release() is None:
+            raise RuntimeError("CPGTNode.privatize called before attach(), build_gossip() and private_dataloader()")
+        if (gossip.noise_x, gossip.noise_y) != (self.noise_x, self.noise_y):
+            raise RuntimeError("CPGT: the Laplace noise was not planned before the first step")
+        if self._optimizer is not None and any(float(g["lr"]) != self.alpha for g in self._optimizer.param_groups):
+            raise PrivacyConfigError(
+                f"CPGT: the learning rate changed from alpha = {self.alpha} during training; the privacy bound "
+                "assumes a constant step size"
+            )
+        self.last_step = self.clip_and_noise(self.parameters.max_grad_norm, noise_multiplier=0.0)
+        params = self._trainable
+        y = gossip.track(torch.cat([p.grad.reshape(-1) for p in params]))
+        for p, value in zip(params, split_like(y, params)):
+            p.grad.copy_(value)
+        self.ledger.record()
+        return self.last_step
+
+    noise_relative_to_clip = False
+
+    def planned_noise(self) -> dict[str, float]:
+        return {"noise_x": float(self.noise_x or 0.0), "noise_y": float(self.noise_y or 0.0)}
+
+    def noise_summary(self) -> str:
+        replayed = self.ledger.steps - self.ledger.rounds
+        return (
+            f"pure epsilon-DP (delta = 0): Laplace noise d_x = {self.noise_x or 0.0:.4g}, d_y = {self.noise_y or 0.0:.4g} "
+            f"decaying by q = {self.noise_decay} per round, {self.accounting} accounting"
+            + (f", {replayed} replayed rounds charged" if replayed else "")
+        )
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------------
+    def plan_state(self) -> dict[str, Any]:
+        return {"noise": [self.noise_x, self.noise_y], "sensitivity": self.sensitivity}
+
+    def load_plan_state(self, state: Mapping[str, Any]) -> None:
+        noise_x, noise_y = state["noise"]
+        if noise_x is not None:  # a calibrated scale is kept: the run goes on with the noise it has used
+            self.noise_x, self.noise_y = float(noise_x), float(noise_y)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if "ledger" not in state:  # written before the accountant had its own state: the rounds at the top level
+            state = {**state, "ledger": {"steps": state["steps"], "replayed": state.get("replayed", [])}}
+        super().load_state_dict(state)
+
+    def load_accounting_state(self, state: Mapping[str, Any]) -> None:
+        """The write-ahead ledger's later state: the trajectory restarts at the checkpoint's round k0 and the rounds
+        k0..k1-1 the crashed run released are charged again (:meth:`CPGTAccountant.charge_replay`)."""
+        self.ledger.charge_replay(state["ledger"] if "ledger" in state else state)
+        self._certified = None

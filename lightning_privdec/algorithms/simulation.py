@@ -28,7 +28,7 @@ from lightning_privdec.topology import Topology
 
 @dataclass
 class NodeRun:
-    """What one simulated node ends with."""
+    """What one simulated node ends with (``sent``: what its exchange recorded, when it records messages)."""
 
     node: PrivateNodeAlgorithm
     model: nn.Module
@@ -51,7 +51,7 @@ def train_node(
     batch_size: int,
     steps: int,
     lr: float,
-    loss: Callable[[Tensor, Any], Tensor],
+    loss: Callable[..., Tensor],
     compressor: Compressor | None = None,
     push_sum_weight: bool = True,
     consensus_step: float | str = "auto",
@@ -60,7 +60,7 @@ def train_node(
 ) -> NodeRun:
     """``steps`` private steps of one node (plain SGD at ``lr``) on Poisson batches of its ``dataset``.
 
-    ``loss(model(x), y)`` gives per-example or mean losses of a batch ``(x, y)``; ``after_step(t, run)`` sees the
+    ``loss(model(x), *rest)`` gives per-example or mean losses of a batch ``(x, *rest)``; ``after_step(t, run)`` sees the
     node after every step. Every node must start from the same parameters (build ``model`` under a fixed seed).
     """
     node.attach(model)
@@ -76,10 +76,10 @@ def train_node(
     run = NodeRun(node, model, gossip)
 
     def backward(batch: Sequence[Tensor]) -> bool:
-        x, y = batch[0], batch[1]
+        x, *rest = batch
         if len(x) == 0:
             return False  # an empty Poisson batch releases pure noise
-        value = loss(model(x), y)
+        value = loss(model(x), *rest)
         if value.dim() > 0:
             value = value.mean()
         value.backward()

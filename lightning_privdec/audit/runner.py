@@ -31,14 +31,10 @@ from lightning_privdec.audit.canaries import AuditModel, CanaryDesign, audit_los
 from lightning_privdec.audit.observer import WireTap, cpgt_observations, push_sum_released
 from lightning_privdec.audit.one_run import score_audit
 from lightning_privdec.comm import LoopbackNetwork
-from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
-from lightning_privdec.algorithms.cpgt_node import CPGTPrivacyEngine
-from lightning_privdec.algorithms.decor import DecorNode
-from lightning_privdec.algorithms.dyn_d2p import DynD2PNode
+from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
+from lightning_privdec.algorithms.simulation import train_node
 from lightning_privdec.privacy.pairwise import simulate_key_agreement
-from lightning_privdec.algorithms.privsgp_vr import PrivSGPVRNode
-from lightning_privdec.strategies import PRIVATE_STRATEGIES, CorrelatedNoiseStrategy, FlatParameters
-from lightning_privdec.strategies.cpgt import CPGTStrategy
+from lightning_privdec.strategies import PRIVATE_STRATEGIES
 
 __all__ = ["AUDITED_STRATEGIES", "BREAKABLE", "BREAKS", "AuditReport", "run_audit"]
 
@@ -103,27 +99,23 @@ def _make_strategy(name: str, rank: int, nodes: int, kwargs: Mapping[str, Any]) 
     strategy = PRIVATE_STRATEGIES[name](
         **kwargs, parallel_devices=[torch.device("cpu")], cluster_environment=_environment(rank, nodes)
     )
-    strategy.topology = strategy._build_topology(nodes)
+    strategy.topology = strategy.make_topology(nodes)
     return strategy
 
 
-def _make_engine(strategy: Any, secrets: Mapping[int, Any] | None, rank: int) -> DPCSGPNode:
-    """The strategy's own engine; Decor's pairwise keys are agreed in memory instead of over torch.distributed."""
-    if not isinstance(strategy, CorrelatedNoiseStrategy):
-        return strategy.make_privacy_engine()
-    engine = strategy.new_engine()
+def _make_node(strategy: Any, secrets: Mapping[int, Any] | None, rank: int) -> PrivateNodeAlgorithm:
+    """The strategy's own node algorithm; Decor's pairwise keys are agreed in memory instead of over the network."""
+    node = strategy.make_node_algorithm()
     if secrets is not None:  # planning alone needs no secrets
-        engine.secrets = secrets[rank]
-    return engine
+        node.secrets = secrets[rank]
+    return node
 
 
-def _planned_epsilon(engine: DPCSGPNode, steps: int) -> float:
-    """The accountant's epsilon of ``steps`` steps at the engine's planned noise and rate (nothing recorded)."""
-    if isinstance(engine, (PrivSGPVRNode, DecorNode)):
-        return engine.ledger.epsilon_after(steps, *engine.next_release())
-    if isinstance(engine, CPGTPrivacyEngine):
-        return engine._epsilon_after(steps)
-    return engine.ledger.epsilon_if(engine.noise_multiplier, engine.sample_rate, steps)
+def _planned_epsilon(node: PrivateNodeAlgorithm, steps: int) -> float:
+    """The accountant's epsilon of ``steps`` steps of the node's planned release (nothing recorded)."""
+    release = node.next_release()
+    assert release is not None
+    return node.ledger.epsilon_after(steps, *release)
 
 
 def _broken_configuration(
@@ -131,76 +123,41 @@ def _broken_configuration(
     lr: float,
 ) -> tuple[dict[str, Any], float]:
     """The broken run's strategy arguments, and the epsilon the accountant claims for the honest configuration."""
-    engine = _make_engine(_make_strategy(name, 0, nodes, kwargs), None, 0)
-    engine.attach(AuditModel(dimension))
-    if isinstance(engine, CPGTPrivacyEngine):
-        engine.configure(step_size=lr, dimension=dimension)
-    engine.private_dataloader(loader, steps, nodes, node_local_data=True)  # plans the honest noise
-    claimed = _planned_epsilon(engine, steps)
-    clip = float(kwargs["max_grad_norm"])
-    update: dict[str, Any] = {"target_epsilon": None}
-    if broken == "clipping":
-        update["max_grad_norm"] = clip * CLIP_BREAK_FACTOR
-    if isinstance(engine, DecorNode):  # absolute noise stds on the clipped sum
-        off = broken == "noise"
-        update.update(sigma_cdp=engine.sigma_cdp * (NOISE_BREAK_FACTOR if off else 1.0),
-                      sigma_cor=0.0 if off else engine.sigma_cor)
-    elif isinstance(engine, CPGTPrivacyEngine):  # absolute Laplace scales
-        factor = NOISE_BREAK_FACTOR if broken == "noise" else 1.0
-        update.update(noise_x=engine.noise_x * factor, noise_y=engine.noise_y * factor)
-    else:  # sigma in units of C
-        sigma = float(engine.noise_multiplier)  # type: ignore[arg-type]
-        update["noise_multiplier"] = 0.0 if broken == "noise" else sigma / CLIP_BREAK_FACTOR
+    node = _make_node(_make_strategy(name, 0, nodes, kwargs), None, 0)
+    model = AuditModel(dimension)
+    node.attach(model)
+    node.configure_optimizer(torch.optim.SGD(model.parameters(), lr=lr), dimension)
+    node.private_dataloader(loader, steps, nodes, node_local_data=True)  # plans the honest noise
+    claimed = _planned_epsilon(node, steps)
+    update: dict[str, Any] = {"target_epsilon": None, **node.planned_noise()}
+    if broken == "clipping":  # C raised, the noise std unchanged
+        update["max_grad_norm"] = float(kwargs["max_grad_norm"]) * CLIP_BREAK_FACTOR
+        if node.noise_relative_to_clip:
+            update.update({k: v / CLIP_BREAK_FACTOR for k, v in node.planned_noise().items()})
+    elif node.noise_relative_to_clip:  # no noise at all
+        update.update({k: 0.0 for k in node.planned_noise()})
+    else:  # absolute scales that must stay positive: a billionth of the honest ones
+        update.update({k: v * NOISE_BREAK_FACTOR for k, v in node.planned_noise().items()})
     return update, claimed
 
 
 def _node(
-    rank: int, exchange: Any, strategy: Any, engine: DPCSGPNode, dataset: Any, batch_size: int, *,
+    rank: int, exchange: Any, strategy: Any, node: PrivateNodeAlgorithm, dataset: Any, batch_size: int, *,
     dimension: int, steps: int, lr: float,
 ) -> list[dict[int, list[torch.Tensor]]]:
-    """One simulated node: DecentralizedStrategy.optimizer_step, ``steps`` times, on its Poisson batches."""
-    model = AuditModel(dimension)
-    engine.attach(model)
-    flat = FlatParameters(model)
+    """One simulated node: the strategies' private step, ``steps`` times, on its Poisson batches; what it sent."""
     tap = WireTap(exchange)
-    strategy.privacy = engine
-    gossip = strategy.build_gossip(flat.buffer, tap)
-    optimizer = torch.optim.SGD(flat.parameters, lr=lr)
-    strategy.gossip, strategy.flat = gossip, flat
-    strategy.optimizers = [optimizer]
-    if isinstance(strategy, CPGTStrategy):
-        engine.configure(step_size=lr, dimension=flat.numel)  # type: ignore[attr-defined]
-    loader = engine.private_dataloader(DataLoader(dataset, batch_size=batch_size), steps, exchange.world_size,
-                                       node_local_data=True)
-    if isinstance(strategy, CPGTStrategy):
-        gossip.set_noise(engine.noise_x, engine.noise_y)  # type: ignore[attr-defined]
-
-    def backward(batch: Sequence[torch.Tensor]) -> bool:
-        x, y, canary = batch
-        if len(x) == 0:
-            return False  # an empty Poisson batch releases pure noise
-        audit_loss(model(x), y, canary).mean().backward()
-        return True
-
-    if isinstance(engine, PrivSGPVRNode):
-        engine.before_first_step(backward)  # PrivSGP-VR, Algorithm 1 lines 1-3
-    taken = 0
-    while taken < steps:
-        for batch in loader:
-            if taken == steps:
-                break
-            optimizer.zero_grad(set_to_none=True)
-            backward(batch)
-            strategy.transform_gradients()  # clip, noise (or track), record
-            flat.buffer.copy_(gossip.x)  # the optimizer updates the numerator x
-            optimizer.step()
-            gossip.step(flat.buffer)
-            gossip.debias_into(flat.buffer)
-            taken += 1
+    run = train_node(
+        node, AuditModel(dimension), dataset, exchange=tap, topology=strategy.topology, batch_size=batch_size,
+        steps=steps, lr=lr, loss=audit_loss, compressor=strategy.compressor,
+        push_sum_weight=strategy.required_mixing == "column", consensus_step=strategy.consensus_step,
+        seed=strategy.seed,
+    )
+    strategy.gossip = run.gossip  # the consensus step "auto" chose, for the observer
     return tap.sent
 
 
-def _decor_weights(engine: DecorNode, graph: nx.Graph, node: int) -> np.ndarray:
+def _decor_weights(engine: Any, graph: nx.Graph, node: int) -> np.ndarray:
     """Sigma^{-1} e_node: the eavesdropper's generalised least squares over all nodes' releases of one coordinate.
 
     Node k adds vbar_k + sum_{l in N_k} v_kl with v_kl = -v_lk, so the noise across nodes has covariance
@@ -320,7 +277,7 @@ def run_audit(
     secrets, graph = None, nx.Graph(topology.union_graph())
     if strategy == "decor":
         secrets = simulate_key_agreement({k: sorted(graph.neighbors(k)) for k in range(nodes)})
-    engines = [_make_engine(s, secrets, k) for k, s in enumerate(strategies)]
+    engines = [_make_node(s, secrets, k) for k, s in enumerate(strategies)]
     network = LoopbackNetwork(nodes, timeout=600.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # n node threads on tiny tensors: intra-op parallelism only oversubscribes the cores
@@ -354,12 +311,12 @@ def run_audit(
         # in the units of the clipped sum (times each node's public expected batch size qJ), where the noise lives
         batch = np.array([e.expected_batch_size for e in engines])
         canary_releases = released[:, :, coords].numpy() * batch[:, None, None]  # (nodes, rounds, m)
-        if isinstance(engine, DecorNode):
+        if strategy == "decor":
             weights = _decor_weights(engine, graph, 0)
             scores = np.einsum("k,ktm->m", weights, canary_releases)
             observer = "every message of every node (eavesdropper); generalised least squares across nodes"
             noise = {"sigma_cdp": engine.sigma_cdp, "sigma_cor": engine.sigma_cor, "adversary": engine.adversary}
-        elif isinstance(engine, DynD2PNode):
+        elif strategy == "dyn_d2p":
             schedule = engine.schedule
             assert schedule is not None
             weights = np.array([1.0 / (schedule.noise_multiplier(t) ** 2 * schedule.clip(t)) for t in range(steps)])
@@ -371,7 +328,7 @@ def run_audit(
             scores = canary_releases[0].sum(0)
             observer = "every message; node 0's released gradients summed over the rounds"
             noise = {"noise_multiplier": engine.noise_multiplier, "max_grad_norm": engine.parameters.max_grad_norm}
-            if isinstance(engine, PrivSGPVRNode):
+            if strategy == "privsgp_vr":
                 noise["split"] = engine.split
     outcome = score_audit(scores, included, delta=engine.delta, confidence=confidence, guess_counts=guess_counts,
                           seed=seed)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lightning_privdec.privacy.cpgt import (
+from lightning_privdec.privacy.accounting.cpgt import (
     cpgt_epsilon,
     cpgt_epsilon_after,
     laplace_norm_factor,

@@ -158,7 +158,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.gossip: Gossip | None = None
         self.steps_per_epoch: int | None = None  # common to every node, fixed when training starts
         if isinstance(topology, Topology):  # a user-built graph can be checked now, before any process starts
-            self._build_topology(topology.num_nodes)
+            self.make_topology(topology.num_nodes)
 
     @property
     def consensus_step(self) -> float | str:
@@ -168,7 +168,7 @@ class DecentralizedStrategy(DDPStrategy):
         return self._consensus_step if gamma is None else gamma
 
     # ---- setup -------------------------------------------------------------------------------------------------------
-    def _build_topology(self, world_size: int) -> Topology:
+    def make_topology(self, world_size: int) -> Topology:
         topology = build_topology(self.topology_spec, world_size, weights=self.weights, seed=self.seed)
         topology.validate(world_size, mixing=self.required_mixing, require_symmetric=self.requires_symmetric_graph)
         return topology
@@ -202,7 +202,7 @@ class DecentralizedStrategy(DDPStrategy):
         # Validate the graph against the world size before the process group exists: every rank fails the same
         # way and nobody waits on a rendezvous that will never complete.
         world_size = self.num_nodes * self.num_processes
-        self.topology = self._build_topology(world_size)
+        self.topology = self.make_topology(world_size)
         super().setup_environment()
         if self.peer_timeout is not None:  # the rendezvous above used `timeout`; from here on nodes wait this long
             set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # torch < 2.10

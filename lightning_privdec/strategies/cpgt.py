@@ -2,9 +2,9 @@
 
 Per optimizer step on node i (Algorithm 1; the strategy's flow in parentheses):
 
-    closure          g_k = grad f_i(x_i(k)), per-sample gradients clipped to C, averaged over q J
-                     (:class:`~lightning_privdec.algorithms.cpgt_node.CPGTPrivacyEngine`, no Gaussian noise)
-    track            y_i(k) = u_i(k) + g_k written into p.grad (eq. (10) with one gradient per step)
+    closure, privatize   g_k = grad f_i(x_i(k)), per-sample gradients clipped to C, averaged over q J (no Gaussian
+                     noise), then y_i(k) = u_i(k) + g_k written into p.grad (eq. (10) with one gradient per step)
+                     (:class:`~lightning_privdec.algorithms.cpgt.CPGTNode`)
     optimizer        x_i(k) - alpha y_i(k): plain SGD, lr = alpha, no momentum, no weight decay
     gossip.step      Laplace noise d q^k on x and y, compressed differences to the neighbours, replicas, and
                      x_i(k+1) = x_i^a + gamma sum_j w_ij (x_j^c - x_i^c) - alpha y_i(k) (eqs. (5)-(12))
@@ -26,36 +26,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_privdec.algorithms.cpgt import CPGTGossip
-from lightning_privdec.comm import TorchDistributedExchange
+from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
 from lightning_privdec.privacy import DEFAULT_DELTA, PrivacyConfigError
 from lightning_privdec.privacy.accounting.gaussian import check_accountant
-from lightning_privdec.privacy.cpgt import ACCOUNTING
-from lightning_privdec.algorithms.cpgt_node import CPGTPrivacyEngine
+from lightning_privdec.tensors import split_like
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 
 _NO_GAUSSIAN_NOISE = "noise_multiplier=0 adds no noise"
-
-
-def plain_sgd_step_size(optimizer: torch.optim.Optimizer) -> float:
-    """alpha, the one learning rate of a plain SGD optimizer (no momentum, weight decay, Nesterov or maximize);
-    raises :class:`PrivacyConfigError` for anything else: CPGT's x(k) - alpha y(k) is exactly such a step."""
-    groups = optimizer.param_groups
-    if type(optimizer) is not torch.optim.SGD or any(
-        g.get("momentum", 0) or g.get("weight_decay", 0) or g.get("nesterov", False) or g.get("maximize", False)
-        for g in groups
-    ):
-        keys = ("momentum", "weight_decay", "nesterov", "maximize")
-        settings = [{k: g.get(k) for k in keys if k in g} for g in groups]
-        raise PrivacyConfigError(
-            f"CPGT's update x(k+1) = x^a + gamma sum_j w_ij (x_j^c - x_i^c) - alpha y(k) needs plain SGD whose "
-            f"learning rate is alpha; got {type(optimizer).__name__} with {settings}. Return "
-            "torch.optim.SGD(params, lr=alpha) (momentum=0, weight_decay=0) from configure_optimizers."
-        )
-    rates = {float(g["lr"]) for g in groups}
-    if len(rates) != 1:
-        raise PrivacyConfigError(f"CPGT uses one step size alpha; the parameter groups have learning rates {rates}")
-    return rates.pop()
 
 
 class CPGTStrategy(PrivateDecentralizedStrategy):
@@ -95,8 +72,7 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
     default_weights = "metropolis"
     required_mixing = "doubly"
     requires_symmetric_graph = True
-    shared_options = ("noise_x", "noise_y", "noise_decay", "lipschitz", "sensitivity", "sensitivity_norm", "accounting",
-                      "target_epsilon")
+    shared_options = ("options",)
 
     def __init__(
         self,
@@ -129,36 +105,10 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
                 f"CPGT adds Laplace noise in the gossip, not Gaussian noise to gradients: noise_multiplier must be "
                 f"None or 0, got {noise_multiplier}; set noise_x and noise_y (or target_epsilon) instead"
             )
-        if (noise_x is None) != (noise_y is None):
-            raise PrivacyConfigError("give both noise_x and noise_y (the Laplace scales d_x, d_y), or neither")
-        if noise_x is None and target_epsilon is None:
-            raise PrivacyConfigError(
-                "CPGT needs its Laplace noise scales: pass noise_x=... and noise_y=..., or target_epsilon=... to "
-                "calibrate them (d_x = d_y)"
-            )
-        for name, value in (("noise_x", noise_x), ("noise_y", noise_y), ("target_epsilon", target_epsilon),
-                            ("sensitivity", sensitivity)):
-            if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
-                raise PrivacyConfigError(f"CPGT: {name} must be a finite number > 0, got {value!r}")
-        if not (isinstance(lipschitz, (int, float)) and 0 < lipschitz < float("inf")):
-            raise PrivacyConfigError(
-                f"CPGT: lipschitz (L, the smoothness constant assumed for each node's gradient) must be a finite "
-                f"number > 0, got {lipschitz!r}"
-            )
-        if not (isinstance(noise_decay, (int, float)) and 0 < noise_decay < 1):
-            raise PrivacyConfigError(f"CPGT: noise_decay (q) must lie in (0, 1), got {noise_decay!r}")
-        if accounting not in ACCOUNTING:
-            raise PrivacyConfigError(f"CPGT: accounting must be one of {ACCOUNTING}, got {accounting!r}")
-        if sensitivity_norm not in ("l2", "l1"):
-            raise PrivacyConfigError(f"CPGT: sensitivity_norm must be 'l2' or 'l1', got {sensitivity_norm!r}")
-        if sensitivity_norm == "l1" and sensitivity is None:
-            raise PrivacyConfigError(
-                "CPGT: sensitivity_norm='l1' needs an explicit l1 sensitivity=...: the distance derived from "
-                "per-sample clipping, 2C/(qJ), is an l2 bound (keep sensitivity_norm='l2' to use it)"
-            )
-        self.noise_x, self.noise_y, self.noise_decay, self.lipschitz = noise_x, noise_y, noise_decay, lipschitz
-        self.sensitivity, self.sensitivity_norm, self.accounting = sensitivity, sensitivity_norm, accounting
-        self.target_epsilon = target_epsilon
+        self.options = CPGTOptions(
+            noise_decay=noise_decay, lipschitz=lipschitz, noise_x=noise_x, noise_y=noise_y, sensitivity=sensitivity,
+            sensitivity_norm=sensitivity_norm, accounting=accounting, target_epsilon=target_epsilon,
+        )
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_GAUSSIAN_NOISE)
             super().__init__(
@@ -174,8 +124,8 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             )
 
     # ---- setup ---------------------------------------------------------------------------------------------------
-    def _build_topology(self, world_size: int):  # type: ignore[no-untyped-def]
-        topology = super()._build_topology(world_size)
+    def make_topology(self, world_size: int):  # type: ignore[no-untyped-def]
+        topology = super().make_topology(world_size)
         if not topology.is_static:
             raise PrivacyConfigError(
                 f"CPGT needs a static undirected graph (its replicas x_j^c follow one fixed set of neighbours); "
@@ -183,47 +133,16 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             )
         return topology
 
-    def make_privacy_engine(self) -> CPGTPrivacyEngine:
+    def make_node_algorithm(self) -> CPGTNode:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_GAUSSIAN_NOISE)
-            return CPGTPrivacyEngine(
-                self.privacy_parameters,
-                rank=self.global_rank,
-                device=self.root_device,
-                grad_sample_mode=self.grad_sample_mode,
-                noise_seed=self.noise_seed,
-                noise_x=self.noise_x,
-                noise_y=self.noise_y,
-                noise_decay=self.noise_decay,
-                lipschitz=self.lipschitz,
-                sensitivity=self.sensitivity,
-                sensitivity_norm=self.sensitivity_norm,
-                accounting=self.accounting,
-                target_epsilon=self.target_epsilon,
+            return CPGTNode(
+                self.privacy_parameters, options=self.options, rank=self.global_rank, device=self.root_device,
+                grad_sample_mode=self.grad_sample_mode, noise_seed=self.noise_seed,
             )
-
-    def build_gossip(  # type: ignore[override]
-        self, x0: torch.Tensor, exchange: TorchDistributedExchange
-    ) -> CPGTGossip:
-        assert self.topology is not None
-        return CPGTGossip(
-            x0,
-            rank=self.global_rank,
-            topology=self.topology,
-            exchange=exchange,
-            compressor=self.compressor,
-            consensus_step=self.consensus_step,
-            noise_x=0.0,  # set from the privacy engine once the noise is planned (process_dataloader)
-            noise_y=0.0,
-            noise_decay=self.noise_decay,
-            noise_seed=self.noise_seed,
-            seed=self.seed,
-        )
 
     def _check_optimization(self, trainer: pl.Trainer) -> None:
         super()._check_optimization(trainer)
-        (optimizer,) = self.optimizers
-        alpha = plain_sgd_step_size(optimizer)
         if trainer.lr_scheduler_configs:
             raise PrivacyConfigError(
                 "CPGT's privacy bound and its convergence use a constant step size alpha: remove the learning-rate "
@@ -234,63 +153,36 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
                 "gradient_clip_val would clip the tracking direction y(k), not the gradients: remove it (per-sample "
                 "clipping to max_grad_norm already bounds every example's influence)"
             )
-        assert isinstance(self.privacy, CPGTPrivacyEngine) and self.flat is not None
-        self.privacy.configure(step_size=alpha, dimension=self.flat.numel)  # Theorem 2's conditions
 
     def process_dataloader(self, dataloader: object) -> object:
         loader = super().process_dataloader(dataloader)
-        engine, gossip = self.privacy, self.gossip
-        if isinstance(engine, CPGTPrivacyEngine) and isinstance(gossip, CPGTGossip) and engine.noise_x is not None:
-            if (gossip.noise_x, gossip.noise_y) != (engine.noise_x, engine.noise_y):
-                gossip.set_noise(engine.noise_x, engine.noise_y)
-                bound = (
-                    f"epsilon = {engine.run_epsilon:.4g} for the whole run ({engine.accounting}; the paper's eq. (23): "
-                    f"{engine.epsilon_theorem2:.4g})" if engine.run_epsilon is not None
-                    else "epsilon growing with every step (finite accounting)"
-                )
-                rank_zero_warn(
-                    "CPGT's epsilon covers the messages each node sends, under the paper's assumptions: every node's "
-                    f"gradient map is L-smooth with L = {engine.lipschitz} (your assumption) and"
-                    + (" one example changes it by a constant vector (Assumption 4, false for neural networks; "
-                       "accounting='finite' drops it)" if engine.accounting != "finite" else " nothing more")
-                    + ". It does not cover a node's own final model x_i(K), which reveals its tracker, nor the "
-                    "network average of the clean models: publish the noisy x^a the node already sent instead."
-                )
-                rank_zero_info(
-                    f"CPGT: Laplace noise d_x = {engine.noise_x:.4g}, d_y = {engine.noise_y:.4g}, decay q = "
-                    f"{engine.noise_decay}, alpha = {engine.alpha}, L = {engine.lipschitz}, adjacency distance "
-                    f"{engine.sensitivity:.4g}, d = {engine.dimension}: {bound}, delta = 0"
-                )
-        return loader
-
-    # ---- the step ------------------------------------------------------------------------------------------------
-    def transform_gradients(self) -> None:
-        """p.grad <- y_i(k) = u_i(k) + g_k, with g_k the clipped gradient at x_i(k)."""
-        engine, gossip, flat = self.privacy, self.gossip, self.flat
-        assert isinstance(engine, CPGTPrivacyEngine) and isinstance(gossip, CPGTGossip) and flat is not None
-        if engine.noise_x is None or (gossip.noise_x, gossip.noise_y) != (engine.noise_x, engine.noise_y):
-            raise RuntimeError("CPGT: the Laplace noise was not planned before the first step")
-        (optimizer,) = self.optimizers
-        if any(float(g["lr"]) != engine.alpha for g in optimizer.param_groups):
-            raise PrivacyConfigError(
-                f"CPGT: the learning rate changed from alpha = {engine.alpha} during training; the privacy bound "
-                "assumes a constant step size"
+        engine = self.privacy
+        if isinstance(engine, CPGTNode) and engine.noise_x is not None and loader is not dataloader:
+            bound = (
+                f"epsilon = {engine.run_epsilon:.4g} for the whole run ({engine.accounting}; the paper's eq. (23): "
+                f"{engine.epsilon_theorem2:.4g})" if engine.run_epsilon is not None
+                else "epsilon growing with every step (finite accounting)"
             )
-        engine.privatize()
-        self.write_ahead_step()  # accounted on disk before the tracker's Laplace-noised messages leave
-        grad = torch.cat([p.grad.reshape(-1) for p in flat.parameters])
-        y = gossip.track(grad)
-        offset = 0
-        for p in flat.parameters:
-            p.grad.copy_(y[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+            rank_zero_warn(
+                "CPGT's epsilon covers the messages each node sends, under the paper's assumptions: every node's "
+                f"gradient map is L-smooth with L = {engine.lipschitz} (your assumption) and"
+                + (" one example changes it by a constant vector (Assumption 4, false for neural networks; "
+                   "accounting='finite' drops it)" if engine.accounting != "finite" else " nothing more")
+                + ". It does not cover a node's own final model x_i(K), which reveals its tracker, nor the "
+                "network average of the clean models: publish the noisy x^a the node already sent instead."
+            )
+            rank_zero_info(
+                f"CPGT: Laplace noise d_x = {engine.noise_x:.4g}, d_y = {engine.noise_y:.4g}, decay q = "
+                f"{engine.noise_decay}, alpha = {engine.alpha}, L = {engine.lipschitz}, adjacency distance "
+                f"{engine.sensitivity:.4g}, d = {engine.dimension}: {bound}, delta = 0"
+            )
+        return loader
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def _load_debiased_parameters(self, node: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
         x = node["gossip"]["x"]  # CPGT evaluates at x itself (no push-sum weight)
-        offset = 0
+        parameters = [p for p in self.lightning_module.parameters() if p.requires_grad]
         with torch.no_grad():
-            for p in (p for p in self.lightning_module.parameters() if p.requires_grad):
-                p.copy_(x[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for p, value in zip(parameters, split_like(x, parameters)):
+                p.copy_(value)

@@ -14,6 +14,7 @@ import networkx as nx
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_privdec.privacy import PrivacyConfigError
+from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
 from lightning_privdec.algorithms.decor import DecorNode, DecorOptions
 from lightning_privdec.privacy.pairwise import PairwiseSecrets, exchange_public_keys, verify_agreement
 from lightning_privdec.privacy.accounting.secldp_step import collusion_level
@@ -82,8 +83,8 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
     def baseline(self) -> str | None:
         return self.options.baseline
 
-    def _build_topology(self, world_size: int):  # type: ignore[no-untyped-def]
-        topology = super()._build_topology(world_size)
+    def make_topology(self, world_size: int):  # type: ignore[no-untyped-def]
+        topology = super().make_topology(world_size)
         graph = nx.Graph(topology.union_graph())
         q = collusion_level(self.adversary, world_size)  # type: ignore[arg-type]
         if q >= 1 and world_size > 2 and not nx.is_biconnected(graph):
@@ -94,8 +95,8 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
             )
         return topology
 
-    def new_engine(self) -> DecorNode:
-        """This node's algorithm, before its pairwise secrets are agreed."""
+    def make_node_algorithm(self) -> DecorNode:
+        """This node's algorithm, before its pairwise secrets are agreed (:meth:`connect_node_algorithm`)."""
         assert self.topology is not None
         return DecorNode(
             self.privacy_parameters,
@@ -108,17 +109,15 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
             secure_mode=self.secure_mode,
         )
 
-    def make_privacy_engine(self) -> DecorNode:
-        engine = self.new_engine()
-        assert self.topology is not None
+    def connect_node_algorithm(self, node: PrivateNodeAlgorithm) -> None:
+        assert self.topology is not None and isinstance(node, DecorNode)
         # Pairwise secrets: real X25519 key agreement with every neighbour (public keys travel, secrets never do).
         neighbours = sorted(nx.Graph(self.topology.union_graph()).neighbors(self.global_rank))
         key_file = None if self.key_file_dir is None else f"{self.key_file_dir}/node_{self.global_rank}.key"
         secrets = PairwiseSecrets(self.global_rank, neighbours, key_file=key_file)
         secrets.agree(exchange_public_keys(secrets))
         verify_agreement(secrets)
-        engine.secrets = secrets
-        return engine
+        node.secrets = secrets
 
     def process_dataloader(self, dataloader: object) -> object:
         loader = super().process_dataloader(dataloader)

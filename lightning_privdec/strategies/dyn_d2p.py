@@ -75,7 +75,7 @@ class DynD2PStrategy(PrivateDecentralizedStrategy):
     def calibration(self) -> str:
         return self.options.calibration
 
-    def make_privacy_engine(self) -> DynD2PNode:
+    def make_node_algorithm(self) -> DynD2PNode:
         return DynD2PNode(
             self.privacy_parameters,
             **vars(self.options),

@@ -143,7 +143,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         # Fix and hook the model before its parameters are broadcast, flattened and handed to the optimizer. The engine
         # (and its ledger) lives as long as the strategy: a second fit() keeps counting.
         if self.privacy is None:
-            self.privacy = self.make_privacy_engine()
+            self.privacy = self.make_node_algorithm()
+            self.connect_node_algorithm(self.privacy)
             self._ledger_run = self.broadcast(new_run_id())  # a new run: a new write-ahead ledger, shared by all nodes
         self.privacy.attach(self.model, fix_model=self.fix_model)
         super().configure_ddp()
@@ -160,8 +161,11 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         assert self.privacy is not None, "the node algorithm is made in configure_ddp"
         return self.privacy
 
-    def make_privacy_engine(self) -> DPCSGPNode:
-        """This node's privacy engine (per-node DP-SGD); Decor's strategy returns its own."""
+    def connect_node_algorithm(self, node: PrivateNodeAlgorithm) -> None:
+        """What the node needs from the other nodes before training (Decor: pairwise secrets); nothing by default."""
+
+    def make_node_algorithm(self) -> DPCSGPNode:
+        """This node's algorithm (DP-CSGP's local DP-SGD node; each paper's strategy returns its own)."""
         return DPCSGPNode(
             self.privacy_parameters,
             rank=self.global_rank,

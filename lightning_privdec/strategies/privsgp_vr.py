@@ -67,7 +67,7 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
     def accounting(self) -> str:
         return self.options.accounting
 
-    def make_privacy_engine(self) -> PrivSGPVRNode:
+    def make_node_algorithm(self) -> PrivSGPVRNode:
         return PrivSGPVRNode(
             self.privacy_parameters,
             **vars(self.options),

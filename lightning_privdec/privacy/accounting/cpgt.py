@@ -35,12 +35,15 @@ applies to non-convex models trained with clipped gradients, for which Assumptio
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
+from lightning_privdec.privacy.accounting.base import Accountant
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 __all__ = [
     "ACCOUNTING",
+    "CPGTAccountant",
     "calibrate_cpgt_noise",
     "check_theorem2",
     "clipping_sensitivity",
@@ -253,3 +256,84 @@ def calibrate_cpgt_noise(
             f"target_epsilon = {target:g}; use fewer steps or a decay rate q closer to 1"
         )
     return at_one / target
+
+
+class CPGTAccountant(Accountant):
+    """One CPGT node's pure epsilon-DP ledger (delta = 0): the rounds it released and the rounds a resume released
+    again.
+
+    Epsilon: 0 before the first message; then the whole-run bound (``"sound"``, ``"theorem2"``: it covers every
+    round of the trajectory, past and future), or the coupling of the rounds taken so far (``"finite"``); plus, by
+    composition, the terms of every replayed round. A release is one round (no arguments). The bound's terms (alpha,
+    L, q, the Laplace scales, the sensitivity, the norm factor) are set by :meth:`configure` once the noise is planned.
+
+    Crashes: a run resumed from a checkpoint of round k0 after rounds up to k1 > k0 were released (the write-ahead
+    ledger says so) sends rounds k0..k1-1 again with fresh noise at the same scales; the two transcripts compose, so
+    :meth:`charge_replay` adds the terms of rounds k0..k1-1 (Theorem 2's coupling must absorb both).
+    """
+
+    delta = 0.0
+
+    def __init__(self, accounting: Accounting) -> None:
+        if accounting not in ACCOUNTING:
+            raise PrivacyConfigError(f"CPGT: accounting must be one of {ACCOUNTING}, got {accounting!r}")
+        self.accounting = accounting
+        self.rounds = 0  # rounds of the current trajectory (the algorithm's round counter)
+        self.replayed: list[tuple[int, int]] = []  # [k0, k1): rounds released again after a resume
+        self.terms: dict[str, float] | None = None
+        self.run_epsilon: float | None = None  # the whole-run bound (sound or theorem2 accountings)
+
+    def configure(
+        self, *, alpha: float, lipschitz: float, q: float, noise_x: float, noise_y: float, sensitivity: float,
+        norm_factor: float,
+    ) -> None:
+        """The bound's terms; eq. (23) (``"theorem2"``) is the paper's, verbatim, without the l1 norm factor."""
+        self.terms = dict(alpha=alpha, lipschitz=lipschitz, q=q, noise_x=noise_x, noise_y=noise_y,
+                          sensitivity=sensitivity, norm_factor=1.0 if self.accounting == "theorem2" else norm_factor)
+        self.run_epsilon = None if self.accounting == "finite" else self.trajectory_epsilon(None)
+
+    def trajectory_epsilon(self, rounds: int | None) -> float:
+        """The accounting's epsilon of rounds 0..rounds-1 of one trajectory (``None``: the whole run)."""
+        assert self.terms is not None
+        return cpgt_epsilon_for(self.accounting, steps=rounds, **self.terms)  # type: ignore[arg-type]
+
+    def _rounds_epsilon(self, rounds: int) -> float:
+        """The coupling's terms of rounds 0..rounds-1 summed (Assumption 4 unless ``accounting="finite"``)."""
+        assert self.terms is not None
+        return cpgt_epsilon_after(rounds, **self.terms, linear_difference=self.accounting != "finite")
+
+    def replay_epsilon(self) -> float:
+        """What the rounds released twice add by composition: their terms, once more per replay."""
+        return sum(self._rounds_epsilon(end) - self._rounds_epsilon(start) for start, end in self.replayed)
+
+    def record(self) -> None:
+        self.rounds += 1
+
+    @property
+    def steps(self) -> int:
+        """Rounds released in all: the current trajectory's and every replayed one."""
+        return self.rounds + sum(end - start for start, end in self.replayed)
+
+    def epsilon_after(self, steps: int) -> float:
+        if self.steps + steps == 0 or self.terms is None:
+            return 0.0
+        trajectory = self.run_epsilon if self.run_epsilon is not None else self.trajectory_epsilon(self.rounds + steps)
+        return trajectory + self.replay_epsilon()
+
+    def charge_replay(self, state: Mapping[str, Any]) -> None:
+        """Adopt a later state of this run (the write-ahead ledger's): the trajectory restarts at this ledger's round
+        k0, and the rounds k0..k1-1 the crashed run had released are charged again as the resumed run re-sends them."""
+        replayed = [(int(start), int(end)) for start, end in state.get("replayed", [])]
+        if int(state["steps"]) > self.rounds:
+            replayed.append((self.rounds, int(state["steps"])))
+        self.replayed = replayed
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.rounds, "replayed": [[start, end] for start, end in self.replayed]}
+
+    def saved_steps(self, state: Mapping[str, Any]) -> int:
+        return int(state["steps"]) + sum(int(end) - int(start) for start, end in state.get("replayed", []))
+
+    def _load_state(self, state: Mapping[str, Any]) -> None:
+        self.rounds = int(state["steps"])
+        self.replayed = [(int(start), int(end)) for start, end in state.get("replayed", [])]
