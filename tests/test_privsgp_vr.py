@@ -25,7 +25,13 @@ from lightning_privdec.privacy.accounting.saga import (
     sound_split,
     theorem1_bound,
 )
-from lightning_privdec.algorithms.privsgp_vr import REFRESH_PASSES, PrivSGPVRNode, SagaTable, saga_gradient_sum, saga_step
+from lightning_privdec.algorithms.privsgp_vr import (
+    REFRESH_PASSES,
+    PrivSGPVRNode,
+    SagaTable,
+    saga_gradient_sum,
+    saga_step,
+)
 from lightning_privdec.privacy.dp_step import clip_rows
 from lightning_privdec.privacy.sampling import PoissonBatchSampler
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, PrivSGPVRStrategy
@@ -507,6 +513,26 @@ def test_checkpoints_hold_no_table_and_a_resumed_engine_rebuilds_it_at_the_resum
     other = make_engine(0, 1.0, 1.5, accounting="no_amplification")
     with pytest.raises(PrivacyConfigError, match="same accounting"):
         other.load_state_dict(state)
+
+
+#: a node's privacy state (without generator states) as checkpoints written before the algorithm file held it:
+#: node 0 of make_engine(0, 1.0, 1.5) after 4 steps of 8 planned at q = 1/4
+EARLIER_STATE = {
+    "accounting": "sound", "noise_multiplier": 1.5, "plan": [8, 0.25], "split": 0.848907086830598, "steps": 4,
+    "ledger": {"accountant": "rdp", "delta": 1e-05,
+               "history": [[0.691021154771843, 0.25, 4], [2.3322403122531075, 1.0, 4]]},
+}
+
+
+def test_a_checkpoint_written_before_the_algorithm_file_resumes_with_its_steps_and_epsilon():
+    engine = make_engine(0, 1.0, 1.5)
+    engine.load_state_dict(EARLIER_STATE)
+    assert engine.steps == 4 and engine.split == EARLIER_STATE["split"]
+    assert engine.epsilon() == pytest.approx(10.132163462386876, rel=1e-12)  # what that node reported
+    saved = {k: v for k, v in engine.state_dict().items() if "generator" not in k}
+    assert saved == EARLIER_STATE  # written back in the same layout
+    with pytest.raises(PrivacyConfigError, match="forget spent privacy"):
+        engine.load_state_dict({**EARLIER_STATE, "steps": 3})
 
 
 # ---- Corollary 1 ---------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ def load(name: str):  # noqa: ANN201
 @pytest.mark.parametrize(
     ("example", "arguments"),
     [("toy_dp_csgp", ["--compressor", "randk:0.5"]), ("toy_dp_csgp", ["--compressor", "none"]), ("toy_dyn_d2p", []),
-     ("toy_decor", [])],
+     ("toy_decor", []), ("toy_privsgp_vr", [])],
 )
 def test_a_toy_experiment_learns_within_its_budget(example: str, arguments: list[str], capsys) -> None:
     result = load(example).main(["--nodes", "3", "--steps", "60", "--epsilon", "3", *arguments])

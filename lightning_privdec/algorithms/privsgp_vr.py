@@ -76,7 +76,9 @@ class PrivSGPVROptions:
         check_accounting(self.accounting, "rdp")
         size = self.max_table_bytes
         if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
-            raise PrivacyConfigError(f"max_table_bytes must be a positive number of bytes (e.g. 2 * 1024**3), got {size!r}")
+            raise PrivacyConfigError(
+                f"max_table_bytes must be a positive number of bytes (e.g. 2 * 1024**3), got {size!r}"
+            )
         if self.table_init not in TABLE_INITS:
             raise PrivacyConfigError(
                 "table_init must be 'full' (the paper's table at z^0, one extra pass over the shard) or 'zeros', got "
@@ -148,7 +150,8 @@ class SagaTable:
             raise RuntimeError(f"{values.shape[0]} per-sample gradients for {len(index)} sampled examples")
         if len(set(index)) != len(index):
             raise RuntimeError("an example was sampled twice in one batch; each table row is replaced once per step")
-        correction = torch.zeros(self.dim, dtype=torch.promote_types(values.dtype, torch.float32), device=self.rows.device)
+        wide = torch.promote_types(values.dtype, torch.float32)
+        correction = torch.zeros(self.dim, dtype=wide, device=self.rows.device)
         if not index:
             return correction
         new = rows_within(values.to(self.rows.device), self.max_norm, self.dtype)
@@ -178,7 +181,7 @@ class SagaTable:
 
 def saga_gradient_sum(table: SagaTable, indices: Tensor | Sequence[int], fresh: Tensor, sample_rate: float) -> Tensor:
     """Line 6 times qJ: ``sum_{xi in S} (c_xi - table[xi]) + q sum_j table[j]``, reading the table only
-    (:func:`saga_step` computes the same sum while it updates the table). ``fresh``: c_xi in the order of ``indices``."""
+    (:func:`saga_step` computes the same sum while it updates the table). ``fresh``: c_xi in ``indices``' order."""
     index = torch.as_tensor(indices, dtype=torch.long, device=table.rows.device)
     if fresh.shape[0] != index.numel():
         raise RuntimeError(f"{fresh.shape[0]} per-sample gradients for {index.numel()} sampled examples")
@@ -297,7 +300,8 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
                     "training_step returned no loss on a batch of the shard while PrivSGP-VR filled its gradient table "
                     "(Algorithm 1, lines 1-3); every example needs a gradient. Use table_init='zeros' to skip the pass."
                 )
-            clipped = self.per_sample.flat_per_sample_grads(self.table.workspace(size, self.per_sample.parameters[0].dtype))
+            dtype = self.per_sample.parameters[0].dtype
+            clipped = self.per_sample.flat_per_sample_grads(self.table.workspace(size, dtype))
             clip_rows_(clipped, self.parameters.max_grad_norm)
             self.table.store(range(row, row + size), clipped)
             row += size
@@ -329,9 +333,9 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
                 self.split = self.ledger.split_for(self.noise_multiplier, q, remaining)
         elif self._plan != plan or self.noise_multiplier is None or spent == 0:
             target = float(self.parameters.target_epsilon)  # type: ignore[arg-type]
-            if spent > 0 and self.ledger.epsilon() >= target:
+            if spent > 0 and (used := self.ledger.epsilon()) >= target:
                 raise PrivacyConfigError(
-                    f"node {self.rank} has already spent epsilon={self.ledger.epsilon():.4f} of target_epsilon={target}: "
+                    f"node {self.rank} has already spent epsilon={used:.4f} of target_epsilon={target}: "
                     "there is no budget left to train on; raise target_epsilon or start a new run on new data"
                 )
             noise = self.ledger.calibrate(target, q, remaining)
@@ -404,7 +408,8 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
     # ---- checkpoints: ledger, noise, split and plan; never the table -------------------------------------------
     def plan_state(self) -> dict[str, Any]:
         plan = list(self._plan) if self._plan is not None else None
-        return {"noise_multiplier": self.noise_multiplier, "plan": plan, "split": self.split, "accounting": self.accounting}
+        return {"noise_multiplier": self.noise_multiplier, "plan": plan, "split": self.split,
+                "accounting": self.accounting}
 
     def load_plan_state(self, state: Mapping[str, Any]) -> None:
         self.noise_multiplier, self.split = state["noise_multiplier"], state["split"]

@@ -60,7 +60,9 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
         **kwargs: Any,
     ) -> None:
         self.options = PrivSGPVROptions(accounting, max_table_bytes, table_init, table_dtype)
-        self.options.check_node(kwargs.get("accountant", "rdp"), kwargs.get("grad_sample_mode", DEFAULT_GRAD_SAMPLE_MODE))
+        self.options.check_node(
+            kwargs.get("accountant", "rdp"), kwargs.get("grad_sample_mode", DEFAULT_GRAD_SAMPLE_MODE)
+        )
         super().__init__(topology, compressor, **kwargs)
 
     @property
