@@ -5,25 +5,26 @@ to C (c = clip_C(grad f_i), where the paper assumes ||grad f_i|| <= G), noise on
 example and q = 1/J it is the paper's algorithm.
 
     1-3   table[j] = c_j(z^0) for every j of the shard; g_bar = (1/J) sum_j table[j]
-                                                                 :meth:`PrivSGPVRNode.before_first_step`
-    4     for k = 0, ..., K - 1 (the strategy's steps; K planned by :meth:`PrivSGPVRNode.plan_noise`)
-    5     S ~ Poisson(q), its example ids from the sampler's FIFO    :meth:`PrivSGPVRNode.privatize`
-    6     g = (1/(qJ)) [sum_{xi in S} (c_xi(z^k) - table[xi]) + qJ g_bar]  (eq. 6; the table BEFORE line 7)
-                                                                 :func:`saga_gradient_sum`, :func:`saga_step`
-    7     g_bar += (1/J) sum_{xi in S} (c_xi - table[xi]); table[xi] = c_xi(z^k)   (eq. 5)   :meth:`SagaTable.store`
-    8     g~ = g + N / (qJ), N ~ N(0, s^2 I); s from the budget (instead of Theorem 2, eq. 11: see below)
-                                                                 :func:`saga_step`, :meth:`PrivSGPVRNode.plan_noise`
-    9     x_i^{k+1/2} = x_i^k - gamma g~  (eq. 7)                   the user's optimizer, on the numerator x
+                                                             :meth:`PrivSGPVRNode.before_first_step`
+    4     for k = 0, ..., K - 1                              the strategy's steps (K: the plan of :meth:`plan_noise`)
+    5     S ~ Poisson(q)                                     the loader of :meth:`PrivSGPVRNode.private_dataloader`;
+                                                             S's example ids from its sampler, in :meth:`privatize`
+    6     g = (1/(qJ)) [sum_{xi in S} (c_xi(z^k) - table[xi]) + qJ g_bar], the table BEFORE line 7       (eq. 6)
+                                                             :func:`saga_step` (:func:`saga_gradient_sum` alone)
+    7     g_bar += (1/J) sum_{xi in S} (c_xi - table[xi]); table[xi] = c_xi(z^k)  (eq. 5)  :meth:`SagaTable.store`
+    8     g~ = g + N / (qJ), N ~ N(0, s^2 I) this node's own :func:`saga_step`, in :meth:`PrivSGPVRNode.privatize`;
+          s from the budget by the sound accountant instead of Theorem 2's eq. (11)   :meth:`PrivSGPVRNode.plan_noise`
+    9     x_i^{k+1/2} = x_i^k - gamma g~  (eq. 7)            the user's optimizer, on the numerator x
     10-14 send (x_i^{k+1/2}, w_i); x_i = sum_j P_ij x_j^{k+1/2}; w_i = sum_j P_ij w_j; z_i = x_i / w_i
-                                                                 :func:`~.base.push_sum_gossip` (``mixing.py``)
+                                                             :func:`~.base.push_sum_gossip` (``mixing.py``)
 
 The SAGA gradient is unbiased whatever the table holds: E_S[sum_{xi in S} (c_xi - table[xi])] = q sum_j (c_j -
 table[j]), so E[g~] = (1/J) sum_j c_j. But qJ g_bar = q sum_j table[j] puts every example into every release,
 weighted q: the accountant (:class:`~lightning_privdec.privacy.accounting.saga.SagaAccountant`) charges that part at
-every step without amplification. ``accounting="paper"`` charges Theorem 2's formula instead (sensitivity 3C
+every step without amplification; ``accounting="paper"`` charges Theorem 2's formula instead (sensitivity 3C
 amplified at rate q), for comparison only: not a proven guarantee. Differences from the paper, on purpose: clipping
 instead of assumed bounded gradients (every table row is bounded, which the accounting needs), Poisson mini-batches
-instead of one example, noise calibrated by that sound accountant.
+instead of one example, noise calibrated by that sound accountant (docs/privacy.md, "PrivSGP-VR").
 """
 
 from __future__ import annotations
