@@ -80,7 +80,7 @@ def fill(engine: PrivSGPVRNode, module: nn.Module) -> None:
         squared_loss(module, batch).backward()
         return True
 
-    engine.before_first_step(backward)
+    engine.fill_table(backward)
 
 
 def common_start() -> torch.Tensor:
@@ -515,24 +515,27 @@ def test_checkpoints_hold_no_table_and_a_resumed_engine_rebuilds_it_at_the_resum
         other.load_state_dict(state)
 
 
-#: a node's privacy state (without generator states) as checkpoints written before the algorithm file held it:
-#: node 0 of make_engine(0, 1.0, 1.5) after 4 steps of 8 planned at q = 1/4
-EARLIER_STATE = {
-    "accounting": "sound", "noise_multiplier": 1.5, "plan": [8, 0.25], "split": 0.848907086830598, "steps": 4,
+#: a node's state as the engine before the accountant counted its steps wrote it (4 steps at q = 1/4, target 3)
+OLD_STATE = {
     "ledger": {"accountant": "rdp", "delta": 1e-05,
-               "history": [[0.691021154771843, 0.25, 4], [2.3322403122531075, 1.0, 4]]},
+               "history": [[1.7537816414746124, 0.25, 4], [7.45024875172985, 1.0, 4]]},
+    "noise_multiplier": 3.971415124084777, "plan": [8, 0.25], "steps": 4, "split": 0.7800464410974725,
+    "accounting": "sound",
 }
 
 
-def test_a_checkpoint_written_before_the_algorithm_file_resumes_with_its_steps_and_epsilon():
-    engine = make_engine(0, 1.0, 1.5)
-    engine.load_state_dict(EARLIER_STATE)
-    assert engine.steps == 4 and engine.split == EARLIER_STATE["split"]
-    assert engine.epsilon() == pytest.approx(10.132163462386876, rel=1e-12)  # what that node reported
-    saved = {k: v for k, v in engine.state_dict().items() if "generator" not in k}
-    assert saved == EARLIER_STATE  # written back in the same layout
-    with pytest.raises(PrivacyConfigError, match="forget spent privacy"):
-        engine.load_state_dict({**EARLIER_STATE, "steps": 3})
+def test_a_checkpoint_written_before_the_accountant_counted_its_steps_resumes_with_its_epsilon():
+    parameters = PrivacyParameters(max_grad_norm=1.0, target_epsilon=3.0, target_delta=DELTA)
+    node = PrivSGPVRNode(parameters, rank=0, device=torch.device("cpu"))
+    node.load_state_dict(OLD_STATE)
+    assert node.steps == 4 and node.epsilon() == pytest.approx(2.2140620521134196, rel=1e-12)  # the old engine's
+    assert (node.noise_multiplier, node.split) == (OLD_STATE["noise_multiplier"], OLD_STATE["split"])
+    attach_with_data(node, nn.Linear(3, 2), *node_data(0, 8), batch_size=2, steps=8)
+    assert node.noise_multiplier == OLD_STATE["noise_multiplier"]  # the plan it was calibrated for: kept
+    assert node.ledger.state_dict()["steps"] == 4
+    node.ledger.record(*node.next_release())
+    with pytest.raises(PrivacyConfigError, match="has 4 steps but 5"):
+        node.load_state_dict(OLD_STATE)  # never rolls back
 
 
 # ---- Corollary 1 ---------------------------------------------------------------------------------------------------

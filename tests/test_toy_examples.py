@@ -22,11 +22,23 @@ def load(name: str):  # noqa: ANN201
 @pytest.mark.parametrize(
     ("example", "arguments"),
     [("toy_dp_csgp", ["--compressor", "randk:0.5"]), ("toy_dp_csgp", ["--compressor", "none"]), ("toy_dyn_d2p", []),
-     ("toy_decor", []), ("toy_privsgp_vr", [])],
+     ("toy_decor", [])],
 )
 def test_a_toy_experiment_learns_within_its_budget(example: str, arguments: list[str], capsys) -> None:
     result = load(example).main(["--nodes", "3", "--steps", "60", "--epsilon", "3", *arguments])
     printed = capsys.readouterr().out
     assert result["worst_accuracy"] > 0.6  # ten classes: chance is 0.1
     assert 2.9 <= result["epsilon"] <= 3.0  # the accountant spent the budget it was calibrated to, never more
+    assert printed.count("node ") == 3 and "consensus distance" in printed
+
+
+def test_the_privsgp_vr_toy_experiment_learns_and_spends_what_its_accountant_says(capsys) -> None:
+    result = load("toy_privsgp_vr").main(["--nodes", "3", "--steps", "40", "--epsilon", "3"])
+    printed = capsys.readouterr().out
+    assert result["last_loss"] < 0.5 * result["first_loss"]  # every node's training loss at least halves
+    assert result["worst_accuracy"] > 0.6  # ten classes: chance is 0.1
+    assert 2.9 <= result["epsilon"] <= 3.0
+    node = result["node_0"]  # the ledger's epsilon is the composition of the two mechanisms of each of its steps
+    assert node["steps"] == 40 and node["split"] is not None
+    assert node["epsilon"] == pytest.approx(node["epsilon_sound_formula"], rel=1e-12)
     assert printed.count("node ") == 3 and "consensus distance" in printed

@@ -34,7 +34,7 @@ from lightning_privdec.privacy.noise import NoiseGenerator
 
 __all__ = [
     "DPStepStats", "clip_and_accumulate", "clip_factor", "clip_rows", "clip_rows_", "noise_clipped_sum",
-    "privatize_gradients", "rows_within",
+    "privatize_gradients",
 ]
 
 
@@ -60,12 +60,6 @@ class DPStepStats:
             "clipped_fraction": float(self.clipped_fraction),
             "noise_std": float(self.noise_std),
         }
-
-    @classmethod
-    def of(cls, norms: Tensor, max_grad_norm: float, noise_std: float) -> DPStepStats:
-        """The statistics of a step whose per-sample gradients had ``norms`` before clipping to ``max_grad_norm``."""
-        mean_norm, max_norm, clipped = _norm_stats(norms, max_grad_norm, norms.device)
-        return cls(int(norms.numel()), mean_norm, max_norm, clipped, noise_std)
 
 
 def _check_positive(value: float, name: str, *, allow_zero: bool = False) -> float:
@@ -121,7 +115,7 @@ def clip_factor(norms: Tensor, max_grad_norm: float) -> Tensor:
 
 
 def clip_rows(rows: Tensor, max_norm: float) -> tuple[Tensor, Tensor]:
-    """Each row (one example's flat gradient) scaled by :func:`clip_factor`; returns (clipped rows, norms)."""
+    """Each row (one flat per-sample gradient) clipped to C by :func:`clip_factor`; returns (clipped rows, norms)."""
     clipped = rows.clone()
     return clipped, clip_rows_(clipped, max_norm)
 
@@ -131,31 +125,6 @@ def clip_rows_(rows: Tensor, max_norm: float) -> Tensor:
     norms = torch.linalg.vector_norm(rows, dim=1)
     rows.mul_(clip_factor(norms, max_norm).unsqueeze(1))
     return norms
-
-
-@torch.no_grad()
-def rows_within(rows: Tensor, max_norm: float, dtype: torch.dtype) -> Tensor:
-    """``rows`` in ``dtype`` with every row's norm <= C in that precision (float32 at least): a row that rounding or
-    the cast puts above C shrinks to C (1 - 2^attempt eps). With ``rows.dtype == dtype`` it is ``rows`` itself, such
-    rows rescaled in place (row by row: no temporary of the batch's size)."""
-    stored = rows.to(dtype)
-    norm_dtype = torch.promote_types(dtype, torch.float32)
-    bound = torch.tensor(max_norm, dtype=norm_dtype)
-    if float(bound) > max_norm:  # C rounded down to the norm's precision
-        bound = torch.nextafter(bound, torch.zeros_like(bound))
-    eps = torch.finfo(dtype).eps
-    for attempt in range(8):
-        norms = torch.linalg.vector_norm(stored, dim=1, dtype=norm_dtype)
-        over = (norms > bound).nonzero().flatten()
-        if over.numel() == 0:
-            return stored
-        shrink = (max_norm / norms[over] * (1.0 - 2**attempt * eps)).tolist()
-        for row, factor in zip(over.tolist(), shrink):
-            if stored.dtype in (torch.float32, torch.float64):
-                stored[row].mul_(factor)
-            else:
-                stored[row] = (stored[row].float() * factor).to(dtype)
-    raise RuntimeError("could not fit the rows under the clipping bound")  # pragma: no cover
 
 
 def clip_and_accumulate(

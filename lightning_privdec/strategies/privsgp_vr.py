@@ -1,6 +1,9 @@
-"""PrivSGP-VR (Zhu, Huang, Wang, Xu, IJCAI 2024): SGP with SAGA variance reduction and local DP. The algorithm and
-Algorithm 1 line by line: :mod:`lightning_privdec.algorithms.privsgp_vr`; its accountant:
-:mod:`lightning_privdec.privacy.accounting.saga`.
+"""PrivSGP-VR (Zhu, Huang, Wang, Xu, IJCAI 2024): stochastic gradient push with SAGA variance reduction and local DP.
+
+Each node keeps a table of every example's clipped gradient (filled at the common start, Algorithm 1 lines 1-3),
+releases the SAGA-corrected gradient of its Poisson batch with its own Gaussian noise (lines 5-8), takes the user's
+optimizer step and gossips by push-sum over a time-varying directed graph (lines 9-14):
+:class:`~lightning_privdec.algorithms.privsgp_vr.PrivSGPVRNode`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_privdec.algorithms.privsgp_vr import DEFAULT_MAX_TABLE_BYTES, PrivSGPVRNode, PrivSGPVROptions
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
-
 
 class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
     """PrivSGP-VR: push-sum SGP over a time-varying directed graph + the SAGA-corrected, noised gradient.
@@ -60,9 +62,7 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
         **kwargs: Any,
     ) -> None:
         self.options = PrivSGPVROptions(accounting, max_table_bytes, table_init, table_dtype)
-        self.options.check_node(
-            kwargs.get("accountant", "rdp"), kwargs.get("grad_sample_mode", DEFAULT_GRAD_SAMPLE_MODE)
-        )
+        self.options.check(kwargs.get("accountant", "rdp"), kwargs.get("grad_sample_mode", DEFAULT_GRAD_SAMPLE_MODE))
         super().__init__(topology, compressor, **kwargs)
 
     @property
@@ -72,7 +72,7 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
     def make_node_algorithm(self) -> PrivSGPVRNode:
         return PrivSGPVRNode(
             self.privacy_parameters,
-            **vars(self.options),
+            options=self.options,
             rank=self.global_rank,
             device=self.root_device,
             grad_sample_mode=self.grad_sample_mode,
@@ -84,7 +84,6 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
         loader = super().process_dataloader(dataloader)
         engine = self.privacy
         if isinstance(engine, PrivSGPVRNode) and loader is not dataloader and engine.noise_multiplier is not None:
-            assert engine.table is not None
             entries = ", ".join(f"({s:.4g}, q={q:.4g})" for s, q in engine.noise.entries(engine.sample_rate))
             rank_zero_info(
                 f"PrivSGP-VR: noise std {engine.noise_multiplier:.4g} C on the released sum "

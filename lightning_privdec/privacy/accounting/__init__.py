@@ -2,8 +2,8 @@
 
 * :mod:`.gaussian` - the Poisson-subsampled Gaussian of DP-SGD (Opacus's RDP and PRV accountants): DP-CSGP, PrivSGP,
   DP2-SGD;
-* :mod:`.saga` - PrivSGP-VR's split release (a subsampled Gaussian for the fresh gradients, an unsampled one for the
-  table mean; and the paper's Theorem 2 formula, for comparison only);
+* :mod:`.saga` - PrivSGP-VR's release, a subsampled and an always-present Gaussian per step (sound), or the paper's
+  Theorem 2 for comparison;
 """
 
 from lightning_privdec.privacy.accounting.base import Accountant, largest_count, smallest_noise

@@ -1,4 +1,4 @@
-"""PrivSGP-VR's accountant (Zhu, Huang, Wang, Xu 2024): the released SAGA gradient of one node, one example.
+"""Privacy accounting for PrivSGP-VR's released gradient (Zhu, Huang, Wang, Xu 2024), one node, one example.
 
 Per step node i releases, in sum space (before the division by the public expected batch size qJ; Algorithm 1,
 lines 6 and 8 in mini-batch form)::
@@ -35,9 +35,8 @@ is smaller elsewhere.
 ``accounting="no_amplification"``: always the joint analysis (one Gaussian at rate 1, sensitivity (2 - q) C). Sound
 and simple; far looser than the split for small q.
 
-:class:`SagaAccountant` is the node's ledger: a release is one step's mechanisms, ``((sigma, q), ...)`` as
-:meth:`SagaNoise.entries` gives them. The K* helpers transcribe the paper's Theorem 1 (eq. 10), Theorem 2 (eq. 11)
-and Corollary 1 (eq. 12).
+One node's ledger is :class:`SagaAccountant`: a release is one step's mechanisms (:meth:`SagaNoise.entries`). The K*
+helpers transcribe the paper's Theorem 1 (eq. 10), Theorem 2 (eq. 11) and Corollary 1 (eq. 12).
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ from opacus.accountants.analysis.rdp import compute_rdp
 from scipy.optimize import minimize_scalar
 
 from lightning_privdec.privacy.accounting.gaussian import (
+    PrivacyLedger,
     _check_delta,
     _check_noise_multiplier,
     _check_number,
@@ -61,7 +61,6 @@ from lightning_privdec.privacy.accounting.gaussian import (
     _check_steps,
     _epsilon_of_history,
     calibrate_noise_multiplier,
-    PrivacyLedger,
 )
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
@@ -90,6 +89,7 @@ SAGA_ACCOUNTANTS: tuple[str, ...] = ("rdp", "prv")
 _ORDERS = np.asarray(RDPAccountant.DEFAULT_ALPHAS, dtype=float)
 
 History = Sequence[tuple[float, float, int]]
+
 
 
 def check_accounting(accounting: str, accountant: str) -> None:
@@ -283,6 +283,66 @@ def saga_epsilon(
         return _epsilon_of_history(_entries_history(history, noise, sample_rate, steps), delta, accountant)
 
 
+class SagaAccountant(PrivacyLedger):
+    """One PrivSGP-VR node's accountant: a release is one step's mechanisms ``((sigma, q), ...)``
+    (:meth:`SagaNoise.entries`), composed with everything recorded before by Opacus's RDP or PRV accountant.
+
+    Each mechanism merges with any equal ``(sigma, q)`` entry of :attr:`history`, not only the last one: composition
+    does not depend on the order, and the sound accounting records two alternating mechanisms per step, so the history
+    stays at two entries. :attr:`steps` counts private steps (releases), not mechanisms.
+    """
+
+    def __init__(self, accountant: str = "rdp", delta: float | None = None) -> None:
+        super().__init__(accountant, delta)
+        self._steps = 0
+
+    @staticmethod
+    def _append(history: History, noise_multiplier: float, sample_rate: float, steps: int) -> list[tuple[float, float, int]]:
+        history = list(history)
+        for i, (sigma, q, count) in enumerate(history):
+            if sigma == noise_multiplier and q == sample_rate:
+                history[i] = (sigma, q, count + steps)
+                return history
+        history.append((noise_multiplier, sample_rate, steps))
+        return history
+
+    def _composed(self, entries: Sequence[tuple[float, float]], steps: int) -> list[tuple[float, float, int]]:
+        history = self.history
+        for sigma, q in entries:
+            history = self._append(history, _check_noise_multiplier(sigma), _check_sample_rate(q), steps)
+        return history
+
+    def _epsilon(self, history: History, delta: float) -> float:
+        with warnings.catch_warnings(), np.errstate(divide="ignore"):  # PRV at rate 1 takes log(1 - q) = -inf
+            warnings.filterwarnings("ignore", message="Optimal order is the")
+            return super()._epsilon(history, delta)
+
+    def record(self, *entries: tuple[float, float]) -> None:  # type: ignore[override]
+        """Account for one step that released every mechanism of ``entries``."""
+        self.history = self._composed(entries, 1)
+        self._steps += 1
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    def epsilon_after(self, steps: int, *entries: tuple[float, float]) -> float:  # type: ignore[override]
+        if steps == 0:
+            return self.epsilon()
+        return self._epsilon(self._composed(entries, _check_steps(steps, minimum=1)), self._delta(None))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "steps": self._steps}
+
+    def saved_steps(self, state: Mapping[str, Any]) -> int:
+        self._check_state(state)
+        return int(state["steps"])
+
+    def _load_state(self, state: Mapping[str, Any]) -> None:
+        super()._load_state(state)
+        self._steps = int(state["steps"])
+
+
 # ---- calibration --------------------------------------------------------------------------------------------------
 def _sound_rdp_calibration(target: float, delta: float, q: float, steps: int, history: History) -> SagaNoise:
     """Smallest s (RDP) with epsilon <= target: for each subsampled multiplier sigma_1, the always-present part's
@@ -423,79 +483,6 @@ def _calibrate(
     start = calibrate_noise_multiplier(target, delta, q if accounting == "paper" else 1.0, steps, accountant) * factor
     m = _bisect_noise(lambda m: epsilon(SagaNoise(accounting, m)), target, start, epsilon_tolerance, where)
     return SagaNoise(accounting, m)
-
-
-# ---- the ledger ---------------------------------------------------------------------------------------------------
-class SagaAccountant(PrivacyLedger):
-    """One PrivSGP-VR node's ledger: a release is one step's mechanisms ``((sigma, q), ...)``, composed by Opacus's
-    RDP or PRV accountant.
-
-    Composition does not depend on the order of the mechanisms and a step records two alternating ones (the split), so
-    an entry merges with any equal ``(sigma, q)`` entry, not only the last: the history stays at two entries. The
-    history counts mechanisms, :attr:`steps` counts private steps. ``accounting`` is how the noise is charged (module
-    docstring); :meth:`calibrate` and :meth:`split_for` plan the noise of further steps after the history.
-    """
-
-    def __init__(self, accountant: str = "rdp", delta: float | None = None, accounting: str = "sound") -> None:
-        check_accounting(accounting, accountant)
-        super().__init__(accountant, delta)
-        self.accounting = accounting
-        self._steps = 0
-
-    @staticmethod
-    def _append(history: Any, noise_multiplier: float, sample_rate: float, steps: int) -> Any:
-        history = list(history)
-        for i, (sigma, q, count) in enumerate(history):
-            if sigma == noise_multiplier and q == sample_rate:
-                history[i] = (sigma, q, count + steps)
-                return history
-        history.append((noise_multiplier, sample_rate, steps))
-        return history
-
-    def record(self, *entries: tuple[float, float]) -> None:  # type: ignore[override]
-        """One private step composing every ``(sigma, q)`` of ``entries``."""
-        for sigma, q in entries:
-            self.history = self._extended(sigma, q, 1)
-        self._steps += 1
-
-    @property
-    def steps(self) -> int:
-        return self._steps
-
-    def epsilon_after(self, steps: int, *entries: tuple[float, float]) -> float:  # type: ignore[override]
-        """Epsilon after ``steps`` more steps, each composing all of ``entries``."""
-        history = self.history
-        for sigma, q in entries if steps else ():
-            history = self._append(history, _check_noise_multiplier(sigma), _check_sample_rate(q), steps)
-        return self._epsilon(history, self._delta(None))
-
-    def _epsilon(self, history: Any, delta: float) -> float:
-        with warnings.catch_warnings(), np.errstate(divide="ignore"):  # Opacus's order-range note; PRV's log(1 - 1)
-            warnings.filterwarnings("ignore", message="Optimal order is the")
-            return super()._epsilon(history, delta)
-
-    def calibrate(self, target_epsilon: float, sample_rate: float, steps: int) -> SagaNoise:
-        """The smallest noise with which the history plus ``steps`` more steps spend at most ``target_epsilon``."""
-        return calibrate_saga_noise(
-            target_epsilon, self._delta(None), sample_rate, steps, accounting=self.accounting,
-            accountant=self.accountant, history=self.history,
-        )
-
-    def split_for(self, noise_multiplier: float, sample_rate: float, steps: int) -> float | None:
-        """The split of a given noise for ``steps`` more steps (:func:`sound_split`; None unless ``"sound"``)."""
-        if self.accounting != "sound" or noise_multiplier == 0:
-            return None
-        return sound_split(noise_multiplier, sample_rate, steps, self._delta(None), self.history, self.accountant)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "steps": self._steps}
-
-    def saved_steps(self, state: Mapping[str, Any]) -> int:
-        return int(state["steps"])
-
-    def _load_state(self, state: Mapping[str, Any]) -> None:
-        super()._load_state(state)
-        self._steps = int(state["steps"])
 
 
 # ---- the paper's formulas (Theorem 1 eq. 10, Theorem 2 eq. 11, Corollary 1 eq. 12) ---------------------------------
