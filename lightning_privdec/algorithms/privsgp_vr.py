@@ -430,9 +430,14 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
             self.table.reset()
             self.table_ready = True
 
+    def state_dict(self) -> dict[str, Any]:
+        """The layout PrivSGP-VR's checkpoints have always had: the step count beside the ledger (``steps``)."""
+        state = super().state_dict()
+        state["steps"] = state["ledger"].pop("steps")
+        return state
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """A state of the same accounting; one written before the accountant counted its steps kept the count
-        beside the ledger (``state["steps"]``)."""
+        """A state of the same accounting, its step count beside the ledger (:meth:`state_dict`) or in it."""
         if state.get("accounting") != self.accounting:
             raise PrivacyConfigError(
                 f"node {self.rank}: the checkpoint's ledger was kept with accounting={state.get('accounting')!r}, this "
