@@ -54,6 +54,11 @@ How to run (as root)
     python benchmarks/network.py --nodes 8 --mbit 10,100,1000 --model wide --steps 6 --json wide8.json
     python benchmarks/network.py --nodes 8 --mbit 100 --model mlp --steps 60 --eval-every 5 --json acc.json
     python benchmarks/network.py --report wide8.json acc.json     # tables + plots, appended to RESULTS.md
+    python benchmarks/network.py --nodes 8 --mbit 100 --configs push_sum_overlap --sigterm-every 0   # ablation
+
+``--sigterm-every K`` runs Lightning's per-step SIGTERM broadcast (a global collective from rank 0 before every step)
+only every K steps (0: never), in this benchmark only, to measure what that synchronisation costs; the default, 1,
+leaves Lightning as it is.
 
 ``--json`` writes ``{"rows": [{"config", "nodes", "mbit", "step_seconds", "bytes_per_node_step",
 "compute_seconds", "exchange_seconds", ...}], ...}``. ``--report`` reads such files, prints the tables, writes
@@ -415,6 +420,20 @@ def local_compute_seconds(model: str, width: int, loader: Any, steps: int, warmu
     return statistics.median(times[warmup:])
 
 
+def thin_sigterm_broadcast(trainer: Any, every: int) -> None:
+    """Ablation: Lightning's per-step SIGTERM broadcast from rank 0 (a global collective before every step) only
+    every ``every`` steps (0: never), to measure what the per-step global synchronisation costs."""
+    loop = trainer.fit_loop.epoch_loop
+    original, calls = loop._broadcast_sigterm_tensor, [0]
+
+    def broadcast() -> None:
+        calls[0] += 1
+        if every and calls[0] % every == 0:
+            original()
+
+    loop._broadcast_sigterm_tensor = broadcast
+
+
 def run_child(args: argparse.Namespace) -> None:
     """This rank: one gloo process group, then every configuration; writes ``{out_dir}/{config}.{rank}.json``."""
     import torch
@@ -445,6 +464,8 @@ def run_child(args: argparse.Namespace) -> None:
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0, limit_val_batches=0,
         )  # fmt: skip
+        if args.sigterm_every != 1:
+            thin_sigterm_broadcast(trainer, args.sigterm_every)
         dist.barrier()
         trainer.fit(module, train_dataloaders=loader)
         row.update(probe.summary())
@@ -474,7 +495,8 @@ def launch(args: argparse.Namespace, network: Network, mbit: float, out_dir: Pat
                    "--child", "--model", args.model, "--width", str(args.width), "--steps", str(args.steps),
                    "--warmup", str(args.warmup),
                    "--configs", ",".join(args.configs), "--seed", str(args.seed), "--eval-every", str(args.eval_every),
-                   "--peer-timeout", str(args.peer_timeout), "--out-dir", str(out_dir)]  # fmt: skip
+                   "--peer-timeout", str(args.peer_timeout), "--sigterm-every", str(args.sigterm_every),
+                   "--out-dir", str(out_dir)]  # fmt: skip
             log = (out_dir / f"rank{rank}.log").open("w")
             procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
         deadline = time.monotonic() + args.timeout
@@ -519,6 +541,7 @@ def summarise(config: str, ranks: list[dict[str, Any]], args: argparse.Namespace
         "payload_bytes_per_node_step": median("payload_bytes_per_node_step"),
         "per_rank_step_seconds": [r["step_seconds"] for r in ranks],
         "num_params": ranks[0]["num_params"], "steps": args.steps, "warmup": args.warmup,
+        "sigterm_every": args.sigterm_every,
     }  # fmt: skip
     row["limit_seconds"] = limit_seconds(row)
     if args.eval_every and ranks[0]["curve"]:
@@ -752,6 +775,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peer-timeout", type=float, default=300.0, help="seconds a gossip rank waits for a peer")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed for all configs at one rate")
+    parser.add_argument("--sigterm-every", type=int, default=1,
+                        help="ablation: Lightning's per-step SIGTERM broadcast only every K steps (0: never; 1: as is)")
     parser.add_argument("--prefix", default=PREFIX, help="name prefix of the namespaces and interfaces (<= 8 chars)")
     parser.add_argument("--json", type=Path, default=None, help="write the rows to this file")
     parser.add_argument("--report", nargs="+", default=None, help="JSON files of earlier runs: tables and plots")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from lightning_privdec.algorithms.dyn_d2p import VARIANTS, DynD2PNode
+from lightning_privdec.algorithms.dyn_d2p import VARIANTS, DynD2PNode, DynD2POptions
 from lightning_privdec.algorithms.simulation import consensus_distance, train_network
 from lightning_privdec.data.digits import accuracy, load_digits_tensors
 from lightning_privdec.privacy import PrivacyParameters
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     (x, y), (x_test, y_test) = data["train"], data["test"]
     parameters = PrivacyParameters(max_grad_norm=1.0, target_epsilon=args.epsilon, target_delta=1e-5)
     runs = train_network(
-        lambda rank: DynD2PNode(parameters, rho_c=args.rho_c, rho_mu=args.rho_mu, variant=args.variant, rank=rank,
+        lambda rank: DynD2PNode(parameters, options=DynD2POptions(args.rho_c, args.rho_mu, args.variant), rank=rank,
                                device=torch.device("cpu")),
         lambda: public_start(nn.Linear(x.shape[1], 10)),
         [TensorDataset(x[k :: args.nodes], y[k :: args.nodes]) for k in range(args.nodes)],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -26,6 +27,40 @@ def clean_environment() -> dict[str, str]:
 #: process groups of launched runs still alive (killed when the test ends, or when pytest is stopped)
 _LIVE_GROUPS: set[int] = set()
 
+#: ``python -c WATCHDOG <pytest's pid> command...``: runs the command in the watchdog's own process group and kills the
+#: whole group when pytest ends, however it ends (SIGKILL, pytest-timeout's os._exit) through the kernel's parent-death
+#: signal; the command's exit status is passed on.
+WATCHDOG = """
+import ctypes, os, signal, subprocess, sys
+signal.signal(signal.SIGTERM, lambda signum, frame: os.killpg(0, signal.SIGKILL))
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):  # pytest ended before the prctl
+    os.killpg(0, signal.SIGKILL)
+code = subprocess.call(sys.argv[2:])
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
+def die_with_parent() -> None:
+    """In a worker started by ``torch.multiprocessing`` from a test: SIGKILL when the parent ends (a rank blocked in
+    a gloo collective would not act on the SIGINT torch arranges)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def launch(command: Sequence[str], **popen: object) -> subprocess.Popen:
+    """Start ``command`` in a session of its own (its process group's id is the returned process's pid), registered
+    for :func:`kill_process_groups`; on Linux the group also dies with this process."""
+    popen.setdefault("env", clean_environment())
+    if sys.platform.startswith("linux"):
+        command = [sys.executable, "-c", WATCHDOG, str(os.getpid()), *command]
+    process = subprocess.Popen(list(command), start_new_session=True, **popen)  # type: ignore[call-overload]
+    _LIVE_GROUPS.add(process.pid)
+    return process
+
 
 def kill_process_groups() -> None:
     """SIGKILL every launched run's whole process group: the launcher and every rank it started (a rank blocked in
@@ -38,22 +73,25 @@ def kill_process_groups() -> None:
         _LIVE_GROUPS.discard(group)
 
 
+def stop_group(process: subprocess.Popen, timeout: float | None = None) -> None:
+    """SIGKILL the process group of a :func:`launch`-ed ``process`` and reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait(timeout=timeout)
+    _LIVE_GROUPS.discard(process.pid)
+
+
 @contextmanager
 def process_group(command: Sequence[str], **popen: object) -> Iterator[subprocess.Popen]:
-    """``subprocess.Popen`` in a new session (its own process group), killed with all its children on exit: after
-    the test, on a timeout or an assertion, and when pytest itself is interrupted (tests/conftest.py)."""
-    popen.setdefault("env", clean_environment())
-    process = subprocess.Popen(list(command), start_new_session=True, **popen)  # type: ignore[call-overload]
-    _LIVE_GROUPS.add(process.pid)
+    """:func:`launch`, killed with all its children on exit: after the test, on a timeout or an assertion, and when
+    pytest itself is interrupted (tests/conftest.py)."""
+    process = launch(command, **popen)
     try:
         yield process
     finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        process.wait()
-        _LIVE_GROUPS.discard(process.pid)
+        stop_group(process)
 
 
 def run_group(command: Sequence[str], timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:

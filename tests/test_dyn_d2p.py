@@ -23,7 +23,7 @@ from lightning_privdec.algorithms import PushSumGossip
 from lightning_privdec.cli.account import main
 from lightning_privdec.comm import LoopbackNetwork
 from lightning_privdec.privacy import PrivacyParameters, node_noise_generator
-from lightning_privdec.algorithms.dyn_d2p import VARIANTS, DynD2PNode, DynD2PSchedule, calibrate_schedule, mu_bar, solve_mu0
+from lightning_privdec.algorithms.dyn_d2p import VARIANTS, DynD2PNode, DynD2POptions, DynD2PSchedule, calibrate_schedule, mu_bar, solve_mu0
 from lightning_privdec.privacy.accounting.schedule import (
     PRV_SEGMENTS,
     RDP_ORDERS,
@@ -267,8 +267,9 @@ def node_loader(n: int = 100, batch_size: int = 5, world_size: int = 4, rank: in
 def planned_engine(*, planned_steps=10, batch_size=5, rank=1, seed=3, mode="hooks", model=None, target_epsilon=2.0,
                    calibration="rigorous", variant="dyn", rho_c=4.0, rho_mu=2.0, max_grad_norm=2.0, features=3):
     params = PrivacyParameters(max_grad_norm=max_grad_norm, target_epsilon=target_epsilon, target_delta=1e-5)
-    engine = DynD2PNode(params, rho_c=rho_c, rho_mu=rho_mu, variant=variant, calibration=calibration,
-                                 rank=rank, device=torch.device("cpu"), grad_sample_mode=mode, noise_seed=seed)
+    options = DynD2POptions(rho_c=rho_c, rho_mu=rho_mu, variant=variant, calibration=calibration)
+    engine = DynD2PNode(params, options=options, rank=rank, device=torch.device("cpu"), grad_sample_mode=mode,
+                        noise_seed=seed)
     if model is not None:
         engine.attach(model)
     engine.private_dataloader(node_loader(batch_size=batch_size, rank=rank, features=features), planned_steps, 4)
@@ -338,14 +339,14 @@ def test_engine_epsilons_budget_and_resume():
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
 
-    same = DynD2PNode(e.parameters, rho_c=4.0, rho_mu=2.0, rank=1, device=torch.device("cpu"), noise_seed=3)
+    same = DynD2PNode(e.parameters, options=DynD2POptions(rho_c=4.0, rho_mu=2.0), rank=1, device=torch.device("cpu"), noise_seed=3)
     same.attach(nn.Linear(3, 2))
     same.load_state_dict(saved)
     same.private_dataloader(node_loader(), 8, 4)  # the same plan: the schedule continues at step 3
     assert same.schedule == e.schedule and same.steps == 3 and same.epsilon() == e.epsilon()
     assert same.current_clip == e.schedule.clip(3)
 
-    longer = DynD2PNode(e.parameters, rho_c=4.0, rho_mu=2.0, rank=1, device=torch.device("cpu"), noise_seed=3)
+    longer = DynD2PNode(e.parameters, options=DynD2POptions(rho_c=4.0, rho_mu=2.0), rank=1, device=torch.device("cpu"), noise_seed=3)
     longer.attach(nn.Linear(3, 2))
     longer.load_state_dict(saved)
     with pytest.warns(UserWarning, match="re-planned"):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiprocess import clean_environment
+from tests.multiprocess import run_group
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCHMARKS / "network.py"
@@ -36,7 +36,7 @@ def test_three_nodes_at_a_low_rate_measure_the_bytes_and_respect_the_limit(tmp_p
     command = [sys.executable, str(SCRIPT), "--nodes", str(nodes), "--mbit", str(mbit), "--model", "wide",
                "--width", "256", "--steps", "3", "--warmup", "1", "--configs", "ddp,push_sum", "--prefix", "pdt",
                "--timeout", "420", "--json", str(out)]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=480, env=clean_environment())
+    result = run_group(command, timeout=480)  # the nodes and the namespaces' processes die with pytest
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {row["config"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"ddp", "push_sum"}

@@ -20,7 +20,7 @@ from lightning_privdec.strategies import (
     PrivSGPVRStrategy,
 )
 from lightning_privdec.topology import build_topology
-from tests.multiprocess import fit_digits, relative_consensus_distance
+from tests.multiprocess import die_with_parent, fit_digits, relative_consensus_distance
 
 D, LR = 41, 0.05
 
@@ -160,6 +160,7 @@ def test_overlap_is_refused_where_delayed_mixing_is_not_sound():
 
 # ---- real processes -------------------------------------------------------------------------------------------------
 def _gloo_node(rank: int, world: int, init: str, out: str) -> None:
+    die_with_parent()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     topology = build_topology("exponential-one-peer", world, weights="push-sum")

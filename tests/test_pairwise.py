@@ -24,6 +24,7 @@ from lightning_privdec.privacy.pairwise import (
     simulate_key_agreement,
     verify_agreement,
 )
+from tests.multiprocess import die_with_parent
 
 
 def ring(n: int) -> dict[int, list[int]]:
@@ -292,6 +293,7 @@ WORLD = 3
 
 
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
+    die_with_parent()
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, WORLD)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)

@@ -5,8 +5,6 @@ same seed gives every node the same trajectory."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiprocess import clean_environment
+from tests.multiprocess import launch, stop_group
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,8 +38,7 @@ class Run:
         self.log = out / "log.txt"
         command = [sys.executable, str(SCRIPT), "--devices", str(devices), "--out", str(out), *args]
         with open(self.log, "w") as log:
-            self.process = subprocess.Popen(command, start_new_session=True, env=clean_environment(), stdout=log,
-                                            stderr=subprocess.STDOUT)
+            self.process = launch(command, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_for_exits(self, ranks: list[int], timeout: float) -> dict[int, float]:
         """Poll until the processes of ``ranks`` have ended; return when each was first seen gone."""
@@ -59,11 +56,7 @@ class Run:
         return self.log.read_text(errors="replace")
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # the session: a stopped node, and anything left over
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=30)
+        stop_group(self.process, timeout=30)  # the session: a stopped node, and anything left over
 
 
 def fault_time(run: Run, timeout: float = 240) -> float:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.multiprocess import SCRIPT, clean_environment, fit_digits, relative_consensus_distance
+from tests.multiprocess import SCRIPT, fit_digits, launch, relative_consensus_distance, stop_group
 
 pytestmark = pytest.mark.multiprocess
 
@@ -46,10 +44,8 @@ def test_checkpoint_kill_resume_gives_the_same_parameters_as_an_uninterrupted_ru
     common = ["--compressor", "randk:0.5", "--gamma", "0.5", "--momentum", "0.9", "--lr", "0.05", "--max-epochs", "4"]
     command = [sys.executable, str(SCRIPT), "--devices", "4", *common]
     # 1. train, checkpoint every epoch, and kill every process for real after epoch 2's checkpoint
-    crashed = subprocess.Popen(
+    crashed = launch(
         [*command, "--out", str(tmp_path / "crashed"), "--ckpt-dir", str(tmp_path / "ckpt"), "--stall-at-epoch", "2"],
-        start_new_session=True,
-        env=clean_environment(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -58,8 +54,7 @@ def test_checkpoint_kill_resume_gives_the_same_parameters_as_an_uninterrupted_ru
         assert crashed.poll() is None, "the run died before reaching its checkpoint"
         assert time.monotonic() < deadline, "the run never reached its checkpoint"
         time.sleep(0.5)
-    os.killpg(crashed.pid, signal.SIGKILL)
-    crashed.wait(timeout=30)
+    stop_group(crashed, timeout=30)
     checkpoint = next((tmp_path / "ckpt").glob("epoch=1-*.ckpt"))
     # 2. resume from it; 3. an uninterrupted run
     resumed = fit_digits(tmp_path / "resumed", *common, "--resume", str(checkpoint))

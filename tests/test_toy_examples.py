@@ -32,6 +32,15 @@ def test_a_toy_experiment_learns_within_its_budget(example: str, arguments: list
     assert printed.count("node ") == 3 and "consensus distance" in printed
 
 
+def test_the_cpgt_toy_learns_and_its_agents_agree_within_the_pure_epsilon_budget(capsys) -> None:
+    result = load("toy_cpgt").main(["--nodes", "3", "--steps", "60", "--epsilon", "20"])
+    printed = capsys.readouterr().out
+    assert result["worst_accuracy"] > 0.6  # ten classes: chance is 0.1
+    assert result["epsilon"] == pytest.approx(20.0, rel=1e-9)  # the calibrated scales spend the budget
+    assert result["consensus_distance"] < 0.01  # gradient tracking keeps the agents together
+    assert printed.count("pure epsilon-DP (delta = 0)") == 3 and "after 60 rounds" in printed
+
+
 def test_the_privsgp_vr_toy_experiment_learns_and_spends_what_its_accountant_says(capsys) -> None:
     result = load("toy_privsgp_vr").main(["--nodes", "3", "--steps", "40", "--epsilon", "3"])
     printed = capsys.readouterr().out

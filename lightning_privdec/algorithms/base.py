@@ -30,7 +30,6 @@ from lightning_privdec.privacy.accounting import Accountant
 from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats
 from lightning_privdec.privacy.local_dp import LocalDPSGD
-from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.privacy.write_ahead import strip_generators
 from lightning_privdec.topology import Topology
 
@@ -75,7 +74,8 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
 
     Args:
         parameters: the user's privacy parameters (validated here).
-        rank, device, grad_sample_mode, noise_seed, secure_mode: see :class:`LocalDPSGD`.
+        mechanics: ``rank``, ``device``, ``grad_sample_mode``, ``noise_seed``, ``secure_mode``: see
+            :class:`LocalDPSGD`.
     """
 
     #: whether sigma is one planned number (then a strategy may keep it, or re-plan it for the steps a time limit
@@ -86,20 +86,8 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
     #: relative slack of the budget check (a scale calibrated in closed form spends the target up to float rounding)
     budget_tolerance: float = 0.0
 
-    def __init__(
-        self,
-        parameters: PrivacyParameters,
-        *,
-        rank: int,
-        device: torch.device,
-        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
-        noise_seed: int | None = None,
-        secure_mode: bool = False,
-    ) -> None:
-        super().__init__(
-            parameters, rank=rank, device=device, grad_sample_mode=grad_sample_mode, noise_seed=noise_seed,
-            secure_mode=secure_mode,
-        )
+    def __init__(self, parameters: PrivacyParameters, **mechanics: Any) -> None:
+        super().__init__(parameters, **mechanics)
         self.ledger: Accountant = self.make_accountant()
         self.planned_steps: int | None = None
         # (release, ledger steps when counted, further steps with that release that fit the target)

@@ -63,7 +63,6 @@ from lightning_privdec.privacy.accounting.schedule import (
 from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 
 #: ``variant=``: which of the two schedules are dynamic (Sec. 4: Dyn-D2P, Dyn[C]-D2P, Dyn[mu]-D2P, Const-D2P)
 VARIANTS: tuple[str, ...] = ("dyn", "dyn_c", "dyn_mu", "const")
@@ -424,27 +423,13 @@ class DynD2PNode(PrivateNodeAlgorithm):
     both numbers). Resumed with a changed plan, the schedule is re-planned for the new K at the same step index.
     """
 
-    def __init__(
-        self,
-        parameters: PrivacyParameters,
-        *,
-        rho_c: float = 2.0,
-        rho_mu: float = 2.0,
-        variant: str = "dyn",
-        calibration: str = "rigorous",
-        rank: int,
-        device: torch.device,
-        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
-        noise_seed: int | None = None,
-        secure_mode: bool = False,
-    ) -> None:
-        self.options = DynD2POptions(rho_c=rho_c, rho_mu=rho_mu, variant=variant, calibration=calibration)
-        self.options.check_parameters(parameters)
-        self.rho_c, self.rho_mu, self.variant, self.calibration = rho_c, rho_mu, variant, calibration
-        super().__init__(
-            parameters, rank=rank, device=device, grad_sample_mode=grad_sample_mode, noise_seed=noise_seed,
-            secure_mode=secure_mode,
+    def __init__(self, parameters: PrivacyParameters, *, options: DynD2POptions, **mechanics: Any) -> None:
+        options.check_parameters(parameters)
+        self.options = options
+        self.rho_c, self.rho_mu, self.variant, self.calibration = (
+            options.rho_c, options.rho_mu, options.variant, options.calibration
         )
+        super().__init__(parameters, **mechanics)
         self.schedule: DynD2PSchedule | None = None
         self.mu_tot = gdp_mu_from_dp(float(parameters.target_epsilon), float(parameters.target_delta))
         self.certified_steps: int = 0

@@ -24,7 +24,6 @@ from typing import Any
 import networkx as nx
 import numpy as np
 import torch
-from lightning.fabric.plugins.environments import LightningEnvironment
 from torch.utils.data import DataLoader
 
 from lightning_privdec.audit.canaries import AuditModel, CanaryDesign, audit_loss, node_dataset
@@ -32,9 +31,8 @@ from lightning_privdec.audit.observer import WireTap, cpgt_observations, push_su
 from lightning_privdec.audit.one_run import score_audit
 from lightning_privdec.comm import LoopbackNetwork
 from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
-from lightning_privdec.algorithms.simulation import train_node
 from lightning_privdec.privacy.pairwise import simulate_key_agreement
-from lightning_privdec.strategies import PRIVATE_STRATEGIES
+from lightning_privdec.strategies.offline import offline_node, offline_strategy, train_offline
 
 __all__ = ["AUDITED_STRATEGIES", "BREAKABLE", "BREAKS", "AuditReport", "run_audit"]
 
@@ -88,29 +86,6 @@ class AuditReport:
         return {**asdict(self), "consistent": self.consistent}
 
 
-def _environment(rank: int, world_size: int) -> LightningEnvironment:
-    environment = LightningEnvironment()
-    environment.set_global_rank(rank)
-    environment.set_world_size(world_size)
-    return environment
-
-
-def _make_strategy(name: str, rank: int, nodes: int, kwargs: Mapping[str, Any]) -> Any:
-    strategy = PRIVATE_STRATEGIES[name](
-        **kwargs, parallel_devices=[torch.device("cpu")], cluster_environment=_environment(rank, nodes)
-    )
-    strategy.topology = strategy.make_topology(nodes)
-    return strategy
-
-
-def _make_node(strategy: Any, secrets: Mapping[int, Any] | None, rank: int) -> PrivateNodeAlgorithm:
-    """The strategy's own node algorithm; Decor's pairwise keys are agreed in memory instead of over the network."""
-    node = strategy.make_node_algorithm()
-    if secrets is not None:  # planning alone needs no secrets
-        node.secrets = secrets[rank]
-    return node
-
-
 def _planned_epsilon(node: PrivateNodeAlgorithm, steps: int) -> float:
     """The accountant's epsilon of ``steps`` steps of the node's planned release (nothing recorded)."""
     release = node.next_release()
@@ -123,7 +98,7 @@ def _broken_configuration(
     lr: float,
 ) -> tuple[dict[str, Any], float]:
     """The broken run's strategy arguments, and the epsilon the accountant claims for the honest configuration."""
-    node = _make_node(_make_strategy(name, 0, nodes, kwargs), None, 0)
+    node = offline_node(offline_strategy(name, 0, nodes, **kwargs))
     model = AuditModel(dimension)
     node.attach(model)
     node.configure_optimizer(torch.optim.SGD(model.parameters(), lr=lr), dimension)
@@ -147,13 +122,8 @@ def _node(
 ) -> list[dict[int, list[torch.Tensor]]]:
     """One simulated node: the strategies' private step, ``steps`` times, on its Poisson batches; what it sent."""
     tap = WireTap(exchange)
-    run = train_node(
-        node, AuditModel(dimension), dataset, exchange=tap, topology=strategy.topology, batch_size=batch_size,
-        steps=steps, lr=lr, loss=audit_loss, compressor=strategy.compressor,
-        push_sum_weight=strategy.required_mixing == "column", consensus_step=strategy.consensus_step,
-        seed=strategy.seed,
-    )
-    strategy.gossip = run.gossip  # the consensus step "auto" chose, for the observer
+    train_offline(strategy, node, AuditModel(dimension), dataset, exchange=tap, batch_size=batch_size, steps=steps,
+                  lr=lr, loss=audit_loss)
     return tap.sent
 
 
@@ -270,14 +240,14 @@ def run_audit(
                                                 design.dimension, lr)
         kwargs.update(update)
 
-    strategies = [_make_strategy(strategy, k, nodes, kwargs) for k in range(nodes)]
+    strategies = [offline_strategy(strategy, k, nodes, **kwargs) for k in range(nodes)]
     if getattr(strategies[0], "staleness", 0):
         raise ValueError("the auditor follows gossip mixed in the round it is sent: audit with overlap=False")
     topology = strategies[0].topology
     secrets, graph = None, nx.Graph(topology.union_graph())
     if strategy == "decor":
         secrets = simulate_key_agreement({k: sorted(graph.neighbors(k)) for k in range(nodes)})
-    engines = [_make_node(s, secrets, k) for k, s in enumerate(strategies)]
+    engines = [offline_node(s, secrets) for s in strategies]
     network = LoopbackNetwork(nodes, timeout=600.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # n node threads on tiny tensors: intra-op parallelism only oversubscribes the cores

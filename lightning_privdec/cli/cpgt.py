@@ -5,8 +5,7 @@
 
 Prints ``epsilon`` (the sound whole-run bound), ``epsilon_theorem2`` (the paper's eq. (23) verbatim) and
 ``delta = 0``; with ``--steps``, also ``epsilon_finite``: the first K rounds without the linear-difference
-Assumption 4. Exit code 2 with the violated condition when Theorem 2 does not apply. Registered in
-:mod:`lightning_privdec.cli.account`.
+Assumption 4. Exit code 2 with the violated condition when Theorem 2 does not apply.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from lightning_privdec.cli.arguments import Subcommand, positive_float, positive_int
 from lightning_privdec.privacy.accounting.cpgt import (
     cpgt_epsilon,
     cpgt_epsilon_after,
@@ -22,13 +22,8 @@ from lightning_privdec.privacy.accounting.cpgt import (
     theorem2_epsilon,
 )
 
-NAME = "cpgt"
-HELP = "CPGT (Xie et al.): pure epsilon-DP of compressed private gradient tracking with decaying Laplace noise"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from lightning_privdec.cli.account import positive_float, positive_int  # noqa: PLC0415 (account imports this)
-
     parser.add_argument("--alpha", type=positive_float, required=True, metavar="A", help="step size alpha")
     parser.add_argument(
         "--lipschitz", type=positive_float, required=True, metavar="L", help="smoothness constant L of every f_i",
@@ -86,3 +81,12 @@ def describe(result: dict[str, Any]) -> str:
             f"{result['epsilon_finite']:.6g}"
         )
     return text
+
+
+SUBCOMMAND = Subcommand(
+    name="cpgt",
+    help="CPGT (Xie et al.): pure epsilon-DP of compressed private gradient tracking with decaying Laplace noise",
+    add_arguments=add_arguments,
+    run=run,
+    describe=describe,
+)

@@ -3,7 +3,9 @@
     privdec-account dyn-d2p --target-epsilon 1 --delta 1e-5 --steps 330 --sample-rate 0.095 \\
         --rho-c 2 --rho-mu 2 --clip 1 [--variant dyn] [--calibration rigorous|paper] [--accountant rdp|prv] --json
 
-Registered in :mod:`lightning_privdec.cli.account`.
+Dyn-D2P (Zhu et al.), Sec. 4: mu_tot from (epsilon, delta) by eq. (4), mu_0 by eq. (8) (eq. (9) for a constant mu),
+then C_k = C_0 rho_c^(-k/K), mu_k = mu_0 rho_mu^(k/K), sigma_k = C_k / mu_k; the epsilon of that schedule by the
+paper's central-limit composition and by a rigorous accountant (RDP or PRV).
 """
 
 from __future__ import annotations
@@ -13,23 +15,19 @@ import sys
 from typing import Any
 
 from lightning_privdec.algorithms.dyn_d2p import CALIBRATIONS, VARIANTS, calibrate_schedule
-from lightning_privdec.privacy.accounting.schedule import gdp_mu_from_dp
-
-NAME = "dyn-d2p"
-HELP = (
-    "Dyn-D2P (Zhu et al.): the clip/noise schedule for a budget, its paper (CLT approximation) epsilon and its "
-    "rigorous epsilon"
+from lightning_privdec.cli.arguments import (
+    PROG,
+    Subcommand,
+    add_accountant,
+    open_probability,
+    positive_float,
+    positive_int,
+    probability,
 )
+from lightning_privdec.privacy.accounting.schedule import gdp_mu_from_dp
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from lightning_privdec.cli.account import (  # noqa: PLC0415 (account imports this module to register it)
-        open_probability,
-        positive_float,
-        positive_int,
-        probability,
-    )
-
     parser.add_argument("--target-epsilon", type=positive_float, required=True, metavar="E", help="budget epsilon")
     parser.add_argument("--delta", type=open_probability, required=True, metavar="D", help="budget delta")
     parser.add_argument("--steps", type=positive_int, required=True, metavar="K", help="planned steps K")
@@ -45,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--calibration", choices=CALIBRATIONS, default="rigorous",
         help="rigorous (mu_0 such that the rigorous accountant spends the target; default) or paper (eqs. 4, 8, 9)",
     )
-    parser.add_argument("--accountant", choices=("rdp", "prv"), default="rdp", help="rigorous accountant (default rdp)")
+    add_accountant(parser, ("rdp", "prv"), help="rigorous accountant (default rdp)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -78,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if result["epsilon_paper_clt"] < result["epsilon_rigorous"]:
         print(
-            f"privdec-account: note: the paper's CLT epsilon ({result['epsilon_paper_clt']:.4f}) is below the "
+            f"{PROG}: note: the paper's CLT epsilon ({result['epsilon_paper_clt']:.4f}) is below the "
             f"rigorous {args.accountant} epsilon ({result['epsilon_rigorous']:.4f}) of this schedule: the CLT "
             "approximation under-states the privacy loss here",
             file=sys.stderr,
@@ -95,3 +93,13 @@ def describe(result: dict[str, Any]) -> str:
         f"epsilon = {result['epsilon_rigorous']:.4f} ({result['accountant']} accountant), "
         f"{result['epsilon_paper_clt']:.4f} (paper, CLT approximation)"
     )
+
+
+SUBCOMMAND = Subcommand(
+    name="dyn-d2p",
+    help="Dyn-D2P (Zhu et al.): the clip/noise schedule for a budget, its paper (CLT approximation) epsilon and its "
+    "rigorous epsilon",
+    add_arguments=add_arguments,
+    run=run,
+    describe=describe,
+)

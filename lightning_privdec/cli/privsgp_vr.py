@@ -5,8 +5,8 @@
 
 ``--noise-multiplier`` is s / C, the std of the noise on the released SUM in units of C. Prints the noise, the split
 (sound accounting; ``null``: the joint analysis was tighter), the epsilon of the chosen accounting and, for
-comparison, the epsilon the same noise gets under the paper's formula and under the sound accounting
-(lightning_privdec.privacy.accounting.saga, docs/privacy.md). Registered in :mod:`lightning_privdec.cli.account`.
+comparison, the epsilon the same noise gets under the paper's formula (Theorem 2 of Zhu et al. 2024: sensitivity 3C
+amplified at rate q) and under the sound accounting (docs/privacy.md).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from lightning_privdec.cli.arguments import Subcommand, add_accountant, add_noise_or_budget, add_sampled_steps
 from lightning_privdec.privacy.accounting.saga import (
     ACCOUNTINGS,
     SAGA_ACCOUNTANTS,
@@ -22,37 +23,20 @@ from lightning_privdec.privacy.accounting.saga import (
     sound_split,
 )
 
-NAME = "privsgp-vr"
-HELP = "PrivSGP-VR (Zhu et al. 2024): epsilon of the SAGA-corrected release (sound or paper accounting), or its noise"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from lightning_privdec.cli.account import (  # noqa: PLC0415 (account imports this module)
-        nonnegative_float,
-        open_probability,
-        positive_float,
-        positive_int,
-        probability,
+    add_noise_or_budget(
+        parser,
+        noise_help="s / C: the std of the noise on the released sum, in units of the clipping bound C",
+        budget_help="budget epsilon; prints the smallest noise (and split) that meets it (within 1%%)",
     )
-
-    level = parser.add_mutually_exclusive_group(required=True)
-    level.add_argument(
-        "--noise-multiplier", type=nonnegative_float, metavar="S",
-        help="s / C: the std of the noise on the released sum, in units of the clipping bound C",
-    )
-    level.add_argument(
-        "--target-epsilon", type=positive_float, metavar="E",
-        help="budget epsilon; prints the smallest noise (and split) that meets it (within 1%%)",
-    )
-    parser.add_argument("--sample-rate", type=probability, required=True, metavar="Q", help="Poisson rate q = B / J")
-    parser.add_argument("--steps", type=positive_int, required=True, metavar="K", help="number of steps")
-    parser.add_argument("--delta", type=open_probability, required=True, metavar="D", help="delta of (epsilon, delta)")
+    add_sampled_steps(parser, "Poisson rate q = B / J", steps_metavar="K")
     parser.add_argument(
         "--accounting", choices=ACCOUNTINGS, default="sound",
         help="sound (default: the table mean is charged at every step), paper (Theorem 2's formula: sensitivity 3C "
         "amplified at rate q; not a proven guarantee) or no_amplification",
     )
-    parser.add_argument("--accountant", choices=SAGA_ACCOUNTANTS, default="rdp", help="rdp (default) or prv")
+    add_accountant(parser, SAGA_ACCOUNTANTS, help="rdp (default) or prv")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -96,3 +80,13 @@ def describe(result: dict[str, Any]) -> str:
         f"{result['epsilon_paper']:.4f}, under the sound accounting: {result['epsilon_sound']:.4f} "
         f"({result['accountant']} accountant)"
     )
+
+
+SUBCOMMAND = Subcommand(
+    name="privsgp-vr",
+    help="PrivSGP-VR (Zhu et al. 2024): epsilon of the SAGA-corrected release (sound or paper accounting), or its "
+    "noise",
+    add_arguments=add_arguments,
+    run=run,
+    describe=describe,
+)

@@ -16,6 +16,8 @@ checkpointing; training itself only talks to graph neighbours.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import itertools
 import math
 import random
 import warnings
@@ -245,7 +247,7 @@ class DecentralizedStrategy(DDPStrategy):
         """Replaces DDP wrapping: common public initialisation, flat parameters, exchange and gossip state."""
         assert isinstance(self.model, pl.LightningModule)
         assert self.topology is not None
-        _sync_module_states(self.model)  # every node starts from rank 0's parameters (the public x^0)
+        sync_module_states(self.model)  # every node starts from rank 0's parameters (the public x^0)
         self.flat = FlatParameters(self.model)
         exchange = TorchDistributedExchange(self.root_device, timeout=self.peer_timeout or self._timeout)
         self.gossip = self.build_gossip(self.flat.buffer, exchange)
@@ -523,6 +525,26 @@ class DecentralizedStrategy(DDPStrategy):
             optimizer.load_state_dict(state)
             _optimizer_to_device(optimizer, self.root_device)
 
+
+
+def sync_module_states(module: torch.nn.Module) -> bool:
+    """Give every node rank 0's parameters and buffers, as DDP's start-up broadcast does, but compare a SHA-256
+    digest of them first (one small all-gather): the broadcast, (N - 1) model copies through rank 0's link, runs only
+    if some node's digest differs from rank 0's. Nodes that seeded their models alike start at once. Returns whether
+    the broadcast ran (the same answer on every node)."""
+    ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+    digest = hashlib.sha256()
+    for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
+        if name in ignore:
+            continue
+        data = tensor.detach().reshape(-1).cpu()
+        digest.update(f"{name}:{data.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(data.view(torch.uint8).numpy())
+    digests = gather_from_nodes(digest.hexdigest())
+    if all(d == digests[0] for d in digests):
+        return False
+    _sync_module_states(module)
+    return True
 
 
 def _batches_per_epoch(dataloader: object) -> int | None:

@@ -133,13 +133,12 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             )
         return topology
 
+    node_algorithm_class = CPGTNode
+
     def make_node_algorithm(self) -> CPGTNode:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # CPGT's parameters carry noise_multiplier=0: its noise is Laplace
             warnings.filterwarnings("ignore", message=_NO_GAUSSIAN_NOISE)
-            return CPGTNode(
-                self.privacy_parameters, options=self.options, rank=self.global_rank, device=self.root_device,
-                grad_sample_mode=self.grad_sample_mode, noise_seed=self.noise_seed,
-            )
+            return super().make_node_algorithm()  # type: ignore[return-value]
 
     def _check_optimization(self, trainer: pl.Trainer) -> None:
         super()._check_optimization(trainer)

@@ -95,19 +95,11 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
             )
         return topology
 
-    def make_node_algorithm(self) -> DecorNode:
-        """This node's algorithm, before its pairwise secrets are agreed (:meth:`connect_node_algorithm`)."""
+    node_algorithm_class = DecorNode
+
+    def node_algorithm_options(self) -> dict[str, Any]:
         assert self.topology is not None
-        return DecorNode(
-            self.privacy_parameters,
-            graph=nx.Graph(self.topology.union_graph()),
-            options=self.options,
-            rank=self.global_rank,
-            device=self.root_device,
-            grad_sample_mode=self.grad_sample_mode,
-            noise_seed=self.noise_seed,
-            secure_mode=self.secure_mode,
-        )
+        return {"graph": nx.Graph(self.topology.union_graph()), "options": self.options}
 
     def connect_node_algorithm(self, node: PrivateNodeAlgorithm) -> None:
         assert self.topology is not None and isinstance(node, DecorNode)

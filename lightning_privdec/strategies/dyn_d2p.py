@@ -75,16 +75,7 @@ class DynD2PStrategy(PrivateDecentralizedStrategy):
     def calibration(self) -> str:
         return self.options.calibration
 
-    def make_node_algorithm(self) -> DynD2PNode:
-        return DynD2PNode(
-            self.privacy_parameters,
-            **vars(self.options),
-            rank=self.global_rank,
-            device=self.root_device,
-            grad_sample_mode=self.grad_sample_mode,
-            noise_seed=self.noise_seed,
-            secure_mode=self.secure_mode,
-        )
+    node_algorithm_class = DynD2PNode
 
     def process_dataloader(self, dataloader: object) -> object:
         loader = super().process_dataloader(dataloader)

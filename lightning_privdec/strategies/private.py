@@ -164,15 +164,19 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
     def connect_node_algorithm(self, node: PrivateNodeAlgorithm) -> None:
         """What the node needs from the other nodes before training (Decor: pairwise secrets); nothing by default."""
 
-    def make_node_algorithm(self) -> DPCSGPNode:
-        """This node's algorithm (DP-CSGP's local DP-SGD node; each paper's strategy returns its own)."""
-        return DPCSGPNode(
-            self.privacy_parameters,
-            rank=self.global_rank,
-            device=self.root_device,
-            grad_sample_mode=self.grad_sample_mode,
-            noise_seed=self.noise_seed,
-            secure_mode=self.secure_mode,
+    #: the paper's node algorithm (:mod:`lightning_privdec.algorithms`)
+    node_algorithm_class: type[PrivateNodeAlgorithm] = DPCSGPNode
+
+    def node_algorithm_options(self) -> dict[str, Any]:
+        """The paper's own arguments of its node algorithm (its validated options object)."""
+        options = getattr(self, "options", None)
+        return {} if options is None else {"options": options}
+
+    def make_node_algorithm(self) -> PrivateNodeAlgorithm:
+        """This node's algorithm, with the paper's options and this node's rank, device, noise and per-sample mode."""
+        return self.node_algorithm_class(
+            self.privacy_parameters, **self.node_algorithm_options(), rank=self.global_rank, device=self.root_device,
+            grad_sample_mode=self.grad_sample_mode, noise_seed=self.noise_seed, secure_mode=self.secure_mode,
         )
 
     def _check_optimization(self, trainer: pl.Trainer) -> None:

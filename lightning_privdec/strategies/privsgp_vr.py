@@ -69,16 +69,7 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
     def accounting(self) -> str:
         return self.options.accounting
 
-    def make_node_algorithm(self) -> PrivSGPVRNode:
-        return PrivSGPVRNode(
-            self.privacy_parameters,
-            options=self.options,
-            rank=self.global_rank,
-            device=self.root_device,
-            grad_sample_mode=self.grad_sample_mode,
-            noise_seed=self.noise_seed,
-            secure_mode=self.secure_mode,
-        )
+    node_algorithm_class = PrivSGPVRNode
 
     def process_dataloader(self, dataloader: object) -> object:
         loader = super().process_dataloader(dataloader)
