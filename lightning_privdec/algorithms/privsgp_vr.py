@@ -399,10 +399,10 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
         return self.last_step
 
     def noise_summary(self) -> str:
-        entries = ", ".join(f"({s:.4g}, q={q:.4g})" for s, q in self.next_release() or ())
-        return (f"Gaussian noise sigma = {self.noise_multiplier or 0.0:.4g} x C on the released sum (C = "
-                f"{self.parameters.max_grad_norm:g}), Poisson q = {self.sample_rate or 0.0:.4g}, accounting="
-                f"{self.accounting!r}: per step the {self.ledger.accountant} accountant composes {entries}")
+        """The line every private strategy prints at the end of a fit (its mechanisms: the setup line)."""
+        C = self.parameters.max_grad_norm
+        return (f"Gaussian noise sigma = {self.noise_multiplier or 0.0:.4g} x C (C = {C:g}), "
+                f"Poisson q = {self.sample_rate or 0.0:.4g}, {self.ledger.accountant} accountant")
 
     def report(self) -> dict[str, Any]:
         """The noise, its split and the epsilon of this node's steps under each accounting (for comparison)."""
