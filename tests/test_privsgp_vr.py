@@ -538,6 +538,15 @@ def test_a_checkpoint_written_before_the_accountant_counted_its_steps_resumes_wi
         node.load_state_dict(OLD_STATE)  # never rolls back
 
 
+def test_a_checkpoint_is_written_in_the_layout_earlier_ones_had():
+    parameters = PrivacyParameters(max_grad_norm=1.0, target_epsilon=3.0, target_delta=DELTA)
+    node = PrivSGPVRNode(parameters, rank=0, device=torch.device("cpu"))
+    node.load_state_dict(OLD_STATE)
+    assert node.state_dict() == OLD_STATE  # the same keys: an earlier version reads it back
+    node.load_state_dict(node.state_dict())
+    assert node.steps == 4 and node.epsilon() == pytest.approx(2.2140620521134196, rel=1e-12)
+
+
 # ---- Corollary 1 ---------------------------------------------------------------------------------------------------
 RESNET18 = dict(L=25.0, G=10.0, F0=2.8, b_sq=500_000.0, x0_norm_sq=780_000.0)  # Sec. 5.1, G^2 = 100
 CIFAR = dict(J=50_000 // 16, n=16, d=11_173_962, epsilon=3.0, delta=1e-5)  # d: ResNet-18 for CIFAR-10 (not stated)

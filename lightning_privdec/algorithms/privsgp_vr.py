@@ -399,10 +399,10 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
         return self.last_step
 
     def noise_summary(self) -> str:
-        entries = ", ".join(f"({s:.4g}, q={q:.4g})" for s, q in self.next_release() or ())
-        return (f"Gaussian noise sigma = {self.noise_multiplier or 0.0:.4g} x C on the released sum (C = "
-                f"{self.parameters.max_grad_norm:g}), Poisson q = {self.sample_rate or 0.0:.4g}, accounting="
-                f"{self.accounting!r}: per step the {self.ledger.accountant} accountant composes {entries}")
+        """The line every private strategy prints at the end of a fit (its mechanisms: the setup line)."""
+        C = self.parameters.max_grad_norm
+        return (f"Gaussian noise sigma = {self.noise_multiplier or 0.0:.4g} x C (C = {C:g}), "
+                f"Poisson q = {self.sample_rate or 0.0:.4g}, {self.ledger.accountant} accountant")
 
     def report(self) -> dict[str, Any]:
         """The noise, its split and the epsilon of this node's steps under each accounting (for comparison)."""
@@ -430,9 +430,14 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
             self.table.reset()
             self.table_ready = True
 
+    def state_dict(self) -> dict[str, Any]:
+        """The layout PrivSGP-VR's checkpoints have always had: the step count beside the ledger (``steps``)."""
+        state = super().state_dict()
+        state["steps"] = state["ledger"].pop("steps")
+        return state
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """A state of the same accounting; one written before the accountant counted its steps kept the count
-        beside the ledger (``state["steps"]``)."""
+        """A state of the same accounting, its step count beside the ledger (:meth:`state_dict`) or in it."""
         if state.get("accounting") != self.accounting:
             raise PrivacyConfigError(
                 f"node {self.rank}: the checkpoint's ledger was kept with accounting={state.get('accounting')!r}, this "
