@@ -27,6 +27,17 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """The same main() the console script calls, in this process (one launch of the module is enough to test the
+    entry point: test_epsilon_from_noise_multiplier_json)."""
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
 def test_console_script_is_declared() -> None:
     (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "privdec-account"]
     assert script.value == "lightning_privdec.cli.account:main"
@@ -44,9 +55,9 @@ def test_epsilon_from_noise_multiplier_json() -> None:
     assert record["steps"] == 1000 and record["sample_rate"] == 0.01 and record["accountant"] == "rdp"
 
 
-def test_noise_multiplier_from_target_epsilon_json() -> None:
-    done = run_cli("dpsgd", "--target-epsilon", "2.0", "--sample-rate", "0.02", "--steps", "300",
-                   "--delta", "1e-5", "--accountant", "prv", "--json")
+def test_noise_multiplier_from_target_epsilon_json(capsys: pytest.CaptureFixture[str]) -> None:
+    done = run_main(capsys, "dpsgd", "--target-epsilon", "2.0", "--sample-rate", "0.02", "--steps", "300",
+                            "--delta", "1e-5", "--accountant", "prv", "--json")
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout)
     assert set(record) == KEYS and record["accountant"] == "prv"
@@ -55,16 +66,16 @@ def test_noise_multiplier_from_target_epsilon_json() -> None:
     assert record["epsilon"] == pytest.approx(achieved, rel=1e-12)
 
 
-def test_bad_input_exits_with_code_2() -> None:
-    done = run_cli("dpsgd", "--noise-multiplier", "1.0", "--sample-rate", "1.5", "--steps", "100",
-                   "--delta", "1e-5")
+def test_bad_input_exits_with_code_2(capsys: pytest.CaptureFixture[str]) -> None:
+    done = run_main(capsys, "dpsgd", "--noise-multiplier", "1.0", "--sample-rate", "1.5", "--steps", "100",
+                            "--delta", "1e-5")
     assert done.returncode == 2 and done.stdout == ""
     assert "--sample-rate: must lie in (0, 1], got 1.5" in done.stderr
 
 
-def test_unreachable_target_exits_with_code_2() -> None:
-    done = run_cli("dpsgd", "--target-epsilon", "0.001", "--sample-rate", "0.01", "--steps", "1000",
-                   "--delta", "1e-5", "--json")
+def test_unreachable_target_exits_with_code_2(capsys: pytest.CaptureFixture[str]) -> None:
+    done = run_main(capsys, "dpsgd", "--target-epsilon", "0.001", "--sample-rate", "0.01", "--steps", "1000",
+                            "--delta", "1e-5", "--json")
     assert done.returncode == 2 and done.stdout == ""
     assert "cannot reach target_epsilon=0.001" in done.stderr
 
