@@ -1,9 +1,9 @@
 """Run one private strategy on n simulated nodes with gradient canaries on node 0, and audit node 0's messages.
 
-The run uses the library's own pieces, so whatever they do wrong the audit sees: the strategy object builds its
-privacy engine (Poisson sampling, per-sample clipping through Opacus's hooks, noise, accountant) and its gossip;
-each simulated node then repeats the step of :meth:`DecentralizedStrategy.optimizer_step` (forward and backward on
-the Poisson batch, the strategy's ``transform_gradients``, the SGD update of the numerator, the gossip round) over a
+The run uses the library's own pieces, so whatever they do wrong the audit sees: each strategy object builds its
+node algorithm (``make_node_algorithm``: Poisson sampling, per-sample clipping, noise, accountant, gossip), and
+:func:`~lightning_privdec.algorithms.simulation.train_node` repeats the strategies' private step on it (forward and
+backward on the Poisson batch, ``privatize``, the SGD update of the numerator, the gossip round) over a
 :class:`~lightning_privdec.comm.LoopbackNetwork`. Only Lightning's loop around that step is left out.
 
 Node 0's shard holds ordinary examples plus each of m Dirac canaries with probability 1/2

@@ -1,17 +1,8 @@
-"""DP-CSGP and its two baselines from the paper: PrivSGP and DP^2-SGD.
+"""DP-CSGP and its two baselines from the paper, PrivSGP and DP^2-SGD, as Lightning strategies.
 
-DP-CSGP (Zhu, Zhao, Huang, Zhou, Ji, Xu), Algorithm 1, per node i and step t:
-
-    1-7   compressed error-feedback push-sum: q_i = Q(x_i - x_hat_i), exchange, w_i, y_i, z_i = w_i / y_i
-          (lightning_privdec.algorithms.mixing, run by the base strategy after the update)
-    8-10  Poisson-sample a batch, per-sample gradients at z_i clipped to C, noise N(0, sigma^2 C^2 I)
-          (lightning_privdec.privacy, run by PrivateDecentralizedStrategy.transform_gradients)
-    11    x_i = w_i - eta (g_i + N_i)   (the user's optimizer applied to the numerator)
-
-Differences from the paper, on purpose: a common public initialisation with x_hat = x at start instead of zeros
-(keeps X - X_hat = 0 at t = 1 and works for CNNs); sigma calibrated by a numerical accountant instead of
-Proposition 2's formula, whose constant c2 is never given (docs/privacy.md); mini-batches with Poisson sampling at
-q = B / J instead of one example per step.
+The algorithm, line by line (Algorithm 1 of DP-CSGP, Zhu, Zhao, Huang, Zhou, Ji, Xu): :mod:`lightning_privdec.
+algorithms.dp_csgp`; its accountant: :mod:`lightning_privdec.privacy.accounting.gaussian`. The strategies only choose
+the graph, the mixing weights and the compressor.
 """
 
 from __future__ import annotations
