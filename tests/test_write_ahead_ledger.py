@@ -77,7 +77,7 @@ def test_the_file_holds_accounting_only_never_generator_states_and_is_replaced_a
     ledger.write(e)
     assert sorted(p.name for p in (tmp_path / "abc").iterdir()) == ["node_1.pt"]  # no temporary file left behind
     record = torch.load(ledger.path, weights_only=True)  # plain types only
-    assert record["steps"] == 1 and set(record["accounting"]) == {"ledger", "noise_multiplier", "plan"}
+    assert record["steps"] == 1 and set(record["accounting"]) == {"steps", "ledger", "noise_multiplier", "plan"}
     assert not set(GENERATOR_KEYS) & set(record["accounting"])
     for generator in (e.noise_generator, e.sampling_generator):
         assert generator._key not in ledger.path.read_bytes()

@@ -198,8 +198,9 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
 
     def state_dict(self) -> dict[str, Any]:
         """The ledger and the plan. Generator states only with a fixed ``noise_seed`` (tests): a secure generator's
-        key is never written anywhere (a resumed secure run draws a fresh key from OS entropy)."""
-        return {"ledger": self.ledger.state_dict(), **self.plan_state(), **self.generator_state()}
+        key is never written anywhere (a resumed secure run draws a fresh key from OS entropy). ``steps`` beside the
+        ledger is for readers of the checkpoint (every paper's node state has always had it); loading ignores it."""
+        return {"steps": self.steps, "ledger": self.ledger.state_dict(), **self.plan_state(), **self.generator_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue a checkpointed ledger and plan. Never rolls back (:meth:`Accountant.load_state_dict`)."""

@@ -272,6 +272,11 @@ class CPGTNode(PrivateNodeAlgorithm):
         if noise_x is not None:  # a calibrated scale is kept: the run goes on with the noise it has used
             self.noise_x, self.noise_y = float(noise_x), float(noise_y)
 
+    def state_dict(self) -> dict[str, Any]:
+        """``steps`` is the trajectory's round ``k`` here, as in CPGT's checkpoints before the ledger had its own state
+        (replayed rounds are in the ledger)."""
+        return {**super().state_dict(), "steps": self.ledger.rounds}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if "ledger" not in state:  # written before the accountant had its own state: the rounds at the top level
             state = {**state, "ledger": {"steps": state["steps"], "replayed": state.get("replayed", [])}}

@@ -15,6 +15,7 @@ checkpointing; training itself only talks to graph neighbours.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import itertools
@@ -66,6 +67,14 @@ warnings.filterwarnings(
 )
 
 CHECKPOINT_KEY = "lightning_privdec"
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group while the interpreter is still alive. Lightning does this at exit for NCCL
+    only; a gloo group left to the interpreter's finalization can abort the process ("terminate called without an
+    active exception", exit code -6) after training has finished."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class DecentralizedStrategy(DDPStrategy):
@@ -206,6 +215,8 @@ class DecentralizedStrategy(DDPStrategy):
         world_size = self.num_nodes * self.num_processes
         self.topology = self.make_topology(world_size)
         super().setup_environment()
+        atexit.unregister(destroy_process_group_at_exit)  # one entry however many fits this process runs
+        atexit.register(destroy_process_group_at_exit)
         if self.peer_timeout is not None:  # the rendezvous above used `timeout`; from here on nodes wait this long
             set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # torch < 2.10
             set_timeout(self.peer_timeout)
