@@ -103,11 +103,22 @@ def run_group(command: Sequence[str], timeout: float, cwd: Path | None = None) -
 
 def fit_digits(out: Path, *args: str, devices: int = 4, timeout: float = 300, script: Path = SCRIPT) -> list[dict]:
     """Run the digits training on ``devices`` CPU processes (gloo) and return every rank's result."""
-    command = [sys.executable, str(script), "--devices", str(devices), "--out", str(out), *args]
+    (results,) = fit_digits_in_one_launch((out, args), devices=devices, timeout=timeout, script=script)
+    return results
+
+
+def fit_digits_in_one_launch(
+    *fits: tuple[Path, Sequence[str]], devices: int = 4, timeout: float = 300, script: Path = SCRIPT
+) -> list[list[dict]]:
+    """Several digits fits one after the other in the same ``devices`` processes (one launch; a later fit may
+    ``--resume`` a checkpoint pattern an earlier one wrote); every fit's per-rank results."""
+    command = [sys.executable, str(script)]
+    for i, (out, args) in enumerate(fits):
+        command += [*(["--then"] if i else []), "--devices", str(devices), "--out", str(out), *args]
     result = run_group(command, timeout)
     if result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(devices)]
+    return [[torch.load(out / f"rank{rank}.pt") for rank in range(devices)] for out, _ in fits]
 
 
 def relative_consensus_distance(results: list[dict]) -> float:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_privdec.privacy.accounting.cpgt import cpgt_epsilon, laplace_norm_factor
-from tests.multiprocess import fit_digits
+from tests.multiprocess import fit_digits, fit_digits_in_one_launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -16,7 +16,10 @@ COMMON = ["--strategy", "cpgt", "--topology", "ring", "--lr", "0.5", "--batch-si
 
 
 def test_cpgt_trains_digits_reports_its_epsilon_and_resumes_every_nodes_state(tmp_path):
-    first = fit_digits(tmp_path / "first", *COMMON, "--max-epochs", "50", "--ckpt-dir", str(tmp_path / "ckpt"))
+    first, resumed = fit_digits_in_one_launch(
+        (tmp_path / "first", [*COMMON, "--max-epochs", "50", "--ckpt-dir", str(tmp_path / "ckpt")]),
+        # resumed at round 40 (in the same processes, by a new Trainer and strategy)
+        (tmp_path / "resumed", [*COMMON, "--max-epochs", "50", "--resume", str(tmp_path / "ckpt" / "epoch=39-*.ckpt")]))
     dimension = first[0]["params"].numel()
     for node in first:
         assert node["test_acc"] > 0.5  # chance is 0.1
@@ -37,8 +40,6 @@ def test_cpgt_trains_digits_reports_its_epsilon_and_resumes_every_nodes_state(tm
     params = torch.stack([node["params"] for node in first])
     assert (params - params.mean(0)).norm() / params.mean(0).norm() < 0.05
 
-    checkpoint = next((tmp_path / "ckpt").glob("epoch=39-*.ckpt"))
-    resumed = fit_digits(tmp_path / "resumed", *COMMON, "--max-epochs", "50", "--resume", str(checkpoint))
     for a, b in zip(first, resumed):
         assert b["ledger_steps"] == b["rounds"] == 50  # the counts continued
         assert b["bytes_sent"] == a["bytes_sent"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_privdec.privacy import epsilon_for
-from tests.multiprocess import fit_digits, relative_consensus_distance
+from tests.multiprocess import fit_digits, fit_digits_in_one_launch, relative_consensus_distance
 
 pytestmark = pytest.mark.multiprocess
 
@@ -65,15 +65,16 @@ def test_privacy_budget_is_logged_per_node_and_training_stops_before_exceeding_i
 def test_a_resumed_private_run_continues_its_epsilon_and_its_trajectory(tmp_path):
     common = ["--strategy", "dp_csgp", "--compressor", "randk:0.5", "--gamma", "0.5", "--epsilon", "2.0",
               "--noise-seed", "7", "--lr", "0.3"]
-    first = fit_digits(tmp_path / "first", *common, "--max-epochs", "4", "--ckpt-dir", str(tmp_path / "ckpt"))
-    checkpoint = next((tmp_path / "ckpt").glob("epoch=1-*.ckpt"))
-    resumed = fit_digits(tmp_path / "resumed", *common, "--max-epochs", "4", "--resume", str(checkpoint))
+    checkpoint = str(tmp_path / "ckpt" / "epoch=1-*.ckpt")
+    first, resumed, longer = fit_digits_in_one_launch(
+        (tmp_path / "first", [*common, "--max-epochs", "4", "--ckpt-dir", str(tmp_path / "ckpt")]),
+        (tmp_path / "resumed", [*common, "--max-epochs", "4", "--resume", checkpoint]),
+        # resuming with a longer plan keeps the total within the budget
+        (tmp_path / "longer", [*common, "--max-epochs", "8", "--resume", checkpoint]))
     for a, b in zip(first, resumed):
         assert b["ledger_steps"] == a["ledger_steps"] == a["global_step"]  # the count continued, not reset
         assert b["epsilon"] == pytest.approx(a["epsilon"], rel=1e-9)
         assert (a["params"] == b["params"]).all()  # same noise, same samples, same gossip
-    # resuming with a longer plan keeps the total within the budget
-    longer = fit_digits(tmp_path / "longer", *common, "--max-epochs", "8", "--resume", str(checkpoint))
     for node in longer:
         assert node["global_step"] == 88
         assert node["epsilon"] <= 2.0
@@ -81,10 +82,10 @@ def test_a_resumed_private_run_continues_its_epsilon_and_its_trajectory(tmp_path
 
 
 def test_privsgp_and_dp2sgd_baselines_train(tmp_path):
-    privsgp = fit_digits(tmp_path / "privsgp", "--strategy", "privsgp", "--epsilon", "8", "--lr", "0.5",
-                         "--max-epochs", "10")
-    dp2sgd = fit_digits(tmp_path / "dp2sgd", "--strategy", "dp2sgd", "--topology", "ring", "--epsilon", "8",
-                        "--lr", "0.5", "--max-epochs", "10")
+    privsgp, dp2sgd = fit_digits_in_one_launch(
+        (tmp_path / "privsgp", ["--strategy", "privsgp", "--epsilon", "8", "--lr", "0.5", "--max-epochs", "10"]),
+        (tmp_path / "dp2sgd", ["--strategy", "dp2sgd", "--topology", "ring", "--epsilon", "8", "--lr", "0.5",
+                               "--max-epochs", "10"]))
     for results in (privsgp, dp2sgd):
         assert min(r["test_acc"] for r in results) > 0.6
         assert max(r["epsilon"] for r in results) <= 8.0
@@ -93,8 +94,8 @@ def test_privsgp_and_dp2sgd_baselines_train(tmp_path):
 
 def test_ghost_clipping_follows_the_per_sample_hooks_trajectory(tmp_path):
     common = ["--strategy", "dp_csgp", "--epsilon", "3", "--noise-seed", "3", "--max-epochs", "2", "--lr", "0.3"]
-    hooks = fit_digits(tmp_path / "hooks", *common, "--grad-sample-mode", "hooks")
-    ghost = fit_digits(tmp_path / "ghost", *common, "--grad-sample-mode", "ghost")
+    hooks, ghost = fit_digits_in_one_launch((tmp_path / "hooks", [*common, "--grad-sample-mode", "hooks"]),
+                                            (tmp_path / "ghost", [*common, "--grad-sample-mode", "ghost"]))
     for a, b in zip(hooks, ghost):
         assert a["global_step"] == b["global_step"] == 22
         assert torch.allclose(a["params"], b["params"], atol=1e-4), (a["params"] - b["params"]).abs().max()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_privdec.algorithms.dyn_d2p import calibrate_schedule
-from tests.multiprocess import fit_digits
+from tests.multiprocess import fit_digits_in_one_launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.filterwarnings("ignore:Optimal order is the")]
 
@@ -19,7 +19,10 @@ COMMON = ["--strategy", "dyn_d2p", "--epsilon", "3", "--clip", "1", "--lr", "0.5
 
 
 def test_dyn_d2p_trains_digits_reports_its_accountants_epsilon_and_resumes_its_schedule(tmp_path):
-    first = fit_digits(tmp_path / "first", *COMMON, "--max-epochs", "4", "--csv", "--ckpt-dir", str(tmp_path / "ckpt"))
+    first, resumed = fit_digits_in_one_launch(
+        (tmp_path / "first", [*COMMON, "--max-epochs", "4", "--csv", "--ckpt-dir", str(tmp_path / "ckpt")]),
+        # resumed from the end of epoch 2 (in the same processes, by a new Trainer and strategy)
+        (tmp_path / "resumed", [*COMMON, "--max-epochs", "4", "--resume", str(tmp_path / "ckpt" / "epoch=1-*.ckpt")]))
     steps = 4 * 11  # 11 batches of 32 per epoch on every node
     for node in first:
         assert node["global_step"] == node["ledger_steps"] == steps
@@ -40,8 +43,6 @@ def test_dyn_d2p_trains_digits_reports_its_accountants_epsilon_and_resumes_its_s
     assert float(last["privacy/noise_std"]) == pytest.approx(schedule.sigma(steps), rel=1e-6)
 
     # resuming from the end of epoch 2 continues the ledger and the schedule at step 22: same noise, same model
-    checkpoint = next((tmp_path / "ckpt").glob("epoch=1-*.ckpt"))
-    resumed = fit_digits(tmp_path / "resumed", *COMMON, "--max-epochs", "4", "--resume", str(checkpoint))
     for a, b in zip(first, resumed):
         assert b["ledger_steps"] == a["ledger_steps"] == steps
         assert b["epsilon"] == pytest.approx(a["epsilon"], rel=1e-12)

@@ -20,7 +20,7 @@ from lightning_privdec.strategies import (
     PrivSGPVRStrategy,
 )
 from lightning_privdec.topology import build_topology
-from tests.multiprocess import die_with_parent, fit_digits, relative_consensus_distance
+from tests.multiprocess import die_with_parent, fit_digits_in_one_launch, relative_consensus_distance
 
 D, LR = 41, 0.05
 
@@ -194,9 +194,9 @@ def test_gloo_processes_mix_exactly_like_the_loopback_simulation(tmp_path):
 @pytest.mark.multiprocess
 def test_lightning_overlap_trains_and_resumes_with_messages_in_flight_exactly(tmp_path):
     common = ["--strategy-kwargs", '{"overlap": true}', "--max-epochs", "3", "--lr", "0.2"]
-    straight = fit_digits(tmp_path / "straight", *common, "--ckpt-dir", str(tmp_path / "ckpt"), devices=2)
-    checkpoint = next((tmp_path / "ckpt").glob("epoch=0-*.ckpt"))
-    resumed = fit_digits(tmp_path / "resumed", *common, "--resume", str(checkpoint), devices=2)
+    straight, resumed = fit_digits_in_one_launch(
+        (tmp_path / "straight", [*common, "--ckpt-dir", str(tmp_path / "ckpt")]),
+        (tmp_path / "resumed", [*common, "--resume", str(tmp_path / "ckpt" / "epoch=0-*.ckpt")]), devices=2)
     d = straight[0]["params"].numel()
     for a, b in zip(straight, resumed):
         assert a["test_acc"] > 0.85 and a["rounds"] == a["global_step"] > 0

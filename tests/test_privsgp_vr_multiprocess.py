@@ -8,7 +8,7 @@ import pytest
 import torch
 from opacus.accountants import RDPAccountant
 
-from tests.multiprocess import fit_digits
+from tests.multiprocess import fit_digits_in_one_launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,7 +27,9 @@ def floating_tensors(obj):  # noqa: ANN001, ANN201
 
 def test_privsgp_vr_trains_digits_reports_its_accountants_epsilon_and_resumes_without_a_table(tmp_path):
     common = ["--strategy", "privsgp_vr", "--epsilon", "3", "--lr", "0.5", "--noise-seed", "5"]
-    first = fit_digits(tmp_path / "first", *common, "--max-epochs", "2", "--ckpt-dir", str(tmp_path / "ckpt"))
+    first, resumed = fit_digits_in_one_launch(
+        (tmp_path / "first", [*common, "--max-epochs", "2", "--ckpt-dir", str(tmp_path / "ckpt")]),
+        (tmp_path / "resumed", [*common, "--max-epochs", "2", "--resume", str(tmp_path / "ckpt" / "epoch=0-*.ckpt")]))
     steps = 2 * 11
     for node in first:
         assert node["test_acc"] > 0.5  # chance is 0.1
@@ -47,7 +49,6 @@ def test_privsgp_vr_trains_digits_reports_its_accountants_epsilon_and_resumes_wi
     assert max(t.numel() for t in floating_tensors(saved)) <= dimension
     assert all("table" not in node["privacy"] for node in saved["lightning_privdec"]["nodes"])
 
-    resumed = fit_digits(tmp_path / "resumed", *common, "--max-epochs", "2", "--resume", str(checkpoint))
     for a, b in zip(first, resumed):
         assert b["global_step"] == b["ledger_steps"] == steps  # the ledger continued from step 11
         assert b["epsilon"] == pytest.approx(a["epsilon"], rel=1e-9)  # same plan: same noise and split

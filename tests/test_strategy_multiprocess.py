@@ -8,14 +8,14 @@ import time
 
 import pytest
 
-from tests.multiprocess import SCRIPT, fit_digits, launch, relative_consensus_distance, stop_group
+from tests.multiprocess import SCRIPT, fit_digits_in_one_launch, launch, relative_consensus_distance, stop_group
 
 pytestmark = pytest.mark.multiprocess
 
 
 def test_push_sum_matches_lightning_ddp_accuracy_and_ends_in_consensus(tmp_path):
-    ddp = fit_digits(tmp_path / "ddp", "--strategy", "ddp", "--max-epochs", "8")
-    push_sum = fit_digits(tmp_path / "push_sum", "--strategy", "push_sum", "--max-epochs", "8")
+    ddp, push_sum = fit_digits_in_one_launch((tmp_path / "ddp", ["--strategy", "ddp", "--max-epochs", "8"]),
+                                             (tmp_path / "push_sum", ["--strategy", "push_sum", "--max-epochs", "8"]))
     ddp_acc = ddp[0]["test_acc"]
     assert ddp_acc > 0.85  # the task is learnable in this budget
     for node in push_sum:
@@ -31,8 +31,9 @@ def test_push_sum_matches_lightning_ddp_accuracy_and_ends_in_consensus(tmp_path)
 
 
 def test_compressed_push_sum_and_dpsgd_train_to_consensus(tmp_path):
-    compressed = fit_digits(tmp_path / "qsgd", "--compressor", "qsgd:8", "--max-epochs", "8")
-    dpsgd = fit_digits(tmp_path / "dpsgd", "--strategy", "dpsgd", "--topology", "ring", "--max-epochs", "8")
+    compressed, dpsgd = fit_digits_in_one_launch(
+        (tmp_path / "qsgd", ["--compressor", "qsgd:8", "--max-epochs", "8"]),
+        (tmp_path / "dpsgd", ["--strategy", "dpsgd", "--topology", "ring", "--max-epochs", "8"]))
     for results in (compressed, dpsgd):
         assert min(node["test_acc"] for node in results) > 0.85
         assert relative_consensus_distance(results) < 0.02
@@ -56,9 +57,9 @@ def test_checkpoint_kill_resume_gives_the_same_parameters_as_an_uninterrupted_ru
         time.sleep(0.5)
     stop_group(crashed, timeout=30)
     checkpoint = next((tmp_path / "ckpt").glob("epoch=1-*.ckpt"))
-    # 2. resume from it; 3. an uninterrupted run
-    resumed = fit_digits(tmp_path / "resumed", *common, "--resume", str(checkpoint))
-    straight = fit_digits(tmp_path / "straight", *common)
+    # 2. resume from it in new processes; 3. an uninterrupted run (after it, in the same processes)
+    resumed, straight = fit_digits_in_one_launch((tmp_path / "resumed", [*common, "--resume", str(checkpoint)]),
+                                                 (tmp_path / "straight", common))
     for a, b in zip(resumed, straight):
         assert a["global_step"] == b["global_step"] == 44
         assert (a["params"] == b["params"]).all(), f"node {a['rank']} diverged after resume"

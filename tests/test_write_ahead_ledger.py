@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_privdec.privacy import PrivacyConfigError, epsilon_for
 from lightning_privdec.privacy.write_ahead import GENERATOR_KEYS, WriteAheadLedger
-from tests.multiprocess import fit_digits
+from tests.multiprocess import fit_digits_in_one_launch
 from tests.test_dyn_d2p import planned_engine, take_step
 from tests.test_privacy_engine import attached_engine, loader, one_step
 
@@ -271,11 +271,11 @@ def test_a_lightning_resume_after_a_crash_counts_the_released_steps(tmp_path):
     """Run A checkpoints epoch 0 (11 steps) and releases 33 steps in all; resuming epoch 0's checkpoint (as after a
     crash right after it) replays epochs 1-2 with fresh noise: 11 + 22 + 22 = 55 steps are counted, not 33."""
     common = ["--strategy", "dp_csgp", "--noise-multiplier", "1.0", "--max-epochs", "3", "--lr", "0.3"]
-    first = fit_digits(tmp_path / "first", *common, "--ckpt-dir", str(tmp_path / "ckpt"), devices=2)
+    first, resumed = fit_digits_in_one_launch(
+        (tmp_path / "first", [*common, "--ckpt-dir", str(tmp_path / "ckpt")]),
+        (tmp_path / "resumed", [*common, "--resume", str(tmp_path / "ckpt" / "epoch=0-*.ckpt")]), devices=2)
     files = sorted((tmp_path / "ckpt" / "privacy_ledger").glob("*/node_*.pt"))
     assert [f.name for f in files] == ["node_0.pt", "node_1.pt"] and files[0].parent == files[1].parent
-    checkpoint = next((tmp_path / "ckpt").glob("epoch=0-*.ckpt"))
-    resumed = fit_digits(tmp_path / "resumed", *common, "--resume", str(checkpoint), devices=2)
     for a, b in zip(first, resumed):
         steps_per_epoch = a["global_step"] // 3
         assert a["ledger_steps"] == 3 * steps_per_epoch

@@ -1,14 +1,18 @@
 """Multi-process training on the digits task; every rank writes its own model and accuracy to --out.
 
 Launched by the tests as ``python tests/scripts/fit_digits.py --devices 4 ...``: Lightning's subprocess launcher
-starts the other ranks, exactly as for a user's script.
+starts the other ranks, exactly as for a user's script. Several fits separated by ``--then`` run one after the other
+in the same processes (one launch: starting Python, Lightning and the ranks costs more than a digits fit); a
+``--resume`` pattern such as ``ckpt/epoch=1-*.ckpt`` names a checkpoint an earlier fit of the launch wrote.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -61,7 +65,7 @@ def make_strategy(args: argparse.Namespace):  # noqa: ANN201
     )
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="push_sum", choices=["ddp", *NON_PRIVATE_STRATEGIES, *PRIVATE_STRATEGIES])
     parser.add_argument("--topology", default="exponential-one-peer")
@@ -91,8 +95,28 @@ def main() -> None:
     parser.add_argument("--grad-sample-mode", default="hooks", choices=["hooks", "functorch", "ghost"])
     parser.add_argument("--strategy-kwargs", default="{}", help="JSON object of extra strategy arguments")
     parser.add_argument("--csv", action="store_true", help="log to a CSVLogger under --out")
-    args = parser.parse_args()
+    return parser
 
+
+def checkpoint(pattern: Path | None) -> Path | None:
+    """``--resume``: a path, or a pattern that matches exactly one checkpoint."""
+    if pattern is None or "*" not in str(pattern):
+        return pattern
+    (match,) = sorted(pattern.parent.glob(pattern.name))
+    return match
+
+
+def main(argv: list[str]) -> None:
+    parser = arguments()
+    runs = [parser.parse_args(run) for separator, run in itertools.groupby(argv, lambda a: a == "--then")
+            if not separator]
+    if len({(args.devices, args.num_nodes) for args in runs}) != 1:
+        parser.error("every fit of one launch runs on the same processes: give each the same --devices and --num-nodes")
+    for args in runs:
+        fit(args)
+
+
+def fit(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     L.seed_everything(args.seed, verbose=False)
     model = DigitsClassifier(lr=args.lr, momentum=args.momentum, per_sample_loss=args.grad_sample_mode == "ghost")
@@ -120,7 +144,7 @@ def main() -> None:
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    trainer.fit(model, datamodule=data, ckpt_path=args.resume)
+    trainer.fit(model, datamodule=data, ckpt_path=checkpoint(args.resume))
 
     rank = trainer.global_rank
     strategy = trainer.strategy  # global collectives still work for metrics and logging
@@ -163,4 +187,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

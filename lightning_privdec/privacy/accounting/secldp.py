@@ -107,7 +107,9 @@ def secldp_epsilon_example_level(
 def _example_eps_step_for(
     target_epsilon: float, steps: int, delta: float, sample_rate: float, orders: Sequence[float] | None
 ) -> float:
-    """The largest eps_step (relative precision 1e-10) whose example-level epsilon is <= target (bisection)."""
+    """The largest eps_step (relative precision 1e-10) whose example-level epsilon is <= target: a bracket by
+    doubling, then Brent's method on log eps_step (epsilon grows continuously and monotonically with it), stepped
+    down until the answer is within the target."""
 
     def epsilon(x: float) -> float:
         return secldp_epsilon_example_level(x, steps, delta, sample_rate, orders=orders)
@@ -125,10 +127,12 @@ def _example_eps_step_for(
         lo, hi = lo / 2.0, lo
     else:
         raise PrivacyConfigError(f"target_epsilon={target_epsilon:g} cannot be reached at delta={delta:g}")
-    while hi / lo > 1.0 + 1e-10:
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if epsilon(mid) <= target_epsilon else (lo, mid)
-    return lo
+    if hi / lo <= 1.0 + 1e-10:
+        return lo
+    root = math.exp(brentq(lambda t: epsilon(math.exp(t)) - target_epsilon, math.log(lo), math.log(hi), xtol=1e-11))
+    while root > lo and epsilon(root) > target_epsilon:
+        root = max(lo, root * (1.0 - 1e-10))
+    return root
 
 
 # ---- baselines ----------------------------------------------------------------------------------------------------
