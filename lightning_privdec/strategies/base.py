@@ -70,9 +70,8 @@ CHECKPOINT_KEY = "lightning_privdec"
 
 
 def destroy_process_group_at_exit() -> None:
-    """Destroy the default process group while the interpreter is still alive. Lightning does this at exit for NCCL
-    only; a gloo group left to the interpreter's finalization can abort the process ("terminate called without an
-    active exception", exit code -6) after training has finished."""
+    """Destroy the process group while the interpreter is alive (Lightning does so for NCCL only): a gloo group left
+    to finalization can abort a finished run ("terminate called without an active exception", exit code -6)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
