@@ -418,11 +418,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", default=",".join(MODES), help="comma list of grad_sample_mode values")
     parser.add_argument("--steps", type=int, default=2, help="training steps per cell")
     parser.add_argument("--devices", type=int, default=2, help="CPU processes (gloo) per cell")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed for one model's cells")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds allowed for one model's cells in one mode")
     parser.add_argument("--no-ratios", action="store_true", help="skip the one-process step-time ratios")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "models.md")
     parser.add_argument("--no-record", action="store_true", help="print only; do not write docs/models.md")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="run nothing: the table of earlier runs' --json files (later ones fill in or replace)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)
@@ -437,35 +440,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_launch(name: str, mode: str, args: argparse.Namespace) -> dict[str, str]:
+    """Every strategy's cell of one model and one per-sample mode, in one launch of ``args.devices`` processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cells.json"
+        command = [sys.executable, os.path.abspath(__file__), "--child", "--out", str(out), "--workdir", tmp,
+                   "--models", name, "--strategies", ",".join(args.strategy_list), "--modes", mode,
+                   "--steps", str(args.steps), "--devices", str(args.devices)]
+        try:
+            done = subprocess.run(command, timeout=args.timeout, cwd=tmp, capture_output=True, text=True)
+            failure = None if out.exists() else f"fails: the launch exited with {done.returncode}" + (
+                " (killed: out of memory?)" if done.returncode == -9 else "")
+        except subprocess.TimeoutExpired:
+            failure = f"fails: not finished within {args.timeout:.0f} s"
+        if failure is None:
+            return json.loads(out.read_text())[name]
+        return {f"{s}/{mode}": failure for s in args.strategy_list}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child:
         run_child(args)
+        return
+    command_line = "python benchmarks/compatibility.py" + ("" if argv is None else " " + " ".join(argv))
+    if args.merge:
+        runs = [json.loads(Path(f).read_text()) for f in args.merge]
+        results: dict[str, dict[str, str]] = {}
+        ratios: dict[str, str] = {}
+        for run in runs:  # later runs fill in or replace earlier cells
+            for name, row in run["cells"].items():
+                results.setdefault(name, {}).update(row)
+            ratios.update(run["ratios"])
+        record(results, ratios, sum(run["seconds"] for run in runs), [run["command"] for run in runs], args)
         return
     zoo = cases()
     unknown = [m for m in args.model_list if m not in zoo]
     if unknown:
         raise SystemExit(f"unknown models {unknown}; choose from {', '.join(zoo)}")
     started = time.perf_counter()
-    results: dict[str, dict[str, str]] = {}
-    for name in args.model_list:  # one launch per model: a crashed process cannot take other models' cells with it
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "cells.json"
-            command = [sys.executable, os.path.abspath(__file__), "--child", "--out", str(out), "--workdir", tmp,
-                       "--models", name, "--strategies", ",".join(args.strategy_list),
-                       "--modes", ",".join(args.mode_list), "--steps", str(args.steps), "--devices", str(args.devices)]
-            try:
-                done = subprocess.run(command, timeout=args.timeout, cwd=tmp, capture_output=True, text=True)
-                failure = None if out.exists() else f"fails: the launch exited with {done.returncode}: " + " ".join(
-                    (done.stderr or done.stdout).strip().splitlines()[-1:])[:200]
-            except subprocess.TimeoutExpired:
-                failure = f"fails: not finished within {args.timeout:.0f} s"
-            if failure is None:
-                results.update(json.loads(out.read_text()))
-            else:
-                results[name] = {f"{s}/{m}": failure for s in args.strategy_list for m in args.mode_list}
-            print(f"{name}: {results[name]}", flush=True)
-    ratios: dict[str, str] = {}
+    results = {}
+    for name in args.model_list:
+        results[name] = {}
+        # one launch per model and mode: a crashed or memory-killed process takes only its own mode's cells with it
+        for mode in args.mode_list:
+            results[name].update(run_launch(name, mode, args))
+        print(f"{name}: {results[name]}", flush=True)
+    ratios = {}
     if not args.no_ratios:
         warnings.filterwarnings("ignore")
         for name in args.model_list:
@@ -475,25 +496,32 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as error:  # noqa: BLE001
                 ratios[name] = f"fails: {_first_line(error)}"
     total = time.perf_counter() - started
+    if args.json is not None:
+        args.json.write_text(json.dumps({"cells": results, "ratios": ratios, "seconds": total,
+                                         "command": command_line}, indent=1))
+    record(results, ratios, total, [command_line], args)
+
+
+def record(results: dict[str, dict[str, str]], ratios: dict[str, str], total: float, commands: list[str],
+           args: argparse.Namespace) -> None:
+    """Print the table and (unless ``--no-record``) write it to ``args.doc`` with the commands that measured it."""
     table = format_table(results, ratios, args)
     print("\n".join(table))
     cells = [c for row in results.values() for c in row.values()]
     print(f"{sum(c == 'trains' for c in cells)} of {len(cells)} cells train, "
           f"{sum(c.startswith('refused') for c in cells)} refused, {sum(c.startswith('fails') for c in cells)} fail; "
           f"{total:.0f} s")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"cells": results, "ratios": ratios, "seconds": total}, indent=1))
     if args.no_record:
         return
-    command_line = "python benchmarks/compatibility.py" + ("" if argv is None else " " + " ".join(argv))
     doc = [
         "# Models: what trains with which private strategy",
         "",
-        f"Generated by `{command_line}` on {datetime.date.today().isoformat()} ({total:.0f} s); "
-        f"{args.steps} steps per cell on {args.devices} CPU processes (gloo), synthetic data, tiny configs. "
+        f"Generated on {datetime.date.today().isoformat()} ({total:.0f} s in all) by "
+        + "; ".join(f"`{c}`" for c in commands)
+        + f"; {args.steps} steps per cell on {args.devices} CPU processes (gloo), synthetic data, tiny configs. "
         "'trains': finite loss and parameters, epsilon spent; 'refused': the library's own error before training "
-        "(its first sentence); 'fails': anything else. The second column is one private step (book-keeping "
-        "clipping + noise) against one non-private step (forward + backward), one process, batch 16.",
+        "(its first sentence); 'fails': anything else; '-': not run. The second column is one private step "
+        "(book-keeping clipping + noise) against one non-private step (forward + backward), one process, batch 16.",
         "",
         f"- {machine_line()}",
         f"- {software_line(opacus=True)}",

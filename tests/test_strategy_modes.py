@@ -128,6 +128,32 @@ def test_bf16_mixed_trains_every_private_strategy_with_float32_clipping_and_nois
     assert all(torch.isfinite(p).all() for p in model.parameters()) and strategy.privacy.epsilon() > 0
 
 
+class ConvClassifier(PerSampleLossClassifier):
+    """A convolution, a GroupNorm and a linear layer on 2 x 2 x 2 images (the 8 features)."""
+
+    def __init__(self, ghost: bool) -> None:
+        super().__init__(ghost)
+        self.net = nn.Sequential(nn.Unflatten(1, (2, 2, 2)), nn.Conv2d(2, 4, kernel_size=1), nn.GroupNorm(2, 4),
+                                 nn.Flatten(), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("mode", GRAD_SAMPLE_MODES)
+def test_bf16_mixed_trains_a_convolution_in_every_per_sample_mode(mode: str, tmp_path) -> None:
+    """functorch re-runs each layer outside the forward's autocast: its inputs must be cast back (it once failed with
+    "Input type (CPUBFloat16Type) and weight type (torch.FloatTensor) should be the same")."""
+    strategy, dtypes = PRIVATE_STRATEGIES["dp_csgp"](noise_seed=0, grad_sample_mode=mode, **ARGUMENTS["dp_csgp"]), \
+        GradientDtypes()
+    model = ConvClassifier(ghost=mode == "ghost")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[dtypes], precision="bf16-mixed",
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, _loader())
+    assert trainer.global_step == 2 and dtypes.dtypes == {torch.float32}
+    assert all(torch.isfinite(p).all() for p in model.parameters()) and strategy.privacy.epsilon() > 0
+
+
 @pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
 def test_half_precision_parameters_are_refused_with_the_reason(precision: str, tmp_path) -> None:
     for name, cls in PRIVATE_STRATEGIES.items():

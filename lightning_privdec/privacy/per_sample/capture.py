@@ -287,9 +287,13 @@ def rule_grad_samples(
             samples[layer.weight][:, layer.padding_idx] = 0  # autograd gives the padding row no gradient
         return samples
     params = {n: p.detach() for n, p in layer.named_parameters() if p.requires_grad}
+    # the layer is called again outside the forward's autocast: inputs and output gradients in the parameters' dtype
+    # (float32 under "bf16-mixed", where autocast had cast them to bfloat16)
+    dtype = next(iter(params.values())).dtype
     a = activations[0]
-    if a.is_floating_point() and a.dtype != backprops.dtype:
-        a = a.to(backprops.dtype)
+    if a.is_floating_point():
+        a = a.to(dtype)
+    backprops = backprops.to(dtype)
 
     def loss(values: dict, a_i: Tensor, g_i: Tensor) -> Tensor:
         return (functional_call(layer, values, (a_i.unsqueeze(0),)) * g_i.unsqueeze(0)).sum()
