@@ -472,7 +472,8 @@ def main(argv: list[str] | None = None) -> None:
             for name, row in run["cells"].items():
                 results.setdefault(name, {}).update(row)
             ratios.update(run["ratios"])
-        record(results, ratios, sum(run["seconds"] for run in runs), [run["command"] for run in runs], args)
+        commands = [run["command"] for run in runs] + [command_line.replace("--merge", "(tabulated by) --merge")]
+        record(results, ratios, sum(run["seconds"] for run in runs), commands, args)
         return
     zoo = cases()
     unknown = [m for m in args.model_list if m not in zoo]
