@@ -113,10 +113,10 @@ class GradientDtypes(pl.Callback):
         self.dtypes |= {p.grad.dtype for p in pl_module.parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("name", sorted(ARGUMENTS))
-def test_bf16_mixed_trains_every_private_strategy_with_float32_clipping_and_noise(name: str, tmp_path) -> None:
-    strategy, dtypes = PRIVATE_STRATEGIES[name](noise_seed=0, **ARGUMENTS[name]), GradientDtypes()
-    model = PerSampleLossClassifier(ghost=False)
+def assert_bf16_mixed_trains(strategy, model: pl.LightningModule, tmp_path) -> None:  # noqa: ANN001
+    """Two bf16-mixed steps: the optimizer sees float32 gradients (clipped sum + noise), the parameters stay float32
+    and finite, and epsilon is spent."""
+    dtypes = GradientDtypes()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[dtypes], precision="bf16-mixed",
@@ -126,6 +126,12 @@ def test_bf16_mixed_trains_every_private_strategy_with_float32_clipping_and_nois
     assert trainer.global_step == 2 and dtypes.dtypes == {torch.float32}
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert all(torch.isfinite(p).all() for p in model.parameters()) and strategy.privacy.epsilon() > 0
+
+
+@pytest.mark.parametrize("name", sorted(ARGUMENTS))
+def test_bf16_mixed_trains_every_private_strategy_with_float32_clipping_and_noise(name: str, tmp_path) -> None:
+    strategy = PRIVATE_STRATEGIES[name](noise_seed=0, **ARGUMENTS[name])
+    assert_bf16_mixed_trains(strategy, PerSampleLossClassifier(ghost=False), tmp_path)
 
 
 class ConvClassifier(PerSampleLossClassifier):
@@ -141,17 +147,8 @@ class ConvClassifier(PerSampleLossClassifier):
 def test_bf16_mixed_trains_a_convolution_in_every_per_sample_mode(mode: str, tmp_path) -> None:
     """functorch re-runs each layer outside the forward's autocast: its inputs must be cast back (it once failed with
     "Input type (CPUBFloat16Type) and weight type (torch.FloatTensor) should be the same")."""
-    strategy, dtypes = PRIVATE_STRATEGIES["dp_csgp"](noise_seed=0, grad_sample_mode=mode, **ARGUMENTS["dp_csgp"]), \
-        GradientDtypes()
-    model = ConvClassifier(ghost=mode == "ghost")
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[dtypes], precision="bf16-mixed",
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(model, _loader())
-    assert trainer.global_step == 2 and dtypes.dtypes == {torch.float32}
-    assert all(torch.isfinite(p).all() for p in model.parameters()) and strategy.privacy.epsilon() > 0
+    strategy = PRIVATE_STRATEGIES["dp_csgp"](noise_seed=0, grad_sample_mode=mode, **ARGUMENTS["dp_csgp"])
+    assert_bf16_mixed_trains(strategy, ConvClassifier(ghost=mode == "ghost"), tmp_path)
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
