@@ -104,6 +104,10 @@ class Record:
     autocast: tuple | None = None
     grads: list[Tensor | None] | None = None
     batch_dims: list[int] = field(default_factory=list)
+    #: the gradient hook on the outputs; removed by :meth:`Recorder.forget`. The hook lives on the outputs' autograd
+    #: nodes and holds them in its closure: a cycle through C++ that Python's collector cannot free, which kept every
+    #: step's records (the layer, its inputs) alive until the hook is removed
+    grad_hook: Any = None
 
     @property
     def batch_size(self) -> int:
@@ -214,7 +218,9 @@ class Recorder:
             if first.dim() > record.batch_dims[0]:
                 self._pass_batch = int(first.shape[record.batch_dims[0]])
         self.records.append(record)
-        register_multi_grad_hook([leaves[k] for k in positions], partial(self._after_backward, record), mode="all")
+        record.grad_hook = register_multi_grad_hook(
+            [leaves[k] for k in positions], partial(self._after_backward, record), mode="all"
+        )
 
     def _after_backward(self, record: Record, grads: tuple) -> None:
         if not self.enabled:
@@ -246,6 +252,9 @@ class Recorder:
         return [grouped[k] for k in sorted(grouped)]
 
     def forget(self) -> None:
+        for record in self.records:
+            if record.grad_hook is not None:
+                record.grad_hook.remove()
         self.records = []
         self._pending.clear()
         self._forward_pass = 0
