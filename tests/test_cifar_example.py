@@ -1,6 +1,5 @@
 """examples/cifar_resnet.py end to end on CPU: synthetic CIFAR-shaped data, 2 processes, tiny limits."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from types import ModuleType
 import pytest
 
 from tests.multiprocess import run_group
+from tests.scripts_as_modules import load_script
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cifar_resnet.py"
 
@@ -19,12 +19,8 @@ def run_example(tmp_path: Path, *args: str, timeout: float = 600) -> subprocess.
 
 
 def example_module() -> ModuleType:
-    """The example imported in this process (its main(argv) is what the script runs; no launch needed where the
-    example exits before training)."""
-    spec = importlib.util.spec_from_file_location("cifar_resnet_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The example imported in this process: no launch needed where it exits before training."""
+    return load_script(EXAMPLE)
 
 
 @pytest.mark.multiprocess

@@ -3,9 +3,7 @@ coupling, the least-squares experiment's linear rate, and the node state's check
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import networkx as nx
@@ -33,6 +31,7 @@ from lightning_privdec.privacy.noise import node_noise_generator
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, CPGTStrategy
 from lightning_privdec.algorithms.cpgt import plain_sgd_step_size
 from lightning_privdec.topology import TopologyError, build_topology
+from tests.scripts_as_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 EDGES = [(0, 1), (1, 2), (2, 3), (3, 0), (0, 2)]  # 4 agents: a ring with one chord
@@ -245,11 +244,7 @@ def test_the_proofs_coupling_attains_the_sound_bound_which_exceeds_equation_23(d
 
 # ---- the paper's experiment: linear convergence -----------------------------------------------------------------
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location("cpgt_least_squares", ROOT / "benchmarks" / "cpgt_least_squares.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # the dataclasses in it look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "cpgt_least_squares.py")
 
 
 @pytest.mark.parametrize("name", ["DiaDSP", "CPGT-C2-1"])

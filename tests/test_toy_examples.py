@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.scripts_as_modules import load_script
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -14,11 +15,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 def load(name: str):  # noqa: ANN201
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))  # the toys share examples/toy_digits.py, as when run as scripts
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLES / f"{name}.py")
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,6 @@ import torch
 from torch import Tensor
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
 @dataclass(frozen=True)
 class TensorSpec:
     """Shape and dtype of one tensor of a message."""
@@ -34,7 +30,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
+        return self.numel * self.dtype.itemsize
 
     @classmethod
     def of(cls, tensor: Tensor) -> TensorSpec:
@@ -63,7 +59,7 @@ def unpack(buffer: Tensor, specs: Sequence[TensorSpec]) -> list[Tensor]:
     tensors, offset = [], 0
     for spec in specs:
         chunk = buffer[offset : offset + spec.nbytes]
-        if offset % _itemsize(spec.dtype):  # a typed view needs an aligned offset: copy the few misaligned bytes
+        if offset % spec.dtype.itemsize:  # a typed view needs an aligned offset: copy the few misaligned bytes
             chunk = chunk.clone()
         tensors.append(chunk.view(spec.dtype).reshape(spec.shape))
         offset += spec.nbytes
