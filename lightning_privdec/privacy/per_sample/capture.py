@@ -35,9 +35,17 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.per_sample import bookkeeping
 
 #: Opacus's per-layer closed forms, by exact type: (layer, [input], output gradient) -> {parameter: (B, *shape)}
 RULES = GradSampleHooks.GRAD_SAMPLERS
+
+
+def rule_for(module: nn.Module):  # noqa: ANN201
+    """The closed-form per-example rule of ``module`` (Opacus's, or ours for Hugging Face's Conv1D), or None."""
+    if bookkeeping.is_transposed_linear(module):
+        return bookkeeping.transposed_linear_grad_samples
+    return RULES.get(type(module))
 GRAD_ACCUMULATION_ERROR = (
     "Poisson sampling is not compatible with grad accumulation: a second backward pass before clear(). Take one "
     "optimizer step per sampled batch."
@@ -60,7 +68,7 @@ def layer_units(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
             return
         seen.add(id(module))
         if _trainable(module, recurse=False):
-            if type(module) in RULES:
+            if rule_for(module) is not None:
                 units.append((name, module, "rule"))
             else:
                 units.append((name, module, "replay"))
@@ -77,7 +85,7 @@ def describe_units(units: list[tuple[str, nn.Module, str]], mode: str) -> str:
     counts: dict[tuple[str, str], int] = {}
     for _, module, kind in units:
         mechanism = {"rule": "functorch vmap" if mode == "functorch" else "closed form"}.get(kind, "replay")
-        if kind == "rule" and mode in ("bookkeeping", "ghost") and type(module) is nn.Linear:
+        if kind == "rule" and mode in ("bookkeeping", "ghost") and bookkeeping.covers(module):
             mechanism = "book-keeping"
         key = (type(module).__name__, mechanism)
         counts[key] = counts.get(key, 0) + 1
@@ -291,7 +299,7 @@ def rule_grad_samples(
     """Per-example gradients of a rule layer: Opacus's closed form, or vmap of ``torch.func.grad`` over the
     layer's per-example inputs when ``functorch``."""
     if not functorch:
-        samples = RULES[type(layer)](layer, activations, backprops)
+        samples = rule_for(layer)(layer, activations, backprops)
         if isinstance(layer, nn.Embedding) and layer.padding_idx is not None and layer.weight in samples:
             samples[layer.weight][:, layer.padding_idx] = 0  # autograd gives the padding row no gradient
         return samples

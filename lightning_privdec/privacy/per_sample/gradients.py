@@ -7,11 +7,11 @@ and the LightningModule's own ``training_step`` (``self(x)``) feeds them.
 
 The default mode, ``"bookkeeping"`` (Bu, Wang, Zha, Karypis 2023, "book-keeping" ghost clipping), computes nothing
 more during the backward pass. Once it is over it gets each example's gradient norm without materialising the
-gradient (for a linear layer ||g_i a_i^T||^2 = ||g_i||^2 ||a_i||^2; Goodfellow 2015, Li et al. 2022) and then the
-sum of CLIPPED gradients in one matrix product per layer, sum_i c_i g_i a_i^T = (c * G)^T A. The result is the
-same sum of clipped per-sample gradients as ``"hooks"`` (same flat clipping, same mean-loss convention, any
-training_step), with one backward pass and no (B, *p.shape) tensors; other layers materialise their per-sample
-gradients by their rule or by replay (:mod:`.capture`), for that layer only.
+batch's per-sample gradients (for a linear layer ||g_i a_i^T||^2 = ||g_i||^2 ||a_i||^2; Goodfellow 2015, Li et al.
+2022; convolutions likewise, :mod:`.bookkeeping`) and then the sum of CLIPPED gradients in one weight-gradient
+computation per layer, sum_i c_i g_i a_i^T = (c * G)^T A. The result is the same sum of clipped per-sample gradients
+as ``"hooks"`` (same flat clipping, same mean-loss convention, any training_step), with one backward pass; other
+layers materialise their per-sample gradients by their rule or by replay (:mod:`.capture`), for that layer only.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_privdec.privacy.dp_step import clip_and_accumulate, clip_factor
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.per_sample import bookkeeping
 from lightning_privdec.privacy.per_sample.capture import (
     Record,
     Recorder,
@@ -61,15 +62,10 @@ class _Call:
     scale: float = 1.0  # replay: what the output gradients are multiplied by (B for a mean loss)
 
 
-def _ghost_linear(call: _Call) -> bool:
-    """Whether ``call`` gets book-keeping's closed forms: an nn.Linear on (B, d) inputs, or on (B, T, d) inputs
-    when the T x T Gram matrices are smaller than a per-sample weight gradient (Li et al. 2022, Sec. 4)."""
-    if call.kind != "rule" or type(call.module) is not nn.Linear or call.backprops.dim() not in (2, 3):
-        return False
-    if call.backprops.dim() == 2:
-        return True
-    steps = call.backprops.shape[1]
-    return 2 * steps * steps <= call.module.in_features * call.module.out_features
+def _has_bookkeeping(call: _Call) -> bool:
+    """Whether ``call`` gets book-keeping's norms and clipped sums (:mod:`.bookkeeping`): nn.Linear and
+    convolutions."""
+    return call.kind == "rule" and bookkeeping.has_bookkeeping(call.module, call.backprops)
 
 
 class _PerSampleArithmetic:
@@ -225,45 +221,27 @@ class _PerSampleArithmetic:
 
     def _clip_and_sum_pass(self, records: list[_Call], max_grad_norm: float, sums: dict[nn.Parameter, Tensor]) -> Tensor:
         uses = _uses(records)
-        ghost = [
-            r for r in records if _ghost_linear(r) and all(uses[id(p)] == 1 for p in r.params)
+        bookkept = [
+            r for r in records if _has_bookkeeping(r) and all(uses[id(p)] == 1 for p in r.params)
         ]
-        ghost_ids = {id(r) for r in ghost}
-        materialised = self._grad_samples([r for r in records if id(r) not in ghost_ids])
+        bookkept_ids = {id(r) for r in bookkept}
+        materialised = self._grad_samples([r for r in records if id(r) not in bookkept_ids])
         batch = max(r.batch_size for r in records)
         reference = next((r.backprops for r in records if r.backprops is not None), None)
         if reference is None:
             reference = next(iter(materialised.values()))
         dtype = torch.promote_types(reference.dtype, torch.float32)
         squared = torch.zeros(batch, dtype=dtype, device=reference.device)
-        for r in ghost:  # ||g_i a_i^T||^2 and ||sum_t g_it||^2 from a and g alone
-            g, a = r.backprops, r.activations[0].to(r.backprops.dtype)
-            rows = slice(0, g.shape[0])
-            if g.dim() == 2:
-                g2 = torch.linalg.vector_norm(g, dim=1, dtype=dtype).square()
-                if r.module.weight.requires_grad:
-                    squared[rows] += g2 * torch.linalg.vector_norm(a, dim=1, dtype=dtype).square()
-                if r.module.bias is not None and r.module.bias.requires_grad:
-                    squared[rows] += g2
-            else:
-                if r.module.weight.requires_grad:
-                    squared[rows] += (torch.bmm(g, g.transpose(1, 2)) * torch.bmm(a, a.transpose(1, 2))).sum(
-                        dim=(1, 2), dtype=dtype
-                    )
-                if r.module.bias is not None and r.module.bias.requires_grad:
-                    squared[rows] += torch.linalg.vector_norm(g.sum(dim=1), dim=1, dtype=dtype).square()
+        for r in bookkept:  # squared norms from a and g alone
+            squared[: r.backprops.shape[0]] += bookkeeping.squared_norms(r.module, r.activations[0], r.backprops, dtype)
         for gs in materialised.values():
             squared[: gs.shape[0]] += torch.linalg.vector_norm(gs.flatten(1), dim=1, dtype=dtype).square()
         norms = squared.sqrt()
         factor = clip_factor(norms, max_grad_norm)
-        for r in ghost:  # sum_i c_i g_i a_i^T = (c * G)^T A: one matrix product per layer
-            g, a = r.backprops, r.activations[0].to(r.backprops.dtype)
-            c = factor[: g.shape[0]].to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
-            weighted = (g * c).reshape(-1, g.shape[-1])
-            if r.module.weight.requires_grad:
-                _accumulate(sums, r.module.weight, weighted.t() @ a.reshape(-1, a.shape[-1]))
-            if r.module.bias is not None and r.module.bias.requires_grad:
-                _accumulate(sums, r.module.bias, weighted.sum(dim=0))
+        for r in bookkept:  # sum_i c_i grad_i: one weight-gradient computation per layer
+            g = r.backprops
+            for p, value in bookkeeping.clipped_sums(r.module, r.activations[0], g, factor[: g.shape[0]]).items():
+                _accumulate(sums, p, value)
         for p, gs in materialised.items():
             _accumulate(sums, p, torch.einsum("i,i...->...", factor[: gs.shape[0]].to(gs.dtype), gs))
         return norms

@@ -1,0 +1,117 @@
+"""Book-keeping's per-layer norms and clipped sums (privacy/per_sample/bookkeeping.py) against a per-example backward
+loop in float64, through both of its ways to a norm (ghost Gram matrices and one example at a time)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_privdec.privacy.per_sample import PerSampleGradients, bookkeeping
+
+LAYERS = {
+    # name: (layer, input shape without the batch); comments: which norm the cost rule picks
+    "linear_2d": (lambda: nn.Linear(7, 5), (7,)),  # T = 1: ghost
+    "linear_3d_ghost": (lambda: nn.Linear(16, 12), (3, 16)),  # T (p + d) = 84 < 192
+    "linear_3d_per_example": (lambda: nn.Linear(4, 3), (9, 4)),  # 63 > 12
+    "conv2d_per_example": (lambda: nn.Conv2d(3, 4, 3, padding=1), (3, 8, 8)),  # T = 64
+    "conv2d_ghost": (lambda: nn.Conv2d(16, 24, 3, stride=2, padding=1), (16, 4, 4)),  # T = 4
+    "conv2d_groups_dilation": (lambda: nn.Conv2d(8, 12, 3, padding=2, dilation=2, groups=4, bias=False), (8, 5, 5)),
+    "conv2d_depthwise_ghost": (lambda: nn.Conv2d(6, 6, (3, 1), groups=6), (6, 3, 1)),  # T = 1
+    "conv2d_asymmetric": (lambda: nn.Conv2d(5, 7, (3, 2), stride=(2, 1), padding=(1, 0)), (5, 6, 5)),
+    "conv1d_ghost": (lambda: nn.Conv1d(12, 10, 3, padding=1), (12, 2)),
+    "conv1d_per_example": (lambda: nn.Conv1d(2, 3, 5, stride=2), (2, 31)),
+    "conv3d": (lambda: nn.Conv3d(2, 3, 2, padding=1), (2, 3, 3, 3)),
+    "hf_conv1d_ghost": (lambda: _hf_conv1d(24, 16), (3, 16)),  # GPT-2's transposed linear layer
+    "hf_conv1d_2d": (lambda: _hf_conv1d(5, 7), (7,)),
+}
+
+
+def _hf_conv1d(out_features: int, in_features: int) -> nn.Module:
+    from transformers.pytorch_utils import Conv1D
+
+    layer = Conv1D(out_features, in_features)
+    nn.init.normal_(layer.bias)
+    return layer
+
+
+def _per_example(layer: nn.Module, x: torch.Tensor, cotangent: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for i in range(x.shape[0]):
+        layer.zero_grad()
+        (layer(x[i : i + 1]) * cotangent[i : i + 1]).sum().backward()
+        out.append({n: p.grad.clone() for n, p in layer.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_norms_and_clipped_sum_equal_a_per_example_loop(name: str) -> None:
+    build, shape = LAYERS[name]
+    torch.manual_seed(0)
+    layer = build().double()
+    x = torch.randn(5, *shape, dtype=torch.float64)
+    cotangent = torch.randn_like(layer(x))
+    expected = _per_example(layer, x, cotangent)
+    norms2 = torch.stack([sum(g.square().sum() for g in e.values()) for e in expected])
+    factor = torch.rand(5, dtype=torch.float64)
+
+    assert bookkeeping.has_bookkeeping(layer, cotangent)
+    got = bookkeeping.squared_norms(layer, x, cotangent, torch.float64)
+    torch.testing.assert_close(got, norms2, rtol=1e-10, atol=1e-12)
+    sums = bookkeeping.clipped_sums(layer, x, cotangent, factor)
+    for n, p in layer.named_parameters():
+        want = sum(f * e[n] for f, e in zip(factor, expected))
+        torch.testing.assert_close(sums[p].view_as(p), want, rtol=1e-10, atol=1e-12)
+
+
+def test_the_cost_rule_picks_both_ways() -> None:
+    """The cases above exercise both norms: ghost for small maps / short sequences, per example otherwise."""
+    picks = {}
+    for name, (build, shape) in LAYERS.items():
+        layer = build()
+        picks[name] = bookkeeping.uses_ghost_norm(layer, torch.zeros(layer(torch.zeros(2, *shape)).shape))
+    assert picks["conv2d_ghost"] and picks["conv1d_ghost"] and picks["linear_3d_ghost"] and picks["linear_2d"]
+    assert picks["hf_conv1d_ghost"]
+    assert not picks["conv2d_per_example"] and not picks["conv1d_per_example"]
+    assert not picks["linear_3d_per_example"] and not picks["conv3d"]
+
+
+def test_circular_padding_and_same_padding_keep_the_closed_form_rule() -> None:
+    assert not bookkeeping.covers(nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"))
+    assert not bookkeeping.covers(nn.Conv2d(3, 4, 3, padding="same"))
+    assert bookkeeping.covers(nn.Conv2d(3, 4, 3, padding=1))
+
+
+def test_bookkeeping_clips_a_convolutional_network_like_hooks() -> None:
+    """Whole model: book-keeping's clipped sum equals the materialising mode's (float64), with strides, groups,
+    GroupNorm, a residual in place and both norm ways in one network."""
+    torch.manual_seed(1)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, padding=1)
+            self.norm = nn.GroupNorm(2, 8)
+            self.block = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+            self.down = nn.Conv2d(8, 32, 3, stride=4, padding=1)
+            self.head = nn.Linear(32 * 16, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.norm(self.stem(x)))
+            out = self.block(h)
+            out += h  # torchvision's residual, in place on a layer's output
+            h = out
+            return self.head(torch.relu(self.down(h)).flatten(1))
+
+    x, y = torch.randn(6, 3, 16, 16, dtype=torch.float64), torch.randint(0, 3, (6,))
+    results = {}
+    for mode in ("hooks", "bookkeeping"):
+        torch.manual_seed(2)
+        model = Net().double()
+        with PerSampleGradients(model, mode) as per_sample:
+            nn.functional.cross_entropy(model(x), y).backward()
+            norms = per_sample.clip_and_sum(0.05)
+            results[mode] = (norms, [p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(results["bookkeeping"][0], results["hooks"][0], rtol=1e-9, atol=1e-12)
+    for a, b in zip(results["bookkeeping"][1], results["hooks"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
