@@ -54,9 +54,10 @@ MODES = ("bookkeeping", "hooks", "functorch", "ghost")
 #: why a model fails or is refused where the reason is not in the cell
 NOTES = {
     "lstm_demo": "Lightning's LSTM demo carries its hidden state from one batch into the next (truncated "
-    "backpropagation over one stream). Poisson batches change size and membership every step, and per-example privacy "
-    "needs each example's gradient to depend on that example only: reset the state per batch (`self.hidden = None` "
-    "in training_step), as the `lstm` row does with the demo's own SimpleLSTM.",
+    "backpropagation over one stream), so one example's data would reach later steps' gradients, which no step's "
+    "clipping bounds (and a Poisson batch changes size and membership every step): every per-sample mode refuses it "
+    "at the second step's forward pass (ghost already refuses its mean loss at the first). Reset the state per batch "
+    "(`self.hidden = None` in training_step), as the `lstm` row does with the demo's own SimpleLSTM.",
     "boring": "BoringModel's configure_optimizers adds a learning-rate scheduler, which CPGT's constant-step bound "
     "refuses.",
     "ghost": "Ghost clipping needs training_step to return per-sample losses; the unchanged demos return a mean loss "

@@ -348,6 +348,78 @@ def test_a_private_strategy_trains_the_unchanged_transformer_demo() -> None:
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
+class RecurrentState(nn.Module):
+    """An nn.LSTM whose initial state is ``"carried"`` from the previous step (detached, as in truncated
+    backpropagation through time), ``"fresh"`` every step, or an ``"encoder"``'s final state of the same step."""
+
+    def __init__(self, state: str) -> None:
+        super().__init__()
+        self.state, self.hidden = state, None
+        self.embed, self.head = nn.Embedding(10, 4), nn.Linear(5, 3)
+        self.encoder, self.lstm = nn.LSTM(4, 5, batch_first=True), nn.LSTM(4, 5, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        e = self.embed(x)
+        if self.state == "encoder":
+            hx = self.encoder(e)[1]
+        elif self.state == "carried" and self.hidden is not None:
+            hx = (self.hidden[0].detach(), self.hidden[1].detach())
+        else:
+            hx = (e.new_zeros(1, x.shape[0], 5), e.new_zeros(1, x.shape[0], 5))
+        out, self.hidden = self.lstm(e, hx)
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("mode", GRAD_SAMPLE_MODES)
+@pytest.mark.parametrize("state", ["carried", "fresh", "encoder"])
+def test_a_hidden_state_carried_into_the_next_step_is_refused(state: str, mode: str) -> None:
+    from lightning_privdec.privacy.errors import PrivacyConfigError
+
+    model = RecurrentState(state)
+    hooks = GhostClipping(model, 1.0) if mode == "ghost" else PerSampleGradients(model, mode=mode)
+    g = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        x, y = torch.randint(0, 10, (4, 6), generator=g), torch.randint(0, 3, (4,), generator=g)
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        if mode == "ghost":
+            hooks.backward(losses)
+        else:
+            losses.mean().backward()
+            hooks.clip_and_sum(1.0)
+            hooks.clear()
+
+    step()
+    if state == "carried":
+        with pytest.raises(PrivacyConfigError, match=r"layer lstm \(LSTM\) was passed a hidden state carried over"):
+            step()
+    else:
+        step()
+        step()
+    hooks.detach()
+
+
+def test_the_unchanged_lstm_demo_is_refused_before_its_second_release() -> None:
+    """Lightning's LSTM demo carries its state across batches: refused at the second step's forward pass, before
+    PyTorch's own size error (a Poisson batch of another size) and before a second private release."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.lstm import LightningLSTM
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_privdec import DPCSGPStrategy
+    from lightning_privdec.privacy.errors import PrivacyConfigError
+
+    model = LightningLSTM(vocab_size=16)
+    model.prepare_data = lambda: None  # the demo downloads WikiText-2; synthetic tokens instead
+    tokens = torch.randint(0, 16, (32, 6), generator=torch.Generator().manual_seed(0))
+    strategy = DPCSGPStrategy(max_grad_norm=1.0, noise_multiplier=1.0, noise_seed=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    with pytest.raises(PrivacyConfigError, match=r"layer model\.rnn \(LSTM\) .* carried over .*`self\.hidden = None`"):
+        trainer.fit(model, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4))
+    assert trainer.global_step == 1 and strategy.privacy.ledger.steps == 1
+
+
 class ParameterReadOutsideItsLayer(nn.Module):
     """``b.weight`` is also used in the root's forward, where no hook on ``b`` sees it."""
 

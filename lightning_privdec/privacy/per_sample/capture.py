@@ -16,6 +16,10 @@ Two mechanisms turn a layer call's inputs ``a`` and output gradients ``g`` into 
   draws the same mask), and one vector-Jacobian product per example, ``g`` masked to that example along the
   batch dimension, gives that example's gradient (``torch.autograd.grad(..., is_grads_batched=True)``). Exact for
   every differentiable layer that treats the examples of a batch independently.
+
+A recurrent layer (nn.LSTM/GRU/RNN and their cells) passed a hidden state it returned in an earlier step (a state
+carried from batch to batch, truncated backpropagation through time) is refused with :data:`CARRIED_STATE_ERROR`:
+one example's data would then reach later steps' gradients, which no step's clipping bounds.
 """
 
 from __future__ import annotations
@@ -39,6 +43,15 @@ from lightning_privdec.privacy.per_sample import bookkeeping
 
 #: Opacus's per-layer closed forms, by exact type: (layer, [input], output gradient) -> {parameter: (B, *shape)}
 RULES = GradSampleHooks.GRAD_SAMPLERS
+CARRIED_STATE_ERROR = (
+    "layer {name} ({type}) was passed a hidden state carried over from an earlier training step (truncated "
+    "backpropagation through time), which per-example privacy cannot allow. Poisson sampling changes a batch's size "
+    "and members every step, and a carried state lets one example's data reach later steps' gradients, beyond what "
+    "each step's clipping bounds. Reset the state for every batch: `self.hidden = None` at the start of "
+    "training_step, or `hidden = model.init_hidden(batch_size)` per batch, or no state at all; each sequence is "
+    "then the privacy unit"
+)
+_RECURRENT = (nn.RNNBase, nn.RNNCellBase)
 
 
 def rule_for(module: nn.Module):  # noqa: ANN201
@@ -46,6 +59,8 @@ def rule_for(module: nn.Module):  # noqa: ANN201
     if bookkeeping.is_transposed_linear(module):
         return bookkeeping.transposed_linear_grad_samples
     return RULES.get(type(module))
+
+
 GRAD_ACCUMULATION_ERROR = (
     "Poisson sampling is not compatible with grad accumulation: a second backward pass before clear(). Take one "
     "optimizer step per sampled batch."
@@ -162,6 +177,16 @@ class Recorder:
         self._pending: dict[int, list[tuple]] = {}
         self._handles = []
         self._pass_batch: int | None = None  # examples in the current forward pass (its first recorded call)
+        # storages of the hidden states recurrent layers returned this step and in the step before, held (small
+        # tensors) so that their memory cannot be reused and a fresh state mistaken for a carried one
+        self._hidden_now: list[torch.UntypedStorage] = []
+        self._hidden_before: list[torch.UntypedStorage] = []
+        for name, module in root.named_modules():  # every recurrent layer, also inside a replayed one
+            if isinstance(module, _RECURRENT):
+                self._handles.append(
+                    module.register_forward_pre_hook(partial(self._refuse_carried_state, name), with_kwargs=True)
+                )
+                self._handles.append(module.register_forward_hook(self._keep_hidden_state))
         for name, module, kind in units:
             if kind == "replay":
                 self._handles.append(module.register_forward_pre_hook(self._before_replay_unit))
@@ -182,6 +207,21 @@ class Recorder:
         rng = (torch.random.get_rng_state(), device, cuda)
         autocast = (device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
         self._pending.setdefault(id(module), []).append((rng, autocast))
+
+    def _refuse_carried_state(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._hidden_before or not self._recording(module):
+            return
+        hx = kwargs.get("hx", args[1] if len(args) > 1 else None)
+        before = {s.data_ptr() for s in self._hidden_before}
+        for t in tree_flatten(hx)[0]:  # a detached state shares the storage of the output it came from
+            if isinstance(t, Tensor) and t.numel() and t.untyped_storage().data_ptr() in before:
+                raise PrivacyConfigError(CARRIED_STATE_ERROR.format(name=name or "<root>", type=type(module).__name__))
+
+    def _keep_hidden_state(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._recording(module):
+            hidden = output[1] if isinstance(module, nn.RNNBase) else output  # cells return the state itself
+            leaves = tree_flatten(hidden)[0]
+            self._hidden_now += [t.untyped_storage() for t in leaves if isinstance(t, Tensor) and t.numel()]
 
     def _per_example_positions(self, module: nn.Module, args: tuple) -> tuple | None:
         """An embedding looked up once for the whole batch (Hugging Face's position ids of shape (1, T), broadcast
@@ -260,6 +300,9 @@ class Recorder:
         return [grouped[k] for k in sorted(grouped)]
 
     def forget(self) -> None:
+        """Drop the step's records (the end of a step: its hidden states become the earlier step's)."""
+        if self._hidden_now:
+            self._hidden_before, self._hidden_now = self._hidden_now, []
         for record in self.records:
             if record.grad_hook is not None:
                 record.grad_hook.remove()
@@ -275,6 +318,7 @@ class Recorder:
             handle.remove()
         self._handles = []
         self.forget()
+        self._hidden_now, self._hidden_before = [], []
 
 
 def _detach(value: Any) -> Any:
