@@ -115,3 +115,47 @@ def test_bookkeeping_clips_a_convolutional_network_like_hooks() -> None:
     torch.testing.assert_close(results["bookkeeping"][0], results["hooks"][0], rtol=1e-9, atol=1e-12)
     for a, b in zip(results["bookkeeping"][1], results["hooks"][1]):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_after_the_first_step_the_backward_skips_weight_gradients_and_results_stay_the_same() -> None:
+    """From the second step on, rule layers' parameters stop requiring grad during their call (autograd's batch
+    weight gradient is never read once the first step's sums check passed): the clipped sums stay equal to the
+    materialising mode's, every parameter requires grad again after the forward pass (also one that raised), and
+    autograd left no gradient of its own in a rule layer's weight."""
+    torch.manual_seed(3)
+    model_a = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
+    model_b = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3))
+    model_b.load_state_dict(model_a.state_dict())
+    model_a, model_b = model_a.double(), model_b.double()
+    per_a, per_b = PerSampleGradients(model_a, "bookkeeping"), PerSampleGradients(model_b, "hooks")
+    seen_during_forward = []
+    # runs after the per-sample pre-hook: what the layer's call sees (the stem's input never requires grad, so the
+    # stem keeps its weight gradient: its output must still require grad)
+    model_a[4].register_forward_pre_hook(lambda m, i: seen_during_forward.append(m.weight.requires_grad))
+    for step in range(3):
+        x, y = torch.randn(5, 2, 4, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+        for model, per in ((model_a, per_a), (model_b, per_b)):
+            model.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            if model is model_a:
+                assert all(p.requires_grad for p in model.parameters())
+                assert (model[4].weight.grad is None) == (step > 0)  # skipped from the second step on
+                assert model[0].weight.grad is not None
+            per.clip_and_sum(0.1)
+            per.clear()
+        for a, b in zip(model_a.parameters(), model_b.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-12)
+    assert seen_during_forward == [True, False, False]
+
+    def failing(module, inputs):  # noqa: ANN001, ANN202
+        raise RuntimeError("boom")
+
+    handle = model_a[4].register_forward_pre_hook(failing)  # raises after ours froze the weight
+    with pytest.raises(RuntimeError, match="boom"):
+        model_a(torch.randn(2, 2, 4, 4, dtype=torch.float64))
+    handle.remove()
+    assert not model_a[4].weight.requires_grad
+    per_a.clear()  # the end of the step restores it
+    assert all(p.requires_grad for p in model_a.parameters())
+    per_a.detach()
+    per_b.detach()

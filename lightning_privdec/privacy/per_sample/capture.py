@@ -181,6 +181,11 @@ class Recorder:
         # tensors) so that their memory cannot be reused and a fresh state mistaken for a carried one
         self._hidden_now: list[torch.UntypedStorage] = []
         self._hidden_before: list[torch.UntypedStorage] = []
+        #: set by the per-sample object once autograd's own parameter gradients are no longer used (the clipped sum
+        #: replaces them): rule layers' parameters then stop requiring grad during their call, so the backward pass
+        #: computes only the gradients that flow to earlier layers, not each layer's batch weight gradient
+        self.skip_parameter_grads = False
+        self._frozen: list[nn.Parameter] = []
         for name, module in root.named_modules():  # every recurrent layer, also inside a replayed one
             if isinstance(module, _RECURRENT):
                 self._handles.append(
@@ -188,6 +193,8 @@ class Recorder:
                 )
                 self._handles.append(module.register_forward_hook(self._keep_hidden_state))
         for name, module, kind in units:
+            if kind == "rule":
+                self._handles.append(module.register_forward_pre_hook(self._freeze_parameters))
             if kind == "replay":
                 self._handles.append(module.register_forward_pre_hook(self._before_replay_unit))
             if isinstance(module, nn.Embedding):
@@ -207,6 +214,23 @@ class Recorder:
         rng = (torch.random.get_rng_state(), device, cuda)
         autocast = (device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
         self._pending.setdefault(id(module), []).append((rng, autocast))
+
+    def _freeze_parameters(self, module: nn.Module, args: tuple) -> None:
+        """See :attr:`skip_parameter_grads`; only when the input requires grad, so that the output still does (its
+        gradient is what the rule needs). :meth:`_after_forward` (or :meth:`forget`) restores them."""
+        if not self.skip_parameter_grads or not self._recording(module):
+            return
+        if not args or not isinstance(args[0], Tensor) or not args[0].requires_grad:
+            return
+        for p in module.parameters(recurse=False):
+            if p.requires_grad:
+                p.requires_grad_(False)
+                self._frozen.append(p)
+
+    def _unfreeze_parameters(self) -> None:
+        for p in self._frozen:
+            p.requires_grad_(True)
+        self._frozen = []
 
     def _refuse_carried_state(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._hidden_before or not self._recording(module):
@@ -235,6 +259,7 @@ class Recorder:
         return None
 
     def _after_forward(self, name: str, kind: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self._unfreeze_parameters()
         if not self._recording(module):
             return
         state = self._pending[id(module)].pop() if kind == "replay" else (None, None)
@@ -301,6 +326,7 @@ class Recorder:
 
     def forget(self) -> None:
         """Drop the step's records (the end of a step: its hidden states become the earlier step's)."""
+        self._unfreeze_parameters()  # a forward pass that raised between the two hooks
         if self._hidden_now:
             self._hidden_before, self._hidden_now = self._hidden_now, []
         for record in self.records:

@@ -409,6 +409,8 @@ class PerSampleGradients:
         self._checked = True
         for handle in self._grad_hooks:
             handle.remove()
+        # from now on autograd's own gradients of rule layers' parameters are never read: skip computing them
+        self._hooks.skip_parameter_grads = True
         sums: dict[nn.Parameter, Tensor] = {}
         self._arithmetic._clip_and_sum_pass(passes[0], float("inf"), sums)  # clip factor 1: the plain sum
         scale = 1.0 / max(c.batch_size for c in passes[0]) if self.loss_reduction == "mean" else 1.0
