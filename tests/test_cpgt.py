@@ -308,7 +308,7 @@ def test_strategy_is_registered_and_refuses_bad_arguments_before_training():
         (dict(noise_multiplier=1.0), "noise_multiplier must be None or 0"),
         (dict(noise_x=None), "give both noise_x and noise_y"),
         (dict(noise_x=None, noise_y=None), "pass noise_x=... and noise_y=..., or target_epsilon"),
-        (dict(noise_decay=1.0), "noise_decay (q) must lie in (0, 1)"),
+        (dict(noise_decay=1.0), "noise_decay (q) must be 'auto' or lie in (0, 1)"),
         (dict(lipschitz=0), "lipschitz (L, the smoothness constant"),
         (dict(accounting="rdp"), "accounting must be one of"),
     ]:
@@ -396,3 +396,83 @@ def test_whole_run_accountings_refuse_mini_batches_and_a_batch_above_the_shard_m
     else:
         with pytest.raises(PrivacyConfigError, match="needs full batches .* sample 5 of its 50 examples per step"):
             engine().private_dataloader(mini, planned_steps=10)
+
+
+# ---- defaults: noise_decay="auto", lipschitz required ------------------------------------------------------------
+def test_lipschitz_has_no_default_its_absence_is_a_clear_error_and_noise_decay_defaults_to_auto():
+    """L is the user's assumption (Theorem 2 rests on it): without it the strategy says so, not a TypeError."""
+    with pytest.raises(PrivacyConfigError, match=r"assumes every node's clipped loss gradient is L-smooth.*Pass "
+                                                 r"lipschitz=L"):
+        CPGTStrategy(max_grad_norm=1.0, target_epsilon=3.0)
+    strategy = CPGTStrategy(max_grad_norm=1.0, target_epsilon=3.0, lipschitz=0.1)
+    assert strategy.options.noise_decay == "auto" and strategy.options.lipschitz == 0.1
+    with pytest.raises(PrivacyConfigError, match=r"must be 'auto' or lie in \(0, 1\)"):
+        CPGTStrategy(max_grad_norm=1.0, target_epsilon=3.0, lipschitz=0.1, noise_decay="fast")
+
+
+@pytest.mark.parametrize("alpha, L, ratio", [(0.5, 0.1, 1.0), (0.1, 2.5, 1.0), (0.01, 1.0, 1.0), (0.5, 0.1, 10.0)])
+def test_auto_noise_decay_minimises_epsilon_times_the_fixed_point_offset_inside_theorem2s_interval(alpha, L, ratio):
+    """q* = argmin over Theorem 2's interval of epsilon(q) x std(sum_k eta_y(k)) (Remark 2), found on a fine grid."""
+    from lightning_privdec.privacy.accounting.cpgt import auto_noise_decay
+
+    def product(q: float) -> float:
+        epsilon = cpgt_epsilon(alpha=alpha, lipschitz=L, q=q, noise_x=ratio, noise_y=1.0, sensitivity=1.0)
+        return epsilon * math.sqrt(2.0 / (1.0 - q * q))  # the y-noise the tracker keeps, per coordinate (d_y = 1)
+
+    low = min_noise_decay(alpha, L)
+    grid = np.linspace(low, 1.0, 20001)[1:-1]
+    best = grid[int(np.argmin([product(q) for q in grid]))]
+    q = auto_noise_decay(alpha, L, noise_x=ratio, noise_y=1.0)
+    assert low < q < 1.0 and q == pytest.approx(best, abs=2 * (1.0 - low) / 20000)
+    check_theorem2(alpha, L, q)
+    with pytest.raises(PrivacyConfigError, match="alpha < 1/\\(2L\\)"):
+        auto_noise_decay(0.5, 1.0)
+
+
+def test_the_node_chooses_q_once_alpha_is_known_and_the_gossip_decays_at_it():
+    from lightning_privdec.privacy.accounting.cpgt import auto_noise_decay
+    from tests.test_write_ahead_ledger import make_cpgt_node
+
+    node = make_cpgt_node(noise_decay="auto", target_epsilon=3.0)  # alpha = 0.1, L = 1
+    assert node.noise_decay == pytest.approx(auto_noise_decay(0.1, 1.0)) and node.noise_decay != 0.9
+    calibrated = make_cpgt_node(noise_decay="auto", noise_x=2.0, noise_y=1.0)
+    assert calibrated.noise_decay == pytest.approx(auto_noise_decay(0.1, 1.0, noise_x=2.0, noise_y=1.0))
+    with pytest.raises(PrivacyConfigError, match="noise_decay='auto' picks q in Theorem 2's interval"):
+        make_cpgt_node(noise_decay="auto", noise_x=1.0, noise_y=1.0, accounting="finite", lipschitz=10.0)
+
+
+def test_the_digits_quick_start_states_cpgts_lipschitz_assumption_and_trains_it_on_full_batches():
+    digits = load_script(ROOT / "examples" / "digits.py", "digits_example_cpgt")
+    args = digits.parse_args(["--strategy", "cpgt", "--epsilon", "3"])
+    strategy = digits.build_strategy(args)
+    assert strategy.options.lipschitz == digits.CPGT_ASSUMED_LIPSCHITZ and strategy.options.noise_decay == "auto"
+    lr, epochs, batch_size = digits.training_defaults(args)
+    assert batch_size == 1.0 and epochs == 100 and lr * digits.CPGT_ASSUMED_LIPSCHITZ < 0.5  # full batches
+    override = digits.parse_args(["--strategy", "cpgt", "--strategy-kwargs", '{"lipschitz": 0.3}'])
+    assert digits.build_strategy(override).options.lipschitz == 0.3
+
+
+def test_tracker_noise_offset_is_the_norm_of_the_mean_accumulated_y_noise_and_the_strategy_warns_above_C(monkeypatch):
+    """Remark 2: the trackers keep sum_k eta_y(k); its network mean has norm ~ d_y sqrt(2 d / ((1 - q^2) n))."""
+    from types import SimpleNamespace
+
+    from lightning_privdec.privacy.accounting.cpgt import tracker_noise_offset
+
+    d_y, q, d, n, rounds = 0.3, 0.7, 400, 4, 60
+    gen = node_noise_generator(torch.device("cpu"), 0, 0, stream="test-offset")
+    total = sum(laplace_noise(d * n, d_y * q**k, gen).reshape(n, d) for k in range(rounds))
+    assert float(total.mean(0).norm()) == pytest.approx(tracker_noise_offset(d_y, q, d, n), rel=0.1)
+
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    strategy = CPGTStrategy(lipschitz=0.25, max_grad_norm=1.0, target_epsilon=3.0)
+    monkeypatch.setattr(CPGTStrategy, "world_size", property(lambda self: 4))
+    monkeypatch.setattr(rank_zero_only, "rank", 0)  # another test's Trainer may have left a rank behind
+    engine = SimpleNamespace(noise_y=0.3677, noise_decay=0.7595, dimension=4810)  # the digits quick start at eps 3
+    with pytest.warns(UserWarning, match=r"expected norm 27.7 .* no fixed point, .* raise target_epsilon to about 83"):
+        strategy._warn_about_the_tracker_noise(engine)
+    engine.noise_y = 0.3677 / 40  # epsilon 120: offset 0.69 C, trains (no warning)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy._warn_about_the_tracker_noise(engine)

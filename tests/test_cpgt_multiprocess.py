@@ -53,3 +53,23 @@ def test_cpgt_refuses_a_step_size_outside_theorem_2_at_setup(tmp_path):
         fit_digits(tmp_path / "bad", *options, "--max-epochs", "1", devices=2)
     assert "CPGT Theorem 2 needs alpha < 1/(2L): alpha = 10 and L = 0.1 give alpha L = 1 >= 0.5" in str(failure.value)
     assert "Use a step size alpha (the SGD learning rate) below 5" in str(failure.value)
+
+
+def test_the_digits_quick_starts_default_cpgt_path_runs_and_says_why_epsilon_3_cannot_train():
+    """examples/digits.py --strategy cpgt --epsilon 3 used to raise TypeError (noise_decay, lipschitz required). Now:
+    the example's stated L, noise_decay='auto' (q = 0.760 for alpha 0.5, L 0.25), full batches, and a warning before
+    training that the tracker noise leaves no fixed point (offset 27.7 C; epsilon >= ~83 needed)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, str(root / "examples" / "digits.py"), "--strategy", "cpgt", "--epsilon", "3",
+               "--epochs", "3", "--json"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 3 and result["epsilon_per_node"] == pytest.approx([3.0] * 4)
+    assert "decay q = 0.7595 (auto)" in run.stderr and "L = 0.25" in run.stderr
+    assert "there is no fixed point" in run.stderr and "raise target_epsilon to about 83.2" in run.stderr

@@ -41,6 +41,7 @@ from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
 from lightning_privdec.privacy.accounting.cpgt import (
     ACCOUNTING,
     CPGTAccountant,
+    auto_noise_decay,
     calibrate_cpgt_noise,
     check_theorem2,
     clipping_sensitivity,
@@ -90,11 +91,13 @@ def _positive(value: Any, name: str) -> None:
 @dataclass(frozen=True)
 class CPGTOptions:
     """CPGT's own arguments, validated once (by the strategy when it is built): the Laplace scales d_x, d_y (or
-    ``None`` to calibrate d_x = d_y to the budget), the decay q, the assumed smoothness L, the adjacency distance (or
-    ``None``: 2 C / (q J) from clipping), its norm, the accounting and the budget."""
+    ``None`` to calibrate d_x = d_y to the budget), the decay q (``"auto"``: chosen once alpha is known,
+    :func:`~lightning_privdec.privacy.accounting.cpgt.auto_noise_decay`), the assumed smoothness L (required: the
+    guarantee rests on it), the adjacency distance (or ``None``: 2 C / (q J) from clipping), its norm, the accounting
+    and the budget."""
 
-    noise_decay: float
-    lipschitz: float
+    noise_decay: float | str = "auto"
+    lipschitz: float | None = None
     noise_x: float | None = None
     noise_y: float | None = None
     sensitivity: float | None = None
@@ -112,13 +115,25 @@ class CPGTOptions:
             )
         for name in ("noise_x", "noise_y", "target_epsilon", "sensitivity"):
             _positive(getattr(self, name), name)
-        if not (isinstance(self.lipschitz, (int, float)) and 0 < self.lipschitz < float("inf")):
+        if self.lipschitz is None:
+            raise PrivacyConfigError(
+                "CPGT's guarantee (Theorem 2) assumes every node's clipped loss gradient is L-smooth, ||grad f(x) - "
+                "grad f(y)|| <= L ||x - y||, with an L that you state: the library cannot check it for your model, so "
+                "it has no default. Pass lipschitz=L (e.g. CPGTStrategy(..., lipschitz=0.1)); Theorem 2 then needs "
+                "the learning rate alpha < 1/(2L)"
+            )
+        if isinstance(self.lipschitz, bool) or not (
+            isinstance(self.lipschitz, (int, float)) and 0 < self.lipschitz < float("inf")
+        ):
             raise PrivacyConfigError(
                 f"CPGT: lipschitz (L, the smoothness constant assumed for each node's gradient) must be a finite "
                 f"number > 0, got {self.lipschitz!r}"
             )
-        if not (isinstance(self.noise_decay, (int, float)) and 0 < self.noise_decay < 1):
-            raise PrivacyConfigError(f"CPGT: noise_decay (q) must lie in (0, 1), got {self.noise_decay!r}")
+        if self.noise_decay != "auto" and (
+            isinstance(self.noise_decay, bool) or not isinstance(self.noise_decay, (int, float))
+            or not 0 < self.noise_decay < 1
+        ):
+            raise PrivacyConfigError(f"CPGT: noise_decay (q) must be 'auto' or lie in (0, 1), got {self.noise_decay!r}")
         if self.accounting not in ACCOUNTING:
             raise PrivacyConfigError(f"CPGT: accounting must be one of {ACCOUNTING}, got {self.accounting!r}")
         if self.sensitivity_norm not in ("l2", "l1"):
@@ -139,7 +154,9 @@ class CPGTNode(PrivateNodeAlgorithm):
         self.options = options
         super().__init__(parameters, **kwargs)
         self.noise_x, self.noise_y = options.noise_x, options.noise_y
-        self.noise_decay, self.lipschitz, self.accounting = options.noise_decay, options.lipschitz, options.accounting
+        self.lipschitz, self.accounting = float(options.lipschitz), options.accounting  # type: ignore[arg-type]
+        # q: given, or "auto" (chosen by configure_optimizer once alpha is known; 1 until then, no noise is drawn)
+        self.noise_decay = 1.0 if options.noise_decay == "auto" else float(options.noise_decay)
         self.sensitivity = options.sensitivity
         self.alpha: float | None = None
         self.dimension: int | None = None
@@ -174,9 +191,19 @@ class CPGTNode(PrivateNodeAlgorithm):
         return self.gossip
 
     def configure_optimizer(self, optimizer: torch.optim.Optimizer, dimension: int) -> None:
-        """alpha (plain SGD's learning rate) and d; checks Theorem 2's conditions."""
+        """alpha (plain SGD's learning rate) and d; q if ``noise_decay="auto"``; checks Theorem 2's conditions."""
         self._optimizer = optimizer
         self.alpha, self.dimension = plain_sgd_step_size(optimizer), int(dimension)
+        if self.options.noise_decay == "auto":
+            if self.accounting == "finite" and self.alpha * self.lipschitz >= 0.5:
+                raise PrivacyConfigError(
+                    f"CPGT: noise_decay='auto' picks q in Theorem 2's interval, which is empty for alpha L = "
+                    f"{self.alpha * self.lipschitz:.4g} >= 1/2; with accounting='finite' pass noise_decay=q explicitly"
+                )
+            ratio = (1.0, 1.0) if self.noise_x is None else (self.noise_x, self.noise_y)
+            self.noise_decay = auto_noise_decay(self.alpha, self.lipschitz, *ratio)  # type: ignore[arg-type]
+            if self.gossip is not None:
+                self.gossip.noise_decay = self.noise_decay
         if self.accounting != "finite":
             check_theorem2(self.alpha, self.lipschitz, self.noise_decay)
 

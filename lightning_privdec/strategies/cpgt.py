@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
 from lightning_privdec.privacy import DEFAULT_DELTA, PrivacyConfigError
+from lightning_privdec.privacy.accounting.cpgt import tracker_noise_offset
 from lightning_privdec.privacy.accounting.gaussian import check_accountant
 from lightning_privdec.tensors import split_like
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
@@ -41,17 +42,20 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
     Example::
 
         CPGTStrategy(topology="ring", compressor=TopK(0.1), consensus_step=0.2, noise_x=0.05, noise_y=0.05,
-                     noise_decay=0.9, lipschitz=0.1, max_grad_norm=1.0)
+                     lipschitz=0.1, max_grad_norm=1.0)  # noise_decay="auto": q chosen from alpha and L at setup
         # with torch.optim.SGD(model.parameters(), lr=alpha): Theorem 2 needs alpha L < 1/2
 
     Args:
         consensus_step: gamma.
         noise_x, noise_y: the Laplace scales d_x, d_y of the state and tracking noise (round k uses d q^k). Or give
             ``target_epsilon`` alone and d_x = d_y is calibrated before training.
-        noise_decay: q in (0, 1): Theorem 2 needs q > (alpha L + sqrt(alpha^2 L^2 + 4 alpha L)) / 2.
-        lipschitz: L, the smoothness constant assumed for every node's (clipped, averaged) loss gradient. Theorem 2
-            needs alpha < 1/(2L). For a neural network this is an assumption the user makes, not a fact the library
-            can check (docs/privacy.md).
+        noise_decay: q in (0, 1): Theorem 2 needs q > (alpha L + sqrt(alpha^2 L^2 + 4 alpha L)) / 2. ``"auto"``
+            (default): chosen at setup, once alpha (the learning rate) is known, as the q in that interval that
+            minimises epsilon x the fixed point's offset by the accumulated tracker noise (Remark 2;
+            :func:`~lightning_privdec.privacy.accounting.cpgt.auto_noise_decay`; alpha = 0.5, L = 0.1: q = 0.666).
+        lipschitz: L, the smoothness constant assumed for every node's (clipped, averaged) loss gradient; required,
+            no default. Theorem 2 needs alpha < 1/(2L). For a neural network this is an assumption the user makes,
+            not a fact the library can check (docs/privacy.md).
         max_grad_norm: the per-sample clipping bound C; the adjacency distance is 2 C / (q J).
         sensitivity: override the adjacency distance (an l2 bound on the change of the node's gradient).
         sensitivity_norm: ``"l2"`` (default; epsilon carries sqrt(d) because the Laplace loss is an l1 norm) or
@@ -79,8 +83,8 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
         topology: Any = "ring",
         compressor: Any = None,
         *,
-        noise_decay: float,
-        lipschitz: float,
+        noise_decay: float | str = "auto",
+        lipschitz: float | None = None,
         max_grad_norm: float,
         noise_x: float | None = None,
         noise_y: float | None = None,
@@ -170,12 +174,33 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
                 + ". It does not cover a node's own final model x_i(K), which reveals its tracker, nor the "
                 "network average of the clean models: publish the noisy x^a the node already sent instead."
             )
+            self._warn_about_the_tracker_noise(engine)
+            auto = " (auto)" if self.options.noise_decay == "auto" else ""
             rank_zero_info(
                 f"CPGT: Laplace noise d_x = {engine.noise_x:.4g}, d_y = {engine.noise_y:.4g}, decay q = "
-                f"{engine.noise_decay}, alpha = {engine.alpha}, L = {engine.lipschitz}, adjacency distance "
+                f"{engine.noise_decay:.4g}{auto}, alpha = {engine.alpha}, L = {engine.lipschitz}, adjacency distance "
                 f"{engine.sensitivity:.4g}, d = {engine.dimension}: {bound}, delta = 0"
             )
         return loader
+
+    def _warn_about_the_tracker_noise(self, engine: CPGTNode) -> None:
+        """Say before training when the y-noise the trackers keep forever is larger than what the clipped gradients
+        can cancel (:func:`~lightning_privdec.privacy.accounting.cpgt.tracker_noise_offset` > C): no fixed point."""
+        C = self.privacy_parameters.max_grad_norm
+        offset = tracker_noise_offset(engine.noise_y, engine.noise_decay, engine.dimension, self.world_size)  # type: ignore[arg-type]
+        if offset <= C:
+            return
+        target = self.options.target_epsilon
+        fix = (f"raise target_epsilon to about {target * offset / C:.3g} or more (the noise scales as 1/epsilon)"
+               if self.options.noise_x is None and target is not None
+               else f"lower noise_y to about {engine.noise_y * C / offset:.3g} or less")  # type: ignore[operator]
+        rank_zero_warn(
+            f"CPGT: the trackers keep every round's y-noise forever (Remark 2); its network mean has expected norm "
+            f"{offset:.3g} = noise_y sqrt(2 d / ((1 - q^2) n)) with d = {engine.dimension}, n = {self.world_size}, "
+            f"above C = {C:g}, the most the mean clipped gradient can cancel: there is no fixed point, and the models "
+            f"drift instead of converging (near chance, or stopped by the divergence guard). To train, {fix}, or use "
+            "fewer parameters; CPGT's pure epsilon-DP carries sqrt(d) (docs/privacy.md, \"CPGT\")."
+        )
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def _load_debiased_parameters(self, node: Mapping[str, Any]) -> None:

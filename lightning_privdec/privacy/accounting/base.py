@@ -18,11 +18,32 @@ round of correlated noise for Decor (:mod:`.secldp`), one round of decaying Lapl
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
+
+
+def golden_section_min(f: Callable[[float], float], lo: float, hi: float, tol: float = 1e-4, iters: int = 80) -> float:
+    """Argmin of a unimodal f on [lo, hi] (golden section; +inf plateaus on the left move the search right)."""
+    inv = (math.sqrt(5.0) - 1.0) / 2.0
+    c, d = hi - inv * (hi - lo), lo + inv * (hi - lo)
+    fc, fd = f(c), f(d)
+    for _ in range(iters):
+        if hi - lo < tol:
+            break
+        if fc < fd:
+            hi, d, fd = d, c, fc
+            c = hi - inv * (hi - lo)
+            fc = f(c)
+        else:
+            lo, c, fc = c, d, fd
+            d = lo + inv * (hi - lo)
+            fd = f(d)
+    return (lo + hi) / 2.0
+
 
 #: the most further steps :meth:`Accountant.steps_within` ever reports (a budget no run can spend)
 UNLIMITED_STEPS = 1 << 40

@@ -38,19 +38,21 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from lightning_privdec.privacy.accounting.base import Accountant
+from lightning_privdec.privacy.accounting.base import Accountant, golden_section_min
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 __all__ = [
     "ACCOUNTING",
     "CPGTAccountant",
     "calibrate_cpgt_noise",
+    "auto_noise_decay",
     "check_theorem2",
     "clipping_sensitivity",
     "cpgt_epsilon",
     "cpgt_epsilon_after",
     "cpgt_epsilon_for",
     "min_noise_decay",
+    "tracker_noise_offset",
     "laplace_norm_factor",
     "theorem2_epsilon",
 ]
@@ -98,6 +100,47 @@ def check_theorem2(alpha: float, lipschitz: float, q: float) -> None:
                 else "No q < 1 works: lower the step size alpha."
             )
         )
+
+
+def auto_noise_decay(alpha: float, lipschitz: float, noise_x: float = 1.0, noise_y: float = 1.0) -> float:
+    """``noise_decay="auto"``: the q in Theorem 2's interval that minimises epsilon x the fixed point's offset.
+
+    The tracker keeps the sum of every round's y-noise forever, sum_i grad f_i(x^inf) = -sum_i sum_k eta_y_i(k)
+    (Remark 2): per coordinate that sum has standard deviation noise_y sqrt(2 / (1 - q^2)), which grows with q, while
+    the sound epsilon, (alpha / (q noise_x) + 1 / noise_y) q^2 delta / (q^2 - alpha L - q alpha L) (Theorem 2's proof,
+    :func:`cpgt_epsilon`), falls with q. With both scales calibrated to a budget (noise_x = noise_y = d, epsilon
+    proportional to 1/d), minimising their product over q minimises the offset at that epsilon; the minimiser depends
+    on alpha, L and the ratio noise_x / noise_y only (alpha = 0.5, L = 0.1: q = 0.666).
+    """
+    alpha = _positive(alpha, "the step size alpha (the SGD learning rate)")
+    lipschitz = _positive(lipschitz, "the smoothness constant L (lipschitz)")
+    d_x, d_y = _positive(noise_x, "noise_x"), _positive(noise_y, "noise_y")
+    al = alpha * lipschitz
+    if al >= 0.5:
+        check_theorem2(alpha, lipschitz, 0.5)  # raises, naming alpha < 1/(2L)
+    low = min_noise_decay(alpha, lipschitz)  # < 1 when alpha L < 1/2
+
+    def log_product(q: float) -> float:  # log of epsilon(q) x offset(q), up to constants
+        return (math.log(alpha / (q * d_x) + 1.0 / d_y) + 2.0 * math.log(q) - math.log(q * q - al - q * al)
+                - 0.5 * math.log1p(-q * q))
+
+    # unimodal on (low, 1), +inf at both ends: a golden-section search on the open interval
+    return golden_section_min(log_product, low + 1e-9 * (1.0 - low), 1.0 - 1e-9 * (1.0 - low), tol=1e-8, iters=200)
+
+
+def tracker_noise_offset(noise_y: float, q: float, dimension: int, nodes: int) -> float:
+    """The expected norm of the network's mean accumulated tracker noise, ||(1/n) sum_i sum_k eta_y_i(k)||.
+
+    The trackers never shed it: 1^T y(k) = 1^T grad f(x(k)) + sum_{t<k} 1^T eta_y(t), so a fixed point needs
+    (1/n) sum_i grad f_i(x^inf) = -(1/n) sum_i sum_k eta_y_i(k) (Remark 2). Each coordinate of a node's sum has
+    variance 2 noise_y^2 / (1 - q^2) (Laplace(b) has variance 2 b^2), so the mean over n nodes has expected norm about
+    noise_y sqrt(2 d / ((1 - q^2) n)). Clipped per-sample gradients bound the mean gradient by C: above C no fixed
+    point exists and the iterates drift without bound.
+    """
+    q = _positive(q, "the noise decay rate q")
+    if q >= 1.0:
+        return math.inf
+    return noise_y * math.sqrt(2.0 * dimension / ((1.0 - q * q) * nodes))
 
 
 def _series(alpha: float, lipschitz: float, q: float, sensitivity: float) -> float:

@@ -52,6 +52,7 @@ from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp
 from scipy.optimize import minimize_scalar
 
+from lightning_privdec.privacy.accounting.base import golden_section_min
 from lightning_privdec.privacy.accounting.gaussian import (
     PrivacyLedger,
     _check_delta,
@@ -175,25 +176,6 @@ def _conversion(delta: float) -> np.ndarray:
 def _rdp_epsilon(rdp: np.ndarray, delta: float) -> float:
     eps = rdp + _conversion(delta)
     return float(np.nanmin(eps)) if not np.isnan(eps).all() else math.inf
-
-
-def _golden_min(f: Callable[[float], float], lo: float, hi: float, tol: float = 1e-4, iters: int = 80) -> float:
-    """Argmin of a unimodal f on [lo, hi] (golden section; +inf plateaus on the left move the search right)."""
-    inv = (math.sqrt(5.0) - 1.0) / 2.0
-    c, d = hi - inv * (hi - lo), lo + inv * (hi - lo)
-    fc, fd = f(c), f(d)
-    for _ in range(iters):
-        if hi - lo < tol:
-            break
-        if fc < fd:
-            hi, d, fd = d, c, fc
-            c = hi - inv * (hi - lo)
-            fc = f(c)
-        else:
-            lo, c, fc = c, d, fd
-            d = lo + inv * (hi - lo)
-            fd = f(d)
-    return (lo + hi) / 2.0
 
 
 def _entries_history(
@@ -377,7 +359,7 @@ def _sound_rdp_calibration(target: float, delta: float, q: float, steps: int, hi
         )
     best = int(np.argmin(values))
     lo, hi = grid[max(0, best - 1)], grid[min(len(grid) - 1, best + 1)]
-    log_sigma1 = _golden_min(lambda g: noise_for(g)[0], lo, hi, tol=1e-5)
+    log_sigma1 = golden_section_min(lambda g: noise_for(g)[0], lo, hi, tol=1e-5)
     m, sigma1, sigma2 = noise_for(log_sigma1)
     if not math.isfinite(m):
         raise PrivacyConfigError(f"PrivSGP-VR calibration failed for target_epsilon={target:g} (no feasible noise)")
