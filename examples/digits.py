@@ -184,14 +184,14 @@ def main() -> None:
         return
     print(f"\n{args.strategy} on {result['topology']} ({result['compressor']}), {args.nodes} nodes, {trainer.global_step} steps, {elapsed:.0f} s")
     for i, acc in enumerate(node_acc):
-        eps = f"  epsilon={epsilons[i]:.3f} (delta={args.delta:g})" if private else ""
+        eps = f"  epsilon={epsilons[i]:.3f} (delta={result['delta']:g})" if private else ""
         print(f"  node {i}: test accuracy {acc:.4f}{eps}  sent {sent[i] / 1e6:.2f} MB")
     print(f"  network-average model: test accuracy {result['test_acc_average_model']:.4f}")
     if args.strategy == "decor":
         print(f"  Decor noise sigma_cdp={result['sigma_cdp']:.3f}, sigma_cor={result['sigma_cor']:.3f} (SecLDP against "
               f"{args.adversary}, calibrated for epsilon={args.epsilon})")
-    elif private:
-        print(f"  noise multiplier sigma={result['noise_multiplier']:.3f} (calibrated for epsilon={args.epsilon}, {args.accountant})")
+    elif private:  # the node's own description: sigma and accountant, Dyn-D2P's schedule, CPGT's Laplace noise
+        print(f"  noise: {trainer.strategy.privacy.noise_summary()} (target epsilon={args.epsilon})")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,24 @@ def gru() -> tuple:
     return GRUTagger(), (_tokens(20, 4), torch.tensor([0, 2, 1])), _cross_entropy
 
 
+class LSTMCellLoop(nn.Module):
+    """nn.LSTMCell stepped by hand (its h is computed from its c inside the call), then a head on the last h."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.cell, self.head = nn.Embedding(20, 6), nn.LSTMCell(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        emb, state = self.embed(x), None
+        for t in range(x.shape[1]):
+            state = self.cell(emb[:, t], state)
+        return self.head(state[0])
+
+
+def lstm_cell() -> tuple:
+    return LSTMCellLoop(), (_tokens(20, 4), torch.tensor([0, 2, 1])), _cross_entropy
+
+
 class MaskedAttention(nn.Module):
     """TransformerEncoderLayer with a causal mask and a key-padding mask, then a sequence-first nn.MultiheadAttention
     with a per-head 3-D mask."""
@@ -223,6 +241,7 @@ MODELS = {
     "lightning_transformer": lightning_transformer,
     "lightning_lstm": lightning_lstm,
     "gru": gru,
+    "lstm_cell": lstm_cell,
     "attention_masks": attention,
     "norms_embedding_tied": norms,
     "gpt2": gpt2,

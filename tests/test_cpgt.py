@@ -452,7 +452,7 @@ def test_the_digits_quick_start_states_cpgts_lipschitz_assumption_and_trains_it_
     assert digits.build_strategy(override).options.lipschitz == 0.3
 
 
-def test_tracker_noise_offset_is_the_norm_of_the_mean_accumulated_y_noise_and_the_strategy_warns_above_C(monkeypatch):
+def test_tracker_noise_offset_is_the_norm_of_the_mean_accumulated_y_noise_and_the_strategy_refuses_above_C(monkeypatch):
     """Remark 2: the trackers keep sum_k eta_y(k); its network mean has norm ~ d_y sqrt(2 d / ((1 - q^2) n))."""
     from types import SimpleNamespace
 
@@ -469,8 +469,11 @@ def test_tracker_noise_offset_is_the_norm_of_the_mean_accumulated_y_noise_and_th
     monkeypatch.setattr(CPGTStrategy, "world_size", property(lambda self: 4))
     monkeypatch.setattr(rank_zero_only, "rank", 0)  # another test's Trainer may have left a rank behind
     engine = SimpleNamespace(noise_y=0.3677, noise_decay=0.7595, dimension=4810)  # the digits quick start at eps 3
-    with pytest.warns(UserWarning, match=r"expected norm 27.7 .* no fixed point, .* raise target_epsilon to about 83"):
-        strategy._warn_about_the_tracker_noise(engine)
+    with pytest.raises(PrivacyConfigError, match=r"expected norm 27.7 .* no fixed point, .* raise target_epsilon to about 83"):
+        strategy._warn_about_the_tracker_noise(engine)  # calibrated from the budget alone: refused
+    by_hand = CPGTStrategy(lipschitz=0.25, max_grad_norm=1.0, noise_x=0.3677, noise_y=0.3677, noise_decay=0.7595)
+    with pytest.warns(UserWarning, match=r"no fixed point, .* lower noise_y to about 0.0133"):
+        by_hand._warn_about_the_tracker_noise(engine)  # noise set by hand: the user is warned
     engine.noise_y = 0.3677 / 40  # epsilon 120: offset 0.69 C, trains (no warning)
     import warnings
     with warnings.catch_warnings():

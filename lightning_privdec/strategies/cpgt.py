@@ -174,33 +174,38 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
                 + ". It does not cover a node's own final model x_i(K), which reveals its tracker, nor the "
                 "network average of the clean models: publish the noisy x^a the node already sent instead."
             )
-            self._warn_about_the_tracker_noise(engine)
             auto = " (auto)" if self.options.noise_decay == "auto" else ""
             rank_zero_info(
                 f"CPGT: Laplace noise d_x = {engine.noise_x:.4g}, d_y = {engine.noise_y:.4g}, decay q = "
                 f"{engine.noise_decay:.4g}{auto}, alpha = {engine.alpha}, L = {engine.lipschitz}, adjacency distance "
                 f"{engine.sensitivity:.4g}, d = {engine.dimension}: {bound}, delta = 0"
             )
+            self._warn_about_the_tracker_noise(engine)
         return loader
 
     def _warn_about_the_tracker_noise(self, engine: CPGTNode) -> None:
-        """Say before training when the y-noise the trackers keep forever is larger than what the clipped gradients
-        can cancel (:func:`~lightning_privdec.privacy.accounting.cpgt.tracker_noise_offset` > C): no fixed point."""
+        """Before training: when the y-noise the trackers keep forever is larger than what the clipped gradients can
+        cancel (:func:`~lightning_privdec.privacy.accounting.cpgt.tracker_noise_offset` > C) there is no fixed point
+        and the models drift. Noise calibrated from ``target_epsilon`` alone (the defaults) is then refused, since
+        defaults must train; noise the user set by hand gets a warning."""
         C = self.privacy_parameters.max_grad_norm
         offset = tracker_noise_offset(engine.noise_y, engine.noise_decay, engine.dimension, self.world_size)  # type: ignore[arg-type]
         if offset <= C:
             return
         target = self.options.target_epsilon
+        calibrated = self.options.noise_x is None and target is not None
         fix = (f"raise target_epsilon to about {target * offset / C:.3g} or more (the noise scales as 1/epsilon)"
-               if self.options.noise_x is None and target is not None
-               else f"lower noise_y to about {engine.noise_y * C / offset:.3g} or less")  # type: ignore[operator]
-        rank_zero_warn(
+               if calibrated else f"lower noise_y to about {engine.noise_y * C / offset:.3g} or less")  # type: ignore[operator]
+        message = (
             f"CPGT: the trackers keep every round's y-noise forever (Remark 2); its network mean has expected norm "
             f"{offset:.3g} = noise_y sqrt(2 d / ((1 - q^2) n)) with d = {engine.dimension}, n = {self.world_size}, "
             f"above C = {C:g}, the most the mean clipped gradient can cancel: there is no fixed point, and the models "
             f"drift instead of converging (near chance, or stopped by the divergence guard). To train, {fix}, or use "
             "fewer parameters; CPGT's pure epsilon-DP carries sqrt(d) (docs/privacy.md, \"CPGT\")."
         )
+        if calibrated:
+            raise PrivacyConfigError(message)
+        rank_zero_warn(message)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def _load_debiased_parameters(self, node: Mapping[str, Any]) -> None:

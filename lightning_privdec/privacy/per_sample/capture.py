@@ -427,8 +427,41 @@ def replay_grad_samples(record: Record, scale: float) -> dict[nn.Parameter, Tens
         cotangents.append(one_hot * (g * scale).unsqueeze(0))  # row i: g restricted to example i
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*performance drop because we have not yet implemented")
+        cotangents = _external_cotangents(outputs, cotangents)
         samples = torch.autograd.grad(outputs, params, cotangents, is_grads_batched=True, allow_unused=True)
     return {
         p: gs if gs is not None else torch.zeros((batch, *p.shape), dtype=p.dtype, device=p.device)
         for p, gs in zip(params, samples)
     }
+
+
+def _external_cotangents(outputs: list[Tensor], cotangents: list[Tensor]) -> list[Tensor]:
+    """The gradients that reached each output from OUTSIDE the layer. When the layer computes one output from
+    another (nn.LSTMCell: h = o * tanh(c)), the hooks see c's whole gradient, h's path included, and a
+    vector-Jacobian product from both would count that path twice. With F_kj the Jacobian of output k with respect to
+    output j inside the layer, the recorded g_j = e_j + sum_k F_kj^T e_k; the external e solve it by substitution
+    (the outputs form a DAG: as many passes as outputs). Layers whose outputs do not depend on each other return
+    ``cotangents`` unchanged, without a pass."""
+    nodes = [o.grad_fn for o in outputs]
+    if not any(_reaches(a, b) for a in nodes for b in nodes if a is not b and a is not None and b is not None):
+        return cotangents
+    external = list(cotangents)
+    for _ in range(len(outputs)):
+        through = torch.autograd.grad(
+            outputs, outputs, external, retain_graph=True, allow_unused=True, is_grads_batched=True
+        )  # e_j + sum_k F_kj^T e_k
+        external = [g if t is None else g - (t - e) for g, t, e in zip(cotangents, through, external)]
+    return external
+
+
+def _reaches(start: Any, target: Any) -> bool:
+    """Whether autograd node ``target`` lies on a path from node ``start`` (a strict path: not itself)."""
+    seen, stack = set(), [fn for fn, _ in start.next_functions if fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is target:
+            return True
+        if id(fn) not in seen:
+            seen.add(id(fn))
+            stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return False
