@@ -490,11 +490,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: {results[name]}", flush=True)
     ratios = {}
     if not args.no_ratios:
+        from lightning_privdec.privacy import PrivacyConfigError
+
         warnings.filterwarnings("ignore")
         for name in args.model_list:
             try:
                 plain, private = step_time_ratio(zoo[name])
                 ratios[name] = f"{private / plain:.2f}x ({plain:.0f} / {private:.0f} ms)"
+            except PrivacyConfigError as refused:
+                ratios[name] = " ".join(f"refused: {str(refused).split('. ')[0]}".split())[:200]
             except Exception as error:  # noqa: BLE001
                 ratios[name] = f"fails: {_first_line(error)}"
     total = time.perf_counter() - started
