@@ -68,6 +68,6 @@ def test_the_digits_quick_starts_default_cpgt_path_says_before_training_why_epsi
                "--epochs", "3", "--json"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert run.returncode != 0 and "PrivacyConfigError" in run.stderr
-    assert "decay q = 0.7595 (auto)" in run.stderr and "L = 0.25" in run.stderr
+    assert "q = 0.7595" in run.stderr and "L = 0.25" not in run.stdout
     assert "there is no fixed point" in run.stderr and "raise target_epsilon to about 83.2" in run.stderr
     assert "Epoch 0" not in run.stderr  # refused before the first step

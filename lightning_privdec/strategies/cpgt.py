@@ -180,8 +180,11 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
                 f"{engine.noise_decay:.4g}{auto}, alpha = {engine.alpha}, L = {engine.lipschitz}, adjacency distance "
                 f"{engine.sensitivity:.4g}, d = {engine.dimension}: {bound}, delta = 0"
             )
-            self._warn_about_the_tracker_noise(engine)
         return loader
+
+    def check_plan(self) -> None:
+        assert isinstance(self.privacy, CPGTNode)
+        self._warn_about_the_tracker_noise(self.privacy)
 
     def _warn_about_the_tracker_noise(self, engine: CPGTNode) -> None:
         """Before training: when the y-noise the trackers keep forever is larger than what the clipped gradients can
@@ -198,7 +201,8 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
                if calibrated else f"lower noise_y to about {engine.noise_y * C / offset:.3g} or less")  # type: ignore[operator]
         message = (
             f"CPGT: the trackers keep every round's y-noise forever (Remark 2); its network mean has expected norm "
-            f"{offset:.3g} = noise_y sqrt(2 d / ((1 - q^2) n)) with d = {engine.dimension}, n = {self.world_size}, "
+            f"{offset:.3g} = noise_y sqrt(2 d / ((1 - q^2) n)) with noise_y = {engine.noise_y:.4g}, q = "
+            f"{engine.noise_decay:.4g}, d = {engine.dimension}, n = {self.world_size}, "
             f"above C = {C:g}, the most the mean clipped gradient can cancel: there is no fixed point, and the models "
             f"drift instead of converging (near chance, or stopped by the divergence guard). To train, {fix}, or use "
             "fewer parameters; CPGT's pure epsilon-DP carries sqrt(d) (docs/privacy.md, \"CPGT\")."

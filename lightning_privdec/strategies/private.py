@@ -206,6 +206,10 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             )
 
     # ---- data: Poisson sampling of this node's shard ---------------------------------------------------------------
+    def check_plan(self) -> None:
+        """A paper's own check of the planned noise before training (raise PrivacyConfigError to refuse); it runs
+        inside the nodes' agreement, so one node's refusal stops every node."""
+
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training or self.privacy is None:
@@ -243,6 +247,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                     f"noise_multiplier={self.privacy.noise_multiplier:.4g} at sample rate "
                     f"{self.privacy.sample_rate:.4g}; raise the noise multiplier or the budget"
                 )
+            self.check_plan()
         except PrivacyConfigError as exc:
             problem = exc
         # one node's configuration error stops every node here, with its message, instead of leaving the others

@@ -18,6 +18,8 @@ scaled by ``c_i`` (a matrix product for nn.Linear, ``convolution_backward`` for 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -96,7 +98,7 @@ def uses_ghost_norm(module: nn.Module, g: Tensor) -> bool:
     else:
         if type(module) is nn.Conv3d:
             return False  # no unfold for 3-d inputs: one example at a time
-        steps = g[0, 0].numel()
+        steps = math.prod(g.shape[2:])
         p, d_out = module.weight[0].numel(), module.out_channels // module.groups
     return steps == 1 or steps * (p + d_out) < p * d_out
 
@@ -124,7 +126,8 @@ def _linear_squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.
 
 def _gram_inner_products(g: Tensor, u: Tensor, dtype: torch.dtype) -> Tensor:
     """``<G_i^T G_i, U_i^T U_i>`` for batches G (B, d_out, T) and U (B, p, T): the ghost norm."""
-    return (torch.bmm(g.transpose(1, 2), g) * torch.bmm(u.transpose(1, 2), u)).sum(dim=(1, 2), dtype=dtype)
+    products = (torch.bmm(g.transpose(1, 2), g) * torch.bmm(u.transpose(1, 2), u)).sum(dim=(1, 2), dtype=dtype)
+    return products.clamp_min(0)  # a squared norm; rounding can leave a vanishing one slightly below zero
 
 
 # ---- convolutions ---------------------------------------------------------------------------------------------------
@@ -147,6 +150,8 @@ def _conv_weight_grad(module: nn.Module, g: Tensor, a: Tensor) -> Tensor:
 def _conv_squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype) -> Tensor:
     batch = g.shape[0]
     squared = torch.zeros(batch, dtype=dtype, device=g.device)
+    if batch == 0:  # an empty Poisson batch
+        return squared
     if module.bias is not None and module.bias.requires_grad:
         squared += torch.linalg.vector_norm(g.flatten(2).sum(dim=2), dim=1, dtype=dtype).square()
     if not module.weight.requires_grad:

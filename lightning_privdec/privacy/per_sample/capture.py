@@ -195,6 +195,10 @@ class Recorder:
         for name, module, kind in units:
             if kind == "rule":
                 self._handles.append(module.register_forward_pre_hook(self._freeze_parameters))
+                # always_call: also when the forward raises, or a non-reentrant checkpoint's recompute stops early
+                self._handles.append(
+                    module.register_forward_hook(lambda *_: self.unfreeze_parameters(), always_call=True)
+                )
             if kind == "replay":
                 self._handles.append(module.register_forward_pre_hook(self._before_replay_unit))
             if isinstance(module, nn.Embedding):
@@ -217,7 +221,7 @@ class Recorder:
 
     def _freeze_parameters(self, module: nn.Module, args: tuple) -> None:
         """See :attr:`skip_parameter_grads`; only when the input requires grad, so that the output still does (its
-        gradient is what the rule needs). :meth:`_after_forward` (or :meth:`forget`) restores them."""
+        gradient is what the rule needs). A forward hook that always runs restores them after the call."""
         if not self.skip_parameter_grads or not self._recording(module):
             return
         if not args or not isinstance(args[0], Tensor) or not args[0].requires_grad:
@@ -227,7 +231,7 @@ class Recorder:
                 p.requires_grad_(False)
                 self._frozen.append(p)
 
-    def _unfreeze_parameters(self) -> None:
+    def unfreeze_parameters(self) -> None:
         for p in self._frozen:
             p.requires_grad_(True)
         self._frozen = []
@@ -259,7 +263,6 @@ class Recorder:
         return None
 
     def _after_forward(self, name: str, kind: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        self._unfreeze_parameters()
         if not self._recording(module):
             return
         state = self._pending[id(module)].pop() if kind == "replay" else (None, None)
@@ -326,7 +329,7 @@ class Recorder:
 
     def forget(self) -> None:
         """Drop the step's records (the end of a step: its hidden states become the earlier step's)."""
-        self._unfreeze_parameters()  # a forward pass that raised between the two hooks
+        self.unfreeze_parameters()  # (the forward hook already did; cheap)
         if self._hidden_now:
             self._hidden_before, self._hidden_now = self._hidden_now, []
         for record in self.records:

@@ -401,6 +401,7 @@ class PerSampleGradients:
         count). They do not when part of a parameter's gradient comes from a use no hook
         sees (a parameter read outside its own layer's forward) or from a batch dimension read wrongly; training
         would then clip and release something that is not the per-example gradient, so it stops here instead."""
+        self._hooks.unfreeze_parameters()  # every trainable parameter is read from here on
         if self._checked:
             return
         passes = self._arithmetic.passes()
