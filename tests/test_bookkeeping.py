@@ -15,6 +15,9 @@ LAYERS = {
     "linear_3d_ghost": (lambda: nn.Linear(16, 12), (3, 16)),  # T (p + d) = 84 < 192
     "linear_3d_per_example": (lambda: nn.Linear(4, 3), (9, 4)),  # 63 > 12
     "conv2d_per_example": (lambda: nn.Conv2d(3, 4, 3, padding=1), (3, 8, 8)),  # T = 64
+    "conv2d_input_gram": (lambda: nn.Conv2d(32, 32, 3, padding=1), (32, 6, 6)),  # ResNet's small-map stages
+    "conv2d_groups_input_gram": (lambda: nn.Conv2d(64, 64, 3, padding=1, groups=2, bias=False), (64, 6, 6)),
+    "conv1d_input_gram": (lambda: nn.Conv1d(64, 64, 3, padding=1), (64, 10)),
     "conv2d_ghost": (lambda: nn.Conv2d(16, 24, 3, stride=2, padding=1), (16, 4, 4)),  # T = 4
     "conv2d_groups_dilation": (lambda: nn.Conv2d(8, 12, 3, padding=2, dilation=2, groups=4, bias=False), (8, 5, 5)),
     "conv2d_depthwise_ghost": (lambda: nn.Conv2d(6, 6, (3, 1), groups=6), (6, 3, 1)),  # T = 1
@@ -22,6 +25,11 @@ LAYERS = {
     "conv1d_ghost": (lambda: nn.Conv1d(12, 10, 3, padding=1), (12, 2)),
     "conv1d_per_example": (lambda: nn.Conv1d(2, 3, 5, stride=2), (2, 31)),
     "conv3d": (lambda: nn.Conv3d(2, 3, 2, padding=1), (2, 3, 3, 3)),
+    # kernel taps that read only padding (their gradient is 0, the rest comes from a cropped kernel)
+    "conv2d_dead_taps": (lambda: nn.Conv2d(8, 12, 3, padding=1), (8, 1, 1)),  # only the centre is live
+    "conv2d_strided_dead_taps": (lambda: nn.Conv2d(6, 8, 3, stride=2, padding=1), (6, 2, 2)),
+    "conv2d_dilated_dead_taps": (lambda: nn.Conv2d(4, 6, (3, 7), stride=(1, 3), padding=(2, 3), dilation=(2, 1)), (4, 1, 5)),
+    "conv3d_dead_taps": (lambda: nn.Conv3d(2, 3, 3, padding=1), (2, 1, 1, 2)),
     "hf_conv1d_ghost": (lambda: _hf_conv1d(24, 16), (3, 16)),  # GPT-2's transposed linear layer
     "hf_conv1d_2d": (lambda: _hf_conv1d(5, 7), (7,)),
 }
@@ -64,16 +72,37 @@ def test_norms_and_clipped_sum_equal_a_per_example_loop(name: str) -> None:
         torch.testing.assert_close(sums[p].view_as(p), want, rtol=1e-10, atol=1e-12)
 
 
-def test_the_cost_rule_picks_both_ways() -> None:
-    """The cases above exercise both norms: ghost for small maps / short sequences, per example otherwise."""
+CONV_LAYERS = sorted(n for n in LAYERS if n.startswith(("conv1d", "conv2d")))
+
+
+@pytest.mark.parametrize("method", ["ghost", "input_gram", "per_example"])
+@pytest.mark.parametrize("name", CONV_LAYERS)
+def test_every_norm_method_gives_the_per_example_norms(name: str, method: str) -> None:
+    """Whatever the cost rule would pick: each of the three ways to a convolution's norms, on strides, dilation,
+    groups, asymmetric kernels and 1-d inputs, equals the per-example loop."""
+    build, shape = LAYERS[name]
+    torch.manual_seed(4)
+    layer = build().double()
+    x = torch.randn(4, *shape, dtype=torch.float64)
+    cotangent = torch.randn_like(layer(x))
+    expected = torch.stack([sum(g.square().sum() for g in e.values()) for e in _per_example(layer, x, cotangent)])
+    got = bookkeeping.squared_norms(layer, x, cotangent, torch.float64, method)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_the_cost_rule_picks_every_way() -> None:
+    """The cases above exercise every norm: ghost for tiny maps / short sequences, the input's Gram for small maps
+    with many channels, per example otherwise."""
     picks = {}
     for name, (build, shape) in LAYERS.items():
         layer = build()
-        picks[name] = bookkeeping.uses_ghost_norm(layer, torch.zeros(layer(torch.zeros(2, *shape)).shape))
-    assert picks["conv2d_ghost"] and picks["conv1d_ghost"] and picks["linear_3d_ghost"] and picks["linear_2d"]
-    assert picks["hf_conv1d_ghost"]
-    assert not picks["conv2d_per_example"] and not picks["conv1d_per_example"]
-    assert not picks["linear_3d_per_example"] and not picks["conv3d"]
+        x = torch.zeros(2, *shape)
+        picks[name] = bookkeeping.norm_method(layer, x, torch.zeros(layer(x).shape))
+    ghost = ("conv2d_ghost", "conv1d_ghost", "linear_3d_ghost", "linear_2d", "hf_conv1d_ghost")
+    assert all(picks[n] == "ghost" for n in ghost), picks
+    assert all(picks[n] == "input_gram" for n in LAYERS if n.endswith("input_gram")), picks
+    per_example = ("conv2d_per_example", "conv1d_per_example", "linear_3d_per_example", "conv3d")
+    assert all(picks[n] == "per_example" for n in per_example), picks
 
 
 def test_circular_padding_and_same_padding_keep_the_closed_form_rule() -> None:

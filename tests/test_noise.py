@@ -86,10 +86,11 @@ def test_secure_generators_never_leave_the_process() -> None:
     assert "NOT private" in repr(node_noise_generator("cpu", 1, 0)) and "OS entropy" in repr(generator)
 
 
-@pytest.mark.parametrize("secure_mode", [False, True])
-def test_gaussian_noise_has_the_right_mean_std_and_tails(secure_mode: bool) -> None:
+@pytest.mark.parametrize(("secure_mode", "dtype"), [(False, torch.float64), (True, torch.float64), (False, torch.float32)])
+def test_gaussian_noise_has_the_right_mean_std_and_tails(secure_mode: bool, dtype: torch.dtype) -> None:
     n, std = 400_000, 2.5
-    draws = node_noise_generator("cpu", None, 0, secure_mode=secure_mode).normal(n, std, torch.float64).numpy()
+    generator = node_noise_generator("cpu", None, 0, secure_mode=secure_mode)
+    draws = generator.normal(n, std, dtype).double().numpy()
     assert abs(draws.mean()) < 5 * std / np.sqrt(n)
     assert draws.std() == pytest.approx(std, rel=0.01)
     assert stats.kstest(draws / std, "norm").pvalue > 1e-4
@@ -98,10 +99,29 @@ def test_gaussian_noise_has_the_right_mean_std_and_tails(secure_mode: bool) -> N
         assert observed == pytest.approx(expected, rel=5 / np.sqrt(expected * n))
 
 
-def test_float32_and_bfloat16_noise_is_the_float64_draw_rounded_once() -> None:
-    wide = node_noise_generator("cpu", 5, 0).normal(1001, 0.7, torch.float64)
-    assert torch.equal(node_noise_generator("cpu", 5, 0).normal(1001, 0.7, torch.float32), wide.float())
-    assert torch.equal(node_noise_generator("cpu", 5, 0).normal(1001, 0.7, torch.bfloat16), wide.to(torch.bfloat16))
+def test_narrow_noise_is_the_float64_draw_with_a_float32_angle() -> None:
+    """float32/bfloat16 draws: the same uniforms and float64 radii r; the angle's cos/sin in float32, so each entry
+    is the float64 draw to within r * 2^-21 (the angle's float32 rounding) plus two ulps."""
+    std = 0.7
+    wide = node_noise_generator("cpu", 5, 0).normal(100_000, std, torch.float64)
+    radius = wide.view(-1, 2).norm(dim=1).repeat_interleave(2)  # r of each Box-Muller pair, times std
+    for dtype in (torch.float32, torch.bfloat16):
+        narrow = node_noise_generator("cpu", 5, 0).normal(100_000, std, dtype).double()
+        ulp = torch.finfo(dtype).eps * wide.abs()
+        error = (narrow - wide).abs()
+        assert bool((error <= 2 * ulp + radius * 2.0**-21).all()), dtype
+        assert float((error <= ulp).float().mean()) > 0.5
+
+
+def test_reused_output_draws_the_same_noise_without_allocating() -> None:
+    fresh = node_noise_generator("cpu", 9, 0)
+    reused = node_noise_generator("cpu", 9, 0)
+    first = reused.normal(5000, 1.0, reuse_output=True)
+    assert torch.equal(first, fresh.normal(5000, 1.0))
+    pointer = first.data_ptr()
+    second = reused.normal(4000, 1.0, reuse_output=True)
+    assert second.data_ptr() == pointer and torch.equal(second, fresh.normal(4000, 1.0))
+    assert reused.normal(6000, 1.0, torch.float64, reuse_output=True).dtype == torch.float64
 
 
 def test_laplace_noise_and_bernoulli_sampling_have_their_distributions() -> None:

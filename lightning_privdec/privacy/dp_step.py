@@ -82,22 +82,25 @@ def _noise_and_scale_into_grads(
 ) -> float:
     """p.grad <- (clipped sum + N(0, sigma^2 C^2 I)) / (q J) for every parameter; returns the noise std sigma C.
 
-    Writes into the existing ``p.grad`` where it fits (a clipped sum may BE ``p.grad``), so a step allocates only the
-    noise vector."""
+    Computed as ``N(0, (sigma C / qJ)^2 I) + clipped sum / qJ`` in one pass per parameter, into the existing
+    ``p.grad`` where it fits (a clipped sum may BE ``p.grad``), with the noise in the generator's kept output vector:
+    a step allocates nothing of the model's size."""
     std = noise_multiplier * max_grad_norm
+    scale = 1.0 / expected_batch_size
     noise: Tensor | None = None
     if std > 0:
-        noise = generator.normal(sum(p.numel() for p in params), std, params[0].dtype, params[0].device)
+        total = sum(p.numel() for p in params)
+        noise = generator.normal(total, std * scale, params[0].dtype, params[0].device, reuse_output=True)
     noises = split_like(noise, params) if noise is not None else [None] * len(params)
     for p, summed, noise_p in zip(params, clipped_sums, noises):
         grad = p.grad
         if grad is None or grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
             grad = torch.empty_like(p)
         if noise_p is not None:
-            torch.add(summed, noise_p.to(p.device, p.dtype), out=grad)
-        elif summed is not grad:
-            grad.copy_(summed)
-        p.grad = grad.div_(expected_batch_size)
+            torch.add(noise_p.to(p.device, p.dtype), summed, alpha=scale, out=grad)
+        else:
+            torch.mul(summed, scale, out=grad)
+        p.grad = grad
     return std
 
 

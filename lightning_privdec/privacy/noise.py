@@ -14,15 +14,20 @@ Draw k of a generator uses nonce k, so each draw is a function of (key, k) alone
 the number of draws (``get_state``). The keystream's 64-bit words become 53-bit uniforms ``u = (w >> 11) 2^-53`` in
 [0, 1), then
 
-* standard normals by Box-Muller in float64: ``sqrt(-2 log(1 - u1)) (cos 2 pi u2, sin 2 pi u2)``;
+* standard normals by Box-Muller: ``sqrt(-2 log(1 - u1)) (cos 2 pi u2, sin 2 pi u2)``. The radius, which sets the
+  tails (up to sqrt(2 ln 2^53) ~ 8.6 sigma) and the density near 0, is always computed in float64. float64 draws
+  are computed in float64 and rounded once; for float32 and narrower ones the angle's cosine and sine are computed
+  in float32 (about 40% less time for that part): each entry is then within ``r 2^-21`` (the angle's rounding)
+  plus two float32 ulps of the float64 draw;
 * Laplace(b) as ``b (E1 - E2)`` with ``E = -log(1 - u) ~ Exp(1)``;
 * Bernoulli(q) as ``u < q`` (Poisson sampling).
 
 ``secure_mode=True`` adds Opacus's mitigation of floating-point attacks on the Gaussian sampler (Holohan and Braghin
 2021, "Secure Random Sampling in Differential Privacy", Sec. 5.1, as in Opacus's ``_generate_noise``): each noise
 coordinate is the sum of four draws divided by 2, at four times the sampling cost. The keystream is produced on the
-host in chunks and transformed on the target device; buffers are reused across chunks and draws (11.2M normals:
-about 1.5x ``torch.randn`` on 2 threads, 2.5x on one; ``benchmarks/step_time.py`` prints both).
+host in chunks and transformed on the target device; buffers are reused across chunks and draws, and a caller that
+draws the same size every step can reuse the output too (``normal(..., reuse_output=True)``; a fresh 45 MB vector
+costs ~15 ms of page faults per step). ``benchmarks/step_time.py --noise-only`` times it against ``torch.randn``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ KEY_BYTES = 32  #: 256-bit keys
 _SEED_DOMAIN = b"lightning_privdec.privacy.noise"
 _CHUNK_WORDS = 1 << 19  # 64-bit words per keystream chunk (4 MiB): bounds host memory, keeps the buffers warm
 _MASK_53 = (1 << 53) - 1
+_SCRATCH = ("_buffers", "_work", "_out")  # a generator's reused buffers: never pickled nor copied
 
 
 class KeystreamBuffers:
@@ -62,6 +68,7 @@ class KeystreamBuffers:
             self.words = torch.frombuffer(self.raw, dtype=torch.int64)
             self.uniform = torch.empty(words, dtype=torch.float64, device=self.device)
             self.pair_work = torch.empty(3, (words + 1) // 2, dtype=torch.float64, device=self.device)
+            self.pair_work32 = torch.empty(3, (words + 1) // 2, dtype=torch.float32, device=self.device)
             self.size = words
 
 
@@ -85,9 +92,10 @@ class _KeyStream:
         return out.mul_(2.0**-53)
 
     def standard_normal_into(self, out: Tensor, scale: float = 1.0) -> Tensor:
-        """Fill the flat floating tensor ``out`` with ``scale`` times standard normals (Box-Muller in float64: pairs
-        of uniforms give ``r cos t, r sin t``, interleaved, rounded once to ``out``'s dtype), chunk by chunk."""
-        numel = out.numel()
+        """Fill the flat floating tensor ``out`` with ``scale`` times standard normals, chunk by chunk: Box-Muller,
+        pairs of uniforms give ``r cos t, r sin t``, interleaved. ``r`` in float64; ``cos t, sin t`` and the
+        products in float64 for a float64 ``out`` (rounded once), else in float32 (the module docstring)."""
+        numel, wide = out.numel(), out.dtype == torch.float64
         for start in range(0, numel, _CHUNK_WORDS):
             m = min(_CHUNK_WORDS, numel - start)
             pairs = (m + 1) // 2
@@ -97,13 +105,18 @@ class _KeyStream:
             radius.log1p_().mul_(-2.0).sqrt_()  # log(1 - u1), 1 - u1 in (0, 1]: finite, tail up to ~8.6 sigma
             if scale != 1.0:
                 radius.mul_(scale)
+            if not wide:  # the angle in float32: its cosine and sine cost half as much
+                radius32, theta, cosine = self._buffers.pair_work32[:, :pairs]
+                radius = radius32.copy_(radius)
             torch.mul(u[:, 1], 2.0 * math.pi, out=theta)
+            torch.cos(theta, out=cosine)
+            theta.sin_()
             if m % 2 == 0:
                 block = out[start : start + m].view(pairs, 2)
-                torch.mul(radius, torch.cos(theta, out=cosine), out=block[:, 0])
-                torch.mul(radius, theta.sin_(), out=block[:, 1])
+                torch.mul(radius, cosine, out=block[:, 0])
+                torch.mul(radius, theta, out=block[:, 1])
             else:  # the last odd entry: the pair's sine is dropped
-                both = torch.stack((radius * torch.cos(theta), radius * torch.sin(theta)), dim=1).view(-1)
+                both = torch.stack((radius * cosine, radius * theta), dim=1).view(-1)
                 out[start : start + m].copy_(both[:m])
         return out
 
@@ -141,6 +154,7 @@ class NoiseGenerator:
         self.draws = 0
         self._buffers = KeystreamBuffers(self.device)
         self._work: Tensor | None = None
+        self._out: Tensor | None = None
 
     def _stream(self) -> _KeyStream:
         nonce = bytes(4) + self.draws.to_bytes(8, "little") + bytes(4)  # block counter 0, then draw index
@@ -153,6 +167,12 @@ class NoiseGenerator:
         if self._work is None or self._work.numel() < words:
             self._work = torch.empty(words, dtype=torch.float64, device=self.device)
         return self._work
+
+    def _output(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """The kept output vector of :meth:`normal` (``reuse_output``), re-allocated only when it is too small."""
+        if self._out is None or self._out.dtype != dtype or self._out.numel() < numel:
+            self._out = torch.empty(numel, dtype=dtype, device=self.device)
+        return self._out[:numel]
 
     def uniform(self, numel: int) -> Tensor:
         """``numel`` i.i.d. uniforms in [0, 1), float64 on the generator's device (one draw)."""
@@ -168,13 +188,20 @@ class NoiseGenerator:
         return self.uniform(numel) < p
 
     def normal(
-        self, numel: int, std: float, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+        self,
+        numel: int,
+        std: float,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        *,
+        reuse_output: bool = False,
     ) -> Tensor:
-        """``numel`` i.i.d. N(0, std^2) entries of ``dtype``, computed in float64 and rounded once, on the generator's
-        device and then moved to ``device`` if given. With ``secure_mode`` each entry is (z1 + z2 + z3 + z4) / 2 of
-        four draws."""
+        """``numel`` i.i.d. N(0, std^2) entries of ``dtype`` (Box-Muller as in the module docstring), on the
+        generator's device and then moved to ``device`` if given. With ``secure_mode`` each entry is
+        (z1 + z2 + z3 + z4) / 2 of four draws. ``reuse_output=True`` writes into a vector the generator keeps (valid
+        until its next ``reuse_output`` draw): a DP step's noise is not re-allocated every step."""
         stream = self._stream()
-        out = torch.empty(numel, dtype=dtype, device=self.device)
+        out = self._output(numel, dtype) if reuse_output else torch.empty(numel, dtype=dtype, device=self.device)
         if not self.secure_mode:
             stream.standard_normal_into(out, std)
         else:
@@ -219,11 +246,11 @@ class NoiseGenerator:
     def __getstate__(self) -> dict[str, Any]:
         if not self.seeded:
             raise TypeError("a secure NoiseGenerator holds a secret key and cannot be pickled")
-        return {k: v for k, v in self.__dict__.items() if k not in ("_buffers", "_work")}  # views: rebuilt, not copied
+        return {k: v for k, v in self.__dict__.items() if k not in _SCRATCH}  # views: rebuilt, not copied
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._buffers, self._work = KeystreamBuffers(self.device), None
+        self._buffers, self._work, self._out = KeystreamBuffers(self.device), None, None
 
 
 def node_noise_generator(

@@ -8,12 +8,16 @@ u = the unfolded input patches, T = output positions) has per-example weight gra
 
 * ghost norm (Li, Tramer, Liang, Hashimoto 2022, Sec. 4): ``||G_i U_i^T||^2 = <G_i^T G_i, U_i^T U_i>``, two T x T
   Gram matrices, cost ~ B T^2 (p + d_out); for T = 1 it is ``||g_i||^2 ||a_i||^2`` (Goodfellow 2015);
+* for a convolution, the same ghost norm with ``U_i^T U_i`` built from the Gram matrix of the padded INPUT's
+  positions, ``S_i = A_i^T A_i`` (N x N, N padded positions): patches t and t' overlap, and
+  ``(U_i^T U_i)[t, t'] = sum_{kernel taps k} S_i[pos(t) + k, pos(t') + k]``; cost ~ B (N^2 c_in + T^2 d_out + K T^2)
+  for K taps, about K times less than unfolding when the map is small (ResNet's 8x8 and 4x4 stages);
 * one example at a time: its weight gradient (a batch-of-one weight-gradient call), its norm, then dropped;
   cost ~ B T p d_out, the weight gradient's own cost, memory one example's gradient.
 
-Ghost is used when ``T (p + d_out) < p d_out`` (deep convolutions with small maps, sequences shorter than the
-width). The clipped sum ``sum_i c_i G_i U_i^T`` is then ONE weight-gradient computation with the output gradients
-scaled by ``c_i`` (a matrix product for nn.Linear, ``convolution_backward`` for convolutions).
+:func:`norm_method` picks the cheapest of these by multiply-adds (per group of a grouped convolution). The clipped
+sum ``sum_i c_i G_i U_i^T`` is then ONE weight-gradient computation with the output gradients scaled by ``c_i`` (a
+matrix product for nn.Linear, ``convolution_backward`` for convolutions).
 """
 
 from __future__ import annotations
@@ -63,11 +67,12 @@ def has_bookkeeping(module: nn.Module, backprops: Tensor) -> bool:
     return backprops.dim() in (2, 3) if _is_linear(module) else backprops.dim() == module.weight.dim()
 
 
-def squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype) -> Tensor:
-    """``||grad_i||^2`` of ``module``'s trainable parameters for every example i, shape (B,), in ``dtype``."""
+def squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype, method: str | None = None) -> Tensor:
+    """``||grad_i||^2`` of ``module``'s trainable parameters for every example i, shape (B,), in ``dtype``; by
+    ``method`` (default: :func:`norm_method`'s choice)."""
     if _is_linear(module):
-        return _linear_squared_norms(module, a.to(g.dtype), g, dtype)
-    return _conv_squared_norms(module, *_conv_inputs(module, a, g), dtype)
+        return _linear_squared_norms(module, a.to(g.dtype), g, dtype, method)
+    return _conv_squared_norms(module, *_conv_inputs(module, a, g), dtype, method)
 
 
 def clipped_sums(module: nn.Module, a: Tensor, g: Tensor, factor: Tensor) -> dict[nn.Parameter, Tensor]:
@@ -91,20 +96,32 @@ def clipped_sums(module: nn.Module, a: Tensor, g: Tensor, factor: Tensor) -> dic
     return out
 
 
-def uses_ghost_norm(module: nn.Module, g: Tensor) -> bool:
-    """The cost rule of the module docstring: ghost norm when T (p + d_out) < p d_out."""
+def norm_method(module: nn.Module, a: Tensor, g: Tensor) -> str:
+    """How a layer call's per-example norms are computed, for input ``a`` and output gradient ``g``: ``"ghost"``
+    (Gram matrices of unfolded patches or, for nn.Linear, of the inputs), ``"input_gram"`` (convolutions: the
+    patches' Gram from the input's, module docstring) or ``"per_example"``, whichever needs the fewest
+    multiply-adds per example and group."""
     if _is_linear(module):
-        steps, p, d_out = (1 if g.dim() == 2 else g.shape[1]), *module.weight.shape
-    else:
-        if type(module) is nn.Conv3d:
-            return False  # no unfold for 3-d inputs: one example at a time
-        steps = math.prod(g.shape[2:])
-        p, d_out = module.weight[0].numel(), module.out_channels // module.groups
-    return steps == 1 or steps * (p + d_out) < p * d_out
+        steps, (p, d_out) = (1 if g.dim() == 2 else g.shape[1]), module.weight.shape
+        return "ghost" if steps == 1 or steps * (p + d_out) < p * d_out else "per_example"
+    if type(module) is nn.Conv3d:
+        return "per_example"  # no unfold for 3-d inputs
+    steps = math.prod(g.shape[2:])
+    if steps == 1:
+        return "ghost"  # ||g_i||^2 ||u_i||^2
+    p, d_out = module.weight[0].numel(), module.out_channels // module.groups
+    padded = math.prod(size + 2 * pad for size, pad in zip(a.shape[2:], module.padding))
+    costs = {
+        "ghost": steps * steps * (p + d_out),
+        "input_gram": padded * padded * (module.in_channels // module.groups)
+        + steps * steps * (d_out + math.prod(module.kernel_size)),
+        "per_example": steps * p * d_out,
+    }
+    return min(costs, key=costs.__getitem__)
 
 
 # ---- nn.Linear, Conv1D ----------------------------------------------------------------------------------------------
-def _linear_squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype) -> Tensor:
+def _linear_squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype, method: str | None) -> Tensor:
     squared = torch.zeros(g.shape[0], dtype=dtype, device=g.device)
     if g.dim() == 2:
         g2 = torch.linalg.vector_norm(g, dim=1, dtype=dtype).square()
@@ -114,7 +131,7 @@ def _linear_squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.
             squared += g2
         return squared
     if module.weight.requires_grad:
-        if uses_ghost_norm(module, g):
+        if (method or norm_method(module, a, g)) == "ghost":
             squared += _gram_inner_products(g.transpose(1, 2), a.transpose(1, 2), dtype)
         else:
             for i in range(g.shape[0]):  # one example's weight gradient at a time
@@ -124,9 +141,11 @@ def _linear_squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.
     return squared
 
 
-def _gram_inner_products(g: Tensor, u: Tensor, dtype: torch.dtype) -> Tensor:
-    """``<G_i^T G_i, U_i^T U_i>`` for batches G (B, d_out, T) and U (B, p, T): the ghost norm."""
-    products = (torch.bmm(g.transpose(1, 2), g) * torch.bmm(u.transpose(1, 2), u)).sum(dim=(1, 2), dtype=dtype)
+def _gram_inner_products(g: Tensor, u: Tensor, dtype: torch.dtype, u_gram: Tensor | None = None) -> Tensor:
+    """``<G_i^T G_i, U_i^T U_i>`` for batches G (B, d_out, T) and U (B, p, T) (or U's Gram (B, T, T) given as
+    ``u_gram``): the ghost norm."""
+    u_gram = torch.bmm(u.transpose(1, 2), u) if u_gram is None else u_gram
+    products = (torch.bmm(g.transpose(1, 2), g) * u_gram).sum(dim=(1, 2), dtype=dtype)
     return products.clamp_min(0)  # a squared norm; rounding can leave a vanishing one slightly below zero
 
 
@@ -139,15 +158,50 @@ def _conv_inputs(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tenso
 
 def _conv_weight_grad(module: nn.Module, g: Tensor, a: Tensor) -> Tensor:
     """The weight gradient of ``module``'s convolution for input ``a`` and output gradient ``g`` (summed over the
-    batch), by the same kernel autograd uses."""
+    batch), by the same kernel autograd uses. Kernel taps that read only zero padding at every output position
+    (a 3x3 kernel on a 1x1 map keeps only its centre) get gradient 0 without being computed: the live taps' gradient
+    is that of a cropped kernel on the explicitly padded input."""
     dims = module.weight.dim() - 2
-    return torch.ops.aten.convolution_backward(
-        g, a, module.weight, None, list(module.stride), list(module.padding), list(module.dilation), False,
-        [0] * dims, module.groups, [False, True, False],
+    live = _live_taps(module, a.shape[2:], g.shape[2:])
+    if live is None:
+        return torch.ops.aten.convolution_backward(
+            g, a, module.weight, None, list(module.stride), list(module.padding), list(module.dilation), False,
+            [0] * dims, module.groups, [False, True, False],
+        )[1]
+    pads: list[int] = []
+    for (first, last), size, out, pad, stride, dilation in zip(
+        live, a.shape[2:], g.shape[2:], module.padding, module.stride, module.dilation
+    ):
+        before = pad - first * dilation  # negative: crop
+        after = (out - 1) * stride + (last - first) * dilation + 1 - size - before
+        pads = [before, after, *pads]  # F.pad lists the last dimension first
+    window = (..., *[slice(first, last + 1) for first, last in live])
+    cropped = torch.ops.aten.convolution_backward(
+        g, nn.functional.pad(a, pads), module.weight[window], None, list(module.stride), [0] * dims,
+        list(module.dilation), False, [0] * dims, module.groups, [False, True, False],
     )[1]
+    full = torch.zeros_like(module.weight, dtype=cropped.dtype)
+    full[window] = cropped
+    return full
 
 
-def _conv_squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype) -> Tensor:
+def _live_taps(module: nn.Module, in_size: torch.Size, out_size: torch.Size) -> list[tuple[int, int]] | None:
+    """Per spatial dimension, the first and last kernel tap that reads a real input position at some output
+    position; None when every tap does (or the live taps are not contiguous)."""
+    live = []
+    for kernel, size, out, pad, stride, dilation in zip(
+        module.kernel_size, in_size, out_size, module.padding, module.stride, module.dilation
+    ):
+        taps = [k for k in range(kernel) if any(0 <= o * stride + k * dilation - pad < size for o in range(out))]
+        if not taps or taps != list(range(taps[0], taps[-1] + 1)):
+            return None
+        live.append((taps[0], taps[-1]))
+    if all(last - first + 1 == kernel for (first, last), kernel in zip(live, module.kernel_size)):
+        return None
+    return live
+
+
+def _conv_squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype, method: str | None) -> Tensor:
     batch = g.shape[0]
     squared = torch.zeros(batch, dtype=dtype, device=g.device)
     if batch == 0:  # an empty Poisson batch
@@ -156,8 +210,11 @@ def _conv_squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dt
         squared += torch.linalg.vector_norm(g.flatten(2).sum(dim=2), dim=1, dtype=dtype).square()
     if not module.weight.requires_grad:
         return squared
-    if uses_ghost_norm(module, g):
+    method = method or norm_method(module, a, g)
+    if method == "ghost":
         squared += _conv_ghost_norms(module, a, g, dtype)
+    elif method == "input_gram":
+        squared += _conv_input_gram_norms(module, a, g, dtype)
     else:
         for i in range(batch):  # one example's weight gradient at a time
             one = _conv_weight_grad(module, g[i : i + 1], a[i : i + 1])
@@ -178,3 +235,26 @@ def _conv_ghost_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtyp
     u = patches.view(batch * groups, -1, steps)
     grads = g.reshape(batch * groups, -1, steps)
     return _gram_inner_products(grads, u, dtype).view(batch, groups).sum(dim=1)
+
+
+def _conv_input_gram_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype) -> Tensor:
+    """Ghost norms of a Conv1d/Conv2d with the patches' Gram ``U_i^T U_i`` summed from the padded input's position
+    Gram ``S_i``: one (N x N) product per example and group instead of unfolding (module docstring)."""
+    if type(module) is nn.Conv1d:  # as a Conv2d of height 1
+        a, g = a.unsqueeze(2), g.unsqueeze(2)
+        kernel, dilation, stride = [(1, *getattr(module, n)) for n in ("kernel_size", "dilation", "stride")]
+        padding = (0, *module.padding)
+    else:
+        kernel, dilation, padding, stride = module.kernel_size, module.dilation, module.padding, module.stride
+    padded = nn.functional.pad(a, (padding[1], padding[1], padding[0], padding[0]))
+    batch, groups, (height, width), (out_h, out_w) = g.shape[0], module.groups, padded.shape[2:], g.shape[2:]
+    positions = padded.reshape(batch * groups, -1, height * width)
+    s = torch.bmm(positions.transpose(1, 2), positions).view(-1, height, width, height, width)
+    # sum over kernel rows, then columns (separable): rows/columns of patch t start at stride * t + dilation * k
+    rows = [slice(k * dilation[0], k * dilation[0] + stride[0] * (out_h - 1) + 1, stride[0]) for k in range(kernel[0])]
+    cols = [slice(k * dilation[1], k * dilation[1] + stride[1] * (out_w - 1) + 1, stride[1]) for k in range(kernel[1])]
+    by_rows = sum(s[:, r, :, r, :] for r in rows)  # (B g, out_h, W, out_h, W)
+    u_gram = sum(by_rows[:, :, c, :, c] for c in cols)  # (B g, out_h, out_w, out_h, out_w)
+    steps = out_h * out_w
+    grads = g.reshape(batch * groups, -1, steps)
+    return _gram_inner_products(grads, None, dtype, u_gram.reshape(-1, steps, steps)).view(batch, groups).sum(dim=1)
