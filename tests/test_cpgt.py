@@ -375,6 +375,33 @@ def test_cli_prints_epsilon_as_json_and_exits_2_on_a_violated_condition(capsys):
     assert "q (noise_decay) between 0.5583 and 1" in capsys.readouterr().err
 
 
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0 adds no noise")  # a bare node: CPGT's noise is Laplace
+def test_cli_without_q_chooses_it_as_the_strategys_auto_does_and_says_so(capsys):
+    import json
+
+    from lightning_privdec.cli.account import main
+    from tests.test_write_ahead_ledger import make_cpgt_node  # alpha = 0.1, d = 3
+
+    args = ["cpgt", "--alpha", "0.1", "--lipschitz", "2", "--noise-x", "2", "--noise-y", "4", "--sensitivity", "0.5"]
+    assert main([*args, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    q = make_cpgt_node(noise_decay="auto", lipschitz=2.0, noise_x=2.0, noise_y=4.0).noise_decay
+    assert record["q"] == q and record["q_auto"] is True and min_noise_decay(0.1, 2.0) < q < 1
+    assert record["epsilon"] == pytest.approx(
+        cpgt_epsilon(alpha=0.1, lipschitz=2.0, q=q, noise_x=2.0, noise_y=4.0, sensitivity=0.5), rel=1e-12)
+    assert main(args) == 0
+    assert f"q = {q:g} (chosen automatically, as noise_decay='auto')" in capsys.readouterr().out
+    assert main([*args, "--q", "0.9", "--json"]) == 0  # given: used as is, and said so
+    assert json.loads(capsys.readouterr().out)["q_auto"] is False
+    assert main([*args, "--q", "0.9"]) == 0 and "automatically" not in capsys.readouterr().out
+    # no q to choose (alpha L >= 1/2): exit code 2 with the strategy's own message
+    with pytest.raises(PrivacyConfigError) as refused:
+        make_cpgt_node(noise_decay="auto", lipschitz=6.0, noise_x=2.0, noise_y=4.0)
+    assert main([*args, "--lipschitz", "6"]) == 2  # the last --lipschitz counts
+    assert str(refused.value) in capsys.readouterr().err
+    assert "alpha < 1/(2L): alpha = 0.1 and L = 6 give alpha L = 0.6 >= 0.5" in str(refused.value)
+
+
 @pytest.mark.parametrize("accounting", ["sound", "theorem2", "finite"])
 def test_whole_run_accountings_refuse_mini_batches_and_a_batch_above_the_shard_means_q_equal_one(accounting):
     """Assumption 4 (a constant gradient difference) fails when the example is sampled in some steps and not others:
@@ -439,6 +466,74 @@ def test_the_node_chooses_q_once_alpha_is_known_and_the_gossip_decays_at_it():
     assert calibrated.noise_decay == pytest.approx(auto_noise_decay(0.1, 1.0, noise_x=2.0, noise_y=1.0))
     with pytest.raises(PrivacyConfigError, match="noise_decay='auto' picks q in Theorem 2's interval"):
         make_cpgt_node(noise_decay="auto", noise_x=1.0, noise_y=1.0, accounting="finite", lipschitz=10.0)
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0 adds no noise")  # a bare node: CPGT's noise is Laplace
+def test_a_resumed_run_keeps_its_q_when_auto_would_now_choose_another_and_refuses_an_explicit_other_q():
+    """q is planned state: resumed in the strategy's order (gossip and node built, q re-chosen at setup from the new
+    lr, then the checkpoint's gossip, node and optimizer states), the run goes on with the q, alpha, noise and epsilon
+    it started with (Algorithm 1, line 5: d q^k; Theorem 2's bound holds for one q)."""
+    import io
+    import re
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
+    from lightning_privdec.comm.loopback import LoopbackExchange
+    from lightning_privdec.privacy import PrivacyParameters
+    from lightning_privdec.privacy.accounting.cpgt import auto_noise_decay
+
+    data = DataLoader(TensorDataset(torch.randn(50, 3), torch.randn(50)), batch_size=50)  # full batches
+    topology = build_topology("complete", 2, weights="metropolis")
+
+    def setup(lr: float, **options):  # noqa: ANN202
+        node = CPGTNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0), rank=0, device=torch.device("cpu"),
+                        options=CPGTOptions(**{"noise_decay": "auto", "lipschitz": 1.0, "target_epsilon": 3.0,
+                                               **options}))
+        node.build_gossip(torch.zeros(3, dtype=torch.float64), rank=0, topology=topology, compressor=None, seed=0,
+                          exchange=LoopbackExchange(LoopbackNetwork(2), 0), consensus_step=1.0)
+        optimizer = torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=lr)
+        node.configure_optimizer(optimizer, 3)
+        return node, optimizer
+
+    def saved(state: dict) -> dict:  # through torch.save, as in a checkpoint file
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=True)
+
+    def resume(lr: float, node_state: dict, **options):  # noqa: ANN202
+        node, optimizer = setup(lr, **options)
+        node.gossip.load_state_dict(states["gossip"])
+        node.load_state_dict(node_state)
+        optimizer.load_state_dict(states["optimizer"])  # Lightning restores the optimizer (its lr) after the model
+        node.private_dataloader(data, planned_steps=10)
+        return node
+
+    first, optimizer = setup(0.1)
+    first.private_dataloader(data, planned_steps=10)
+    for _ in range(3):
+        first.ledger.record()
+    q0 = auto_noise_decay(0.1, 1.0)
+    assert first.noise_decay == pytest.approx(q0)
+    states = saved({"node": first.state_dict(), "gossip": first.gossip.state_dict(),
+                    "optimizer": optimizer.state_dict()})
+    assert states["node"]["noise_decay"] == first.noise_decay
+
+    q1 = auto_noise_decay(0.2, 1.0)
+    assert setup(0.2)[0].noise_decay == pytest.approx(q1) and abs(q1 - q0) > 0.05  # what a fresh run would choose
+    resumed = resume(0.2, states["node"])
+    assert resumed.noise_decay == resumed.gossip.noise_decay == resumed.ledger.terms["q"] == first.noise_decay
+    assert resumed.alpha == 0.1 and (resumed.noise_x, resumed.noise_y) == (first.noise_x, first.noise_y)
+    assert resumed.steps == 3 and resumed.epsilon() == first.epsilon() == pytest.approx(3.0)
+    # a checkpoint written before q was planned state: the gossip's state holds it
+    older = {k: v for k, v in states["node"].items() if k != "noise_decay"}
+    assert resume(0.2, older).ledger.terms["q"] == first.noise_decay
+    # an explicit q: the checkpoint's is accepted, another is refused with both values
+    assert resume(0.1, states["node"], noise_decay=first.noise_decay).noise_decay == first.noise_decay
+    with pytest.raises(PrivacyConfigError, match=re.escape(f"q = {first.noise_decay!r} per round, this run passes "
+                                                           f"noise_decay=0.8;") + ".*Resume with noise_decay="):
+        resume(0.1, states["node"], noise_decay=0.8)
 
 
 def test_the_digits_quick_start_states_cpgts_lipschitz_assumption_and_trains_it_on_full_batches():

@@ -292,7 +292,7 @@ ACCOUNT: dict[str, dict[str, Any]] = {
     'cpgt --alpha 0.1 --lipschitz 2.5 --q 0.99 --noise-x 100 --noise-y 100 --sensitivity 0.9': {
         'epsilon': 0.020124119353501866, 'epsilon_theorem2': 0.02010565685868214, 'delta': 0.0, 'alpha': 0.1,
         'lipschitz': 2.5, 'q': 0.99, 'noise_x': 100.0, 'noise_y': 100.0, 'sensitivity': 0.9, 'dimension': None,
-        'norm': 'l1', 'min_q': 0.6403882032022076,
+        'norm': 'l1', 'min_q': 0.6403882032022076, 'q_auto': False,
     },
     'privsgp-vr --target-epsilon 3 --sample-rate 0.095 --steps 330 --delta 1e-5': {
         'epsilon': 3.0, 'accounting': 'sound', 'noise_multiplier': 7.978592380286298, 'split': 0.6870838383249414,

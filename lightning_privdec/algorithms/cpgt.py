@@ -26,6 +26,7 @@ and of the noise, so compression is post-processing (Theorem 2's proof shares it
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -224,9 +225,16 @@ class CPGTNode(PrivateNodeAlgorithm):
 
     # ---- before training: the Laplace scales d_x, d_y ------------------------------------------------------------
     def plan_noise(self, planned_steps: int) -> None:
+        """d_x, d_y and the ledger's terms. alpha is read again: a resume restores the checkpoint's learning rate into
+        the optimizer after :meth:`configure_optimizer`, and its q (:meth:`load_plan_state`); Theorem 2 is checked
+        for the pair the run will use."""
         if self.alpha is None or self.dimension is None:
             raise RuntimeError("CPGTNode.configure_optimizer(...) must run before planning")
         assert self.expected_batch_size is not None
+        if self._optimizer is not None:
+            self.alpha = plain_sgd_step_size(self._optimizer)
+        if self.accounting != "finite":
+            check_theorem2(self.alpha, self.lipschitz, self.noise_decay)
         if self.options.sensitivity is None:
             self.sensitivity = clipping_sensitivity(self.parameters.max_grad_norm, self.expected_batch_size)
         self.norm_factor = norm_factor = laplace_norm_factor(self.dimension, self.options.sensitivity_norm)
@@ -264,6 +272,9 @@ class CPGTNode(PrivateNodeAlgorithm):
             raise RuntimeError("CPGTNode.privatize called before attach(), build_gossip() and private_dataloader()")
         if (gossip.noise_x, gossip.noise_y) != (self.noise_x, self.noise_y):
             raise RuntimeError("CPGT: the Laplace noise was not planned before the first step")
+        if gossip.noise_decay != self.noise_decay:
+            raise RuntimeError(f"CPGT: the gossip decays its noise by q = {gossip.noise_decay}, the ledger accounts "
+                               f"q = {self.noise_decay}")
         if self._optimizer is not None and any(float(g["lr"]) != self.alpha for g in self._optimizer.param_groups):
             raise PrivacyConfigError(
                 f"CPGT: the learning rate changed from alpha = {self.alpha} during training; the privacy bound "
@@ -292,12 +303,33 @@ class CPGTNode(PrivateNodeAlgorithm):
 
     # ---- checkpoints -------------------------------------------------------------------------------------------------
     def plan_state(self) -> dict[str, Any]:
-        return {"noise": [self.noise_x, self.noise_y], "sensitivity": self.sensitivity}
+        """The Laplace scales, the adjacency distance and q (chosen at setup when ``noise_decay="auto"``)."""
+        return {"noise": [self.noise_x, self.noise_y], "sensitivity": self.sensitivity,
+                "noise_decay": self.noise_decay}
 
     def load_plan_state(self, state: Mapping[str, Any]) -> None:
+        """Continue the checkpoint's plan: its Laplace scales and its q (Algorithm 1, line 5: round k draws d q^k;
+        Theorem 2's bound is for that one q). ``noise_decay="auto"`` keeps the checkpoint's q even if alpha or L
+        now give another; an explicit different q is refused. Checkpoints written before q was planned state carry
+        it in the gossip's state, restored before this."""
         noise_x, noise_y = state["noise"]
         if noise_x is not None:  # a calibrated scale is kept: the run goes on with the noise it has used
             self.noise_x, self.noise_y = float(noise_x), float(noise_y)
+        saved = state.get("noise_decay")
+        if saved is None and self.gossip is not None:
+            saved = self.gossip.noise_decay
+        if saved is None:
+            return
+        saved, given = float(saved), self.options.noise_decay
+        if given != "auto" and not math.isclose(float(given), saved, rel_tol=1e-12):
+            raise PrivacyConfigError(
+                f"node {self.rank}: the checkpoint's run decays its Laplace noise by q = {saved!r} per round, this run "
+                f"passes noise_decay={given!r}; the noise schedule d q^k and its epsilon hold for one q over the "
+                f"whole run. Resume with noise_decay={saved!r} (or 'auto', which keeps the checkpoint's q)"
+            )
+        self.noise_decay = saved
+        if self.gossip is not None:
+            self.gossip.noise_decay = saved
 
     def state_dict(self) -> dict[str, Any]:
         """``steps`` is the trajectory's round ``k`` here, as in CPGT's checkpoints before the ledger had its own state

@@ -2,10 +2,12 @@
 
     privdec-account cpgt --alpha 0.1 --lipschitz 2.5 --q 0.99 --noise-x 100 --noise-y 100 --sensitivity 0.9 --json
     privdec-account cpgt ... --dimension 4810 --steps 100     # l2 quantities of a d-parameter model; finite horizon
+    privdec-account cpgt --alpha 0.5 --lipschitz 0.1 --noise-x 1 --noise-y 1 --sensitivity 0.01   # q chosen: 0.666
 
 Prints ``epsilon`` (the sound whole-run bound), ``epsilon_theorem2`` (the paper's eq. (23) verbatim) and
 ``delta = 0``; with ``--steps``, also ``epsilon_finite``: the first K rounds without the linear-difference
-Assumption 4. Exit code 2 with the violated condition when Theorem 2 does not apply.
+Assumption 4. Without ``--q``, q is chosen as ``CPGTStrategy(noise_decay="auto")`` chooses it (``q_auto``: true).
+Exit code 2 with the violated condition when Theorem 2 does not apply.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from lightning_privdec.cli.arguments import Subcommand, positive_float, positive_int
 from lightning_privdec.privacy.accounting.cpgt import (
+    auto_noise_decay,
     cpgt_epsilon,
     cpgt_epsilon_after,
     laplace_norm_factor,
@@ -28,7 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lipschitz", type=positive_float, required=True, metavar="L", help="smoothness constant L of every f_i",
     )
-    parser.add_argument("--q", type=positive_float, required=True, metavar="Q", help="noise decay rate q in (0, 1)")
+    parser.add_argument(
+        "--q", type=positive_float, metavar="Q",
+        help="noise decay rate q in (0, 1); omitted: chosen from alpha, L and d_x/d_y as the strategy's "
+        "noise_decay='auto' chooses it (auto_noise_decay: the q in Theorem 2's interval minimising epsilon times "
+        "the tracker noise offset, Remark 2)",
+    )
     parser.add_argument("--noise-x", type=positive_float, required=True, metavar="DX", help="Laplace scale d_x")
     parser.add_argument("--noise-y", type=positive_float, required=True, metavar="DY", help="Laplace scale d_y")
     parser.add_argument(
@@ -49,7 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    common = dict(alpha=args.alpha, lipschitz=args.lipschitz, q=args.q, noise_x=args.noise_x, noise_y=args.noise_y,
+    q = args.q
+    if q is None:  # as CPGTNode.configure_optimizer does for noise_decay="auto" (raises when alpha L >= 1/2)
+        q = auto_noise_decay(args.alpha, args.lipschitz, args.noise_x, args.noise_y)
+    common = dict(alpha=args.alpha, lipschitz=args.lipschitz, q=q, noise_x=args.noise_x, noise_y=args.noise_y,
                   sensitivity=args.sensitivity)
     factor = 1.0 if args.dimension is None else laplace_norm_factor(args.dimension, "l2")
     result: dict[str, Any] = {
@@ -57,6 +68,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "epsilon_theorem2": theorem2_epsilon(**common),
         "delta": 0.0,
         **common,
+        "q_auto": args.q is None,
         "dimension": args.dimension,
         "norm": "l1" if args.dimension is None else "l2",
         "min_q": min_noise_decay(args.alpha, args.lipschitz),
@@ -70,7 +82,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def describe(result: dict[str, Any]) -> str:
     text = (
         f"epsilon = {result['epsilon']:.6g} (delta = 0) for the whole CPGT run: alpha = {result['alpha']:g}, "
-        f"L = {result['lipschitz']:g}, q = {result['q']:g}, d_x = {result['noise_x']:g}, d_y = {result['noise_y']:g}, "
+        f"L = {result['lipschitz']:g}, q = {result['q']:g}"
+        + (" (chosen automatically, as noise_decay='auto')" if result["q_auto"] else "")
+        + f", d_x = {result['noise_x']:g}, d_y = {result['noise_y']:g}, "
         f"sensitivity = {result['sensitivity']:g} ({result['norm']}"
         + ("" if result["dimension"] is None else f", d = {result['dimension']}")
         + f"); the paper's eq. (23) gives {result['epsilon_theorem2']:.6g}"
