@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_privdec.compression import TopK
 from lightning_privdec.compression.bits import _pack_numpy, _pack_torch, _unpack_numpy, _unpack_torch, pack_bits
-from lightning_privdec.privacy import PerSampleGradients, PrivacyConfigError, PrivacyParameters
+from lightning_privdec.privacy import GhostClipping, PerSampleGradients, PrivacyConfigError, PrivacyParameters
 from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
 from lightning_privdec.privacy.dp_step import clip_and_accumulate
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
@@ -216,3 +216,53 @@ def test_topk_threshold_path_keeps_exactly_the_largest(kind: str) -> None:
     threshold = torch.topk(x.abs(), k).values[-1]
     assert bool((x.abs()[kept] >= threshold).all())  # a top-k set (ties may be broken either way)
     assert int((x.abs() > threshold).sum()) <= k
+
+
+class _OwnScale(nn.Module):
+    """A layer with no closed-form rule (replayed): x * w."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "bookkeeping", "ghost"])
+def test_a_loss_scale_is_divided_out_before_clipping_and_an_overflowed_example_contributes_zero(mode: str) -> None:
+    """precision="16-mixed" (docs/privacy.md): the backward pass's loss is multiplied by the GradScaler's scale S;
+    clipping must see unscaled per-example gradients, and an example whose values overflowed (here NaN from its
+    input on) must add nothing rather than poison the sum. Result: exactly the clipped sum of the other examples
+    without any scale (float64; ghost clipping's per-sample losses are not scaled)."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _OwnScale(8), nn.Linear(8, 3)).double()
+
+    torch.manual_seed(1)
+    x, y, clip, scale = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,)), 0.5, 2.0**12
+    kept = [0, 1, 3, 4, 5]
+    overflowed = x.clone()
+    overflowed[2] = float("nan")
+
+    def clipped_sum(inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float | None) -> list[torch.Tensor]:
+        model = build()
+        if mode == "ghost":
+            ghost = GhostClipping(model, clip)
+            if loss_scale is not None:
+                ghost.set_loss_scale(1.0)
+            ghost.backward(F.cross_entropy(model(inputs), targets, reduction="none"))
+            assert ghost.nonfinite_examples == (1 if loss_scale is not None else 0)
+            return [p.grad.clone() for p in model.parameters()]
+        with PerSampleGradients(model, mode, loss_reduction="sum") as per_sample:
+            if loss_scale is not None:
+                per_sample.set_loss_scale(loss_scale)
+            (F.cross_entropy(model(inputs), targets, reduction="sum") * (loss_scale or 1.0)).backward()
+            per_sample.clip_and_sum(clip)
+            assert per_sample.nonfinite_examples == (1 if loss_scale is not None else 0)
+        return [p.grad.clone() for p in model.parameters()]
+
+    expected = clipped_sum(x[kept], y[kept], None)
+    got = clipped_sum(overflowed, y, scale)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

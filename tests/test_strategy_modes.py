@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_privdec.privacy import GRAD_SAMPLE_MODES, PrivacyConfigError
@@ -186,3 +187,60 @@ def test_a_finished_fit_leaves_no_layer_or_input_alive(mode: str, tmp_path) -> N
     del trainer, strategy, model
     gc.collect()
     assert layer() is None
+
+
+class PrivatizedGradients(pl.Callback):
+    """Each step's privatized gradient as the optimizer sees it (after Lightning's precision plugin unscaled it)."""
+
+    def __init__(self) -> None:
+        self.steps: list[torch.Tensor] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        self.steps.append(torch.cat([p.grad.flatten() for p in pl_module.parameters()]).clone())
+
+
+def _fit_16_mixed(name: str, loader: DataLoader, tmp_path, precision: str = "16-mixed"):  # noqa: ANN202
+    """Two steps on CPU: float16 autocast and Lightning's GradScaler (the code path of "16-mixed" on a GPU)."""
+    torch.manual_seed(0)
+    model, probe = PerSampleLossClassifier(ghost=False), PrivatizedGradients()
+    strategy = PRIVATE_STRATEGIES[name](noise_seed=0, **ARGUMENTS[name])
+    plugins = [MixedPrecision("16-mixed", "cpu")] if precision == "16-mixed" else []
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], plugins=plugins,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, loader)
+    return trainer, strategy, model, probe
+
+
+@pytest.mark.parametrize("name", sorted(ARGUMENTS))
+def test_16_mixed_unscales_before_clipping_and_skips_no_step(name: str, tmp_path) -> None:
+    """The privatized gradient under "16-mixed" is the float32 run's (same Poisson batches and noise) to float16's
+    rounding: per-example gradients were unscaled before clipping (clipping the scaled ones would shrink the sum by
+    the scale, 65536); the optimizer gets it in float32, and the GradScaler skipped no step (its scale never backed
+    off), which every node's ledger counts."""
+    *_, reference = _fit_16_mixed(name, _loader(), tmp_path, precision="32-true")
+    trainer, strategy, model, probe = _fit_16_mixed(name, _loader(), tmp_path)
+    assert trainer.global_step == 2 and strategy.privacy.steps == 2
+    assert trainer.precision_plugin.scaler.get_scale() == 2.0**16
+    for got, want in zip(probe.steps, reference.steps):
+        assert got.dtype == torch.float32
+        assert float((got - want).norm() / want.norm()) < 1e-2
+    assert strategy.nonfinite_examples == 0
+
+
+def test_16_mixed_an_overflowing_example_adds_zero_and_no_step_is_skipped(tmp_path) -> None:
+    """Examples whose features overflow float16 (1e6 > 65504: inf - inf = NaN in the first layer's output) contribute
+    zero to the layers they reach; every step is taken (none skipped: a skip would release, without noise, whether
+    some example overflowed), the parameters stay finite and the count is kept for the end-of-fit summary."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    x[::2, :2] = 1e6
+    loader = DataLoader(TensorDataset(x, (x[:, 1] > 0).long()), batch_size=16)
+    trainer, strategy, model, probe = _fit_16_mixed("dp_csgp", loader, tmp_path)
+    assert trainer.global_step == 2 and strategy.privacy.steps == 2
+    assert trainer.precision_plugin.scaler.get_scale() == 2.0**16
+    assert strategy.nonfinite_examples > 0
+    assert all(torch.isfinite(step).all() for step in probe.steps)
+    assert all(torch.isfinite(p).all() for p in model.parameters())

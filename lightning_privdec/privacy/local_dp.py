@@ -96,6 +96,21 @@ class LocalDPSGD:
         self.per_sample = self.ghost = None
         self._module = None
 
+    def set_loss_scale(self, scale: float) -> None:
+        """``precision="16-mixed"``: the next backward pass's loss is multiplied by ``scale`` (ghost clipping's is
+        not); per-example gradients are unscaled before clipping and an example's overflowed (non-finite) rows are
+        zeroed rather than skipping the step (:meth:`PerSampleGradients.set_loss_scale`)."""
+        if self.per_sample is not None:
+            self.per_sample.set_loss_scale(scale)
+        if self.ghost is not None:
+            self.ghost.set_loss_scale(1.0)
+
+    @property
+    def nonfinite_examples(self) -> int:
+        """Examples of the last step with an overflowed (zeroed) per-example gradient part (16-mixed only)."""
+        hooks = self.per_sample if self.per_sample is not None else self.ghost
+        return hooks.nonfinite_examples if hooks is not None else 0
+
     def ghost_backward(self, per_sample_losses: torch.Tensor) -> None:
         """Ghost clipping's two backward passes; ``p.grad`` then holds the sum of clipped per-sample gradients."""
         assert self.ghost is not None

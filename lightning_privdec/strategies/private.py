@@ -114,6 +114,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             target_delta=target_delta,
             accountant=accountant,
         ).validate()
+        self.nonfinite_examples = 0  # "16-mixed": examples whose overflowed per-example gradient parts were zeroed
         if grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise PrivacyConfigError(
                 f"unknown grad_sample_mode {grad_sample_mode!r}; choose 'bookkeeping' (default), 'hooks', "
@@ -198,11 +199,6 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 "the Gaussian mechanism the accountant prices (low-precision noise is open to floating-point attacks, "
                 "Mironov 2012). Use precision='bf16-mixed' (float32 parameters; clipping and noise in float32) or "
                 "'32-true'."
-            )
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise PrivacyConfigError(
-                "precision='16-mixed' scales the loss, so per-sample gradients would be clipped before unscaling "
-                "(an effective bound of C / scale). Use precision='32-true' or 'bf16-mixed' with private strategies."
             )
 
     # ---- data: Poisson sampling of this node's shard ---------------------------------------------------------------
@@ -456,13 +452,19 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         super().on_train_end()
         if self.privacy is None:
             return
-        local = torch.tensor([self.privacy.epsilon(), float(self.privacy.steps)], dtype=torch.float64,
-                             device=self.root_device)
+        local = torch.tensor([self.privacy.epsilon(), float(self.privacy.steps), float(self.nonfinite_examples)],
+                             dtype=torch.float64, device=self.root_device)
         gathered = gather_tensors(local).tolist()
         summary = self.privacy.noise_summary()  # the configuration is the same on every node (checked at setup)
         lines = [f"{type(self).__name__}: final privacy per node (delta = {self.privacy.delta:g}); {summary}"]
         lines += [f"  node {rank}: epsilon = {eps:.4f} after {int(steps)} private steps"
-                  for rank, (eps, steps) in enumerate(gathered)]
+                  for rank, (eps, steps, _) in enumerate(gathered)]
+        overflowed = [f"node {rank}: {int(n)}" for rank, (_, _, n) in enumerate(gathered) if n]
+        if overflowed:
+            lines.append(
+                "  precision='16-mixed': examples that overflowed float16 and contributed zero there "
+                f"({', '.join(overflowed)}); a smaller GradScaler init_scale or precision='bf16-mixed' avoids it"
+            )
         rank_zero_info("\n".join(lines))
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -473,6 +475,9 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         k = self.lightning_module.trainer.accumulate_grad_batches
         loss = closure_loss * k if k > 1 else closure_loss
+        scaler = self._loss_scaler()
+        if scaler is not None:  # "16-mixed": Lightning multiplies the loss by the scale; clipping must not see it
+            self.privacy.set_loss_scale(scaler.get_scale())
         if self.privacy.ghost is not None:
             self.privacy.ghost_backward(loss)  # per-sample losses: the clipped sum without per-sample gradients
         else:
@@ -485,6 +490,25 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         assert self.privacy is not None
         self.privacy.privatize()
         self.write_ahead_step()
+        scaler = self._loss_scaler()
+        if scaler is not None:
+            self._rescale_for_unscaling(scaler.get_scale())
+
+    def _loss_scaler(self) -> Any:
+        """The float16 GradScaler of ``precision="16-mixed"``, or None."""
+        return getattr(self.precision_plugin, "scaler", None)
+
+    def _rescale_for_unscaling(self, scale: float) -> None:
+        """``precision="16-mixed"``: the privatized gradient is unscaled (clipping saw unscaled per-example gradients);
+        Lightning's precision plugin divides every gradient by the scale before the optimizer step, so it is
+        multiplied by the scale here (a power of two: exact). It is finite (an overflowed example's part is zeroed,
+        never the whole step skipped), so the GradScaler skips no step on any node and the ledger counts every step:
+        a skip would release, without noise, whether some example overflowed."""
+        assert self.privacy is not None and self.lightning_module is not None
+        self.nonfinite_examples += self.privacy.nonfinite_examples
+        for p in self.lightning_module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def node_state_dict(self) -> dict[str, Any]:

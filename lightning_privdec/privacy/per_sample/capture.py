@@ -392,10 +392,12 @@ def rule_grad_samples(
     return {named[n]: gs for n, gs in vmap(grad(loss), in_dims=(None, 0, 0))(params, a, backprops).items()}
 
 
-def replay_grad_samples(record: Record, scale: float) -> dict[nn.Parameter, Tensor]:
+def replay_grad_samples(record: Record, scale: float, drop_nonfinite: bool = False) -> dict[nn.Parameter, Tensor]:
     """Per-example gradients of every trainable parameter under a replay layer (module docstring), the output
     gradients multiplied by ``scale`` (B for a mean loss); call it with :attr:`Recorder.replaying` set, so that the
-    replayed forward records nothing."""
+    replayed forward records nothing. ``drop_nonfinite`` (float16 overflow): non-finite input values are replayed
+    as 0 and an example with a non-finite output gradient gets zeros; a non-finite value reaching another example's
+    gradient inside the layer cannot be attributed and is refused."""
     record.check_unchanged()
     module, params = record.module, _trainable(record.module, recurse=True)
     grads = record.grads or []
@@ -418,24 +420,49 @@ def replay_grad_samples(record: Record, scale: float) -> dict[nn.Parameter, Tens
         device_type, enabled, dtype = record.autocast
         stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
         stack.enter_context(torch.enable_grad())
-        output = module.forward(*record.args, **record.kwargs)
+        args, kwargs = record.args, record.kwargs
+        if drop_nonfinite:
+            args, kwargs = tree_map(_finite_values, (args, kwargs))
+        output = module.forward(*args, **kwargs)
     leaves = tree_flatten(output)[0]
     outputs, cotangents = [], []
+    bad_rows = torch.zeros(batch, dtype=torch.bool, device=next(g.device for g in grads if g is not None))
     for k, g, dim in zip(record.positions, grads, record.batch_dims):
         if g is None:
             continue
         shape = [batch if d == dim else 1 for d in range(g.dim())]
-        one_hot = torch.eye(batch, dtype=g.dtype, device=g.device).view(batch, *shape)
+        one_hot = torch.eye(batch, dtype=torch.bool, device=g.device).view(batch, *shape)
         outputs.append(leaves[k])
-        cotangents.append(one_hot * (g * scale).unsqueeze(0))  # row i: g restricted to example i
+        # row i: g restricted to example i (exact zeros elsewhere, also where another example's g is not finite)
+        cotangents.append(torch.where(one_hot, (g * scale).unsqueeze(0), 0))
+        if drop_nonfinite:
+            bad_rows |= ~torch.isfinite(g.movedim(dim, 0)).flatten(1).all(dim=1)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*performance drop because we have not yet implemented")
         cotangents = _external_cotangents(outputs, cotangents)
         samples = torch.autograd.grad(outputs, params, cotangents, is_grads_batched=True, allow_unused=True)
-    return {
+    out = {
         p: gs if gs is not None else torch.zeros((batch, *p.shape), dtype=p.dtype, device=p.device)
         for p, gs in zip(params, samples)
     }
+    if drop_nonfinite:
+        for p, gs in out.items():
+            nonfinite = ~torch.isfinite(gs).flatten(1).all(dim=1)
+            if bool((nonfinite & ~bad_rows).any()):
+                raise FloatingPointError(
+                    f"layer {record.name or '<root>'} ({type(module).__name__}) overflowed inside its replay: one "
+                    "example's non-finite value reached other examples' per-example gradients, which then cannot be "
+                    "separated. Use precision='bf16-mixed', or a smaller GradScaler init_scale"
+                )
+            out[p] = torch.where(nonfinite.view(-1, *([1] * (gs.dim() - 1))), 0, gs)
+    return out
+
+
+def _finite_values(value: Any) -> Any:
+    """A floating tensor with its NaN and infinite values replaced by 0; anything else unchanged."""
+    if isinstance(value, Tensor) and value.is_floating_point():
+        return torch.nan_to_num(value, nan=0.0, posinf=0.0, neginf=0.0)
+    return value
 
 
 def _external_cotangents(outputs: list[Tensor], cotangents: list[Tensor]) -> list[Tensor]:

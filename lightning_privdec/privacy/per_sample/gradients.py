@@ -76,12 +76,19 @@ class _PerSampleArithmetic:
         self.loss_reduction = loss_reduction
         self.batch_first = batch_first
         self.functorch = functorch
+        self.loss_scale = 1.0  # what the backward pass's loss was multiplied by (a float16 GradScaler's scale)
+        self.drop_nonfinite = False  # float16: zero an example's non-finite inputs/output gradients per layer call
+        self.nonfinite_examples = 0  # examples of the last recorded step with something zeroed
 
     def passes(self) -> list[list[_Call]]:
         """The records of each backward pass as calls; for a mean loss the output gradients are multiplied by the
         pass's batch size B (the largest call's), so that they are per-example loss gradients (Opacus's
-        ``rearrange_grad_samples`` does the same per layer)."""
+        ``rearrange_grad_samples`` does the same per layer); all are divided by :attr:`loss_scale`, so clipping
+        sees unscaled gradients. With :attr:`drop_nonfinite`, an example's non-finite rows of a call's input or
+        output gradient (a float16 overflow) are zeroed: its gradient there is 0, and what remains is clipped as
+        usual, so one example still moves the sum by at most C."""
         out = []
+        dropped = 0
         for records in self.recorder.passes():
             calls = []
             for r in records:
@@ -102,12 +109,17 @@ class _PerSampleArithmetic:
                         "privatized sum by more than max_grad_norm. Apply the layer to the whole batch (expand its "
                         "input along the batch dimension)"
                     )
-            scale = batch if self.loss_reduction == "mean" else 1
+            scale = (batch if self.loss_reduction == "mean" else 1) / self.loss_scale
             for c in calls:
                 c.scale = scale
+                if c.backprops is not None and self.loss_scale != 1.0:  # unscaled in float32: float16 underflows
+                    c.backprops = c.backprops.to(torch.promote_types(c.backprops.dtype, torch.float32))
                 if c.backprops is not None and scale != 1:
                     c.backprops = c.backprops * scale
+            if self.drop_nonfinite and batch > 0:
+                dropped += _zero_nonfinite_rows(calls, batch)
             out.append(calls)
+        self.nonfinite_examples = dropped
         return out
 
     def _grad_samples(self, calls: list[_Call]) -> dict[nn.Parameter, Tensor]:
@@ -121,7 +133,7 @@ class _PerSampleArithmetic:
                 if r.kind == "rule":
                     samples = rule_grad_samples(r.module, r.activations, r.backprops, self.functorch)
                 else:
-                    samples = replay_grad_samples(r.record, r.scale)
+                    samples = replay_grad_samples(r.record, r.scale, self.drop_nonfinite)
                 for p, gs in samples.items():
                     if not p.requires_grad:
                         continue
@@ -247,6 +259,33 @@ class _PerSampleArithmetic:
         return norms
 
 
+def _finite_rows(t: Tensor) -> Tensor:
+    """``t`` (batch first) with every row holding a non-finite value set to 0."""
+    finite = torch.isfinite(t).flatten(1).all(dim=1)
+    return t if bool(finite.all()) else torch.where(finite.view(-1, *([1] * (t.dim() - 1))), t, 0)
+
+
+def _zero_nonfinite_rows(calls: list[_Call], batch: int) -> int:
+    """Zero, per rule call, the rows (examples) of its input and output gradient holding a non-finite value;
+    returns how many examples had any row zeroed."""
+    device = next((c.backprops.device for c in calls if c.backprops is not None), None)
+    if device is None:
+        return 0
+    hit = torch.zeros(batch, dtype=torch.bool, device=device)
+    for c in calls:
+        if c.kind != "rule" or c.backprops is None:
+            continue
+        tensors = [c.backprops, *(a for a in c.activations if a.is_floating_point())]
+        bad = torch.zeros(c.batch_size, dtype=torch.bool, device=hit.device)
+        for t in tensors:
+            bad |= ~torch.isfinite(t).flatten(1).all(dim=1)
+        if bool(bad.any()):
+            c.backprops = _finite_rows(c.backprops)
+            c.activations = [_finite_rows(a) if a.is_floating_point() else a for a in c.activations]
+            hit[: c.batch_size] |= bad
+    return int(hit.sum())
+
+
 def _uses(records: list[_Call]) -> dict[int, int]:
     """How many of ``records`` touch each trainable parameter (by id): more than one for tied or recurrent weights."""
     uses: dict[int, int] = {}
@@ -336,6 +375,19 @@ class PerSampleGradients:
         self._batch_grads: dict[nn.Parameter, Tensor] = {}
         self._grad_hooks = [p.register_hook(partial(self._keep_batch_grad, p)) for p in self.parameters]
 
+    def set_loss_scale(self, scale: float, drop_nonfinite: bool = True) -> None:
+        """Under ``precision="16-mixed"``: the next backward pass's loss is multiplied by ``scale`` (the GradScaler's),
+        which every per-example gradient is divided by before clipping; with ``drop_nonfinite`` an example's
+        non-finite (overflowed) rows of a layer call are zeroed instead of poisoning the sum (:attr:`nonfinite_examples`
+        counts the examples of the last step)."""
+        self._arithmetic.loss_scale = float(scale)
+        self._arithmetic.drop_nonfinite = bool(drop_nonfinite)
+
+    @property
+    def nonfinite_examples(self) -> int:
+        """Examples of the last recorded step with a non-finite input or output gradient zeroed somewhere."""
+        return self._arithmetic.nonfinite_examples
+
     @property
     def parameters(self) -> list[nn.Parameter]:
         """Trainable parameters, in ``module.parameters()`` order (the order of :meth:`per_sample_grads`)."""
@@ -405,8 +457,8 @@ class PerSampleGradients:
         if self._checked:
             return
         passes = self._arithmetic.passes()
-        if len(passes) != 1 or max(c.batch_size for c in passes[0]) == 0:
-            return  # nothing recorded yet, an empty batch, or several passes (their sum is no batch gradient)
+        if len(passes) != 1 or max(c.batch_size for c in passes[0]) == 0 or self._arithmetic.nonfinite_examples:
+            return  # nothing recorded yet, an empty batch, several passes (their sum is no batch gradient), overflow
         self._checked = True
         for handle in self._grad_hooks:
             handle.remove()
@@ -417,7 +469,10 @@ class PerSampleGradients:
         scale = 1.0 / max(c.batch_size for c in passes[0]) if self.loss_reduction == "mean" else 1.0
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         grads = self._batch_grads
-        wanted = [grads[p].double() if p in grads else torch.zeros_like(p, dtype=torch.float64) for _, p in named]
+        wanted = [
+            grads[p].double() / self._arithmetic.loss_scale if p in grads else torch.zeros_like(p, dtype=torch.float64)
+            for _, p in named
+        ]
         self._batch_grads = {}
         total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(w) for w in wanted]))
         low = any(c.backprops is not None and c.backprops.dtype in (torch.float16, torch.bfloat16) for c in passes[0])
@@ -512,6 +567,14 @@ class GhostClipping:
             return self._per_sample.clip_and_sum(self.max_grad_norm)
         finally:
             self._per_sample.clear()
+
+    def set_loss_scale(self, scale: float, drop_nonfinite: bool = True) -> None:
+        """As :meth:`PerSampleGradients.set_loss_scale` (the per-sample losses' backward is not scaled: 1)."""
+        self._per_sample.set_loss_scale(scale, drop_nonfinite)
+
+    @property
+    def nonfinite_examples(self) -> int:
+        return self._per_sample.nonfinite_examples
 
     def detach(self) -> None:
         """Remove the hooks from the module."""
