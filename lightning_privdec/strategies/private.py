@@ -463,7 +463,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         if overflowed:
             lines.append(
                 "  precision='16-mixed': examples that overflowed float16 and contributed zero there "
-                f"({', '.join(overflowed)}); a smaller GradScaler init_scale or precision='bf16-mixed' avoids it"
+                f"({', '.join(overflowed)}); float16 stops at 65504: precision='bf16-mixed' avoids it (or, for backward "
+                "overflows, a smaller GradScaler init_scale)"
             )
         rank_zero_info("\n".join(lines))
 
