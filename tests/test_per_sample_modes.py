@@ -234,7 +234,7 @@ def test_a_loss_scale_is_divided_out_before_clipping_and_an_overflowed_example_c
     """precision="16-mixed" (docs/privacy.md): the backward pass's loss is multiplied by the GradScaler's scale S;
     clipping must see unscaled per-example gradients, and an example whose values overflowed (here NaN from its
     input on) must add nothing rather than poison the sum. Result: exactly the clipped sum of the other examples
-    without any scale (float64; ghost clipping's per-sample losses are not scaled)."""
+    without any scale (float64)."""
     def build() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _OwnScale(8), nn.Linear(8, 3)).double()
@@ -249,17 +249,19 @@ def test_a_loss_scale_is_divided_out_before_clipping_and_an_overflowed_example_c
         model = build()
         if mode == "ghost":
             ghost = GhostClipping(model, clip)
+            losses = F.cross_entropy(model(inputs), targets, reduction="none")
             if loss_scale is not None:
-                ghost.set_loss_scale(1.0)
-            ghost.backward(F.cross_entropy(model(inputs), targets, reduction="none"))
-            assert ghost.nonfinite_examples == (1 if loss_scale is not None else 0)
+                ghost.set_loss_scale(loss_scale)
+                losses = losses * loss_scale
+            ghost.backward(losses)
+            assert ghost.take_nonfinite_examples() == (1 if loss_scale is not None else 0)
             return [p.grad.clone() for p in model.parameters()]
         with PerSampleGradients(model, mode, loss_reduction="sum") as per_sample:
             if loss_scale is not None:
                 per_sample.set_loss_scale(loss_scale)
             (F.cross_entropy(model(inputs), targets, reduction="sum") * (loss_scale or 1.0)).backward()
             per_sample.clip_and_sum(clip)
-            assert per_sample.nonfinite_examples == (1 if loss_scale is not None else 0)
+            assert per_sample.take_nonfinite_examples() == (1 if loss_scale is not None else 0)
         return [p.grad.clone() for p in model.parameters()]
 
     expected = clipped_sum(x[kept], y[kept], None)

@@ -244,3 +244,80 @@ def test_16_mixed_an_overflowing_example_adds_zero_and_no_step_is_skipped(tmp_pa
     assert strategy.nonfinite_examples > 0
     assert all(torch.isfinite(step).all() for step in probe.steps)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _NoneOnEmptyBatch(PerSampleLossClassifier):
+    """Returns None for an empty Poisson batch (Lightning then runs no backward pass)."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):  # noqa: ANN201
+        return None if len(batch[0]) == 0 else super().training_step(batch, batch_idx)
+
+
+class _ParameterMoves(pl.Callback):
+    def __init__(self) -> None:
+        self.moves: list[tuple[int, float]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx) -> None:
+        self.before, self.size = torch.cat([p.detach().flatten() for p in pl_module.parameters()]), len(batch[0])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        after = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        self.moves.append((self.size, float((after - self.before).norm())))
+
+
+@pytest.mark.parametrize(("name", "mode", "accumulate"), [
+    ("dp_csgp", "ghost", 1), ("dp_csgp", "bookkeeping", 2), ("decor", "user", 1), ("privsgp_vr", "bookkeeping", 1),
+])
+def test_16_mixed_matches_float32_in_ghost_accumulation_user_level_and_vr_table(name, mode, accumulate, tmp_path):
+    """Ghost clipping (its per-sample losses scaled too), micro-batches, Decor's user-level clipping (the batch
+    gradient unscaled before clipping) and PrivSGP-VR's table (filled under the same scaling) give the float32 run's
+    privatized gradients and parameter moves to float16's rounding; the GradScaler's scale is held (its growth would
+    only grow: no step overflows)."""
+    arguments = dict(ARGUMENTS[name])
+    if mode == "user":
+        arguments["clipping"] = "user"
+    elif name != "privsgp_vr":
+        arguments["grad_sample_mode"] = mode
+    runs = {}
+    for precision in ("32-true", "16-mixed"):
+        torch.manual_seed(0)
+        model, probe, moves = _NoneOnEmptyBatch(ghost=mode == "ghost"), PrivatizedGradients(), _ParameterMoves()
+        strategy = PRIVATE_STRATEGIES[name](noise_seed=0, **arguments)
+        scaler = torch.amp.GradScaler("cpu", growth_interval=1)  # would double the scale every step
+        plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)] if precision == "16-mixed" else []
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[probe, moves], plugins=plugins,
+            accumulate_grad_batches=accumulate, default_root_dir=tmp_path,
+        )
+        trainer.fit(model, _loader())
+        assert strategy.privacy.steps == 4
+        runs[precision] = (probe.steps, moves.moves)
+    assert scaler.get_scale() == 2.0**16
+    for got, want in zip(*(runs[p][0] for p in ("16-mixed", "32-true"))):
+        assert float((got - want).norm() / want.norm()) < 1e-2
+    for (size, got), (want_size, want) in zip(runs["16-mixed"][1], runs["32-true"][1]):  # every step applied
+        assert size == want_size and got == pytest.approx(want, rel=1e-2, abs=1e-9)
+
+
+def test_16_mixed_an_empty_batch_returning_none_still_takes_its_noise_only_step(tmp_path) -> None:
+    """Lightning's precision plugin skips the optimizer step when the closure returns None; the strategy returns a
+    zero loss instead, so the noise-only update of an empty Poisson batch is applied as in float32 (a node that kept
+    its model would reveal that its batch was empty)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    loader = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=1)  # q = 1/64: empty batches are common
+    moved = {}
+    for precision in ("32-true", "16-mixed"):
+        torch.manual_seed(0)
+        model, moves = _NoneOnEmptyBatch(ghost=False), _ParameterMoves()
+        strategy = PRIVATE_STRATEGIES["dp_csgp"](noise_seed=0, max_grad_norm=1.0, noise_multiplier=1.0)
+        plugins = [MixedPrecision("16-mixed", "cpu")] if precision == "16-mixed" else []
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[moves], plugins=plugins, default_root_dir=tmp_path)
+        trainer.fit(model, loader)
+        moved[precision] = moves.moves
+    assert any(size == 0 for size, _ in moved["16-mixed"])
+    for (size, got), (_, want) in zip(moved["16-mixed"], moved["32-true"]):
+        assert got == pytest.approx(want, rel=1e-2), size

@@ -65,6 +65,7 @@ class LocalDPSGD:
         self.sampling_generator = node_noise_generator("cpu", noise_seed, rank, stream="sampling")
         self.per_sample: PerSampleGradients | None = None
         self.ghost: GhostClipping | None = None
+        self.loss_scale = 1.0  # precision="16-mixed": the GradScaler's scale of the current step's loss
         self._module: nn.Module | None = None
         self._ghost_norms: torch.Tensor | None = None
         self.noise_multiplier: float | None = None
@@ -97,19 +98,18 @@ class LocalDPSGD:
         self._module = None
 
     def set_loss_scale(self, scale: float) -> None:
-        """``precision="16-mixed"``: the next backward pass's loss is multiplied by ``scale`` (ghost clipping's is
-        not); per-example gradients are unscaled before clipping and an example's overflowed (non-finite) rows are
-        zeroed rather than skipping the step (:meth:`PerSampleGradients.set_loss_scale`)."""
-        if self.per_sample is not None:
-            self.per_sample.set_loss_scale(scale)
-        if self.ghost is not None:
-            self.ghost.set_loss_scale(1.0)
+        """``precision="16-mixed"``: the next backward pass's loss (ghost clipping's per-sample losses) is multiplied
+        by ``scale``; per-example gradients are unscaled before clipping and an example's overflowed (non-finite) rows
+        are zeroed rather than skipping the step (:meth:`PerSampleGradients.set_loss_scale`)."""
+        self.loss_scale = float(scale)
+        for hooks in (self.per_sample, self.ghost):
+            if hooks is not None:
+                hooks.set_loss_scale(scale)
 
-    @property
-    def nonfinite_examples(self) -> int:
-        """Examples of the last step with an overflowed (zeroed) per-example gradient part (16-mixed only)."""
+    def take_nonfinite_examples(self) -> int:
+        """Examples with an overflowed (zeroed) per-example gradient part since the last call (16-mixed only)."""
         hooks = self.per_sample if self.per_sample is not None else self.ghost
-        return hooks.nonfinite_examples if hooks is not None else 0
+        return hooks.take_nonfinite_examples() if hooks is not None else 0
 
     def ghost_backward(self, per_sample_losses: torch.Tensor) -> None:
         """Ghost clipping's two backward passes; ``p.grad`` then holds the sum of clipped per-sample gradients."""

@@ -376,6 +376,10 @@ class DecentralizedStrategy(DDPStrategy):
     def transform_gradients(self) -> None:
         """Hook between backward and the optimizer update (per-sample clipping and noise in private strategies)."""
 
+    def closure_result(self, loss: Any) -> Any:
+        """What the step's closure returns to the precision plugin and optimizer (the loss by default)."""
+        return loss
+
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -402,7 +406,7 @@ class DecentralizedStrategy(DDPStrategy):
             self.transform_gradients()
             self._check_finite(loss)  # nothing non-finite ever reaches the numerator or a neighbour
             flat.buffer.copy_(gossip.x)  # the optimizer updates the numerator x
-            return loss
+            return self.closure_result(loss)
 
         output = ParallelStrategy.optimizer_step(self, optimizer, gradients_then_numerator, model, **kwargs)
         gossip.step(flat.buffer)  # x^{t+1/2} -> neighbours -> x^{t+1}, y^{t+1}

@@ -7,6 +7,7 @@ that follows only sees privatized updates, so it is post-processing: compression
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,6 +30,8 @@ from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_
 from lightning_privdec.privacy.write_ahead import WriteAheadLedger, new_run_id
 from lightning_privdec.strategies.base import DecentralizedStrategy
 from lightning_privdec.strategies.checks import gather_from_nodes, gather_tensors
+
+log = logging.getLogger("lightning.pytorch")  # Lightning's console handler; used for each node's own lines
 
 #: the choices of ``resume_noise=`` (see :class:`PrivateDecentralizedStrategy`)
 RESUME_NOISE = ("auto", "recalibrate", "keep")
@@ -191,6 +194,13 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 "strategy cannot tell which backward passes make one private step. Remove "
                 "`self.automatic_optimization = False`."
             )
+        scaler = self._loss_scaler()
+        if scaler is not None:  # "16-mixed" (docs/privacy.md)
+            # no step ever overflows (an overflowed example is zeroed instead), so a growing scale would only grow,
+            # until every example overflows: the scale is held at its initial value. Created now, so that a first
+            # step without a backward pass (an empty Poisson batch) is unscaled like any other
+            scaler.set_growth_factor(1.0)
+            scaler.scale(torch.zeros((), device=self.root_device))
         if isinstance(self.precision_plugin, HalfPrecision):
             raise PrivacyConfigError(
                 f"precision={trainer.precision!r} keeps parameters, gradients and noise in "
@@ -370,6 +380,10 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 loss = output.get("loss") if isinstance(output, dict) else output
                 if loss is None:
                     return False
+                scaler = self._loss_scaler()
+                if scaler is not None:  # "16-mixed": as in a training step (backward)
+                    self.privacy.set_loss_scale(scaler.get_scale())
+                    loss = scaler.scale(loss)
                 loss.backward()
                 return True
         finally:
@@ -452,21 +466,20 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         super().on_train_end()
         if self.privacy is None:
             return
-        local = torch.tensor([self.privacy.epsilon(), float(self.privacy.steps), float(self.nonfinite_examples)],
-                             dtype=torch.float64, device=self.root_device)
+        local = torch.tensor([self.privacy.epsilon(), float(self.privacy.steps)], dtype=torch.float64,
+                             device=self.root_device)
         gathered = gather_tensors(local).tolist()
         summary = self.privacy.noise_summary()  # the configuration is the same on every node (checked at setup)
         lines = [f"{type(self).__name__}: final privacy per node (delta = {self.privacy.delta:g}); {summary}"]
         lines += [f"  node {rank}: epsilon = {eps:.4f} after {int(steps)} private steps"
-                  for rank, (eps, steps, _) in enumerate(gathered)]
-        overflowed = [f"node {rank}: {int(n)}" for rank, (_, _, n) in enumerate(gathered) if n]
-        if overflowed:
-            lines.append(
-                "  precision='16-mixed': examples that overflowed float16 and contributed zero there "
-                f"({', '.join(overflowed)}); float16 stops at 65504: precision='bf16-mixed' avoids it (or, for backward "
-                "overflows, a smaller GradScaler init_scale)"
-            )
+                  for rank, (eps, steps) in enumerate(gathered)]
         rank_zero_info("\n".join(lines))
+        if self.nonfinite_examples:  # each node its own: the count depends on its data and is never sent
+            log.info(
+                f"{type(self).__name__}, node {self.global_rank}: {self.nonfinite_examples} examples overflowed "
+                "float16 under precision='16-mixed' and contributed zero where they did; float16 stops at 65504: "
+                "precision='bf16-mixed' avoids it (or, for backward overflows, a smaller GradScaler init_scale)"
+            )
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Per-sample backward; with ``accumulate_grad_batches = k`` each of the k micro-batches of a logical Poisson
@@ -477,10 +490,10 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         k = self.lightning_module.trainer.accumulate_grad_batches
         loss = closure_loss * k if k > 1 else closure_loss
         scaler = self._loss_scaler()
-        if scaler is not None:  # "16-mixed": Lightning multiplies the loss by the scale; clipping must not see it
+        if scaler is not None:  # "16-mixed": the loss is multiplied by the scale; clipping must not see it
             self.privacy.set_loss_scale(scaler.get_scale())
-        if self.privacy.ghost is not None:
-            self.privacy.ghost_backward(loss)  # per-sample losses: the clipped sum without per-sample gradients
+        if self.privacy.ghost is not None:  # per-sample losses: the clipped sum without per-sample gradients
+            self.privacy.ghost_backward(scaler.scale(loss) if scaler is not None else loss)
         else:
             super().backward(loss, optimizer, *args, **kwargs)
         if k > 1:
@@ -495,6 +508,13 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         if scaler is not None:
             self._rescale_for_unscaling(scaler.get_scale())
 
+    def closure_result(self, loss: Any) -> Any:
+        """Under "16-mixed" never None (a step whose batch was empty): Lightning's precision plugin would then skip
+        the optimizer step, and the node would gossip a model without its noise-only update."""
+        if loss is None and self._loss_scaler() is not None:
+            return torch.zeros((), device=self.root_device)
+        return loss
+
     def _loss_scaler(self) -> Any:
         """The float16 GradScaler of ``precision="16-mixed"``, or None."""
         return getattr(self.precision_plugin, "scaler", None)
@@ -502,11 +522,12 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
     def _rescale_for_unscaling(self, scale: float) -> None:
         """``precision="16-mixed"``: the privatized gradient is unscaled (clipping saw unscaled per-example gradients);
         Lightning's precision plugin divides every gradient by the scale before the optimizer step, so it is
-        multiplied by the scale here (a power of two: exact). It is finite (an overflowed example's part is zeroed,
-        never the whole step skipped), so the GradScaler skips no step on any node and the ledger counts every step:
-        a skip would release, without noise, whether some example overflowed."""
+        multiplied by the scale here (exact for the power-of-two scales GradScaler uses). It is finite (an
+        overflowed example's part is zeroed, never the whole step skipped), so the GradScaler skips no step on any
+        node and the ledger counts every step: a skip would release, without noise, whether some example
+        overflowed."""
         assert self.privacy is not None and self.lightning_module is not None
-        self.nonfinite_examples += self.privacy.nonfinite_examples
+        self.nonfinite_examples += self.privacy.take_nonfinite_examples()
         for p in self.lightning_module.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)

@@ -161,11 +161,11 @@ def _conv_weight_grad(module: nn.Module, g: Tensor, a: Tensor) -> Tensor:
     batch), by the same kernel autograd uses. Kernel taps that read only zero padding at every output position
     (a 3x3 kernel on a 1x1 map keeps only its centre) get gradient 0 without being computed: the live taps' gradient
     is that of a cropped kernel on the explicitly padded input."""
-    dims = module.weight.dim() - 2
+    dims, weight = module.weight.dim() - 2, module.weight.detach()  # no autograd graph on the result
     live = _live_taps(module, a.shape[2:], g.shape[2:])
     if live is None:
         return torch.ops.aten.convolution_backward(
-            g, a, module.weight, None, list(module.stride), list(module.padding), list(module.dilation), False,
+            g, a, weight, None, list(module.stride), list(module.padding), list(module.dilation), False,
             [0] * dims, module.groups, [False, True, False],
         )[1]
     pads: list[int] = []
@@ -177,10 +177,10 @@ def _conv_weight_grad(module: nn.Module, g: Tensor, a: Tensor) -> Tensor:
         pads = [before, after, *pads]  # F.pad lists the last dimension first
     window = (..., *[slice(first, last + 1) for first, last in live])
     cropped = torch.ops.aten.convolution_backward(
-        g, nn.functional.pad(a, pads), module.weight[window], None, list(module.stride), [0] * dims,
+        g, nn.functional.pad(a, pads), weight[window], None, list(module.stride), [0] * dims,
         list(module.dilation), False, [0] * dims, module.groups, [False, True, False],
     )[1]
-    full = torch.zeros_like(module.weight, dtype=cropped.dtype)
+    full = torch.zeros_like(weight, dtype=cropped.dtype)
     full[window] = cropped
     return full
 

@@ -433,18 +433,21 @@ def replay_grad_samples(record: Record, scale: float, drop_nonfinite: bool = Fal
         shape = [batch if d == dim else 1 for d in range(g.dim())]
         one_hot = torch.eye(batch, dtype=torch.bool, device=g.device).view(batch, *shape)
         outputs.append(leaves[k])
-        # row i: g restricted to example i (exact zeros elsewhere, also where another example's g is not finite)
-        cotangents.append(torch.where(one_hot, (g * scale).unsqueeze(0), 0))
+        # row i: g restricted to example i (exact zeros elsewhere, also where another example's g is not finite);
+        # ``scale`` is applied to the results, in the parameters' precision (float16 would underflow B / S)
+        cotangents.append(torch.where(one_hot, g.unsqueeze(0), 0))
         if drop_nonfinite:
             bad_rows |= ~torch.isfinite(g.movedim(dim, 0)).flatten(1).all(dim=1)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*performance drop because we have not yet implemented")
         cotangents = _external_cotangents(outputs, cotangents)
         samples = torch.autograd.grad(outputs, params, cotangents, is_grads_batched=True, allow_unused=True)
-    out = {
-        p: gs if gs is not None else torch.zeros((batch, *p.shape), dtype=p.dtype, device=p.device)
-        for p, gs in zip(params, samples)
-    }
+    out = {}
+    for p, gs in zip(params, samples):
+        if gs is None:
+            out[p] = torch.zeros((batch, *p.shape), dtype=p.dtype, device=p.device)
+        else:
+            out[p] = gs if scale == 1 else gs * scale
     if drop_nonfinite:
         for p, gs in out.items():
             nonfinite = ~torch.isfinite(gs).flatten(1).all(dim=1)

@@ -78,7 +78,9 @@ class _PerSampleArithmetic:
         self.functorch = functorch
         self.loss_scale = 1.0  # what the backward pass's loss was multiplied by (a float16 GradScaler's scale)
         self.drop_nonfinite = False  # float16: zero an example's non-finite inputs/output gradients per layer call
-        self.nonfinite_examples = 0  # examples of the last recorded step with something zeroed
+        self.nonfinite_examples = 0  # examples with something zeroed, over the passes counted since the last take
+        self._counted: set[int] = set()  # the passes already counted (passes() may run several times per pass)
+        self.last_pass_nonfinite = 0  # examples with something zeroed in the last pass passes() built
 
     def passes(self) -> list[list[_Call]]:
         """The records of each backward pass as calls; for a mean loss the output gradients are multiplied by the
@@ -88,7 +90,6 @@ class _PerSampleArithmetic:
         output gradient (a float16 overflow) are zeroed: its gradient there is 0, and what remains is clipped as
         usual, so one example still moves the sum by at most C."""
         out = []
-        dropped = 0
         for records in self.recorder.passes():
             calls = []
             for r in records:
@@ -112,14 +113,16 @@ class _PerSampleArithmetic:
             scale = (batch if self.loss_reduction == "mean" else 1) / self.loss_scale
             for c in calls:
                 c.scale = scale
-                if c.backprops is not None and self.loss_scale != 1.0:  # unscaled in float32: float16 underflows
+                if c.backprops is not None and self.drop_nonfinite:  # float16: unscaled and summed in float32
                     c.backprops = c.backprops.to(torch.promote_types(c.backprops.dtype, torch.float32))
                 if c.backprops is not None and scale != 1:
                     c.backprops = c.backprops * scale
             if self.drop_nonfinite and batch > 0:
-                dropped += _zero_nonfinite_rows(calls, batch)
+                dropped = self.last_pass_nonfinite = _zero_nonfinite_rows(calls, batch)
+                if id(records[0]) not in self._counted:
+                    self._counted.add(id(records[0]))
+                    self.nonfinite_examples += dropped
             out.append(calls)
-        self.nonfinite_examples = dropped
         return out
 
     def _grad_samples(self, calls: list[_Call]) -> dict[nn.Parameter, Tensor]:
@@ -378,15 +381,16 @@ class PerSampleGradients:
     def set_loss_scale(self, scale: float, drop_nonfinite: bool = True) -> None:
         """Under ``precision="16-mixed"``: the next backward pass's loss is multiplied by ``scale`` (the GradScaler's),
         which every per-example gradient is divided by before clipping; with ``drop_nonfinite`` an example's
-        non-finite (overflowed) rows of a layer call are zeroed instead of poisoning the sum (:attr:`nonfinite_examples`
-        counts the examples of the last step)."""
+        non-finite (overflowed) rows of a layer call are zeroed instead of poisoning the sum (counted by
+        :meth:`take_nonfinite_examples`), and output gradients are unscaled and summed in float32."""
         self._arithmetic.loss_scale = float(scale)
         self._arithmetic.drop_nonfinite = bool(drop_nonfinite)
 
-    @property
-    def nonfinite_examples(self) -> int:
-        """Examples of the last recorded step with a non-finite input or output gradient zeroed somewhere."""
-        return self._arithmetic.nonfinite_examples
+    def take_nonfinite_examples(self) -> int:
+        """Examples with a non-finite (overflowed) input or output gradient zeroed somewhere, over the backward
+        passes since the last call (each pass counted once); resets the count."""
+        count, self._arithmetic.nonfinite_examples = self._arithmetic.nonfinite_examples, 0
+        return count
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -457,7 +461,7 @@ class PerSampleGradients:
         if self._checked:
             return
         passes = self._arithmetic.passes()
-        if len(passes) != 1 or max(c.batch_size for c in passes[0]) == 0 or self._arithmetic.nonfinite_examples:
+        if len(passes) != 1 or max(c.batch_size for c in passes[0]) == 0 or self._arithmetic.last_pass_nonfinite:
             return  # nothing recorded yet, an empty batch, several passes (their sum is no batch gradient), overflow
         self._checked = True
         for handle in self._grad_hooks:
@@ -491,6 +495,7 @@ class PerSampleGradients:
 
     def clear(self) -> None:
         """Forget the stored per-sample gradients and activations (call after every optimizer step)."""
+        self._arithmetic._counted.clear()
         self._hooks.forget()
         self._batch_grads = {}
         for p in self.module.parameters():
@@ -569,12 +574,11 @@ class GhostClipping:
             self._per_sample.clear()
 
     def set_loss_scale(self, scale: float, drop_nonfinite: bool = True) -> None:
-        """As :meth:`PerSampleGradients.set_loss_scale` (the per-sample losses' backward is not scaled: 1)."""
+        """As :meth:`PerSampleGradients.set_loss_scale` (``scale``: what the per-sample losses were multiplied by)."""
         self._per_sample.set_loss_scale(scale, drop_nonfinite)
 
-    @property
-    def nonfinite_examples(self) -> int:
-        return self._per_sample.nonfinite_examples
+    def take_nonfinite_examples(self) -> int:
+        return self._per_sample.take_nonfinite_examples()
 
     def detach(self) -> None:
         """Remove the hooks from the module."""
