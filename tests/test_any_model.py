@@ -272,16 +272,34 @@ def _per_example_loop(model: nn.Module, batch: tuple, losses) -> list[list[Tenso
     return out
 
 
+@pytest.fixture(scope="module")
+def references() -> dict[str, tuple[list[Tensor], float, list[Tensor], Tensor]]:
+    """Per model: its initial parameters, the clip and the per-example loop's clipped sum and norms. The loop does not
+    depend on the mode: the model's first test computes it, its other modes' tests (next in the order) reuse it."""
+    return {}
+
+
+def _reference(references: dict, name: str, model: nn.Module, batch: tuple, losses) -> tuple[float, list, Tensor]:
+    if name not in references:
+        reference = _per_example_loop(model, batch, losses)
+        per_example = [torch.stack(gs) for gs in zip(*reference)]
+        norms = torch.stack([torch.linalg.vector_norm(torch.cat([g.flatten() for g in gs])) for gs in reference])
+        clip = float(norms.median())  # clips some examples, not all
+        expected, expected_norms = clip_and_accumulate(per_example, clip, torch.device("cpu"))
+        references[name] = ([p.detach().clone() for p in model.parameters()], clip, expected, expected_norms)
+    initial, clip, expected, expected_norms = references[name]
+    # the reference is this model's: _build seeds the initialisation, so every mode's test builds the same model
+    assert len(initial) == len(list(model.parameters()))
+    assert all(torch.equal(a, p) for a, p in zip(initial, model.parameters()))
+    return clip, expected, expected_norms
+
+
 @pytest.mark.parametrize(
     ("name", "mode"), [(name, mode) for name in MODELS for mode in MODES.get(name, GRAD_SAMPLE_MODES)]
 )
-def test_clipped_sum_equals_the_per_example_loop(name: str, mode: str) -> None:
+def test_clipped_sum_equals_the_per_example_loop(name: str, mode: str, references: dict) -> None:
     model, batch, losses = _build(name)
-    reference = _per_example_loop(model, batch, losses)
-    per_example = [torch.stack(gs) for gs in zip(*reference)]
-    norms = torch.stack([torch.linalg.vector_norm(torch.cat([g.flatten() for g in gs])) for gs in reference])
-    clip = float(norms.median())  # clips some examples, not all
-    expected, expected_norms = clip_and_accumulate(per_example, clip, torch.device("cpu"))
+    clip, expected, expected_norms = _reference(references, name, model, batch, losses)
     if mode == "ghost":
         ghost = GhostClipping(model, clip)
         got_norms = ghost.backward(losses(model, batch))
