@@ -222,14 +222,17 @@ def _conv_squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dt
     return squared
 
 
+def _as_2d(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, tuple]:
+    """A Conv1d's input and output gradient as a Conv2d's of height 1, and (kernel, dilation, padding, stride)."""
+    if type(module) is nn.Conv1d:
+        names = ("kernel_size", "dilation", "padding", "stride")
+        return a.unsqueeze(2), g.unsqueeze(2), tuple((k, *getattr(module, n)) for k, n in zip((1, 1, 0, 1), names))
+    return a, g, (module.kernel_size, module.dilation, module.padding, module.stride)
+
+
 def _conv_ghost_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype) -> Tensor:
     """Ghost norms of a Conv1d/Conv2d: unfold the input into patches U (B, p * groups, T), then per group."""
-    if type(module) is nn.Conv1d:  # as a Conv2d of height 1
-        a, g = a.unsqueeze(2), g.unsqueeze(2)
-        kernel, dilation, stride = [(1, *getattr(module, n)) for n in ("kernel_size", "dilation", "stride")]
-        padding = (0, *module.padding)
-    else:
-        kernel, dilation, padding, stride = module.kernel_size, module.dilation, module.padding, module.stride
+    a, g, (kernel, dilation, padding, stride) = _as_2d(module, a, g)
     patches = nn.functional.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)
     batch, groups, steps = g.shape[0], module.groups, patches.shape[-1]
     u = patches.view(batch * groups, -1, steps)
@@ -240,12 +243,7 @@ def _conv_ghost_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtyp
 def _conv_input_gram_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype) -> Tensor:
     """Ghost norms of a Conv1d/Conv2d with the patches' Gram ``U_i^T U_i`` summed from the padded input's position
     Gram ``S_i``: one (N x N) product per example and group instead of unfolding (module docstring)."""
-    if type(module) is nn.Conv1d:  # as a Conv2d of height 1
-        a, g = a.unsqueeze(2), g.unsqueeze(2)
-        kernel, dilation, stride = [(1, *getattr(module, n)) for n in ("kernel_size", "dilation", "stride")]
-        padding = (0, *module.padding)
-    else:
-        kernel, dilation, padding, stride = module.kernel_size, module.dilation, module.padding, module.stride
+    a, g, (kernel, dilation, padding, stride) = _as_2d(module, a, g)
     padded = nn.functional.pad(a, (padding[1], padding[1], padding[0], padding[0]))
     batch, groups, (height, width), (out_h, out_w) = g.shape[0], module.groups, padded.shape[2:], g.shape[2:]
     positions = padded.reshape(batch * groups, -1, height * width)
