@@ -99,3 +99,16 @@ def test_ghost_clipping_follows_the_per_sample_hooks_trajectory(tmp_path):
     for a, b in zip(hooks, ghost):
         assert a["global_step"] == b["global_step"] == 22
         assert torch.allclose(a["params"], b["params"], atol=1e-4), (a["params"] - b["params"]).abs().max()
+
+
+def test_16_mixed_takes_the_same_steps_on_every_node_as_float32(tmp_path):
+    """precision="16-mixed" (float16 autocast and Lightning's GradScaler, on CPU) on 4 gossiping nodes: every node
+    takes every step (none skipped), each node's ledger counts the float32 run's steps and epsilon, and the models
+    follow the float32 run's trajectory to float16's rounding (per-example gradients unscaled before clipping)."""
+    common = ["--strategy", "dp_csgp", "--epsilon", "3", "--noise-seed", "3", "--max-epochs", "2", "--lr", "0.3"]
+    wide, half = fit_digits_in_one_launch((tmp_path / "float32", common), (tmp_path / "float16", [*common, "--float16"]))
+    for a, b in zip(wide, half):
+        assert a["global_step"] == b["global_step"] == 22 and a["ledger_steps"] == b["ledger_steps"] == 22
+        assert a["epsilon"] == pytest.approx(b["epsilon"], rel=1e-12)
+        assert float((a["params"] - b["params"]).norm() / a["params"].norm()) < 1e-2
+        assert abs(a["test_acc"] - b["test_acc"]) < 0.05

@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_privdec import PrivacyBudgetCallback
 from lightning_privdec.strategies import NON_PRIVATE_STRATEGIES, PRIVATE_STRATEGIES
@@ -95,6 +96,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--grad-sample-mode", default="hooks", choices=["hooks", "functorch", "ghost"])
     parser.add_argument("--strategy-kwargs", default="{}", help="JSON object of extra strategy arguments")
     parser.add_argument("--csv", action="store_true", help="log to a CSVLogger under --out")
+    parser.add_argument("--float16", action="store_true",
+                        help="precision '16-mixed' on CPU: float16 autocast and Lightning's GradScaler")
     return parser
 
 
@@ -138,6 +141,7 @@ def fit(args: argparse.Namespace) -> None:
         logger=CSVLogger(args.out, name="csv", version=0) if args.csv else False,
         log_every_n_steps=5,
         enable_checkpointing=args.ckpt_dir is not None,
+        plugins=[MixedPrecision("16-mixed", "cpu")] if args.float16 else None,
         default_root_dir=args.out,  # the write-ahead privacy ledger of runs without checkpoints goes here
         enable_progress_bar=False,
         enable_model_summary=False,
