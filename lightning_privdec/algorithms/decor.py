@@ -213,9 +213,11 @@ class DecorNode(PrivateNodeAlgorithm):
         else:
             # the user's whole-batch gradient, unscaled (16-mixed's loss scale); one that overflowed float16 is 0: the
             # privacy unit here is the node's whole batch, so dropping it keeps the sensitivity at C
-            grads = [p.grad / self.loss_scale if p.grad is not None else torch.zeros_like(p) for p in params]
-            if self.loss_scale != 1.0 and not all(bool(torch.isfinite(g).all()) for g in grads):
-                grads = [torch.zeros_like(p) for p in params]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            if self.loss_scale != 1.0:
+                grads = [g / self.loss_scale for g in grads]
+                if not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+                    grads = [torch.zeros_like(p) for p in params]
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
             factor = clip_factor(norm, C)
             for p, g in zip(params, grads):

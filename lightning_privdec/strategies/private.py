@@ -380,11 +380,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 loss = output.get("loss") if isinstance(output, dict) else output
                 if loss is None:
                     return False
-                scaler = self._loss_scaler()
-                if scaler is not None:  # "16-mixed": as in a training step (backward)
-                    self.privacy.set_loss_scale(scaler.get_scale())
-                    loss = scaler.scale(loss)
-                loss.backward()
+                scaler = self._tell_loss_scale()  # "16-mixed": as in a training step (backward)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
                 return True
         finally:
             del module.log, module.log_dict  # the class's own methods again
@@ -489,9 +486,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         k = self.lightning_module.trainer.accumulate_grad_batches
         loss = closure_loss * k if k > 1 else closure_loss
-        scaler = self._loss_scaler()
-        if scaler is not None:  # "16-mixed": the loss is multiplied by the scale; clipping must not see it
-            self.privacy.set_loss_scale(scaler.get_scale())
+        scaler = self._tell_loss_scale()
         if self.privacy.ghost is not None:  # per-sample losses: the clipped sum without per-sample gradients
             self.privacy.ghost_backward(scaler.scale(loss) if scaler is not None else loss)
         else:
@@ -504,9 +499,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         assert self.privacy is not None
         self.privacy.privatize()
         self.write_ahead_step()
-        scaler = self._loss_scaler()
-        if scaler is not None:
-            self._rescale_for_unscaling(scaler.get_scale())
+        if self._loss_scaler() is not None:
+            self._rescale_for_unscaling(self.privacy.loss_scale)  # the scale the step's backward passes were told
 
     def closure_result(self, loss: Any) -> Any:
         """Under "16-mixed" never None (a step whose batch was empty): Lightning's precision plugin would then skip
@@ -518,6 +512,15 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
     def _loss_scaler(self) -> Any:
         """The float16 GradScaler of ``precision="16-mixed"``, or None."""
         return getattr(self.precision_plugin, "scaler", None)
+
+    def _tell_loss_scale(self) -> Any:
+        """Before a backward pass under "16-mixed": the node learns the scale the loss is multiplied by (clipping must
+        not see it); returns the GradScaler, or None."""
+        scaler = self._loss_scaler()
+        if scaler is not None:
+            assert self.privacy is not None
+            self.privacy.set_loss_scale(scaler.get_scale())
+        return scaler
 
     def _rescale_for_unscaling(self, scale: float) -> None:
         """``precision="16-mixed"``: the privatized gradient is unscaled (clipping saw unscaled per-example gradients);

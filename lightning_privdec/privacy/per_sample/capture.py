@@ -426,7 +426,7 @@ def replay_grad_samples(record: Record, scale: float, drop_nonfinite: bool = Fal
         output = module.forward(*args, **kwargs)
     leaves = tree_flatten(output)[0]
     outputs, cotangents = [], []
-    bad_rows = torch.zeros(batch, dtype=torch.bool, device=next(g.device for g in grads if g is not None))
+    bad_rows: Tensor | None = None  # drop_nonfinite: examples whose output gradient is not finite
     for k, g, dim in zip(record.positions, grads, record.batch_dims):
         if g is None:
             continue
@@ -437,7 +437,8 @@ def replay_grad_samples(record: Record, scale: float, drop_nonfinite: bool = Fal
         # ``scale`` is applied to the results, in the parameters' precision (float16 would underflow B / S)
         cotangents.append(torch.where(one_hot, g.unsqueeze(0), 0))
         if drop_nonfinite:
-            bad_rows |= ~torch.isfinite(g.movedim(dim, 0)).flatten(1).all(dim=1)
+            bad = ~torch.isfinite(g.movedim(dim, 0)).flatten(1).all(dim=1)
+            bad_rows = bad if bad_rows is None else bad_rows | bad
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*performance drop because we have not yet implemented")
         cotangents = _external_cotangents(outputs, cotangents)
@@ -448,16 +449,18 @@ def replay_grad_samples(record: Record, scale: float, drop_nonfinite: bool = Fal
             out[p] = torch.zeros((batch, *p.shape), dtype=p.dtype, device=p.device)
         else:
             out[p] = gs if scale == 1 else gs * scale
-    if drop_nonfinite:
-        for p, gs in out.items():
-            nonfinite = ~torch.isfinite(gs).flatten(1).all(dim=1)
-            if bool((nonfinite & ~bad_rows).any()):
-                raise FloatingPointError(
-                    f"layer {record.name or '<root>'} ({type(module).__name__}) overflowed inside its replay: one "
-                    "example's non-finite value reached other examples' per-example gradients, which then cannot be "
-                    "separated. Use precision='bf16-mixed', or a smaller GradScaler init_scale"
-                )
-            out[p] = torch.where(nonfinite.view(-1, *([1] * (gs.dim() - 1))), 0, gs)
+    if drop_nonfinite and out:
+        nonfinite = {p: ~torch.isfinite(gs).flatten(1).all(dim=1) for p, gs in out.items()}
+        expected = bad_rows if bad_rows is not None else torch.zeros(batch, dtype=torch.bool)
+        leaked = torch.stack([(rows & ~expected.to(rows.device)).any() for rows in nonfinite.values()]).any()
+        if bool(leaked):  # one host synchronisation per replayed call
+            raise FloatingPointError(
+                f"layer {record.name or '<root>'} ({type(module).__name__}) overflowed inside its replay: one "
+                "example's non-finite value reached other examples' per-example gradients, which then cannot be "
+                "separated. Use precision='bf16-mixed', or a smaller GradScaler init_scale"
+            )
+        for p, rows in nonfinite.items():
+            out[p] = torch.where(rows.view(-1, *([1] * (out[p].dim() - 1))), 0, out[p])
     return out
 
 

@@ -262,31 +262,39 @@ class _PerSampleArithmetic:
         return norms
 
 
-def _finite_rows(t: Tensor) -> Tensor:
-    """``t`` (batch first) with every row holding a non-finite value set to 0."""
-    finite = torch.isfinite(t).flatten(1).all(dim=1)
-    return t if bool(finite.all()) else torch.where(finite.view(-1, *([1] * (t.dim() - 1))), t, 0)
+def _nonfinite_rows(t: Tensor) -> Tensor:
+    """Which rows (examples) of the batch-first ``t`` hold a non-finite value."""
+    return ~torch.isfinite(t).flatten(1).all(dim=1)
+
+
+def _zero_rows(t: Tensor, rows: Tensor) -> Tensor:
+    return torch.where(rows.view(-1, *([1] * (t.dim() - 1))), 0, t)
 
 
 def _zero_nonfinite_rows(calls: list[_Call], batch: int) -> int:
-    """Zero, per rule call, the rows (examples) of its input and output gradient holding a non-finite value;
-    returns how many examples had any row zeroed."""
+    """Zero, per rule call, the rows (examples) of its input and of its output gradient holding a non-finite
+    value; returns how many examples had any row zeroed (one host synchronisation per pass)."""
     device = next((c.backprops.device for c in calls if c.backprops is not None), None)
     if device is None:
         return 0
     hit = torch.zeros(batch, dtype=torch.bool, device=device)
+    marked = []
     for c in calls:
         if c.kind != "rule" or c.backprops is None:
             continue
-        tensors = [c.backprops, *(a for a in c.activations if a.is_floating_point())]
-        bad = torch.zeros(c.batch_size, dtype=torch.bool, device=hit.device)
-        for t in tensors:
-            bad |= ~torch.isfinite(t).flatten(1).all(dim=1)
-        if bool(bad.any()):
-            c.backprops = _finite_rows(c.backprops)
-            c.activations = [_finite_rows(a) if a.is_floating_point() else a for a in c.activations]
-            hit[: c.batch_size] |= bad
-    return int(hit.sum())
+        bad_backprops = _nonfinite_rows(c.backprops)
+        bad_inputs = [_nonfinite_rows(a) if a.is_floating_point() else None for a in c.activations]
+        hit[: c.batch_size] |= bad_backprops
+        for bad in bad_inputs:
+            if bad is not None:
+                hit[: c.batch_size] |= bad
+        marked.append((c, bad_backprops, bad_inputs))
+    count = int(hit.sum())
+    if count:
+        for c, bad_backprops, bad_inputs in marked:
+            c.backprops = _zero_rows(c.backprops, bad_backprops)
+            c.activations = [a if bad is None else _zero_rows(a, bad) for a, bad in zip(c.activations, bad_inputs)]
+    return count
 
 
 def _uses(records: list[_Call]) -> dict[int, int]:
