@@ -31,6 +31,7 @@ from torch import Tensor
 from lightning_privdec.tensors import split_like
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator
+from lightning_privdec.privacy.rounding import sum_rounding
 
 __all__ = [
     "DPStepStats", "clip_and_accumulate", "clip_factor", "clip_rows", "clip_rows_", "noise_clipped_sum",
@@ -111,10 +112,17 @@ def _norm_stats(norms: Tensor, max_grad_norm: float, device: torch.device) -> tu
     return norms.mean(), norms.max(), (norms > max_grad_norm).float().mean()
 
 
+#: the relative margin of :func:`clip_factor`: the factor's cast to float32 and its multiplication each err by at most
+#: float32's unit roundoff 2^-24; 2^-20 leaves room for both, so an example whose norm bound is n adds at most C
+CLIP_MARGIN = 2.0**-20
+
+
 @torch.no_grad()
 def clip_factor(norms: Tensor, max_grad_norm: float) -> Tensor:
-    """min(1, C / (||g|| + 1e-6)) per norm: the scale that clips each gradient to C (Opacus's flat clipping)."""
-    return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    """min(1, C / (||g|| (1 + 2^-20) + 1e-6)) per norm, in float64: the scale that clips each gradient to C
+    (Opacus's flat clipping), with a margin for the rounding of applying it in float32 (:data:`CLIP_MARGIN`)."""
+    norms = norms.to(torch.float64)
+    return (max_grad_norm / (norms * (1 + CLIP_MARGIN) + 1e-6)).clamp(max=1.0)
 
 
 def clip_rows(rows: Tensor, max_norm: float) -> tuple[Tensor, Tensor]:
@@ -125,9 +133,9 @@ def clip_rows(rows: Tensor, max_norm: float) -> tuple[Tensor, Tensor]:
 
 def clip_rows_(rows: Tensor, max_norm: float) -> Tensor:
     """:func:`clip_rows` in place (no B x d temporary); returns the norms before clipping."""
-    norms = torch.linalg.vector_norm(rows, dim=1)
-    rows.mul_(clip_factor(norms, max_norm).unsqueeze(1))
-    return norms
+    norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)  # float64 sums: no rounding above the norm
+    rows.mul_(clip_factor(norms, max_norm).to(rows.dtype).unsqueeze(1))
+    return norms.to(torch.promote_types(rows.dtype, torch.float32))
 
 
 def clip_and_accumulate(
@@ -137,21 +145,25 @@ def clip_and_accumulate(
     parameter, the norms ||g_i||)``, with ||g_i|| over ALL parameters jointly (Opacus's flat clipping), computed in
     float32 at least. ``grad_samples[k]`` has shape ``(B, *shape_k)``; B may be 0 (sums of zeros)."""
     batch_size = int(grad_samples[0].shape[0])
-    if batch_size > 0:
-        norm_dtype = torch.promote_types(grad_samples[0].dtype, torch.float32)
+    norm_dtype = torch.promote_types(grad_samples[0].dtype, torch.float32)
+    if batch_size > 0:  # float64 sums of squares: the norm cannot round below the true one
         per_param = torch.stack(
             [
-                torch.linalg.vector_norm(g.reshape(batch_size, -1), ord=2, dim=1, dtype=norm_dtype).to(device)
+                torch.linalg.vector_norm(g.reshape(batch_size, -1), ord=2, dim=1, dtype=torch.float64).to(device)
                 for g in grad_samples
             ],
             dim=1,
         )
-        norms = torch.linalg.vector_norm(per_param, ord=2, dim=1)
+        # each example's rows are summed over the batch in float32 at least
+        norms = torch.linalg.vector_norm(per_param, ord=2, dim=1) * (1 + sum_rounding(batch_size, norm_dtype))
     else:
-        norms = torch.zeros(0, device=device)
+        norms = torch.zeros(0, dtype=torch.float64, device=device)
     factor = clip_factor(norms, max_grad_norm)
-    sums = [torch.einsum("i,i...->...", factor.to(device=g.device, dtype=g.dtype), g) for g in grad_samples]
-    return sums, norms
+    sums = []
+    for g in grad_samples:
+        work = torch.promote_types(g.dtype, torch.float32)  # never a half-precision factor or sum
+        sums.append(torch.einsum("i,i...->...", factor.to(device=g.device, dtype=work), g.to(work)))
+    return sums, norms.to(norm_dtype)
 
 
 @torch.no_grad()

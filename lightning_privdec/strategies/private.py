@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_privdec.privacy import PrivacyConfigError, PrivacyParameters
 from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
 from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
-from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES
+from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES, mean_loss_multiplier
 from lightning_privdec.privacy.write_ahead import WriteAheadLedger, new_run_id
 from lightning_privdec.strategies.base import DecentralizedStrategy
 from lightning_privdec.strategies.checks import gather_from_nodes, gather_tensors
@@ -487,6 +487,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         k = self.lightning_module.trainer.accumulate_grad_batches
         loss = closure_loss * k if k > 1 else closure_loss
         scaler = self._tell_loss_scale()
+        loss = self._power_of_two_mean(loss)
         if self.privacy.ghost is not None:  # per-sample losses: the clipped sum without per-sample gradients
             self.privacy.ghost_backward(scaler.scale(loss) if scaler is not None else loss)
         else:
@@ -494,6 +495,16 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         if k > 1:
             self.privacy.accumulate_micro_batch()
         return closure_loss
+
+    def _power_of_two_mean(self, loss: Tensor) -> Tensor:
+        """Under "bf16-mixed" and "16-mixed": the mean loss times :func:`mean_loss_multiplier` (the per-sample
+        gradients are told), so that half-precision output gradients do not depend on the batch size."""
+        per_sample = self.privacy.per_sample
+        if per_sample is None or self.precision_plugin.precision not in ("bf16-mixed", "16-mixed"):
+            return loss
+        multiplier = mean_loss_multiplier(per_sample.forward_batch_size)
+        per_sample.set_mean_loss_multiplier(multiplier)
+        return loss * multiplier if multiplier != 1.0 else loss
 
     def transform_gradients(self) -> None:
         assert self.privacy is not None

@@ -8,6 +8,7 @@ from lightning_privdec.privacy.per_sample.gradients import (
     GhostClipping,
     GradSampleMode,
     PerSampleGradients,
+    mean_loss_multiplier,
 )
 
 __all__ = [
@@ -17,4 +18,5 @@ __all__ = [
     "GradSampleMode",
     "PerSampleGradients",
     "check_private_model",
+    "mean_loss_multiplier",
 ]

@@ -23,9 +23,14 @@ matrix product for nn.Linear, ``convolution_backward`` for convolutions).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+
+from lightning_privdec.privacy.rounding import U64 as _U64
+from lightning_privdec.privacy.rounding import full_precision, gamma, sum_rounding, unit_roundoff
+from lightning_privdec.privacy.rounding import tiny as _tiny
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -68,31 +73,86 @@ def has_bookkeeping(module: nn.Module, backprops: Tensor) -> bool:
 
 
 def squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype, method: str | None = None) -> Tensor:
-    """``||grad_i||^2`` of ``module``'s trainable parameters for every example i, shape (B,), in ``dtype``; by
-    ``method`` (default: :func:`norm_method`'s choice)."""
-    if _is_linear(module):
-        return _linear_squared_norms(module, a.to(g.dtype), g, dtype, method)
-    return _conv_squared_norms(module, *_conv_inputs(module, a, g), dtype, method)
+    """Squares of :func:`norm_bound`'s upper bounds (``||grad_i||^2`` of ``module``'s trainable parameters, rounding
+    included), shape (B,), in ``dtype``; by ``method`` (default: :func:`norm_method`'s choice)."""
+    return norm_bound(module, a, g, method).upper.square().to(dtype)
 
 
-def clipped_sums(module: nn.Module, a: Tensor, g: Tensor, factor: Tensor) -> dict[nn.Parameter, Tensor]:
-    """``sum_i factor_i grad_i`` for each trainable parameter of ``module``: one weight-gradient computation."""
+@dataclass
+class NormBound:
+    """One layer call's per-example norms, as :func:`clipped_sums` needs them.
+
+    ``upper[i]`` (float64) bounds, whatever the inputs and the rounding, the norm of what :func:`clipped_sums` adds
+    for example i at clip factor 1: the exact per-example gradient's norm plus every rounding error of computing it
+    and of the example's terms in the batch's sum. ``exact`` marks the ill-conditioned examples (their Gram-matrix
+    norm would be loose, or their large, cancelling terms would round the batch's sum): their gradients
+    ``exact_grads`` (float64, one row per marked example) are computed apart and added after the batch's sum.
+    """
+
+    upper: Tensor
+    exact: Tensor | None = None
+    exact_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)
+
+
+def norm_bound(module: nn.Module, a: Tensor, g: Tensor, method: str | None = None) -> NormBound:
+    """Per-example upper bounds of the gradient norms of a covered layer call (module docstring, "Rounding")."""
+    work = _work_dtype(module, g)
+    batch = g.shape[0]
+    if batch == 0:
+        return NormBound(torch.zeros(0, dtype=torch.float64, device=g.device))
+    with full_precision():
+        a = a.to(work) if a.is_floating_point() else a
+        g = g.to(work)
+        if _is_linear(module):
+            estimate, mass, loose, rows = _linear_estimates(module, a, g, method)
+        else:
+            estimate, mass, loose, rows = _conv_estimates(module, a, g, method)
+        u = unit_roundoff(work)
+        # the batch's sum: one weight-gradient product over `rows` terms per entry, the factor's multiplication and
+        # the products' underflow
+        rounding = sum_rounding(rows, work) * mass + rows * _tiny(work) * math.sqrt(_numel(module))
+        upper = estimate + rounding
+        # an example whose terms are large against its norm would round the whole batch's sum: computed apart
+        isolate = u * math.sqrt(rows) * mass > 1e-3 * estimate
+        exact = loose | isolate | ~torch.isfinite(upper)
+        if not bool(exact.any()):
+            return NormBound(upper)
+        grads, exact_upper = _exact_gradients(module, a[exact], g[exact], work)
+        upper = upper.clone()
+        upper[exact] = exact_upper
+        return NormBound(upper, exact, grads)
+
+
+def clipped_sums(
+    module: nn.Module, a: Tensor, g: Tensor, factor: Tensor, bound: NormBound | None = None
+) -> dict[nn.Parameter, Tensor]:
+    """``sum_i factor_i grad_i`` for each trainable parameter of ``module``: one weight-gradient computation over
+    the batch (in float32 at least, full precision), plus the examples ``bound`` computed apart (``bound.exact``)."""
     weight, bias = module.weight, module.bias
+    work = _work_dtype(module, g)
+    factor = factor.to(g.device, torch.float64)
+    exact = bound.exact if bound is not None else None
     out: dict[nn.Parameter, Tensor] = {}
-    if _is_linear(module):
-        a = a.to(g.dtype).reshape(-1, a.shape[-1])
-        weighted = (g * factor.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))).reshape(-1, g.shape[-1])
-        if weight.requires_grad:
-            out[weight] = a.t() @ weighted if is_transposed_linear(module) else weighted.t() @ a
-        if bias is not None and bias.requires_grad:
-            out[bias] = weighted.sum(dim=0)
-        return out
-    a, g = _conv_inputs(module, a, g)
-    weighted = g * factor.to(g.dtype).view(-1, *([1] * (g.dim() - 1)))
-    if weight.requires_grad:
-        out[weight] = _conv_weight_grad(module, weighted, a)
-    if bias is not None and bias.requires_grad:
-        out[bias] = weighted.sum(dim=[0, *range(2, g.dim())])
+    with full_precision():
+        a = a.to(work) if a.is_floating_point() else a
+        g = g.to(work)
+        batch_factor = factor if exact is None else torch.where(exact, 0.0, factor)
+        weighted = g * batch_factor.to(work).view(-1, *([1] * (g.dim() - 1)))
+        if _is_linear(module):
+            a = a.reshape(-1, a.shape[-1])
+            weighted = weighted.reshape(-1, g.shape[-1])
+            if weight.requires_grad:
+                out[weight] = a.t() @ weighted if is_transposed_linear(module) else weighted.t() @ a
+            if bias is not None and bias.requires_grad:
+                out[bias] = weighted.sum(dim=0)
+        else:
+            if weight.requires_grad:
+                out[weight] = _conv_weight_grad(module, weighted, a)
+            if bias is not None and bias.requires_grad:
+                out[bias] = weighted.sum(dim=[0, *range(2, g.dim())])
+    if exact is not None:
+        for p, grads in bound.exact_grads.items():
+            out[p] = out[p] + torch.einsum("k,k...->...", factor[exact], grads).to(out[p].dtype)
     return out
 
 
@@ -120,48 +180,159 @@ def norm_method(module: nn.Module, a: Tensor, g: Tensor) -> str:
     return min(costs, key=costs.__getitem__)
 
 
+# ---- rounding -------------------------------------------------------------------------------------------------------
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+
+
+def _work_dtype(module: nn.Module, g: Tensor) -> torch.dtype:
+    """float32 at least: half-precision inputs and output gradients (autocast) are promoted, exactly."""
+    return torch.promote_types(torch.promote_types(g.dtype, module.weight.dtype), torch.float32)
+
+
+def _gram_error(d_out: int, p: int, u: float, steps: int) -> float:
+    """Relative bound of the ghost norm sum_{t,t'} (g_t . g_t')(u_t . u_t') against (sum_t ||g_t|| ||u_t||)^2:
+    each Gram entry errs by gamma_d ||g_t|| ||g_t'|| (Cauchy-Schwarz), their product by u, the float64 sum of T^2
+    terms by gamma_{T^2} (module docstring, "Rounding")."""
+    gd, gp, sum_error = gamma(d_out, u), gamma(p, u), gamma(steps * steps, _U64)
+    entry = (gd + gp + gd * gp) * (1 + u) + u
+    return (entry * (1 + sum_error) + sum_error) * (1 + 1e-9)
+
+
 # ---- nn.Linear, Conv1D ----------------------------------------------------------------------------------------------
-def _linear_squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype, method: str | None) -> Tensor:
-    squared = torch.zeros(g.shape[0], dtype=dtype, device=g.device)
+def _linear_estimates(module: nn.Module, a: Tensor, g: Tensor, method: str | None) -> tuple[Tensor, Tensor, Tensor, int]:
+    """(upper bound of each example's exact gradient norm, its terms' mass sum_t ||g_t|| (||u_t|| + 1), whether the
+    bound is loose, the rows of the batch's sum) for nn.Linear on (B, d) or (B, T, d)."""
     if g.dim() == 2:
-        g2 = torch.linalg.vector_norm(g, dim=1, dtype=dtype).square()
-        if module.weight.requires_grad:
-            squared += g2 * torch.linalg.vector_norm(a, dim=1, dtype=dtype).square()
-        if module.bias is not None and module.bias.requires_grad:
-            squared += g2
-        return squared
+        a, g = a.unsqueeze(1), g.unsqueeze(1)
+    batch, steps, d_out, p = g.shape[0], g.shape[1], g.shape[-1], a.shape[-1]
+    u, tiny = unit_roundoff(g.dtype), _tiny(g.dtype)
+    gn = torch.linalg.vector_norm(g, dim=-1, dtype=torch.float64)  # (B, T), accurate: float64 sums of squares
+    squared = torch.zeros(batch, dtype=torch.float64, device=g.device)
+    mass = torch.zeros_like(squared)
+    loose = torch.zeros(batch, dtype=torch.bool, device=g.device)
     if module.weight.requires_grad:
-        if (method or norm_method(module, a, g)) == "ghost":
-            squared += _gram_inner_products(g.transpose(1, 2), a.transpose(1, 2), dtype)
+        an = torch.linalg.vector_norm(a, dim=-1, dtype=torch.float64)
+        weight_mass = (gn * an).sum(dim=1)
+        if steps == 1:  # ||g|| ||a||, in float64
+            squared += (weight_mass * (1 + gamma(d_out + p + 4, _U64))).square()
+        elif (method or norm_method(module, a, g)) == "ghost":
+            estimate = _gram_inner_products(g.transpose(1, 2), a.transpose(1, 2))
+            error = _gram_error(d_out, p, u, steps) * weight_mass.square() + 2 * tiny * (
+                d_out * an.sum(dim=1).square() + p * gn.sum(dim=1).square()
+            ) + steps * steps * (d_out * p * tiny + 1) * tiny
+            squared += torch.minimum(estimate.clamp_min(0) + error, weight_mass.square() * (1 + 1e-9))
+            loose |= ~(error <= 0.1 * estimate)  # also when the estimate is not finite
         else:
-            for i in range(g.shape[0]):  # one example's weight gradient at a time
-                squared[i] = torch.linalg.vector_norm(g[i].t() @ a[i], dtype=dtype).square()
+            norms = torch.stack([torch.linalg.vector_norm(g[i].t() @ a[i], dtype=torch.float64) for i in range(batch)])
+            error = gamma(steps, u) * weight_mass + steps * tiny * math.sqrt(d_out * p)
+            squared += (norms + error).square()
+            loose |= ~(error <= 0.05 * norms)
+        mass += weight_mass
     if module.bias is not None and module.bias.requires_grad:
-        squared += torch.linalg.vector_norm(g.sum(dim=1), dim=1, dtype=dtype).square()
-    return squared
+        bias_mass = gn.sum(dim=1)
+        norms = torch.linalg.vector_norm(g.sum(dim=1), dim=1, dtype=torch.float64)
+        error = gamma(steps - 1, u) * bias_mass
+        squared += (norms + error).square()
+        if steps > 1:
+            loose |= ~(error <= 0.05 * norms)
+        mass += bias_mass
+    return squared.sqrt() * (1 + 1e-12), mass, loose, batch * steps
 
 
-def _gram_inner_products(g: Tensor, u: Tensor, dtype: torch.dtype, u_gram: Tensor | None = None) -> Tensor:
+def _gram_inner_products(g: Tensor, u: Tensor | None, u_gram: Tensor | None = None) -> Tensor:
     """``<G_i^T G_i, U_i^T U_i>`` for batches G (B, d_out, T) and U (B, p, T) (or U's Gram (B, T, T) given as
-    ``u_gram``): the ghost norm."""
+    ``u_gram``): the ghost norm, summed in float64 and NOT clamped (rounding may leave it below zero; the caller
+    adds the bound of :func:`_gram_error`)."""
     u_gram = torch.bmm(u.transpose(1, 2), u) if u_gram is None else u_gram
-    products = (torch.bmm(g.transpose(1, 2), g) * u_gram).sum(dim=(1, 2), dtype=dtype)
-    return products.clamp_min(0)  # a squared norm; rounding can leave a vanishing one slightly below zero
+    return (torch.bmm(g.transpose(1, 2), g) * u_gram).sum(dim=(1, 2), dtype=torch.float64)
+
+
+def exact_rows(module: nn.Module, a: Tensor, g: Tensor, samples: dict[nn.Parameter, Tensor]) -> dict:
+    """A rule's materialised per-example gradients of a covered layer with its ill-conditioned rows recomputed in
+    float64: rows whose terms are large against their norm (cancelling tokens or positions) round differently in
+    batches of different sizes, which no norm of the rounded row bounds; exact rows do not."""
+    work = _work_dtype(module, g)
+    a, g = (a.to(work) if a.is_floating_point() else a), g.to(work)
+    mass, steps = _mass(module, a, g)
+    norms = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(gs.flatten(1), dim=1, dtype=torch.float64) for gs in samples.values()]),
+        dim=0,
+    )
+    exact = ~(unit_roundoff(work) * math.sqrt(steps) * mass <= 1e-3 * norms)
+    if not bool(exact.any()):
+        return samples
+    grads, _ = _exact_gradients(module, a[exact], g[exact], work)
+    out = dict(samples)
+    for p, rows in grads.items():
+        out[p] = samples[p].clone()
+        out[p][exact] = rows.to(samples[p].dtype).view(-1, *samples[p].shape[1:])
+    return out
+
+
+def _mass(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, int]:
+    """Each example's terms' mass sum_t ||g_t|| (||u_t|| + 1) (float64) and the number of terms T."""
+    weight, bias = module.weight.requires_grad, module.bias is not None and module.bias.requires_grad
+    if _is_linear(module):
+        if g.dim() == 2:
+            a, g = a.unsqueeze(1), g.unsqueeze(1)
+        gn = torch.linalg.vector_norm(g, dim=-1, dtype=torch.float64)
+        mass = torch.zeros_like(gn[:, 0])
+        if weight:
+            mass += (gn * torch.linalg.vector_norm(a, dim=-1, dtype=torch.float64)).sum(dim=1)
+        if bias:
+            mass += gn.sum(dim=1)
+        return mass, g.shape[1]
+    batch, steps = g.shape[0], math.prod(g.shape[2:])
+    mass = torch.zeros(batch, dtype=torch.float64, device=g.device)
+    if weight:
+        gn = torch.linalg.vector_norm(g.reshape(batch, module.groups, -1, steps), dim=2, dtype=torch.float64)
+        mass += (gn * _patch_norms(module, a, g.shape[2:])).sum(dim=(1, 2))
+    if bias:
+        mass += torch.linalg.vector_norm(g.reshape(batch, -1, steps), dim=1, dtype=torch.float64).sum(dim=1)
+    return mass, steps
+
+
+def _exact_gradients(module: nn.Module, a: Tensor, g: Tensor, work: torch.dtype) -> tuple[dict, Tensor]:
+    """The per-example gradients of the selected (ill-conditioned) examples in float64, and upper bounds of the
+    norms of what they add to the sum (their float64 rounding, the cast to ``work`` and the addition)."""
+    a = a.double() if a.is_floating_point() else a
+    g = g.double()
+    weight, bias = module.weight, module.bias
+    grads: dict[nn.Parameter, Tensor] = {}
+    if _is_linear(module):
+        if g.dim() == 2:
+            a, g = a.unsqueeze(1), g.unsqueeze(1)
+        gn, an = torch.linalg.vector_norm(g, dim=-1), torch.linalg.vector_norm(a, dim=-1)
+        terms, mass = g.shape[1], torch.zeros(g.shape[0], dtype=torch.float64, device=g.device)
+        if weight.requires_grad:
+            transposed = is_transposed_linear(module)  # weight (p, d_out)
+            grads[weight] = torch.einsum("ktp,ktd->kpd", a, g) if transposed else torch.einsum("ktd,ktp->kdp", g, a)
+            mass += (gn * an).sum(dim=1)
+    else:
+        gn = torch.linalg.vector_norm(g.reshape(g.shape[0], module.groups, -1, math.prod(g.shape[2:])), dim=2)
+        terms = math.prod(g.shape[2:]) + module.weight[0].numel()
+        mass = torch.zeros(g.shape[0], dtype=torch.float64, device=g.device)
+        if weight.requires_grad:
+            grads[weight] = torch.cat([_conv_weight_grad(module, g[i : i + 1], a[i : i + 1]).unsqueeze(0)
+                                       for i in range(g.shape[0])])  # fmt: skip
+            mass += (gn * _patch_norms(module, a, g.shape[2:])).sum(dim=(1, 2))
+        gn = torch.linalg.vector_norm(g.flatten(2), dim=1)  # the bias's terms: whole output vectors
+    if bias is not None and bias.requires_grad:
+        grads[bias] = g.sum(dim=1) if _is_linear(module) else g.flatten(2).sum(dim=2)
+        mass += gn.sum(dim=1)
+    norms = torch.linalg.vector_norm(torch.cat([v.flatten(1) for v in grads.values()], dim=1), dim=1)
+    upper = (norms + gamma(terms, _U64) * mass) * (1 + 2 * unit_roundoff(work)) * (1 + 1e-12)
+    return grads, upper
 
 
 # ---- convolutions ---------------------------------------------------------------------------------------------------
-def _conv_inputs(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    """Input and output gradient in the weight's dtype (autocast ran the layer in lower precision)."""
-    dtype = module.weight.dtype
-    return a.to(dtype), g.to(dtype)
-
-
 def _conv_weight_grad(module: nn.Module, g: Tensor, a: Tensor) -> Tensor:
     """The weight gradient of ``module``'s convolution for input ``a`` and output gradient ``g`` (summed over the
     batch), by the same kernel autograd uses. Kernel taps that read only zero padding at every output position
     (a 3x3 kernel on a 1x1 map keeps only its centre) get gradient 0 without being computed: the live taps' gradient
     is that of a cropped kernel on the explicitly padded input."""
-    dims, weight = module.weight.dim() - 2, module.weight.detach()  # no autograd graph on the result
+    dims, weight = module.weight.dim() - 2, module.weight.detach().to(g.dtype)  # no autograd graph on the result
     live = _live_taps(module, a.shape[2:], g.shape[2:])
     if live is None:
         return torch.ops.aten.convolution_backward(
@@ -201,25 +372,65 @@ def _live_taps(module: nn.Module, in_size: torch.Size, out_size: torch.Size) -> 
     return live
 
 
-def _conv_squared_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype, method: str | None) -> Tensor:
-    batch = g.shape[0]
-    squared = torch.zeros(batch, dtype=dtype, device=g.device)
-    if batch == 0:  # an empty Poisson batch
-        return squared
+def _conv_estimates(module: nn.Module, a: Tensor, g: Tensor, method: str | None) -> tuple[Tensor, Tensor, Tensor, int]:
+    """As :func:`_linear_estimates`, for a convolution: u_t is the input patch read at output position t."""
+    batch, groups, steps = g.shape[0], module.groups, math.prod(g.shape[2:])
+    d_out, p = module.out_channels // groups, module.weight[0].numel()
+    u, tiny = unit_roundoff(g.dtype), _tiny(g.dtype)
+    squared = torch.zeros(batch, dtype=torch.float64, device=g.device)
+    mass = torch.zeros_like(squared)
+    loose = torch.zeros(batch, dtype=torch.bool, device=g.device)
+    if module.weight.requires_grad:
+        gn = torch.linalg.vector_norm(g.reshape(batch, groups, d_out, steps), dim=2, dtype=torch.float64)
+        un = _patch_norms(module, a, g.shape[2:])
+        group_mass = (gn * un).sum(dim=2)  # (B, groups)
+        method = method or norm_method(module, a, g)
+        if steps == 1:
+            squared += group_mass.square().sum(dim=1) * (1 + gamma(d_out + p + 4, _U64))
+        elif method in ("ghost", "input_gram"):
+            if method == "ghost":
+                estimate, inner = _conv_ghost_norms(module, a, g), p
+            else:  # the patches' Gram entries: sums of kernel-tap sums of the input's Gram entries
+                estimate, inner = _conv_input_gram_norms(module, a, g), module.in_channels // groups + math.prod(module.kernel_size)
+            error = _gram_error(d_out, inner, u, steps) * group_mass.square() + 2 * tiny * (
+                d_out * un.sum(dim=2).square() + inner * gn.sum(dim=2).square()
+            ) + steps * steps * (d_out * inner * tiny + 1) * tiny
+            bounded = torch.minimum(estimate.clamp_min(0) + error, group_mass.square() * (1 + 1e-9)).sum(dim=1)
+            squared += bounded
+            loose |= ~(error.sum(dim=1) <= 0.1 * estimate.sum(dim=1))
+        else:
+            norms = torch.stack([
+                torch.linalg.vector_norm(_conv_weight_grad(module, g[i : i + 1], a[i : i + 1]), dtype=torch.float64)
+                for i in range(batch)
+            ])  # fmt: skip
+            error = gamma(steps + p, u) * group_mass.sum(dim=1) + steps * tiny * math.sqrt(module.weight.numel())
+            squared += (norms + error).square()
+            loose |= ~(error <= 0.05 * norms)
+        mass += group_mass.sum(dim=1)
     if module.bias is not None and module.bias.requires_grad:
-        squared += torch.linalg.vector_norm(g.flatten(2).sum(dim=2), dim=1, dtype=dtype).square()
-    if not module.weight.requires_grad:
-        return squared
-    method = method or norm_method(module, a, g)
-    if method == "ghost":
-        squared += _conv_ghost_norms(module, a, g, dtype)
-    elif method == "input_gram":
-        squared += _conv_input_gram_norms(module, a, g, dtype)
-    else:
-        for i in range(batch):  # one example's weight gradient at a time
-            one = _conv_weight_grad(module, g[i : i + 1], a[i : i + 1])
-            squared[i] += torch.linalg.vector_norm(one, dtype=dtype).square()
-    return squared
+        bias_mass = torch.linalg.vector_norm(g.reshape(batch, -1, steps), dim=1, dtype=torch.float64).sum(dim=1)
+        norms = torch.linalg.vector_norm(g.flatten(2).sum(dim=2), dim=1, dtype=torch.float64)
+        error = gamma(steps - 1, u) * bias_mass
+        squared += (norms + error).square()
+        if steps > 1:
+            loose |= ~(error <= 0.05 * norms)
+        mass += bias_mass
+    return squared.sqrt() * (1 + 1e-12), mass, loose, batch * steps
+
+
+def _patch_norms(module: nn.Module, a: Tensor, out_size: torch.Size) -> Tensor:
+    """Upper bounds of ``||u_t||``, the norm of the input patch each output position t reads, per example and
+    group, shape (B, groups, T), in float64: the squared input summed over the group's channels, convolved with a
+    kernel of ones. Rounding (a sum of p squares: gamma_p) and underflow (p times the smallest value) included."""
+    batch, groups, dims = a.shape[0], module.groups, a.dim() - 2
+    p = module.weight[0].numel()
+    squares = a.square().reshape(batch * groups, -1, *a.shape[2:]).sum(dim=1, keepdim=True)
+    conv = (nn.functional.conv1d, nn.functional.conv2d, nn.functional.conv3d)[dims - 1]
+    ones = torch.ones((1, 1, *module.kernel_size), dtype=a.dtype, device=a.device)
+    summed = conv(squares, ones, None, module.stride, module.padding, module.dilation)
+    assert tuple(summed.shape[2:]) == tuple(out_size)
+    bound = summed.double() * (1 + gamma(p + 1, unit_roundoff(a.dtype))) + p * _tiny(a.dtype)
+    return bound.sqrt().view(batch, groups, -1)
 
 
 def _as_2d(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, tuple]:
@@ -230,17 +441,17 @@ def _as_2d(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, tup
     return a, g, (module.kernel_size, module.dilation, module.padding, module.stride)
 
 
-def _conv_ghost_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype) -> Tensor:
+def _conv_ghost_norms(module: nn.Module, a: Tensor, g: Tensor) -> Tensor:
     """Ghost norms of a Conv1d/Conv2d: unfold the input into patches U (B, p * groups, T), then per group."""
     a, g, (kernel, dilation, padding, stride) = _as_2d(module, a, g)
     patches = nn.functional.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)
     batch, groups, steps = g.shape[0], module.groups, patches.shape[-1]
     u = patches.view(batch * groups, -1, steps)
     grads = g.reshape(batch * groups, -1, steps)
-    return _gram_inner_products(grads, u, dtype).view(batch, groups).sum(dim=1)
+    return _gram_inner_products(grads, u).view(batch, groups)
 
 
-def _conv_input_gram_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch.dtype) -> Tensor:
+def _conv_input_gram_norms(module: nn.Module, a: Tensor, g: Tensor) -> Tensor:
     """Ghost norms of a Conv1d/Conv2d with the patches' Gram ``U_i^T U_i`` summed from the padded input's position
     Gram ``S_i``: one (N x N) product per example and group instead of unfolding (module docstring)."""
     a, g, (kernel, dilation, padding, stride) = _as_2d(module, a, g)
@@ -255,4 +466,4 @@ def _conv_input_gram_norms(module: nn.Module, a: Tensor, g: Tensor, dtype: torch
     u_gram = sum(by_rows[:, :, c, :, c] for c in cols)  # (B g, out_h, out_w, out_h, out_w)
     steps = out_h * out_w
     grads = g.reshape(batch * groups, -1, steps)
-    return _gram_inner_products(grads, None, dtype, u_gram.reshape(-1, steps, steps)).view(batch, groups).sum(dim=1)
+    return _gram_inner_products(grads, None, u_gram.reshape(-1, steps, steps)).view(batch, groups)

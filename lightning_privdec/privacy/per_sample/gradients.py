@@ -16,6 +16,7 @@ layers materialise their per-sample gradients by their rule or by replay (:mod:`
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from functools import partial
@@ -38,6 +39,7 @@ from lightning_privdec.privacy.per_sample.capture import (
     rule_inputs,
 )
 from lightning_privdec.privacy.per_sample.checks import check_private_model
+from lightning_privdec.privacy.rounding import sum_rounding
 
 GradSampleMode = Literal["bookkeeping", "hooks", "functorch", "ghost"]
 GRAD_SAMPLE_MODES: tuple[str, ...] = ("bookkeeping", "hooks", "functorch", "ghost")
@@ -77,6 +79,7 @@ class _PerSampleArithmetic:
         self.batch_first = batch_first
         self.functorch = functorch
         self.loss_scale = 1.0  # what the backward pass's loss was multiplied by (a float16 GradScaler's scale)
+        self.mean_loss_multiplier = 1.0  # and by :func:`mean_loss_multiplier` (half-precision autocast)
         self.drop_nonfinite = False  # float16: zero an example's non-finite inputs/output gradients per layer call
         self.nonfinite_examples = 0  # examples with something zeroed, over the passes counted since the last take
         self._counted: set[int] = set()  # the passes already counted (passes() may run several times per pass)
@@ -110,11 +113,13 @@ class _PerSampleArithmetic:
                         "privatized sum by more than max_grad_norm. Apply the layer to the whole batch (expand its "
                         "input along the batch dimension)"
                     )
-            scale = (batch if self.loss_reduction == "mean" else 1) / self.loss_scale
+            scale = (batch if self.loss_reduction == "mean" else 1) / (self.loss_scale * self.mean_loss_multiplier)
             for c in calls:
                 c.scale = scale
-                if c.backprops is not None and self.drop_nonfinite:  # float16: unscaled and summed in float32
-                    c.backprops = c.backprops.to(torch.promote_types(c.backprops.dtype, torch.float32))
+                if c.backprops is not None:  # half precision: unscaled and summed in float32 (exact promotion)
+                    work = torch.promote_types(c.backprops.dtype, torch.float32)
+                    c.backprops = c.backprops.to(work)
+                    c.activations = [a.to(work) if a.is_floating_point() else a for a in c.activations]
                 if c.backprops is not None and scale != 1:
                     c.backprops = c.backprops * scale
             if self.drop_nonfinite and batch > 0:
@@ -135,6 +140,8 @@ class _PerSampleArithmetic:
             for r in calls:
                 if r.kind == "rule":
                     samples = rule_grad_samples(r.module, r.activations, r.backprops, self.functorch)
+                    if _has_bookkeeping(r) and samples:
+                        samples = bookkeeping.exact_rows(r.module, r.activations[0], r.backprops, samples)
                 else:
                     samples = replay_grad_samples(r.record, r.scale, self.drop_nonfinite)
                 for p, gs in samples.items():
@@ -246,20 +253,46 @@ class _PerSampleArithmetic:
         if reference is None:
             reference = next(iter(materialised.values()))
         dtype = torch.promote_types(reference.dtype, torch.float32)
-        squared = torch.zeros(batch, dtype=dtype, device=reference.device)
-        for r in bookkept:  # squared norms from a and g alone
-            squared[: r.backprops.shape[0]] += bookkeeping.squared_norms(r.module, r.activations[0], r.backprops, dtype)
+        # every per-example norm below is an upper bound of the norm of what the example adds to the sums, rounding
+        # included (bookkeeping.NormBound; materialised gradients: the very rows that are summed, plus their sum's
+        # rounding), accumulated in float64
+        squared = torch.zeros(batch, dtype=torch.float64, device=reference.device)
+        bounds = []
+        for r in bookkept:
+            bound = bookkeeping.norm_bound(r.module, r.activations[0], r.backprops)
+            squared[: r.backprops.shape[0]] += bound.upper.square()
+            bounds.append(bound)
         for gs in materialised.values():
-            squared[: gs.shape[0]] += torch.linalg.vector_norm(gs.flatten(1), dim=1, dtype=dtype).square()
+            rows = torch.linalg.vector_norm(gs.flatten(1), dim=1, dtype=torch.float64)
+            squared[: gs.shape[0]] += (rows * (1 + sum_rounding(gs.shape[0], _sum_dtype(gs)))).square()
         norms = squared.sqrt()
         factor = clip_factor(norms, max_grad_norm)
-        for r in bookkept:  # sum_i c_i grad_i: one weight-gradient computation per layer
+        for r, bound in zip(bookkept, bounds):  # sum_i c_i grad_i: one weight-gradient computation per layer
             g = r.backprops
-            for p, value in bookkeeping.clipped_sums(r.module, r.activations[0], g, factor[: g.shape[0]]).items():
+            summed = bookkeeping.clipped_sums(r.module, r.activations[0], g, factor[: g.shape[0]], bound)
+            for p, value in summed.items():
                 _accumulate(sums, p, value)
         for p, gs in materialised.items():
-            _accumulate(sums, p, torch.einsum("i,i...->...", factor[: gs.shape[0]].to(gs.dtype), gs))
-        return norms
+            work = _sum_dtype(gs)
+            _accumulate(sums, p, torch.einsum("i,i...->...", factor[: gs.shape[0]].to(work), gs.to(work)))
+        return norms.to(dtype)
+
+
+def mean_loss_multiplier(batch_size: int) -> float:
+    """``B 2^-ceil(log2 B)``, in (1/2, 1]: under half-precision autocast a mean loss is multiplied by it before the
+    backward pass, so that the output gradients autograd rounds to bfloat16/float16 are the per-example loss
+    gradients times a power of two, ``2^-ceil(log2 B)``, not times 1/B: removing one example then changes no other
+    example's rounded gradient (a factor 1/B would round every one of them anew, moving the sum by about
+    2^-9 sqrt(B) C in bfloat16)."""
+    if batch_size <= 1:
+        return 1.0
+    return batch_size / 2.0 ** math.ceil(math.log2(batch_size))
+
+
+def _sum_dtype(t: Tensor) -> torch.dtype:
+    """Clipped sums are computed in float32 at least: a half-precision factor or sum would round an example's
+    contribution above C."""
+    return torch.promote_types(t.dtype, torch.float32)
 
 
 def _nonfinite_rows(t: Tensor) -> Tensor:
@@ -394,6 +427,16 @@ class PerSampleGradients:
         self._arithmetic.loss_scale = float(scale)
         self._arithmetic.drop_nonfinite = bool(drop_nonfinite)
 
+    def set_mean_loss_multiplier(self, multiplier: float) -> None:
+        """The next backward pass's mean loss is multiplied by ``multiplier`` (:func:`mean_loss_multiplier`), which
+        the per-example gradients are divided by; reset by :meth:`clear`."""
+        self._arithmetic.mean_loss_multiplier = float(multiplier)
+
+    @property
+    def forward_batch_size(self) -> int:
+        """Examples in the forward pass recorded last (before its backward pass: what the loss averages over)."""
+        return int(self._hooks._pass_batch or 0)
+
     def take_nonfinite_examples(self) -> int:
         """Examples with a non-finite (overflowed) input or output gradient zeroed somewhere, over the backward
         passes since the last call (each pass counted once); resets the count."""
@@ -482,7 +525,7 @@ class PerSampleGradients:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         grads = self._batch_grads
         wanted = [
-            grads[p].double() / self._arithmetic.loss_scale if p in grads else torch.zeros_like(p, dtype=torch.float64)
+            grads[p].double() / (self._arithmetic.loss_scale * self._arithmetic.mean_loss_multiplier) if p in grads else torch.zeros_like(p, dtype=torch.float64)
             for _, p in named
         ]
         self._batch_grads = {}
@@ -504,6 +547,7 @@ class PerSampleGradients:
     def clear(self) -> None:
         """Forget the stored per-sample gradients and activations (call after every optimizer step)."""
         self._arithmetic._counted.clear()
+        self._arithmetic.mean_loss_multiplier = 1.0
         self._hooks.forget()
         self._batch_grads = {}
         for p in self.module.parameters():

@@ -1,0 +1,237 @@
+"""The clipping attack: crafted examples against the one inequality DP-SGD's guarantee rests on.
+
+For a batch D and each example x, ``||S(D) - S(D \\ x)|| / C``, where S is the library's clipped per-sample sum
+before noise (the ``p.grad`` that :class:`~lightning_privdec.privacy.PerSampleGradients` or
+:class:`~lightning_privdec.privacy.GhostClipping` leave), must stay at most 1 (up to the float32 rounding of the
+batch's sum, :data:`TOLERANCE`) whatever the examples are. The attacks below craft examples where floating point
+makes that hard:
+
+* ``gram_*``: one example's per-token (per-position) contributions cancel, ``g_1 = -g_2 = M e`` on two nearly
+  equal inputs ``u`` and ``u + delta``; its true gradient ``M e delta^T`` is small, and a Gram-matrix norm
+  ``<G^T G, U^T U>``, a difference of numbers of size ``M^2 |u|^2``, rounds to 0 or below the truth. One attack per
+  norm method of nn.Linear and of convolutions (ghost, the input's position Gram, one example at a time), and one in
+  float64;
+* ``half_precision``: a batch of large, aligned gradients (every example clipped) under bfloat16 and float16
+  autocast: a clip factor or a sum computed in half precision adds more than C;
+* ``underflow``: tiny inputs and huge output gradients (what a LayerNorm after a layer does to a tiny input), whose
+  float32 Gram entries underflow or overflow.
+
+Each attack runs every per-sample mode and precision it applies to and reports the largest ratio over the batch.
+``broken_norms()`` swaps in the unguarded Gram norm (no rounding bound), the attack's positive control.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_privdec.privacy import GhostClipping, PerSampleGradients
+from lightning_privdec.privacy.per_sample import bookkeeping, mean_loss_multiplier
+
+__all__ = ["ATTACKS", "PRECISIONS", "TOLERANCE", "AttackResult", "broken_norms", "run_attacks", "sensitivity"]
+
+#: the float32 rounding of the batch's sum that no per-example bound covers (other examples' terms summed in another
+#: order when x is removed), as a fraction of C; docs/privacy.md, "What clipping guarantees"
+TOLERANCE = 1e-5
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+MODES = ("bookkeeping", "hooks", "functorch", "ghost")
+_LOSS_SCALE = 2.0**8  # "16-mixed": a GradScaler scale that honest examples do not overflow
+
+Batch = tuple[Tensor, ...]
+Losses = Callable[[nn.Module, Batch], Tensor]
+
+
+@dataclass(frozen=True)
+class AttackResult:
+    """The largest ``||S(D) - S(D \\ x)|| / C`` over the examples x of the attack's batch."""
+
+    attack: str
+    mode: str
+    precision: str
+    ratio: float
+
+    @property
+    def holds(self) -> bool:
+        return self.ratio <= 1 + TOLERANCE
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "holds": self.holds}
+
+
+def _autocast(precision: str):  # noqa: ANN202
+    if precision == "32-true":
+        return nullcontext()
+    return torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
+
+
+def _clipped_sum(clipper: PerSampleGradients | GhostClipping, model: nn.Module, batch: Batch, losses: Losses,
+                 clip: float, precision: str) -> Tensor:
+    """S(batch): the library's sum of clipped per-sample gradients, flat, float64."""
+    scale = _LOSS_SCALE if precision == "16-mixed" else 1.0
+    for p in model.parameters():
+        p.grad = None
+    if scale != 1.0:
+        clipper.set_loss_scale(scale)
+    with _autocast(precision):
+        per_example = losses(model, batch)
+    if isinstance(clipper, GhostClipping):
+        clipper.max_grad_norm = clip
+        clipper.backward(per_example.float() * scale)
+    else:  # as the private strategies' backward: a mean loss, times B 2^-ceil(log2 B) under half precision
+        multiplier = 1.0 if precision == "32-true" else mean_loss_multiplier(per_example.shape[0])
+        clipper.set_mean_loss_multiplier(multiplier)
+        (per_example.float().mean() * (scale * multiplier)).backward()
+        clipper.clip_and_sum(clip)
+        clipper.clear()
+    return torch.cat([p.grad.double().flatten() for p in model.parameters() if p.requires_grad])
+
+
+def sensitivity(model: nn.Module, batch: Batch, losses: Losses, *, clip: float, mode: str = "bookkeeping",
+                precision: str = "32-true", warm_up: Batch | None = None) -> Tensor:
+    """``||S(D) - S(D \\ x)|| / C`` for every example x of ``batch`` (dimension 0 of each tensor), in ``mode`` and
+    ``precision``. ``warm_up`` (an honest batch) runs first: the first step's check that per-example gradients add
+    up to autograd's compares against autograd's own float32 sum, which crafted examples make inaccurate."""
+    model.train()
+    if mode == "ghost":
+        clipper: PerSampleGradients | GhostClipping = GhostClipping(model, clip)
+    else:
+        clipper = PerSampleGradients(model, mode=mode, strict=False)
+    try:
+        if warm_up is not None:
+            _clipped_sum(clipper, model, warm_up, losses, clip, precision)
+        full = _clipped_sum(clipper, model, batch, losses, clip, precision)
+        size = batch[0].shape[0]
+        ratios = []
+        for x in range(size):
+            keep = torch.tensor([i for i in range(size) if i != x])
+            without = _clipped_sum(clipper, model, tuple(t.index_select(0, keep) for t in batch), losses, clip,
+                                   precision)  # fmt: skip
+            ratios.append(float(torch.linalg.vector_norm(full - without)) / clip)
+        return torch.tensor(ratios, dtype=torch.float64)
+    finally:
+        clipper.detach()
+
+
+# ---- the crafted batches ----------------------------------------------------------------------------------------------
+def _token_loss(model: nn.Module, batch: Batch) -> Tensor:
+    """Per example: sum over tokens/positions of <output, target>; the output gradient is the target itself."""
+    x, target = batch
+    out = model(x)
+    return (out * target.to(out.dtype)).flatten(1).sum(dim=1)
+
+
+def _cancelling_linear(dtype: torch.dtype, d_in: int, d_out: int, steps: int, relative_delta: float,
+                       magnitude: float, batch: int = 6) -> tuple[nn.Module, Batch, Batch]:
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Linear(d_in, d_out, bias=False).to(dtype)
+    x = torch.randn(batch, steps, d_in, generator=gen, dtype=dtype)
+    target = torch.randn(batch, steps, d_out, generator=gen, dtype=dtype)
+    u = torch.randn(d_in, generator=gen, dtype=dtype)
+    u = 10 * u / u.norm()
+    delta = torch.randn(d_in, generator=gen, dtype=dtype)
+    delta = relative_delta * 10 * delta / delta.norm()
+    e = torch.randn(d_out, generator=gen, dtype=dtype)
+    e = e / e.norm()
+    x[0, 0], x[0, 1], target[0] = u, u + delta, 0
+    target[0, 0], target[0, 1] = magnitude * e, -magnitude * e
+    return model, (x, target), (x[1:], target[1:])
+
+
+def _cancelling_conv(channels: int, out_channels: int, size: int, kernel: int, stride: int, padding: int,
+                     magnitude: float, batch: int = 5) -> tuple[nn.Module, Batch, Batch]:
+    """Example 0: a constant image (10 everywhere) but one pixel, and output gradients +M e and -M e at two
+    neighbouring positions whose patches (no padding) differ only by that pixel."""
+    gen = torch.Generator().manual_seed(1)
+    model = nn.Conv2d(channels, out_channels, kernel, stride=stride, padding=padding, bias=False)
+    x = torch.randn(batch, channels, size, size, generator=gen)
+    out_size = model(x[:1]).shape[-1]
+    target = torch.randn(batch, out_channels, out_size, out_size, generator=gen)
+    x[0] = 10.0
+    centre = (out_size - 1) // 2  # positions (centre, centre) and (centre, centre + 1) read no padding
+    corner = centre * stride - padding
+    x[0, :, corner, corner] += 3e-3  # the top-left pixel of the first patch only
+    e = torch.randn(out_channels, generator=gen)
+    e = magnitude * e / e.norm()
+    target[0] = 0
+    target[0, :, centre, centre], target[0, :, centre, centre + 1] = e, -e
+    return model, (x, target), (x[1:], target[1:])
+
+
+def _aligned_mlp(batch: int = 48) -> tuple[nn.Module, Batch, Batch]:
+    """Large gradients pointing the same way (every example clipped, the sum's norm about B C)."""
+    gen = torch.Generator().manual_seed(2)
+    model = nn.Sequential(nn.Linear(24, 32), nn.Tanh(), nn.Linear(32, 10))
+    x = 50 * torch.randn(1, 24, generator=gen) + 0.1 * torch.randn(batch, 24, generator=gen)
+    target = 30 * torch.randn(1, 10, generator=gen).expand(batch, 10).clone()
+    return model, (x, target), (x[1:], target[1:])
+
+
+def _underflow() -> tuple[nn.Module, Batch, Batch]:
+    """Example 0: inputs of size 1e-23 and output gradients of size 1e21 (float32's squares underflow and
+    overflow); its true gradient has norm about 100 C."""
+    model, batch, warm_up = _cancelling_linear(torch.float32, 16, 8, 3, 1.0, 1.0)
+    x, target = batch
+    x[0] = 1e-23 * torch.randn(3, 16, generator=torch.Generator().manual_seed(3))
+    target[0] = 1e21 * torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
+    return model, (x, target), warm_up
+
+
+#: name -> (builder of (model, crafted batch, honest warm-up batch), clip C, precisions)
+ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tuple[str, ...]]] = {
+    "gram_linear": (lambda: _cancelling_linear(torch.float32, 16, 8, 2, 3e-4, 1e4), 1.0, PRECISIONS),
+    "gram_linear_large": (lambda: _cancelling_linear(torch.float32, 16, 8, 2, 3e-4, 1e7), 1.0, ("32-true",)),
+    "gram_linear_float64": (lambda: _cancelling_linear(torch.float64, 16, 8, 2, 1e-8, 1e7), 1.0, ("32-true",)),
+    "gram_linear_per_example": (lambda: _cancelling_linear(torch.float32, 4, 3, 9, 1e-7, 1e4), 1.0, ("32-true",)),
+    "gram_conv_input_gram": (lambda: _cancelling_conv(16, 64, 5, 3, 1, 1, 1e4), 1.0, PRECISIONS),
+    "gram_conv_ghost": (lambda: _cancelling_conv(16, 24, 6, 3, 2, 1, 1e4), 1.0, ("32-true",)),
+    "gram_conv_per_example": (lambda: _cancelling_conv(3, 4, 8, 3, 1, 1, 1e4), 1.0, ("32-true",)),
+    "half_precision": (_aligned_mlp, 1.0, PRECISIONS),
+    "underflow": (_underflow, 1.0, ("32-true",)),
+}
+
+
+def run_attacks(names: tuple[str, ...] | None = None, modes: tuple[str, ...] = MODES) -> list[AttackResult]:
+    """Every attack (or ``names``) in every mode and in each precision it applies to."""
+    results = []
+    for name in names or tuple(ATTACKS):
+        build, clip, precisions = ATTACKS[name]
+        for precision in precisions:
+            for mode in modes:
+                torch.manual_seed(0)
+                model, batch, warm_up = build()
+                ratios = sensitivity(model, batch, _token_loss, clip=clip, mode=mode, precision=precision,
+                                     warm_up=warm_up)  # fmt: skip
+                results.append(AttackResult(name, mode, precision, float(ratios.max())))
+    return results
+
+
+@contextmanager
+def broken_norms() -> Iterator[None]:
+    """A deliberately broken norm (the attack's positive control): book-keeping's per-example norms become the
+    Gram-matrix estimates without their rounding bound and never fall back to float64, as an unguarded ghost norm
+    would."""
+    original = bookkeeping.norm_bound
+
+    def unguarded(module: nn.Module, a: Tensor, g: Tensor, method: str | None = None) -> bookkeeping.NormBound:
+        work = torch.promote_types(g.dtype, torch.float32)
+        a, g = (a.to(work) if a.is_floating_point() else a), g.to(work)
+        if bookkeeping._is_linear(module) and g.dim() == 3:
+            squared = bookkeeping._gram_inner_products(g.transpose(1, 2), a.transpose(1, 2)).clamp_min(0)
+        elif not bookkeeping._is_linear(module) and g.dim() == 4:
+            squared = bookkeeping._conv_ghost_norms(module, a, g).sum(dim=1).clamp_min(0)
+        else:
+            return original(module, a, g, method)
+        if module.bias is not None and module.bias.requires_grad:
+            squared = squared + torch.linalg.vector_norm(g.flatten(2).sum(dim=2) if g.dim() == 4 else g.sum(dim=1),
+                                                         dim=1, dtype=torch.float64).square()  # fmt: skip
+        return bookkeeping.NormBound(squared.sqrt())
+
+    bookkeeping.norm_bound = unguarded
+    try:
+        yield
+    finally:
+        bookkeeping.norm_bound = original

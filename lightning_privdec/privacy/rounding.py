@@ -1,0 +1,57 @@
+"""Floating-point error bounds for clipping (Higham, "Accuracy and Stability of Numerical Algorithms", 2002, ch. 3):
+the per-example norms that set clip factors are upper bounds of the true norms whatever the inputs, so these are the
+unit roundoffs, the gamma_n of a sum of n products, the underflow of a product, and a context in which float32
+matrix products run in float32 (docs/privacy.md, "What clipping guarantees")."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+U64 = torch.finfo(torch.float64).eps / 2  # float64's unit roundoff
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = 2^-p for a p-bit significand: a correctly rounded operation errs by at most u of its result."""
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n: float, u: float) -> float:
+    """Higham's gamma_n = n u / (1 - n u): a sum of n rounded products errs by at most gamma_n times the sum of their
+    absolute values, in any order of summation; infinite once n u reaches 1/2 (no bound)."""
+    nu = n * u
+    return nu / (1 - nu) if nu < 0.5 else math.inf
+
+
+def tiny(dtype: torch.dtype) -> float:
+    """The smallest positive (subnormal) value: a product that underflows errs by at most this much."""
+    return float(torch.finfo(dtype).smallest_normal) * torch.finfo(dtype).eps
+
+
+@contextmanager
+def full_precision() -> Iterator[None]:
+    """float32 matrix products and convolutions in float32 (no TF32 or bfloat16 inner products, whatever
+    ``torch.set_float32_matmul_precision`` or ``torch.backends.cudnn.allow_tf32`` say), so that the bounds hold."""
+    precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    if precision == "highest" and not cudnn_tf32:
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+
+
+
+
+def sum_rounding(rows: int, dtype: torch.dtype) -> float:
+    """Relative bound of one example's share of a clipped sum over ``rows`` terms computed in ``dtype``: the sum's
+    gamma_rows and the factor's multiplication."""
+    u = unit_roundoff(dtype)
+    return gamma(rows, u) + 2 * u
