@@ -161,7 +161,7 @@ def _cancelling_conv(channels: int, out_channels: int, size: int, kernel: int, s
     return model, (x, target), (x[1:], target[1:])
 
 
-def _aligned_mlp(batch: int = 48) -> tuple[nn.Module, Batch, Batch]:
+def _aligned_mlp(batch: int = 24) -> tuple[nn.Module, Batch, Batch]:
     """Large gradients pointing the same way (every example clipped, the sum's norm about B C)."""
     gen = torch.Generator().manual_seed(2)
     model = nn.Sequential(nn.Linear(24, 32), nn.Tanh(), nn.Linear(32, 10))
@@ -182,9 +182,9 @@ def _underflow() -> tuple[nn.Module, Batch, Batch]:
 
 #: name -> (builder of (model, crafted batch, honest warm-up batch), clip C, precisions)
 ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tuple[str, ...]]] = {
-    "gram_linear": (lambda: _cancelling_linear(torch.float32, 16, 8, 2, 3e-4, 1e4), 1.0, PRECISIONS),
+    "gram_linear": (lambda: _cancelling_linear(torch.float32, 16, 8, 2, 3e-6, 1e6), 1.0, PRECISIONS),
     "gram_linear_large": (lambda: _cancelling_linear(torch.float32, 16, 8, 2, 3e-4, 1e7), 1.0, ("32-true",)),
-    "gram_linear_float64": (lambda: _cancelling_linear(torch.float64, 16, 8, 2, 1e-8, 1e7), 1.0, ("32-true",)),
+    "gram_linear_float64": (lambda: _cancelling_linear(torch.float64, 16, 8, 2, 1e-10, 1e11), 1.0, ("32-true",)),
     "gram_linear_per_example": (lambda: _cancelling_linear(torch.float32, 4, 3, 9, 1e-7, 1e4), 1.0, ("32-true",)),
     "gram_conv_input_gram": (lambda: _cancelling_conv(16, 64, 5, 3, 1, 1, 1e4), 1.0, PRECISIONS),
     "gram_conv_ghost": (lambda: _cancelling_conv(16, 24, 6, 3, 2, 1, 1e4), 1.0, ("32-true",)),

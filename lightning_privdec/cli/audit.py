@@ -5,10 +5,14 @@
     privdec-audit --strategy dp_csgp --epsilon 2 --canaries 1000 --json     # honest: bound <= claimed epsilon
     privdec-audit --strategy dp_csgp --break noise                          # broken: bound > claimed epsilon
     privdec-audit --strategy all                                            # every private strategy, one table
+    privdec-audit --clipping                                                # the clipping attack, every mode
+    privdec-audit --break norm                                              # ... with a norm that under-estimates
 
 Each audit runs the strategy on simulated nodes with m gradient canaries on node 0 (each included with probability
 1/2), reads every message on the wire, and turns the auditor's guesses into the one-run bound of Steinke, Nasr and
-Jagielski (2023) at ``--confidence``. Exit status: 0 when every bound stays within its claimed epsilon, 1 when some
+Jagielski (2023) at ``--confidence``. ``--clipping`` adds the clipping attack (:mod:`lightning_privdec.audit.
+sensitivity`): crafted examples against ||S(D) - S(D \\ x)|| <= C in every per-sample mode and precision; ``--break
+norm`` runs it alone with the unguarded Gram norm, which it must catch. Exit status: 0 when every bound stays within its claimed epsilon, 1 when some
 bound exceeds it (the run leaks more than its accountant says: expected for ``--break``), 2 on bad input.
 """
 
@@ -18,9 +22,11 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 from lightning_privdec.audit.runner import AUDITED_STRATEGIES, BREAKABLE, BREAKS, AuditReport, run_audit
+from lightning_privdec.audit.sensitivity import ATTACKS, TOLERANCE, AttackResult, broken_norms, run_attacks
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 __all__ = ["build_parser", "main"]
@@ -48,9 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--clip", type=float, default=1.0, help="per-sample clipping bound C")
     parser.add_argument("--canary-norm", type=float, default=500.0, help="gradient norm of every canary (>= C)")
     parser.add_argument("--examples", type=int, default=200, help="ordinary examples on node 0")
-    parser.add_argument("--break", dest="broken", choices=BREAKS, default=None,
+    parser.add_argument("--break", dest="broken", choices=(*BREAKS, "norm"), default=None,
                         help="a deliberately broken run: 'noise' switched off, or 'clipping' skipped (C x 1000 at "
-                        "the same noise std); the claimed epsilon stays the honest configuration's")
+                        "the same noise std); the claimed epsilon stays the honest configuration's; 'norm': the "
+                        "clipping attack against per-example norms without their rounding bound")
+    parser.add_argument("--attack", nargs="+", choices=tuple(ATTACKS), default=None, metavar="NAME",
+                        help=f"the clipping attacks to run (default: all of {', '.join(ATTACKS)})")
+    parser.add_argument("--clipping", action="store_true",
+                        help="also run the clipping attack: crafted examples against ||S(D) - S(D without x)|| <= C "
+                        "in every per-sample mode and precision")
     parser.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound")
     parser.add_argument("--guesses", type=int, nargs="+", default=None, metavar="R",
                         help="numbers of guesses r to try (Bonferroni-corrected; default 2%%..100%% of m)")
@@ -89,8 +101,26 @@ HEADER = (f"{'strategy':<30} {'claimed ε':>9} {'δ':>8} {'ε lower':>8} {'conf'
           f"{'s':>6}  verdict")
 
 
+def _clipping_rows(names: Sequence[str] | None, broken: bool, as_json: bool) -> list[AttackResult]:
+    """The clipping attack's table (or nothing printed under ``--json``)."""
+    with broken_norms() if broken else nullcontext():
+        results = run_attacks(tuple(names) if names else None)
+    if not as_json:
+        print(f"\nclipping attack{' (broken: norm without its rounding bound)' if broken else ''}: largest "
+              f"||S(D) - S(D \\ x)|| / C over the batch, allowed 1 + {TOLERANCE:g}")
+        print(f"{'attack':<26} {'mode':<12} {'precision':<11} {'ratio':>12}  verdict")
+        for r in results:
+            print(f"{r.attack:<26} {r.mode:<12} {r.precision:<11} {r.ratio:>12.8f}  {'ok' if r.holds else 'EXCEEDS C'}")
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.broken == "norm":
+        attacks = _clipping_rows(args.attack, broken=True, as_json=args.json)
+        if args.json:
+            print(json.dumps({"clipping_attack": [r.to_dict() for r in attacks]}, indent=2))
+        return 0 if all(r.holds for r in attacks) else EXIT_VIOLATION
     try:
         names = _strategies(args.strategy, args.broken)
         extra: dict[str, Any] = json.loads(args.strategy_kwargs)
@@ -110,10 +140,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, PrivacyConfigError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    attacks = _clipping_rows(args.attack, broken=False, as_json=args.json) if args.clipping else []
     if args.json:
         records = [r.to_dict() for r in reports]
-        print(json.dumps(records[0] if len(records) == 1 else records, indent=2))
-    return 0 if all(r.consistent for r in reports) else EXIT_VIOLATION
+        output: Any = records[0] if len(records) == 1 else records
+        if attacks:
+            output = {"audits": records, "clipping_attack": [r.to_dict() for r in attacks]}
+        print(json.dumps(output, indent=2))
+    return 0 if all(r.consistent for r in reports) and all(r.holds for r in attacks) else EXIT_VIOLATION
 
 
 if __name__ == "__main__":  # pragma: no cover
