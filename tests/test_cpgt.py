@@ -574,3 +574,53 @@ def test_tracker_noise_offset_is_the_norm_of_the_mean_accumulated_y_noise_and_th
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         strategy._warn_about_the_tracker_noise(engine)
+
+
+@pytest.mark.filterwarnings("ignore:noise_multiplier=0 adds no noise")  # a bare node: CPGT's noise is Laplace
+@pytest.mark.parametrize("accounting", ["sound", "finite"])
+def test_the_resume_warning_prints_the_epsilon_the_ledger_holds_before_the_noise_is_planned(tmp_path, accounting):
+    """The strategy reads the checkpoint and the write-ahead ledger before it plans the noise (the checkpoint is
+    restored with the model, the plan comes with the dataloader). The warning printed "epsilon spent so far is 0.0000"
+    there, as the bound's terms came only with the plan; the ledger's state now keeps them. A checkpoint written
+    before it did says that the value comes later, never 0."""
+    import io
+    import re
+    import warnings
+
+    from lightning_privdec.privacy.write_ahead import WriteAheadLedger
+    from tests.test_write_ahead_ledger import cpgt_engine, make_cpgt_node
+
+    ledger = WriteAheadLedger(tmp_path, "run", rank=0)
+    crashed = cpgt_engine(accounting)  # noise_x = noise_y = 1, alpha = 0.1, q = 0.9, planned for 10 rounds
+    crashed.ledger.record()
+    ledger.write(crashed)
+    buffer = io.BytesIO()
+    torch.save(crashed.state_dict(), buffer)  # the checkpoint, after round 1
+    for _ in range(5):  # rounds 2..6 released, then the crash
+        crashed.ledger.record()
+        ledger.write(crashed)
+
+    def resume(checkpoint: dict) -> tuple[str, object]:
+        node = make_cpgt_node(accounting=accounting, noise_x=1.0, noise_y=1.0)  # built, no plan yet
+        node.load_state_dict(checkpoint)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            assert ledger.recover(node) == 5
+        (message,) = [str(w.message) for w in warned]
+        data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
+        batch_size = 5 if accounting == "finite" else 50
+        node.private_dataloader(torch.utils.data.DataLoader(data, batch_size=batch_size), planned_steps=10)
+        return message, node
+
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    message, resumed = resume(checkpoint)
+    printed = float(re.search(r"epsilon spent so far is ([0-9.]+) \(delta=0.0\)", message).group(1))
+    # the trajectory goes on from round 1; rounds 1..5 are charged again as they are sent again
+    assert resumed.steps == 6 and resumed.ledger.rounds == 1 and resumed.epsilon() >= crashed.epsilon() > 0
+    assert printed == pytest.approx(resumed.epsilon(), abs=5e-5)  # the ledger's epsilon, before and after the plan
+
+    older = {**checkpoint, "ledger": {k: v for k, v in checkpoint["ledger"].items() if k != "terms"}}
+    message, resumed = resume(older)
+    assert "epsilon spent so far" not in message and "printed at the end of training" in message
+    assert resumed.epsilon() == pytest.approx(printed, abs=5e-5)

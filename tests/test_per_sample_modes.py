@@ -268,3 +268,102 @@ def test_a_loss_scale_is_divided_out_before_clipping_and_an_overflowed_example_c
     got = clipped_sum(overflowed, y, scale)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+# ---- convolutions on channels-last inputs ---------------------------------------------------------------------------
+def _channels_last_model(name: str) -> tuple[nn.Module, torch.Tensor, list[nn.Module]]:
+    """(model, input, the convolutions that see a channels-last input), float64. ``convnext``: torchvision's ConvNeXt
+    built from a small config of convnext_tiny's layout (no weights): stem, three stages of one block, two
+    downsamplings (a LayerNorm2d that permutes, then a Conv2d with kernel 2 and stride 2), the classifier."""
+    torch.manual_seed(0)
+    if name == "conv2d":
+        conv = nn.Conv2d(3, 5, 3, padding=1)
+        x = torch.randn(4, 3, 6, 6, dtype=torch.float64).to(memory_format=torch.channels_last)
+        return nn.Sequential(conv, nn.Tanh(), nn.Conv2d(5, 2, 2, stride=2)).double(), x, [conv]
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+    stages = [CNBlockConfig(16, 32, 1), CNBlockConfig(32, 64, 1), CNBlockConfig(64, None, 1)]
+    model = ConvNeXt(stages, stochastic_depth_prob=0.0, layer_scale=0.5, num_classes=5).double()
+    return model, torch.randn(3, 3, 16, 16, dtype=torch.float64), [model.features[2][1], model.features[4][1]]
+
+
+def _per_example_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B, d): each example's gradient by its own backward pass."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    for i in range(x.shape[0]):
+        loss = F.mse_loss(model(x[i : i + 1]), y[i : i + 1], reduction="sum")
+        rows.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("name", ["conv2d", "convnext"])
+@pytest.mark.parametrize("mode", ["bookkeeping", "hooks", "functorch", "ghost"])
+def test_every_mode_clips_the_true_per_example_gradients_of_convolutions_on_channels_last_inputs(
+    mode: str, name: str
+) -> None:
+    """Opacus's Conv2d rule unfolds with strides of the contiguous layout: on a channels-last input (ConvNeXt's
+    downsampling, after its permuted LayerNorm) the hooks mode's per-example gradients were off by 125-143% and even
+    their batch sum by ~100%. Every mode must give the per-example loop's gradients, norms and clipped sum."""
+    model, x, convolutions = _channels_last_model(name)
+    seen: list[bool] = []
+    handles = [c.register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous())) for c in convolutions]
+    with torch.no_grad():
+        y = torch.randn_like(model(x))
+    assert seen and not any(seen)  # the case under test: these convolutions read channels-last inputs
+    for handle in handles:
+        handle.remove()
+    expected = _per_example_loop(model, x, y)
+    clip = float(expected.norm(dim=1).median())  # about half of the examples are clipped
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected_sums, expected_norms = clip_and_accumulate(
+        [expected[:, start : start + p.numel()].view(-1, *p.shape)
+         for start, p in zip(torch.tensor([0] + [p.numel() for p in params]).cumsum(0).tolist(), params)],
+        clip, torch.device("cpu"),
+    )  # fmt: skip
+    if mode == "ghost":
+        ghost = GhostClipping(model, clip)
+        norms = ghost.backward(F.mse_loss(model(x), y, reduction="none").flatten(1).sum(1))
+        ghost.detach()
+    else:
+        with PerSampleGradients(model, mode) as per_sample:
+            F.mse_loss(model(x), y, reduction="sum").div(x.shape[0]).backward()  # a mean over the examples
+            # materialised in every mode (PrivSGP-VR's table), then clipped by the mode's own arithmetic
+            torch.testing.assert_close(per_sample.flat_per_sample_grads(), expected, rtol=1e-10, atol=1e-12)
+            norms = per_sample.clip_and_sum(clip)
+    torch.testing.assert_close(norms, expected_norms, rtol=1e-10, atol=1e-12)
+    assert 0 < int((norms > clip).sum()) < x.shape[0]
+    for p, want in zip(params, expected_sums):
+        torch.testing.assert_close(p.grad, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("entry", ["clip_and_sum", "per_sample_grads", "flat_per_sample_grads"])
+@pytest.mark.parametrize("mode", ["bookkeeping", "hooks", "functorch"])
+def test_the_first_step_sum_check_checks_the_arithmetic_the_caller_releases(
+    monkeypatch: pytest.MonkeyPatch, mode: str, entry: str
+) -> None:
+    """A wrong closed-form rule (here Conv2d's, weight gradients doubled) must stop the first step wherever it is
+    used: hooks mode, and materialised per-sample gradients in any mode (PrivSGP-VR's table); book-keeping's clipped
+    sum and functorch never call it, and are released as they are."""
+    from lightning_privdec.privacy.per_sample import capture
+
+    rule = capture.RULES[nn.Conv2d]
+
+    def doubled(layer: nn.Module, activations: list, backprops: torch.Tensor) -> dict:
+        samples = rule(layer, activations, backprops)
+        samples[layer.weight] = 2 * samples[layer.weight]
+        return samples
+
+    monkeypatch.setitem(capture.RULES, nn.Conv2d, doubled)
+    model, (x, y) = _model("conv"), _batch("conv", 5)
+    per_sample = PerSampleGradients(model, mode)
+    F.cross_entropy(model(x), y).backward()
+    release = {"clip_and_sum": lambda: per_sample.clip_and_sum(1.0), "per_sample_grads": per_sample.per_sample_grads,
+               "flat_per_sample_grads": per_sample.flat_per_sample_grads}[entry]  # fmt: skip
+    uses_the_rule = mode == "hooks" or (mode == "bookkeeping" and entry != "clip_and_sum")
+    if uses_the_rule:
+        with pytest.raises(PrivacyConfigError, match="'conv.weight' do not add up"):
+            release()
+    else:
+        release()
+    per_sample.detach()

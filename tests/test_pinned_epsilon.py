@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,7 +27,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_privdec.callbacks import PrivacyBudgetCallback
+from lightning_privdec.callbacks.privacy_budget import NOT_PRIVATE_KEY
 from lightning_privdec.cli.account import main as account
+from lightning_privdec.privacy.noise import FIXED_SEED_CAVEAT
 from lightning_privdec.strategies import PRIVATE_STRATEGIES
 
 pytestmark = [
@@ -42,80 +45,80 @@ def node_epsilon_and_steps(strategy: pl.strategies.Strategy) -> tuple[float, int
     return strategy.privacy.epsilon(), strategy.privacy.steps
 
 
-#: (strategy, configuration) -> the end-of-fit line as printed
+#: (strategy, configuration) -> the end-of-fit lines as printed (a fixed noise_seed: each ends with the caveat)
 PRINTED: dict[tuple[str, str], str] = {
     ('cpgt', 'budget'): (
         'CPGTStrategy: final privacy per node (delta = 0); pure epsilon-DP (delta = 0): Laplace noise d_x = 0.01537, '
-        'd_y = 0.01537 decaying by q = 0.9 per round, finite accounting\n'
-        '  node 0: epsilon = 1000.0000 after 4 private steps'
+        'd_y = 0.01537 decaying by q = 0.9 per round, finite accounting' + FIXED_SEED_CAVEAT + '\n'
+        '  node 0: epsilon = 1000.0000 after 4 private steps' + FIXED_SEED_CAVEAT
     ),
     ('cpgt', 'noise'): (
         'CPGTStrategy: final privacy per node (delta = 0); pure epsilon-DP (delta = 0): Laplace noise d_x = 0.1, '
-        'd_y = 0.1 decaying by q = 0.9 per round, finite accounting\n'
-        '  node 0: epsilon = 153.6772 after 4 private steps'
+        'd_y = 0.1 decaying by q = 0.9 per round, finite accounting' + FIXED_SEED_CAVEAT + '\n'
+        '  node 0: epsilon = 153.6772 after 4 private steps' + FIXED_SEED_CAVEAT
     ),
     ('decor', 'budget'): (
         'CorrelatedNoiseStrategy: final privacy per node (delta = 1e-05); Decor (example level, '
         "adversary 'eavesdropper'): independent noise sigma_cdp = 1.336, pairwise-cancelling sigma_cor = 0, "
-        'SecLDP accountant\n'
-        '  node 0: epsilon = 3.0000 after 4 private steps'
+        'SecLDP accountant' + FIXED_SEED_CAVEAT + '\n'
+        '  node 0: epsilon = 3.0000 after 4 private steps' + FIXED_SEED_CAVEAT
     ),
     ('decor', 'noise'): (
         'CorrelatedNoiseStrategy: final privacy per node (delta = 1e-05); Decor (example level, '
         "adversary 'eavesdropper'): independent noise sigma_cdp = 1, pairwise-cancelling sigma_cor = 1, "
-        'SecLDP accountant\n'
-        '  node 0: epsilon = 4.8706 after 4 private steps'
+        'SecLDP accountant' + FIXED_SEED_CAVEAT + '\n'
+        '  node 0: epsilon = 4.8706 after 4 private steps' + FIXED_SEED_CAVEAT
     ),
     ('dp2sgd', 'budget'): (
         'DP2SGDStrategy: final privacy per node (delta = 1e-05); Gaussian noise sigma = 1.338 x C (C = 1), '
-        'Poisson q = 0.25, rdp accountant\n'
-        '  node 0: epsilon = 2.9940 after 4 private steps'
+        'Poisson q = 0.25, rdp accountant' + FIXED_SEED_CAVEAT + '\n'
+        '  node 0: epsilon = 2.9940 after 4 private steps' + FIXED_SEED_CAVEAT
     ),
     ('dp2sgd', 'noise'): (
         'DP2SGDStrategy: final privacy per node (delta = 1e-05); Gaussian noise sigma = 1.3 x C (C = 1), '
-        'Poisson q = 0.25, rdp accountant\n'
-        '  node 0: epsilon = 3.1394 after 4 private steps'
+        'Poisson q = 0.25, rdp accountant' + FIXED_SEED_CAVEAT + '\n'
+        '  node 0: epsilon = 3.1394 after 4 private steps' + FIXED_SEED_CAVEAT
     ),
     ('dp_csgp', 'budget'): (
         'DPCSGPStrategy: final privacy per node (delta = 1e-05); Gaussian noise sigma = 1.338 x C (C = 1), '
-        'Poisson q = 0.25, rdp accountant\n'
-        '  node 0: epsilon = 2.9940 after 4 private steps'
+        'Poisson q = 0.25, rdp accountant' + FIXED_SEED_CAVEAT + '\n'
+        '  node 0: epsilon = 2.9940 after 4 private steps' + FIXED_SEED_CAVEAT
     ),
     ('dp_csgp', 'noise'): (
         'DPCSGPStrategy: final privacy per node (delta = 1e-05); Gaussian noise sigma = 1.3 x C (C = 1), '
-        'Poisson q = 0.25, rdp accountant\n'
-        '  node 0: epsilon = 3.1394 after 4 private steps'
+        'Poisson q = 0.25, rdp accountant' + FIXED_SEED_CAVEAT + '\n'
+        '  node 0: epsilon = 3.1394 after 4 private steps' + FIXED_SEED_CAVEAT
     ),
     ('dyn_d2p', 'budget'): (
         'DynD2PStrategy: final privacy per node (delta = 1e-05); Dyn-D2P schedule (dyn, 4 steps): '
         'clip C 1 -> 0.5946, noise multiplier 1.923 -> 1.143, Poisson q = 0.25, '
-        "rdp accountant (the paper's CLT value: 1.583)\n"
-        '  node 0: epsilon = 2.9998 after 4 private steps'
+        "rdp accountant (the paper's CLT value: 1.583)" + FIXED_SEED_CAVEAT + '\n'
+        '  node 0: epsilon = 2.9998 after 4 private steps' + FIXED_SEED_CAVEAT
     ),
     ('dyn_d2p', 'noise'): (
         'DynD2PStrategy: final privacy per node (delta = 1e-05); Dyn-D2P schedule (const, 4 steps): clip C 1 -> 1, '
-        "noise multiplier 2.722 -> 2.722, Poisson q = 0.25, rdp accountant (the paper's CLT value: 0.6861)\n"
-        '  node 0: epsilon = 1.0000 after 4 private steps'
+        "noise multiplier 2.722 -> 2.722, Poisson q = 0.25, rdp accountant (the paper's CLT value: 0.6861)" + FIXED_SEED_CAVEAT + '\n'
+        '  node 0: epsilon = 1.0000 after 4 private steps' + FIXED_SEED_CAVEAT
     ),
     ('privsgp', 'budget'): (
         'PrivSGPStrategy: final privacy per node (delta = 1e-05); Gaussian noise sigma = 1.338 x C (C = 1), '
-        'Poisson q = 0.25, rdp accountant\n'
-        '  node 0: epsilon = 2.9940 after 4 private steps'
+        'Poisson q = 0.25, rdp accountant' + FIXED_SEED_CAVEAT + '\n'
+        '  node 0: epsilon = 2.9940 after 4 private steps' + FIXED_SEED_CAVEAT
     ),
     ('privsgp', 'noise'): (
         'PrivSGPStrategy: final privacy per node (delta = 1e-05); Gaussian noise sigma = 1.3 x C (C = 1), '
-        'Poisson q = 0.25, rdp accountant\n'
-        '  node 0: epsilon = 3.1394 after 4 private steps'
+        'Poisson q = 0.25, rdp accountant' + FIXED_SEED_CAVEAT + '\n'
+        '  node 0: epsilon = 3.1394 after 4 private steps' + FIXED_SEED_CAVEAT
     ),
     ('privsgp_vr', 'budget'): (
         'PrivSGPVRStrategy: final privacy per node (delta = 1e-05); Gaussian noise sigma = 3.226 x C (C = 1), '
-        'Poisson q = 0.25, rdp accountant\n'
-        '  node 0: epsilon = 3.0000 after 4 private steps'
+        'Poisson q = 0.25, rdp accountant' + FIXED_SEED_CAVEAT + '\n'
+        '  node 0: epsilon = 3.0000 after 4 private steps' + FIXED_SEED_CAVEAT
     ),
     ('privsgp_vr', 'noise'): (
         'PrivSGPVRStrategy: final privacy per node (delta = 1e-05); Gaussian noise sigma = 1.3 x C (C = 1), '
-        'Poisson q = 0.25, rdp accountant\n'
-        '  node 0: epsilon = 12.8200 after 4 private steps'
+        'Poisson q = 0.25, rdp accountant' + FIXED_SEED_CAVEAT + '\n'
+        '  node 0: epsilon = 12.8200 after 4 private steps' + FIXED_SEED_CAVEAT
     ),
 }
 
@@ -217,12 +220,17 @@ class Recorder(Logger):
         pass
 
 
-def fit(name: str, arguments: dict, root, caplog) -> dict[str, Any]:
-    """Fit 4 steps on one node: the end-of-fit summary as printed, what the budget callback logged, the node's own."""
+#: a line that states a run's privacy: an epsilon's value, what it covers, a budget, the end-of-fit summary
+STATES_PRIVACY = re.compile(r"epsilon ?=|epsilon of the plan|epsilon covers|epsilon growing|final privacy per node")
+
+
+def fit(name: str, arguments: dict, root, caplog, noise_seed: int | None = 0) -> dict[str, Any]:
+    """Fit 4 steps on one node: the end-of-fit summary as printed, what the budget callback logged, the node's own,
+    and every line the run logged or warned that states its privacy (an epsilon, a budget)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 8, generator=g)
     loader = DataLoader(TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()), batch_size=16)
-    strategy = PRIVATE_STRATEGIES[name](noise_seed=0, **arguments)
+    strategy = PRIVATE_STRATEGIES[name](noise_seed=noise_seed, **arguments)
     recorder = Recorder()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=recorder, log_every_n_steps=1,
@@ -230,8 +238,11 @@ def fit(name: str, arguments: dict, root, caplog) -> dict[str, Any]:
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
     )
     caplog.clear()
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
         trainer.fit(Classifier(), loader)
+    said = [str(w.message) for w in warned] + [r.getMessage() for r in caplog.records]
+    lines = [line for message in said for line in message.splitlines()]
     (summary,) = [r.getMessage() for r in caplog.records if "final privacy per node" in r.getMessage()]
     epsilon, steps = re.search(r"node 0: epsilon = ([0-9.]+|inf) after (\d+) private steps", summary).groups()
     own_epsilon, own_steps = node_epsilon_and_steps(strategy)
@@ -241,6 +252,8 @@ def fit(name: str, arguments: dict, root, caplog) -> dict[str, Any]:
         "printed": summary,
         "pinned": (float(epsilon), int(steps), own_epsilon),
         "logged": (logged["privacy/epsilon/node_0"], int(logged["privacy/steps"]), logged["privacy/noise_multiplier"]),
+        "privacy_lines": [line for line in lines if STATES_PRIVACY.search(line)],
+        "not_private_logged": logged.get(NOT_PRIVATE_KEY),
     }
 
 
@@ -252,6 +265,18 @@ def test_every_strategy_prints_the_pinned_epsilon(name: str, configuration: str,
     assert measured["printed"] == PRINTED[name, configuration]
     assert measured["pinned"] == pytest.approx(PINNED[name, configuration], rel=1e-6), (name, configuration)
     assert measured["logged"] == pytest.approx(LOGGED[name, configuration], rel=1e-6), (name, configuration)
+    # a fixed noise_seed is not private: every line that states the run's privacy says so, and so do the logged metrics
+    assert len(measured["privacy_lines"]) >= 2  # the summary's header and node line at least
+    for line in measured["privacy_lines"]:
+        assert line.endswith(FIXED_SEED_CAVEAT), line
+    assert measured["not_private_logged"] == 1.0
+
+
+def test_a_run_with_noise_from_os_entropy_states_its_epsilon_without_the_caveat(tmp_path, caplog) -> None:
+    measured = fit("dp_csgp", CONFIGURATIONS["budget"]["dp_csgp"], tmp_path, caplog, noise_seed=None)
+    assert measured["pinned"][0] == pytest.approx(PINNED["dp_csgp", "budget"][0])  # the same plan and accountant
+    assert measured["privacy_lines"] and not any("NOT private" in line for line in measured["privacy_lines"])
+    assert measured["not_private_logged"] is None
 
 
 # ---- privdec-account: the README's examples (the PRV calibration on fewer steps, to stay quick) ---------------------

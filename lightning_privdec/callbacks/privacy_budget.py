@@ -12,6 +12,10 @@ from lightning_privdec.strategies.checks import gather_tensors
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 
 
+#: logged beside the epsilons of a run with a fixed ``noise_seed``
+NOT_PRIVATE_KEY = "privacy/not_private_fixed_noise_seed"
+
+
 class PrivacyBudgetCallback(Callback):
     """Logs the privacy each node's data has spent, from the node's accountant.
 
@@ -27,7 +31,8 @@ class PrivacyBudgetCallback(Callback):
     ``step_metrics()``. Dyn-D2P's accountant adds ``privacy/epsilon_paper_clt/node_<i>`` and
     ``privacy/epsilon_paper_clt_max`` (the paper's CLT value, NOT the epsilon spent, which stays
     ``privacy/epsilon/...``), its node ``privacy/max_grad_norm`` and ``privacy/noise_std`` (the clip and noise std of
-    the next step).
+    the next step). A run with a fixed ``noise_seed`` (not private: whoever knows the seed knows the noise) also logs
+    ``privacy/not_private_fixed_noise_seed`` = 1 with every one of these, so that no logged epsilon of it stands alone.
     """
 
     def __init__(self, log_every_n_steps: int = 10) -> None:
@@ -80,6 +85,8 @@ class PrivacyBudgetCallback(Callback):
         metrics["privacy/epsilon_min"] = min(self.epsilons)
         metrics["privacy/delta"] = node.delta
         metrics.update({f"privacy/{key}": value for key, value in node.step_metrics().items()})
+        if node.privacy_caveat:
+            metrics[NOT_PRIVATE_KEY] = 1.0
         if final:  # hooks outside the training step cannot use self.log: write to the loggers directly
             if trainer.is_global_zero:
                 for logger in trainer.loggers:

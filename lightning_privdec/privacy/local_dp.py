@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.noise import node_noise_generator
+from lightning_privdec.privacy.noise import node_noise_generator, seed_caveat
 from lightning_privdec.privacy.per_sample import (
     DEFAULT_GRAD_SAMPLE_MODE,
     GhostClipping,
@@ -77,6 +77,11 @@ class LocalDPSGD:
         self._accumulated_norms: list[torch.Tensor] = []
 
     # ---- setup ---------------------------------------------------------------------------------------------------
+    @property
+    def privacy_caveat(self) -> str:
+        """What every line stating this node's privacy ends with: the fixed-seed caveat, or nothing."""
+        return seed_caveat(self.noise_seed)
+
     def attach(self, module: nn.Module, fix_model: bool = False) -> None:
         """Validate (or fix) the model for per-sample DP and attach per-sample gradient hooks to it in place."""
         if self._module is module:

@@ -43,7 +43,18 @@ from torch import Tensor
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
-__all__ = ["KEY_BYTES", "KeystreamBuffers", "NoiseGenerator", "keyed_standard_normal", "node_noise_generator"]
+__all__ = [
+    "FIXED_SEED_CAVEAT", "KEY_BYTES", "KeystreamBuffers", "NoiseGenerator", "keyed_standard_normal",
+    "node_noise_generator", "seed_caveat",
+]
+
+#: ends every line that states the privacy (an epsilon, a budget) of a run whose noise comes from a fixed seed
+FIXED_SEED_CAVEAT = " [NOT private: fixed noise_seed, whoever knows the seed knows the noise; noise_seed=None to train]"
+
+
+def seed_caveat(seed: int | None) -> str:
+    """:data:`FIXED_SEED_CAVEAT` for noise from a fixed ``seed``, ``""`` for noise keyed from OS entropy."""
+    return "" if seed is None else FIXED_SEED_CAVEAT
 
 KEY_BYTES = 32  #: 256-bit keys
 _SEED_DOMAIN = b"lightning_privdec.privacy.noise"

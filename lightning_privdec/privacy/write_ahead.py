@@ -14,6 +14,7 @@ file); every run resumed from a checkpoint of that lineage continues the same fi
 
 from __future__ import annotations
 
+import math
 import os
 import uuid
 import warnings
@@ -87,12 +88,15 @@ class WriteAheadLedger:
         if record is None or int(record["steps"]) <= checkpointed:
             return 0
         engine.load_accounting_state(record["accounting"])
-        lost = int(engine.steps) - checkpointed
+        lost, spent = int(engine.steps) - checkpointed, engine.epsilon()
+        # NaN: an accountant that cannot tell its epsilon before the noise is planned (a CPGT checkpoint written
+        # before its ledger kept the bound's terms); never printed as a number
+        said = (f"epsilon spent so far is {spent:.4f} (delta={engine.delta})" if not math.isnan(spent)
+                else "the epsilon they spent is printed at the end of training, once the noise is planned")
         warnings.warn(
             f"node {self.rank}: {lost} private steps were released after the checkpoint (its ledger has "
             f"{checkpointed} steps, the write-ahead ledger {self.path} has {engine.steps}); they stay counted: "
-            f"epsilon spent so far is {engine.epsilon():.4f} (delta={engine.delta}), and the budget checks include "
-            "them, so training may stop earlier than the uninterrupted run",
+            f"{said}, and the budget checks include them, so training may stop earlier than the uninterrupted run",
             UserWarning,
             stacklevel=2,
         )

@@ -173,12 +173,13 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
                    "accounting='finite' drops it)" if engine.accounting != "finite" else " nothing more")
                 + ". It does not cover a node's own final model x_i(K), which reveals its tracker, nor the "
                 "network average of the clean models: publish the noisy x^a the node already sent instead."
+                + engine.privacy_caveat
             )
             auto = " (auto)" if self.options.noise_decay == "auto" else ""
             rank_zero_info(
                 f"CPGT: Laplace noise d_x = {engine.noise_x:.4g}, d_y = {engine.noise_y:.4g}, decay q = "
                 f"{engine.noise_decay:.4g}{auto}, alpha = {engine.alpha}, L = {engine.lipschitz}, adjacency distance "
-                f"{engine.sensitivity:.4g}, d = {engine.dimension}: {bound}, delta = 0"
+                f"{engine.sensitivity:.4g}, d = {engine.dimension}: {bound}, delta = 0{engine.privacy_caveat}"
             )
         return loader
 

@@ -124,5 +124,6 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
                 f"adversary={c.adversary}): chosen sigma_cdp={engine.sigma_cdp:.4g}, sigma_cor={engine.sigma_cor:.4g}"
                 f"{' (baseline ' + self.baseline + ')' if self.baseline else ''}; LDP level {c.sigma_ldp:.4g}, "
                 f"CDP level {c.sigma_cdp_floor:.4g}; other feasible (sigma_cdp, sigma_cor): {options or 'none'}"
+                f"{engine.privacy_caveat}"
             )
         return loader

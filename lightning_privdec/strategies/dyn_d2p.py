@@ -89,5 +89,6 @@ class DynD2PStrategy(PrivateDecentralizedStrategy):
                 f"{engine.plan_epsilon:.4f} ({self.privacy_parameters.accountant}, enforced), "
                 f"{engine.plan_paper_epsilon:.4f} (paper, CLT approximation); "
                 f"{engine.certified_steps} steps fit into target_epsilon={self.privacy_parameters.target_epsilon}"
+                f"{engine.privacy_caveat}"
             )
         return loader

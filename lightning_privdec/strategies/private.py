@@ -274,7 +274,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                     f"{type(self).__name__}: target_epsilon={self.privacy_parameters.target_epsilon} is already spent "
                     f"(epsilon = {self.privacy.epsilon():.4g}: the ledger counts every step released so far, and CPGT "
                     "also the rounds a resume must send again): no step is taken in this fit; raise target_epsilon "
-                    "above that to go on"
+                    f"above that to go on{self.privacy.privacy_caveat}"
                 )
         self._plan_for_max_time(trainer)
         return private
@@ -318,6 +318,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             f"{type(self).__name__}: at {per_step:.3g} s per step, max_time allows about {affordable} steps of this "
             f"fit, not the {planned} planned by max_steps/max_epochs: sigma re-planned from {old:.4g} to "
             f"{engine.noise_multiplier:.4g} so that target_epsilon={self.privacy_parameters.target_epsilon} is spent by then"
+            f"{engine.privacy_caveat}"
         )
 
     def _check_resumed_noise(self, old_sigma: float) -> None:
@@ -446,6 +447,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         rank_zero_info(
             f"{type(self).__name__}: stopping after step {self.budget_stopped_at_step}: one more step would take a "
             f"node past target_epsilon={self.privacy_parameters.target_epsilon} (delta={self.privacy.delta})"
+            f"{self.privacy.privacy_caveat}"
         )
 
     @staticmethod
@@ -459,7 +461,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         return last_epoch and bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
 
     def on_train_end(self) -> None:
-        """Print every node's final epsilon and noise, with or without PrivacyBudgetCallback (one line per node)."""
+        """Print every node's final epsilon and noise, with or without PrivacyBudgetCallback (one line per node; each
+        line of a run with a fixed ``noise_seed`` says that it is not private)."""
         super().on_train_end()
         if self.privacy is None:
             return
@@ -467,8 +470,9 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                              device=self.root_device)
         gathered = gather_tensors(local).tolist()
         summary = self.privacy.noise_summary()  # the configuration is the same on every node (checked at setup)
-        lines = [f"{type(self).__name__}: final privacy per node (delta = {self.privacy.delta:g}); {summary}"]
-        lines += [f"  node {rank}: epsilon = {eps:.4f} after {int(steps)} private steps"
+        caveat = self.privacy.privacy_caveat
+        lines = [f"{type(self).__name__}: final privacy per node (delta = {self.privacy.delta:g}); {summary}{caveat}"]
+        lines += [f"  node {rank}: epsilon = {eps:.4f} after {int(steps)} private steps{caveat}"
                   for rank, (eps, steps) in enumerate(gathered)]
         rank_zero_info("\n".join(lines))
         if self.nonfinite_examples:  # each node its own: the count depends on its data and is never sent

@@ -308,7 +308,9 @@ class CPGTAccountant(Accountant):
     Epsilon: 0 before the first message; then the whole-run bound (``"sound"``, ``"theorem2"``: it covers every
     round of the trajectory, past and future), or the coupling of the rounds taken so far (``"finite"``); plus, by
     composition, the terms of every replayed round. A release is one round (no arguments). The bound's terms (alpha,
-    L, q, the Laplace scales, the sensitivity, the norm factor) are set by :meth:`configure` once the noise is planned.
+    L, q, the Laplace scales, the sensitivity, the norm factor) are set by :meth:`configure` once the noise is planned,
+    and kept in the ledger's state: a checkpoint's ledger tells its epsilon before the resumed run plans its noise
+    (the write-ahead ledger's resume warning is printed then).
 
     Crashes: a run resumed from a checkpoint of round k0 after rounds up to k1 > k0 were released (the write-ahead
     ledger says so) sends rounds k0..k1-1 again with fresh noise at the same scales; the two transcripts compose, so
@@ -358,8 +360,12 @@ class CPGTAccountant(Accountant):
         return self.rounds + sum(end - start for start, end in self.replayed)
 
     def epsilon_after(self, steps: int) -> float:
-        if self.steps + steps == 0 or self.terms is None:
+        """0 before the first round; NaN (unknown, never 0) for rounds whose bound's terms are not known yet: a
+        checkpoint written before the ledger kept them, read before the noise is planned."""
+        if self.steps + steps == 0:
             return 0.0
+        if self.terms is None:
+            return math.nan
         trajectory = self.run_epsilon if self.run_epsilon is not None else self.trajectory_epsilon(self.rounds + steps)
         return trajectory + self.replay_epsilon()
 
@@ -372,7 +378,8 @@ class CPGTAccountant(Accountant):
         self.replayed = replayed
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.rounds, "replayed": [[start, end] for start, end in self.replayed]}
+        return {"steps": self.rounds, "replayed": [[start, end] for start, end in self.replayed],
+                "terms": None if self.terms is None else dict(self.terms)}
 
     def saved_steps(self, state: Mapping[str, Any]) -> int:
         return int(state["steps"]) + sum(int(end) - int(start) for start, end in state.get("replayed", []))
@@ -380,3 +387,5 @@ class CPGTAccountant(Accountant):
     def _load_state(self, state: Mapping[str, Any]) -> None:
         self.rounds = int(state["steps"])
         self.replayed = [(int(start), int(end)) for start, end in state.get("replayed", [])]
+        if state.get("terms") is not None:  # the bound the saved rounds were released under (until the plan's own)
+            self.configure(**{key: float(value) for key, value in state["terms"].items()})

@@ -370,9 +370,12 @@ def rule_grad_samples(
     layer: nn.Module, activations: list[Tensor], backprops: Tensor, functorch: bool
 ) -> dict[nn.Parameter, Tensor]:
     """Per-example gradients of a rule layer: Opacus's closed form, or vmap of ``torch.func.grad`` over the
-    layer's per-example inputs when ``functorch``."""
+    layer's per-example inputs when ``functorch``. The closed forms get contiguous inputs: Opacus's Conv2d rule
+    unfolds its input with ``as_strided`` strides computed for the contiguous layout, and read a channels-last input
+    (``memory_format=torch.channels_last``, ConvNeXt's downsampling after its permuted LayerNorm) as other numbers."""
     if not functorch:
-        samples = rule_for(layer)(layer, activations, backprops)
+        activations = [a.contiguous() for a in activations]
+        samples = rule_for(layer)(layer, activations, backprops.contiguous())
         if isinstance(layer, nn.Embedding) and layer.padding_idx is not None and layer.weight in samples:
             samples[layer.weight][:, layer.padding_idx] = 0  # autograd gives the padding row no gradient
         return samples

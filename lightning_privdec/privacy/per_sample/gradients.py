@@ -241,6 +241,15 @@ class _PerSampleArithmetic:
             return torch.zeros(0, device=params[0].device)
         return torch.cat(all_norms)
 
+    def batch_sum(self, calls: list[_Call], *, bookkeeping: bool) -> dict[nn.Parameter, Tensor]:
+        """The unclipped sum of one pass's per-example gradients, by the arithmetic a mode clips with: book-keeping's
+        (:meth:`_clip_and_sum_pass` with clip factor 1), or the materialised per-example gradients summed."""
+        if bookkeeping:
+            sums: dict[nn.Parameter, Tensor] = {}
+            self._clip_and_sum_pass(calls, float("inf"), sums)
+            return sums
+        return {p: gs.sum(dim=0) for p, gs in self._grad_samples(calls).items()}
+
     def _clip_and_sum_pass(self, records: list[_Call], max_grad_norm: float, sums: dict[nn.Parameter, Tensor]) -> Tensor:
         uses = _uses(records)
         bookkept = [
@@ -459,7 +468,7 @@ class PerSampleGradients:
         batch whose step skipped backward) every entry is an empty ``(0, *p.shape)`` tensor, so the DP step
         releases pure noise. In ``"hooks"`` and ``"functorch"`` modes they are also kept in ``p.grad_sample``.
         """
-        self._check_sums_once()
+        self._check_sums_once(bookkeeping=False)
         params = self.parameters
         grads = self._arithmetic.per_sample_grads(params)
         if self.mode != "bookkeeping":
@@ -475,7 +484,7 @@ class PerSampleGradients:
     def flat_per_sample_grads(self, out: Tensor | None = None) -> Tensor:
         """The per-sample gradients as one ``(B, d)`` matrix, parameters concatenated in order, written into ``out``
         (shape ``(batch_size, d)``) when given: nn.Linear layers then write their outer products straight into it."""
-        self._check_sums_once()
+        self._check_sums_once(bookkeeping=False)
         params = self.parameters
         if out is None:
             out = torch.empty(self.batch_size, sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
@@ -488,7 +497,7 @@ class PerSampleGradients:
         Book-keeping never materialises the g_i of nn.Linear layers (module docstring); the other modes clip
         materialised per-sample gradients. An empty batch, or a step without backward, leaves zeros.
         """
-        self._check_sums_once()
+        self._check_sums_once(bookkeeping=self.mode == "bookkeeping")
         params = self.parameters
         if self.mode == "bookkeeping":
             return self._arithmetic.clip_and_sum(params, max_grad_norm)
@@ -502,12 +511,15 @@ class PerSampleGradients:
             grad = grad.detach()
             self._batch_grads[p] = grad if p not in self._batch_grads else self._batch_grads[p] + grad
 
-    def _check_sums_once(self) -> None:
+    def _check_sums_once(self, *, bookkeeping: bool) -> None:
         """On the first backward pass: the per-example gradients must add up to autograd's gradient of the batch
         (divided by B for a mean loss; taken by gradient hooks on the parameters, so stale ``.grad`` values do not
         count). They do not when part of a parameter's gradient comes from a use no hook
-        sees (a parameter read outside its own layer's forward) or from a batch dimension read wrongly; training
-        would then clip and release something that is not the per-example gradient, so it stops here instead."""
+        sees (a parameter read outside its own layer's forward), from a batch dimension read wrongly, or from a
+        per-example rule that is wrong for its input; training would then clip and release something that is not the
+        per-example gradient, so it stops here instead. The sum checked is that of the arithmetic the caller releases
+        (``bookkeeping``: book-keeping's clipped sum with clip factor 1; else the materialised per-example gradients
+        of :meth:`per_sample_grads` and :meth:`flat_per_sample_grads`, whatever the mode)."""
         self._hooks.unfreeze_parameters()  # every trainable parameter is read from here on
         if self._checked:
             return
@@ -519,8 +531,7 @@ class PerSampleGradients:
             handle.remove()
         # from now on autograd's own gradients of rule layers' parameters are never read: skip computing them
         self._hooks.skip_parameter_grads = True
-        sums: dict[nn.Parameter, Tensor] = {}
-        self._arithmetic._clip_and_sum_pass(passes[0], float("inf"), sums)  # clip factor 1: the plain sum
+        sums = self._arithmetic.batch_sum(passes[0], bookkeeping=bookkeeping)
         scale = 1.0 / max(c.batch_size for c in passes[0]) if self.loss_reduction == "mean" else 1.0
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         grads = self._batch_grads
@@ -541,7 +552,9 @@ class PerSampleGradients:
                     f"error {float(error / (size + 1e-12)):.2g}): part of it "
                     "comes from a use the per-sample hooks do not see, such as the parameter read in another "
                     "module's forward, or the layer's batch dimension is not the one assumed (pass batch_first=). "
-                    "Use the parameter only inside the forward of the module that owns it"
+                    "Use the parameter only inside the forward of the module that owns it. If it is used there only, "
+                    f"the {self.mode!r} mode's per-example rule is wrong for this layer's input: try another "
+                    "grad_sample_mode"
                 )
 
     def clear(self) -> None:
