@@ -420,16 +420,17 @@ def _conv_estimates(module: nn.Module, a: Tensor, g: Tensor, method: str | None)
 
 def _patch_norms(module: nn.Module, a: Tensor, out_size: torch.Size) -> Tensor:
     """Upper bounds of ``||u_t||``, the norm of the input patch each output position t reads, per example and
-    group, shape (B, groups, T), in float64: the squared input summed over the group's channels, convolved with a
-    kernel of ones. Rounding (a sum of p squares: gamma_p) and underflow (p times the smallest value) included."""
+    group, shape (B, groups, T), in float64: the input's squared norm over the group's channels at each position,
+    convolved with a kernel of ones. Rounding (a sum of p squares, a square root and a square: gamma_{p+4}) and
+    underflow (p times the smallest value) included."""
     batch, groups, dims = a.shape[0], module.groups, a.dim() - 2
     p = module.weight[0].numel()
-    squares = a.square().reshape(batch * groups, -1, *a.shape[2:]).sum(dim=1, keepdim=True)
+    squares = torch.linalg.vector_norm(a.reshape(batch * groups, -1, *a.shape[2:]), dim=1, keepdim=True).square()
     conv = (nn.functional.conv1d, nn.functional.conv2d, nn.functional.conv3d)[dims - 1]
     ones = torch.ones((1, 1, *module.kernel_size), dtype=a.dtype, device=a.device)
     summed = conv(squares, ones, None, module.stride, module.padding, module.dilation)
     assert tuple(summed.shape[2:]) == tuple(out_size)
-    bound = summed.double() * (1 + gamma(p + 1, unit_roundoff(a.dtype))) + p * _tiny(a.dtype)
+    bound = summed.double() * (1 + gamma(p + 4, unit_roundoff(a.dtype))) + p * _tiny(a.dtype)
     return bound.sqrt().view(batch, groups, -1)
 
 
