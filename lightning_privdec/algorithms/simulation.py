@@ -75,7 +75,7 @@ def train_node(
                                      node_local_data=True)
     run = NodeRun(node, model, gossip)
 
-    def backward(batch: Sequence[Tensor]) -> bool:
+    def backward(batch: Sequence[Tensor], record: bool = True) -> bool:
         x, *rest = batch
         if len(x) == 0:
             return False  # an empty Poisson batch releases pure noise
@@ -83,9 +83,11 @@ def train_node(
         if value.dim() > 0:
             value = value.mean()
         value.backward()
-        run.losses.append(float(value.detach()))
+        if record:
+            run.losses.append(float(value.detach()))
         return True
 
+    node.check_examples(lambda batch: backward(batch, record=False))  # per-sample gradients are per example
     node.before_first_step(backward)
     taken = 0
     while taken < steps:

@@ -17,9 +17,10 @@ layers materialise their per-sample gradients by their rule or by replay (:mod:`
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -38,6 +39,7 @@ from lightning_privdec.privacy.per_sample.capture import (
     rule_inputs,
 )
 from lightning_privdec.privacy.per_sample.checks import check_private_model
+from lightning_privdec.privacy.per_sample.probe import check_examples
 
 GradSampleMode = Literal["bookkeeping", "hooks", "functorch", "ghost"]
 GRAD_SAMPLE_MODES: tuple[str, ...] = ("bookkeeping", "hooks", "functorch", "ghost")
@@ -501,6 +503,17 @@ class PerSampleGradients:
                     "Use the parameter only inside the forward of the module that owns it"
                 )
 
+    def check_examples(self, backward: Callable[[Sequence[int]], Any], examples: int) -> str:
+        """Before training: refuse, naming the layer or the loss and the fix, a model whose recorded batch
+        dimension is not the examples' (a sequence-first model, a table looked up once for all examples) or whose
+        examples' gradients depend on each other (a token-mean loss over a padded batch). ``backward(indices)``
+        collates examples ``indices`` of the data (a subset of ``range(examples)``, in that order) as the training
+        loader does, runs the user's forward and backward, and returns False when there was no loss. Runs the
+        forward and backward three times at most, in eval mode; ``p.grad``, the random-number generators and the
+        layers' train/eval modes are restored. See :mod:`.probe`, which says what the check cannot see. Returns a
+        one-line summary of what was checked."""
+        return check_examples(self, backward, examples)
+
     def clear(self) -> None:
         """Forget the stored per-sample gradients and activations (call after every optimizer step)."""
         self._arithmetic._counted.clear()
@@ -580,6 +593,11 @@ class GhostClipping:
             return self._per_sample.clip_and_sum(self.max_grad_norm)
         finally:
             self._per_sample.clear()
+
+    def check_examples(self, backward: Callable[[Sequence[int]], Any], examples: int) -> str:
+        """:meth:`PerSampleGradients.check_examples`; ``backward`` runs the backward pass of the per-sample
+        losses' sum."""
+        return self._per_sample.check_examples(backward, examples)
 
     def set_loss_scale(self, scale: float, drop_nonfinite: bool = True) -> None:
         """As :meth:`PerSampleGradients.set_loss_scale` (``scale``: what the per-sample losses were multiplied by)."""
