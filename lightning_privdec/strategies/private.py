@@ -401,7 +401,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 loss = output.get("loss") if isinstance(output, dict) else output
                 if loss is None:
                     return False
-                if self.privacy is not None and self.privacy.ghost is not None and loss.dim() > 0:
+                if self.privacy is not None and self.privacy.ghost is not None:  # per-sample losses
+                    self.privacy.ghost.check_loss_shape(loss)
                     loss = loss.sum()
                 scaler = self._tell_loss_scale()  # "16-mixed": as in a training step (backward)
                 (scaler.scale(loss) if scaler is not None else loss).backward()

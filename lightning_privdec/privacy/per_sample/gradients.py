@@ -579,10 +579,7 @@ class GhostClipping:
         """Leave sum_i clip(g_i) in every ``p.grad``; return the unclipped per-sample gradient norms."""
         if per_sample_losses.dim() != 1:
             self._per_sample.clear()
-            raise PrivacyConfigError(
-                "ghost clipping needs the per-sample losses: return `F.cross_entropy(logits, y, reduction='none')` "
-                f"(shape (batch,)) from training_step; got a loss of shape {tuple(per_sample_losses.shape)}"
-            )
+        self.check_loss_shape(per_sample_losses)
         if per_sample_losses.numel() == 0:  # an empty Poisson batch: nothing to clip, the step is pure noise
             self._per_sample.clear()
             for p in self.parameters:
@@ -594,9 +591,18 @@ class GhostClipping:
         finally:
             self._per_sample.clear()
 
+    @staticmethod
+    def check_loss_shape(per_sample_losses: Tensor) -> None:
+        """Refuse anything but the per-sample losses (shape (batch,)) with the fix."""
+        if per_sample_losses.dim() != 1:
+            raise PrivacyConfigError(
+                "ghost clipping needs the per-sample losses: return `F.cross_entropy(logits, y, reduction='none')` "
+                f"(shape (batch,)) from training_step; got a loss of shape {tuple(per_sample_losses.shape)}"
+            )
+
     def check_examples(self, backward: Callable[[Sequence[int]], Any], examples: int) -> str:
         """:meth:`PerSampleGradients.check_examples`; ``backward`` runs the backward pass of the per-sample
-        losses' sum."""
+        losses' sum (:meth:`check_loss_shape` first)."""
         return self._per_sample.check_examples(backward, examples)
 
     def set_loss_scale(self, scale: float, drop_nonfinite: bool = True) -> None:
