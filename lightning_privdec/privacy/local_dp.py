@@ -38,7 +38,7 @@ class LocalDPSGD:
         rank: this node's id (keys its own noise and sampling streams).
         device: where the noise is drawn (the model's device).
         grad_sample_mode: ``"bookkeeping"`` (default: one backward pass, per-sample norms and the clipped sum
-            without per-sample gradients in memory, any ``training_step``), ``"hooks"`` (Opacus's per-layer rules,
+            without per-sample gradients in memory, the same ``training_step`` as ``"hooks"``), ``"hooks"`` (Opacus's per-layer rules,
             per-sample gradients materialised), ``"functorch"``, or ``"ghost"`` (ghost clipping: two backward passes;
             ``training_step`` must return per-sample losses).
         noise_seed: ``None`` (default) keys noise and sampling with 256 bits of OS entropy each; an int makes them

@@ -55,9 +55,11 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         accountant: ``"rdp"`` (default) or ``"prv"`` (Opacus's sound accountants). ``"gdp"`` is refused when the
             strategy is built: a central-limit approximation never calibrates sigma or enforces the budget.
         grad_sample_mode: ``"bookkeeping"`` (default: one backward pass, the clipped sum without per-sample
-            gradients in memory, any ``training_step``), ``"hooks"`` or ``"functorch"`` (per-sample gradients
-            materialised), or ``"ghost"``: ghost clipping (two backward passes), for which ``training_step`` returns
-            the per-sample losses (``reduction="none"``, shape ``(batch,)``). All clip the same way.
+            gradients in memory), ``"hooks"`` or ``"functorch"`` (per-sample gradients materialised): ``training_step``
+            returns the batch mean of per-example losses; or ``"ghost"``: ghost clipping, for which ``training_step``
+            returns the per-example losses (``reduction="none"``, shape ``(batch,)``). All clip the same way. Every
+            layer must see the examples along dimension 0 and each example's loss depend on that example only; a
+            probe checks both before the first update (docs/privacy.md, "What per-example clipping requires").
         fix_model: replace layers incompatible with per-sample DP (BatchNorm -> GroupNorm) instead of raising.
         noise_seed: ``None`` (default, secure): noise and Poisson sampling from ChaCha20 streams keyed with 256 bits
             of OS entropy per node and run (:mod:`lightning_privdec.privacy.noise`); an int: reproducible streams

@@ -10,7 +10,7 @@ more during the backward pass. Once it is over it gets each example's gradient n
 batch's per-sample gradients (for a linear layer ||g_i a_i^T||^2 = ||g_i||^2 ||a_i||^2; Goodfellow 2015, Li et al.
 2022; convolutions likewise, :mod:`.bookkeeping`) and then the sum of CLIPPED gradients in one weight-gradient
 computation per layer, sum_i c_i g_i a_i^T = (c * G)^T A. The result is the same sum of clipped per-sample gradients
-as ``"hooks"`` (same flat clipping, same mean-loss convention, any training_step), with one backward pass; other
+as ``"hooks"`` (same flat clipping, same mean-loss convention, the same training_step), with one backward pass; other
 layers materialise their per-sample gradients by their rule or by replay (:mod:`.capture`), for that layer only.
 """
 
