@@ -48,7 +48,8 @@ class SequenceModel(nn.Module):
         super().__init__()
         self.sequence_first = sequence_first
         self.tok, self.pos_emb = nn.Embedding(VOCAB, D), nn.Embedding(length, D)
-        self.norm, self.qkv, self.out, self.head = nn.LayerNorm(D), nn.Linear(D, 3 * D), nn.Linear(D, D), nn.Linear(D, VOCAB)
+        self.norm, self.qkv = nn.LayerNorm(D), nn.Linear(D, 3 * D)
+        self.out, self.head = nn.Linear(D, D), nn.Linear(D, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_first:  # (T, B): every layer's dimension 0 is time

@@ -38,9 +38,10 @@ class LocalDPSGD:
         rank: this node's id (keys its own noise and sampling streams).
         device: where the noise is drawn (the model's device).
         grad_sample_mode: ``"bookkeeping"`` (default: one backward pass, per-sample norms and the clipped sum
-            without per-sample gradients in memory, the same ``training_step`` as ``"hooks"``), ``"hooks"`` (Opacus's per-layer rules,
-            per-sample gradients materialised), ``"functorch"``, or ``"ghost"`` (ghost clipping: two backward passes;
-            ``training_step`` must return per-sample losses).
+            without per-sample gradients in memory), ``"hooks"`` (Opacus's per-layer rules, per-sample gradients
+            materialised), ``"functorch"`` (``training_step`` returns the batch mean of per-example losses in these
+            three), or ``"ghost"`` (ghost clipping: two backward passes; ``training_step`` must return per-sample
+            losses).
         noise_seed: ``None`` (default) keys noise and sampling with 256 bits of OS entropy each; an int makes them
             reproducible (tests only, NOT private: whoever knows the seed knows the noise).
         secure_mode: Gaussian noise with Opacus's floating-point mitigation (:mod:`.noise`; 4x the noise cost).

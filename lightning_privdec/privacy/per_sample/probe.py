@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.per_sample import bookkeeping
@@ -61,7 +61,8 @@ COUPLED_LOSS_ERROR = (
     "per-example gradient norms at every layer (by up to {change:.3g}x, layer {name}), so one example also moves "
     "the others' clipped gradients and the clipped sum's sensitivity is no longer max_grad_norm. The loss couples "
     "the examples: a mean over all the tokens of a padded batch (Hugging Face's `outputs.loss`), a loss normalised "
-    "by a batch statistic, in-batch negatives (or every layer reads a dimension other than the examples' as the batch). Fix: average within each example, then over the batch: "
+    "by a batch statistic, in-batch negatives (or every layer reads a dimension other than the examples' as the "
+    "batch). Fix: average within each example, then over the batch: "
     "`lightning_privdec.privacy.causal_lm_loss(logits, labels)` for causal language models, "
     "`lightning_privdec.privacy.seq2seq_loss(logits, labels)` for encoder-decoder models, or return the mean of "
     "per-example losses (`reduction='none'`, then `.mean()`; the per-example losses themselves for ghost clipping)"
@@ -182,7 +183,8 @@ class _Probe:
             name = c.record.name
             key = (name, seen.get(name, 0))
             seen[name] = key[1] + 1
-            if per_sample.mode == "bookkeeping" and c.kind == "rule" and bookkeeping.has_bookkeeping(c.module, c.backprops):
+            bookkept = c.kind == "rule" and bookkeeping.has_bookkeeping(c.module, c.backprops)
+            if per_sample.mode == "bookkeeping" and bookkept:
                 dtype = torch.promote_types(c.backprops.dtype, torch.float32)
                 squared = bookkeeping.squared_norms(c.module, c.activations[0], c.backprops, dtype).double()
             else:
