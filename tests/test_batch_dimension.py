@@ -133,11 +133,12 @@ def _tokens(n: int, length: int) -> TensorDataset:
     return TensorDataset(torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(0)))
 
 
-def _fit(module: pl.LightningModule, dataset, batch_size: int, tmp_path, mode: str = "bookkeeping", **loader):
+def _fit(module: pl.LightningModule, dataset, batch_size: int, tmp_path, mode: str = "bookkeeping",
+         precision: str = "32-true", accumulate: int = 1, **loader):
     strategy = DPCSGPStrategy(max_grad_norm=1.0, noise_multiplier=1.0, noise_seed=0, grad_sample_mode=mode)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=tmp_path)
+                         default_root_dir=tmp_path, precision=precision, accumulate_grad_batches=accumulate)
     trainer.fit(module, DataLoader(dataset, batch_size=batch_size, **loader))
     return trainer
 
@@ -248,6 +249,17 @@ def test_hugging_faces_token_mean_loss_over_a_padded_batch_is_refused_with_the_f
         r"the examples' gradients depend on each other: removing one example of 6 changed the other examples' "
         r"per-example gradient norms at every layer \(by up to 2\.5\dx.*Hugging Face's `outputs\.loss`.*"
         r"causal_lm_loss\(logits, labels\)", _sequences(), 6, tmp_path, collate_fn=pad_collate,
+    )
+
+
+def test_under_bf16_mixed_and_micro_batches_the_token_mean_is_refused_and_the_per_example_loss_trains(tmp_path):
+    """Output gradients in bfloat16 (the probe's tolerance is 3e-2) and two micro-batches per Poisson batch."""
+    options = dict(collate_fn=pad_collate, precision="bf16-mixed", accumulate=2)
+    _refused_before_the_first_update(CausalLM(per_example_loss=False), "the examples' gradients depend on each other",
+                                     _sequences(LENGTHS * 2), 6, tmp_path, **options)
+    trainer = _fit(CausalLM(per_example_loss=True), _sequences(LENGTHS * 2), 6, tmp_path, **options)
+    assert trainer.strategy.privacy.ledger.steps == 2 and trainer.strategy.privacy.examples_checked == (
+        "batch dimension and per-example independence checked on 6 examples"  # the micro-batch's expected size
     )
 
 
