@@ -106,7 +106,8 @@ class _PerSampleArithmetic:
             for c in calls:
                 if c.batch_size != batch:
                     raise PrivacyConfigError(
-                        f"{type(c.module).__name__} was called on {c.batch_size} examples of a batch of {batch}: its "
+                        f"layer {c.record.name or '<root>'} ({type(c.module).__name__}) was called on {c.batch_size} "
+                        f"examples of a batch of {batch}: its "
                         "per-sample gradients cannot be attributed to the examples they come from (a layer applied to "
                         "a slice of the batch, or computed once and broadcast over it), so one example could move the "
                         "privatized sum by more than max_grad_norm. Apply the layer to the whole batch (expand its "
