@@ -369,3 +369,26 @@ def test_a_random_collate_makes_the_probe_say_it_did_not_check_independence_inst
     shared = PerSampleGradients(PositionTable(8, per_example=False), mode="hooks")
     with pytest.raises(PrivacyConfigError, match="layer pos_emb"):
         shared.check_examples(lambda i: next_token_losses(shared.module(tokens[i]), tokens[i]).mean().backward(), 8)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_the_simulator_trains_every_mode_like_bookkeeping(mode):
+    """The same noise and Poisson batches: ghost clipping's per-example losses give the same model as book-keeping."""
+    tokens = _tokens(32, 8).tensors[0]
+
+    def run(grad_sample_mode):
+        torch.manual_seed(0)
+        return train_network(
+            lambda rank: DPCSGPNode(PrivacyParameters(max_grad_norm=0.5, noise_multiplier=1.0), rank=rank,
+                                    device=torch.device("cpu"), noise_seed=0, grad_sample_mode=grad_sample_mode),
+            lambda: PositionTable(8, per_example=True), [TensorDataset(tokens, tokens)],
+            topology=build_topology("complete", 1), batch_size=8, steps=3, lr=0.5,
+            loss=lambda logits, x: next_token_losses(logits, x),  # per example; the simulator means them if needed
+        )[0]
+
+    reference, other = run("bookkeeping"), run(mode)
+    assert other.node.steps == 3 and other.losses == pytest.approx(reference.losses, rel=1e-5)
+    torch.testing.assert_close(other.parameters, reference.parameters, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    initial = torch.cat([p.detach().reshape(-1) for p in PositionTable(8, per_example=True).parameters()])
+    assert (reference.parameters - initial).norm() > 0.1  # it trained
