@@ -62,7 +62,8 @@ def train_node(
 
     ``loss(model(x), *rest)`` gives per-example or mean losses of a batch ``(x, *rest)`` (per-example losses for a
     node in ghost-clipping mode); ``after_step(t, run)`` sees the node after every step. Before the first step the
-    node's per-example probe runs (:meth:`~lightning_privdec.privacy.local_dp.LocalDPSGD.check_examples`). Every node must start from the same parameters (build ``model`` under a fixed seed).
+    node's per-example probe runs (:meth:`~lightning_privdec.privacy.local_dp.LocalDPSGD.check_examples`). Every node
+    must start from the same parameters (build ``model`` under a fixed seed).
     """
     node.attach(model)
     flat = FlatParameters(model)
@@ -83,7 +84,10 @@ def train_node(
         value = loss(model(x), *rest)
         if node.ghost is not None:  # ghost clipping: per-example losses, clipped in their own backward
             node.ghost.check_loss_shape(value)
-            value.sum().backward() if probe else node.ghost_backward(value)
+            if probe:
+                value.sum().backward()
+            else:
+                node.ghost_backward(value)
         else:
             (value.mean() if value.dim() > 0 else value).backward()
         if not probe:
