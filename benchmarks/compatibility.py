@@ -56,7 +56,8 @@ NOTES = {
     "lstm_demo": "Lightning's LSTM demo carries its hidden state from one batch into the next (truncated "
     "backpropagation over one stream), so one example's data would reach later steps' gradients, which no step's "
     "clipping bounds (and a Poisson batch changes size and membership every step): every per-sample mode refuses it "
-    "at the second step's forward pass (ghost already refuses its mean loss at the first). Reset the state per batch "
+    "before the first step, at the second forward pass of the per-example probe (ghost refuses its mean loss "
+    "first). Reset the state per batch "
     "(`self.hidden = None` in training_step), as the `lstm` row does with the demo's own SimpleLSTM.",
     "boring": "BoringModel's configure_optimizers adds a learning-rate scheduler, which CPGT's constant-step bound "
     "refuses.",

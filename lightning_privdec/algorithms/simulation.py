@@ -60,8 +60,10 @@ def train_node(
 ) -> NodeRun:
     """``steps`` private steps of one node (plain SGD at ``lr``) on Poisson batches of its ``dataset``.
 
-    ``loss(model(x), *rest)`` gives per-example or mean losses of a batch ``(x, *rest)``; ``after_step(t, run)`` sees the
-    node after every step. Every node must start from the same parameters (build ``model`` under a fixed seed).
+    ``loss(model(x), *rest)`` gives per-example or mean losses of a batch ``(x, *rest)`` (per-example losses for a
+    node in ghost-clipping mode); ``after_step(t, run)`` sees the node after every step. Before the first step the
+    node's per-example probe runs (:meth:`~lightning_privdec.privacy.local_dp.LocalDPSGD.check_examples`). Every node
+    must start from the same parameters (build ``model`` under a fixed seed).
     """
     node.attach(model)
     flat = FlatParameters(model)
@@ -75,17 +77,24 @@ def train_node(
                                      node_local_data=True)
     run = NodeRun(node, model, gossip)
 
-    def backward(batch: Sequence[Tensor]) -> bool:
+    def backward(batch: Sequence[Tensor], probe: bool = False) -> bool:
         x, *rest = batch
         if len(x) == 0:
             return False  # an empty Poisson batch releases pure noise
         value = loss(model(x), *rest)
-        if value.dim() > 0:
-            value = value.mean()
-        value.backward()
-        run.losses.append(float(value.detach()))
+        if node.ghost is not None:  # ghost clipping: per-example losses, clipped in their own backward
+            node.ghost.check_loss_shape(value)
+            if probe:
+                value.sum().backward()
+            else:
+                node.ghost_backward(value)
+        else:
+            (value.mean() if value.dim() > 0 else value).backward()
+        if not probe:
+            run.losses.append(float(value.detach().mean()))
         return True
 
+    node.check_examples(lambda batch: backward(batch, probe=True))  # per-sample gradients are per example
     node.before_first_step(backward)
     taken = 0
     while taken < steps:

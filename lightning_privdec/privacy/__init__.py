@@ -11,6 +11,8 @@ Building blocks, in the order a strategy calls them:
 * :func:`poisson_dataloader` - Poisson batches of the node's shard (empty batches included);
 * :func:`privatize_gradients` with :func:`node_noise_generator` - clip, sum, noise, scale into ``p.grad``;
 * :class:`PrivacyLedger`, :func:`epsilon_for`, :func:`calibrate_noise_multiplier` - accounting;
+* :func:`causal_lm_loss`, :func:`seq2seq_loss` - sequence losses averaged within each example (per-example
+  gradients that depend on their own example only);
 * :class:`PrivacyParameters` - the user's ``max_grad_norm=``, ``noise_multiplier=``/``target_epsilon=`` ... keywords.
 """
 
@@ -25,6 +27,7 @@ from lightning_privdec.privacy.accounting import (
 from lightning_privdec.privacy.config import DEFAULT_DELTA, PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum, privatize_gradients
 from lightning_privdec.privacy.local_dp import LocalDPSGD
+from lightning_privdec.privacy.losses import causal_lm_loss, seq2seq_loss
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator, node_noise_generator
 from lightning_privdec.privacy.per_sample import (
@@ -81,6 +84,7 @@ __all__ = [
     "PrivacyLedger",
     "PrivacyParameters",
     "calibrate_noise_multiplier",
+    "causal_lm_loss",
     "check_private_model",
     "epsilon_for",
     "make_accountant",
@@ -90,4 +94,5 @@ __all__ = [
     "node_shard_indices",
     "poisson_dataloader",
     "privatize_gradients",
+    "seq2seq_loss",
 ]

@@ -10,7 +10,7 @@ This module holds the mechanics only; which C and sigma a step uses, and what it
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -38,9 +38,10 @@ class LocalDPSGD:
         rank: this node's id (keys its own noise and sampling streams).
         device: where the noise is drawn (the model's device).
         grad_sample_mode: ``"bookkeeping"`` (default: one backward pass, per-sample norms and the clipped sum
-            without per-sample gradients in memory, any ``training_step``), ``"hooks"`` (Opacus's per-layer rules,
-            per-sample gradients materialised), ``"functorch"``, or ``"ghost"`` (ghost clipping: two backward passes;
-            ``training_step`` must return per-sample losses).
+            without per-sample gradients in memory), ``"hooks"`` (Opacus's per-layer rules, per-sample gradients
+            materialised), ``"functorch"`` (``training_step`` returns the batch mean of per-example losses in these
+            three), or ``"ghost"`` (ghost clipping: two backward passes; ``training_step`` must return per-sample
+            losses).
         noise_seed: ``None`` (default) keys noise and sampling with 256 bits of OS entropy each; an int makes them
             reproducible (tests only, NOT private: whoever knows the seed knows the noise).
         secure_mode: Gaussian noise with Opacus's floating-point mitigation (:mod:`.noise`; 4x the noise cost).
@@ -75,6 +76,8 @@ class LocalDPSGD:
         self.micro_batches = 1  # physical micro-batches per Poisson-sampled logical batch (accumulate_grad_batches)
         self._accumulated: list[torch.Tensor] | None = None  # clipped sums of this logical step's earlier micro-batches
         self._accumulated_norms: list[torch.Tensor] = []
+        self._examples: tuple[Any, Any] | None = None  # (the shard, the loader's collate_fn): the probe's batches
+        self.examples_checked: str | None = None  # what check_examples found for the attached model
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     @property
@@ -89,6 +92,7 @@ class LocalDPSGD:
         self.detach()
         check_private_model(module, fix=fix_model)
         self._module = module
+        self.examples_checked = None
         if self.grad_sample_mode == "ghost":
             self.ghost = GhostClipping(module, self.parameters.max_grad_norm)
         else:
@@ -172,7 +176,27 @@ class LocalDPSGD:
             steps_per_epoch=max(1, (steps_per_epoch or len(dataloader)) // micro_batches), micro_batches=micro_batches,
         )
         self.expected_batch_size = self.sample_rate * shard_size
+        self._examples = (private.dataset, private.collate_fn)
         return private
+
+    def check_examples(self, backward: Callable[[Any], Any]) -> str | None:
+        """Before the first step on the attached model (once): refuse, naming the layer or the loss and the fix,
+        per-sample gradients that are not per example (:meth:`PerSampleGradients.check_examples`). The probe's
+        batches are the first m examples of the shard (m the expected (micro-)batch size, 2 to 64), collated with
+        the training loader's ``collate_fn`` and passed to ``backward(batch)``, which runs the user's forward and
+        backward without changing the model's train/eval mode and says whether there was a loss. The sampling and
+        noise generators are not touched. Returns the probe's summary (None: no per-example clipping to check, as
+        Decor's user-level clipping)."""
+        hooks = self.per_sample if self.per_sample is not None else self.ghost
+        if hooks is None or self._examples is None or self.examples_checked is not None:
+            return self.examples_checked
+        shard, collate = self._examples
+        size = round((self.expected_batch_size or 2) / self.micro_batches)
+        examples = min(len(shard), 64, max(2, size))
+        self.examples_checked = hooks.check_examples(
+            lambda indices: backward(collate([shard[i] for i in indices])), examples
+        )
+        return self.examples_checked
 
     def _batch_size_for_shard(self, batch_size: int, shard_size: int) -> int:
         """The expected batch size B this node samples with (q = B / J); engines with other sampling rules override."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,11 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         accountant: ``"rdp"`` (default) or ``"prv"`` (Opacus's sound accountants). ``"gdp"`` is refused when the
             strategy is built: a central-limit approximation never calibrates sigma or enforces the budget.
         grad_sample_mode: ``"bookkeeping"`` (default: one backward pass, the clipped sum without per-sample
-            gradients in memory, any ``training_step``), ``"hooks"`` or ``"functorch"`` (per-sample gradients
-            materialised), or ``"ghost"``: ghost clipping (two backward passes), for which ``training_step`` returns
-            the per-sample losses (``reduction="none"``, shape ``(batch,)``). All clip the same way.
+            gradients in memory), ``"hooks"`` or ``"functorch"`` (per-sample gradients materialised): ``training_step``
+            returns the batch mean of per-example losses; or ``"ghost"``: ghost clipping, for which ``training_step``
+            returns the per-example losses (``reduction="none"``, shape ``(batch,)``). All clip the same way. Every
+            layer must see the examples along dimension 0 and each example's loss depend on that example only; a
+            probe checks both before the first update (docs/privacy.md, "What per-example clipping requires").
         fix_model: replace layers incompatible with per-sample DP (BatchNorm -> GroupNorm) instead of raising.
         noise_seed: ``None`` (default, secure): noise and Poisson sampling from ChaCha20 streams keyed with 256 bits
             of OS entropy per node and run (:mod:`lightning_privdec.privacy.noise`); an int: reproducible streams
@@ -365,15 +368,35 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 "sampling rate q while the accountant records one per step: combine the datasets into one loader."
             )
         assert self.privacy is not None
+        self._check_examples()
         self.privacy.before_first_step(self.user_backward)
 
-    def user_backward(self, batch: Any) -> bool:
+    def _check_examples(self) -> None:
+        """Before the first update: every node runs the per-example probe on its shard
+        (:meth:`~lightning_privdec.privacy.local_dp.LocalDPSGD.check_examples`); one node's refusal stops every node
+        here, with its message."""
+        assert self.privacy is not None
+        problem: PrivacyConfigError | None = None
+        try:
+            self.privacy.check_examples(partial(self.user_backward, train=None))
+        except PrivacyConfigError as exc:
+            problem = exc
+        failed = [(r, m) for r, m in enumerate(gather_from_nodes(problem and str(problem))) if m is not None]
+        if problem is not None:
+            raise problem
+        if failed:
+            raise PrivacyConfigError(f"node {failed[0][0]} cannot train privately, so no node starts: {failed[0][1]}")
+
+    def user_backward(self, batch: Any, train: bool | None = True) -> bool:
         """The user's forward and backward on one batch outside a training step (nothing logged, no optimizer);
-        whether a loss was returned. For work an algorithm does at the starting parameters (PrivSGP-VR's table)."""
+        whether a loss was returned. For work an algorithm does at the starting parameters (PrivSGP-VR's table) and
+        for the per-example probe (``train=None``: the modules' train/eval modes as they are). Ghost clipping's
+        per-sample losses are summed."""
         module = self.lightning_module
         assert module is not None
-        was_training = module.training
-        module.train()
+        modes = [(m, m.training) for m in module.modules()]
+        if train is not None:
+            module.train(train)
         module.log = module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
         try:
             with torch.enable_grad():
@@ -381,12 +404,16 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 loss = output.get("loss") if isinstance(output, dict) else output
                 if loss is None:
                     return False
+                if self.privacy is not None and self.privacy.ghost is not None:  # per-sample losses
+                    self.privacy.ghost.check_loss_shape(loss)
+                    loss = loss.sum()
                 scaler = self._tell_loss_scale()  # "16-mixed": as in a training step (backward)
                 (scaler.scale(loss) if scaler is not None else loss).backward()
                 return True
         finally:
             del module.log, module.log_dict  # the class's own methods again
-            module.train(was_training)
+            for m, training in modes:
+                m.training = training
 
     @staticmethod
     def _planned_steps(trainer: pl.Trainer, batches_per_epoch: int) -> int:

@@ -170,6 +170,9 @@ class Recorder:
         self.records: list[Record] = []
         self.enabled = True
         self.replaying = False
+        #: record also in eval mode (the batch-dimension probe of :meth:`PerSampleGradients.check_examples` runs the
+        #: model in eval mode, dropout off, so that two passes over the same examples compute the same thing)
+        self.probing = False
         self.grad_accumulation_allowed = True
         self._forward_pass = 0
         self._backward_seen = False  # a backward pass ran since the last recorded forward call
@@ -208,7 +211,7 @@ class Recorder:
             )
 
     def _recording(self, module: nn.Module) -> bool:
-        return self.enabled and not self.replaying and module.training and torch.is_grad_enabled()
+        return self.enabled and not self.replaying and (module.training or self.probing) and torch.is_grad_enabled()
 
     def _before_replay_unit(self, module: nn.Module, args: tuple) -> None:
         if not self._recording(module):

@@ -10,7 +10,7 @@ more during the backward pass. Once it is over it gets each example's gradient n
 batch's per-sample gradients (for a linear layer ||g_i a_i^T||^2 = ||g_i||^2 ||a_i||^2; Goodfellow 2015, Li et al.
 2022; convolutions likewise, :mod:`.bookkeeping`) and then the sum of CLIPPED gradients in one weight-gradient
 computation per layer, sum_i c_i g_i a_i^T = (c * G)^T A. The result is the same sum of clipped per-sample gradients
-as ``"hooks"`` (same flat clipping, same mean-loss convention, any training_step), with one backward pass; other
+as ``"hooks"`` (same flat clipping, same mean-loss convention, the same training_step), with one backward pass; other
 layers materialise their per-sample gradients by their rule or by replay (:mod:`.capture`), for that layer only.
 """
 
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -39,6 +40,7 @@ from lightning_privdec.privacy.per_sample.capture import (
     rule_inputs,
 )
 from lightning_privdec.privacy.per_sample.checks import check_private_model
+from lightning_privdec.privacy.per_sample.probe import check_examples
 from lightning_privdec.privacy.rounding import sum_rounding
 
 GradSampleMode = Literal["bookkeeping", "hooks", "functorch", "ghost"]
@@ -107,7 +109,8 @@ class _PerSampleArithmetic:
             for c in calls:
                 if c.batch_size != batch:
                     raise PrivacyConfigError(
-                        f"{type(c.module).__name__} was called on {c.batch_size} examples of a batch of {batch}: its "
+                        f"layer {c.record.name or '<root>'} ({type(c.module).__name__}) was called on {c.batch_size} "
+                        f"examples of a batch of {batch}: its "
                         "per-sample gradients cannot be attributed to the examples they come from (a layer applied to "
                         "a slice of the batch, or computed once and broadcast over it), so one example could move the "
                         "privatized sum by more than max_grad_norm. Apply the layer to the whole batch (expand its "
@@ -557,6 +560,17 @@ class PerSampleGradients:
                     "grad_sample_mode"
                 )
 
+    def check_examples(self, backward: Callable[[Sequence[int]], Any], examples: int) -> str:
+        """Before training: refuse, naming the layer or the loss and the fix, a model whose recorded batch
+        dimension is not the examples' (a sequence-first model, a table looked up once for all examples) or whose
+        examples' gradients depend on each other (a token-mean loss over a padded batch). ``backward(indices)``
+        collates examples ``indices`` of the data (a subset of ``range(examples)``, in that order) as the training
+        loader does, runs the user's forward and backward, and returns False when there was no loss. Runs the
+        forward and backward three times at most, in eval mode; ``p.grad``, the random-number generators and the
+        layers' train/eval modes are restored. See :mod:`.probe`, which says what the check cannot see. Returns a
+        one-line summary of what was checked."""
+        return check_examples(self, backward, examples)
+
     def clear(self) -> None:
         """Forget the stored per-sample gradients and activations (call after every optimizer step)."""
         self._arithmetic._counted.clear()
@@ -623,10 +637,7 @@ class GhostClipping:
         """Leave sum_i clip(g_i) in every ``p.grad``; return the unclipped per-sample gradient norms."""
         if per_sample_losses.dim() != 1:
             self._per_sample.clear()
-            raise PrivacyConfigError(
-                "ghost clipping needs the per-sample losses: return `F.cross_entropy(logits, y, reduction='none')` "
-                f"(shape (batch,)) from training_step; got a loss of shape {tuple(per_sample_losses.shape)}"
-            )
+        self.check_loss_shape(per_sample_losses)
         if per_sample_losses.numel() == 0:  # an empty Poisson batch: nothing to clip, the step is pure noise
             self._per_sample.clear()
             for p in self.parameters:
@@ -637,6 +648,20 @@ class GhostClipping:
             return self._per_sample.clip_and_sum(self.max_grad_norm)
         finally:
             self._per_sample.clear()
+
+    @staticmethod
+    def check_loss_shape(per_sample_losses: Tensor) -> None:
+        """Refuse anything but the per-sample losses (shape (batch,)) with the fix."""
+        if per_sample_losses.dim() != 1:
+            raise PrivacyConfigError(
+                "ghost clipping needs the per-sample losses: return `F.cross_entropy(logits, y, reduction='none')` "
+                f"(shape (batch,)) from training_step; got a loss of shape {tuple(per_sample_losses.shape)}"
+            )
+
+    def check_examples(self, backward: Callable[[Sequence[int]], Any], examples: int) -> str:
+        """:meth:`PerSampleGradients.check_examples`; ``backward`` runs the backward pass of the per-sample
+        losses' sum (:meth:`check_loss_shape` first)."""
+        return self._per_sample.check_examples(backward, examples)
 
     def set_loss_scale(self, scale: float, drop_nonfinite: bool = True) -> None:
         """As :meth:`PerSampleGradients.set_loss_scale` (``scale``: what the per-sample losses were multiplied by)."""
