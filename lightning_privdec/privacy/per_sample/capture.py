@@ -210,6 +210,11 @@ class Recorder:
                 module.register_forward_hook(partial(self._after_forward, name, kind), with_kwargs=True)
             )
 
+    @property
+    def forward_pass(self) -> int:
+        """The index of the forward pass recorded last (a backward pass ends it)."""
+        return self._forward_pass
+
     def _recording(self, module: nn.Module) -> bool:
         return self.enabled and not self.replaying and (module.training or self.probing) and torch.is_grad_enabled()
 

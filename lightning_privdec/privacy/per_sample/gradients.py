@@ -81,7 +81,8 @@ class _PerSampleArithmetic:
         self.batch_first = batch_first
         self.functorch = functorch
         self.loss_scale = 1.0  # what the backward pass's loss was multiplied by (a float16 GradScaler's scale)
-        self.mean_loss_multiplier = 1.0  # and by :func:`mean_loss_multiplier` (half-precision autocast)
+        #: and by :func:`mean_loss_multiplier` (half-precision autocast), per forward pass (micro-batches differ)
+        self.mean_loss_multipliers: dict[int, float] = {}
         self.drop_nonfinite = False  # float16: zero an example's non-finite inputs/output gradients per layer call
         self.nonfinite_examples = 0  # examples with something zeroed, over the passes counted since the last take
         self._counted: set[int] = set()  # the passes already counted (passes() may run several times per pass)
@@ -116,7 +117,8 @@ class _PerSampleArithmetic:
                         "privatized sum by more than max_grad_norm. Apply the layer to the whole batch (expand its "
                         "input along the batch dimension)"
                     )
-            scale = (batch if self.loss_reduction == "mean" else 1) / (self.loss_scale * self.mean_loss_multiplier)
+            multiplier = self.mean_loss_multipliers.get(records[0].forward_pass, 1.0)  # records of one pass
+            scale = (batch if self.loss_reduction == "mean" else 1) / (self.loss_scale * multiplier)
             for c in calls:
                 c.scale = scale
                 if c.backprops is not None:  # half precision: unscaled and summed in float32 (exact promotion)
@@ -442,7 +444,7 @@ class PerSampleGradients:
     def set_mean_loss_multiplier(self, multiplier: float) -> None:
         """The next backward pass's mean loss is multiplied by ``multiplier`` (:func:`mean_loss_multiplier`), which
         the per-example gradients are divided by; reset by :meth:`clear`."""
-        self._arithmetic.mean_loss_multiplier = float(multiplier)
+        self._arithmetic.mean_loss_multipliers[self._hooks.forward_pass] = float(multiplier)
 
     @property
     def forward_batch_size(self) -> int:
@@ -535,11 +537,13 @@ class PerSampleGradients:
         # from now on autograd's own gradients of rule layers' parameters are never read: skip computing them
         self._hooks.skip_parameter_grads = True
         sums = self._arithmetic.batch_sum(passes[0], bookkeeping=bookkeeping)
+        multiplier = self._arithmetic.mean_loss_multipliers.get(passes[0][0].record.forward_pass, 1.0)
         scale = 1.0 / max(c.batch_size for c in passes[0]) if self.loss_reduction == "mean" else 1.0
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         grads = self._batch_grads
         wanted = [
-            grads[p].double() / (self._arithmetic.loss_scale * self._arithmetic.mean_loss_multiplier) if p in grads else torch.zeros_like(p, dtype=torch.float64)
+            grads[p].double() / (self._arithmetic.loss_scale * multiplier) if p in grads
+            else torch.zeros_like(p, dtype=torch.float64)
             for _, p in named
         ]
         self._batch_grads = {}
@@ -574,7 +578,7 @@ class PerSampleGradients:
     def clear(self) -> None:
         """Forget the stored per-sample gradients and activations (call after every optimizer step)."""
         self._arithmetic._counted.clear()
-        self._arithmetic.mean_loss_multiplier = 1.0
+        self._arithmetic.mean_loss_multipliers.clear()
         self._hooks.forget()
         self._batch_grads = {}
         for p in self.module.parameters():

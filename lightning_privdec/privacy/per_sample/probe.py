@@ -175,7 +175,8 @@ class _Probe:
         per_sample = self.per_sample
         arithmetic = per_sample._arithmetic
         calls = arithmetic.passes()[0]
-        if any(c.backprops is not None and c.backprops.dtype in (torch.float16, torch.bfloat16) for c in calls):
+        half = (torch.float16, torch.bfloat16)  # the output gradients as autograd gave them (the calls promote them)
+        if any(g is not None and g.dtype in half for c in calls for g in (c.record.grads or [])):
             self.rtol = RTOL_HALF
         out: dict[Key, Tensor] = {}
         seen: dict[str, int] = {}
