@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from lightning_privdec.audit import sensitivity
 from lightning_privdec.audit.sensitivity import ATTACKS, MODES, TOLERANCE, broken_norms, run_attacks
+from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.per_sample import bookkeeping
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")
@@ -74,10 +75,17 @@ def test_an_ill_conditioned_example_is_computed_apart_and_bounded() -> None:
 
 
 # ---- every model of test_any_model, with crafted examples appended ----------------------------------------------------
-def _models() -> dict:
+def _build(name: str) -> tuple:
+    """test_any_model's model; Lightning's LSTM demo class at 2 x 16 units instead of 4 x 512 (its replay costs
+    seconds per example), the same code otherwise."""
     from tests import test_any_model
 
-    return test_any_model.MODELS
+    model, batch, losses = test_any_model.MODELS[name]()
+    if name == "lightning_lstm":
+        from lightning.pytorch.demos.lstm import SimpleLSTM
+
+        model = SimpleLSTM(vocab_size=30, ninp=16, nhid=16, nlayers=2, dropout=0.0)
+    return model, batch, losses
 
 
 def _crafted(batch: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -98,6 +106,9 @@ def _crafted(batch: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 
 #: torch has no float16 CPU kernel for recurrent layers under autocast (docs/privacy.md); these run 32-true and bf16
 _NO_FLOAT16 = {"lightning_lstm", "gru", "lstm_cell"}
+#: under float16 autocast on the CPU, replaying nn.TransformerEncoderLayer's attention with causal and padding masks
+#: does not reproduce autograd's gradient, and the first step's check refuses the model before anything is released
+_REFUSED_FLOAT16 = {"attention_masks"}
 #: torch's CPU half-precision convolution backward on a 1 x 1 input with stride 2 (ResNet's and MobileNet's last
 #: stages on these 8 x 8 images) returns different values on two backward passes of the same batch (measured: the
 #: same weight gradient differs by 0.5% to 100%), so S(D) and S(D \ x) differ by more than their rounding whatever
@@ -105,6 +116,7 @@ _NO_FLOAT16 = {"lightning_lstm", "gru", "lstm_cell"}
 _NONDETERMINISTIC_HALF = {"resnet18", "mobilenet_v3_small"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", sensitivity.PRECISIONS)
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "vit", "lightning_transformer", "lightning_lstm",
                                   "gru", "lstm_cell", "attention_masks", "norms_embedding_tied", "gpt2", "gpt2_lora",
@@ -116,10 +128,14 @@ def test_every_model_keeps_each_example_within_c(name: str, precision: str) -> N
         pytest.skip("torch's CPU half-precision convolution backward is not deterministic on 1 x 1 maps")
     for mode in MODES:
         torch.manual_seed(0)
-        model, batch, losses = _models()[name]()
+        model, batch, losses = _build(name)
         model = model.float().train()
-        batch = tuple(t.float() if t.is_floating_point() else t for t in batch)
+        batch = tuple((t.float() if t.is_floating_point() else t)[:2] for t in batch)  # two honest examples
         crafted = _crafted(batch)
+        if precision == "16-mixed" and name in _REFUSED_FLOAT16:
+            with pytest.raises(PrivacyConfigError, match="do not add up to its gradient"):
+                sensitivity.sensitivity(model, crafted, losses, clip=0.05, mode=mode, precision=precision)
+            continue
         clip = 0.05  # below every example's norm: all are clipped, the sum is as large as it gets
         ratios = sensitivity.sensitivity(model, crafted, losses, clip=clip, mode=mode, precision=precision,
                                          warm_up=batch)  # fmt: skip
