@@ -218,10 +218,13 @@ class DecorNode(PrivateNodeAlgorithm):
                 grads = [g / self.loss_scale for g in grads]
                 if not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
                     grads = [torch.zeros_like(p) for p in params]
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            # float64 sums of squares: the norm cannot round below the true one (docs/privacy.md, clipping)
+            norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+            norm = torch.linalg.vector_norm(torch.stack(norms))
             factor = clip_factor(norm, C)
             for p, g in zip(params, grads):
                 p.grad = g * factor
+            norm = norm.to(params[0].dtype if params[0].is_floating_point() else torch.float32)
             stats = DPStepStats(batch_size=-1, mean_norm=norm, max_norm=norm, clipped_fraction=(norm > C).float(),
                                 noise_std=self.sigma_cdp)
             scale = 1.0

@@ -116,7 +116,7 @@ def sensitivity(model: nn.Module, batch: Batch, losses: Losses, *, clip: float, 
         clipper.detach()
 
 
-# ---- the crafted batches ----------------------------------------------------------------------------------------------
+# ---- the crafted batches --------------------------------------------------------------------------------------------
 def _token_loss(model: nn.Module, batch: Batch) -> Tensor:
     """Per example: sum over tokens/positions of <output, target>; the output gradient is the target itself."""
     x, target = batch

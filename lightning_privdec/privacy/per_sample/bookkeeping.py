@@ -18,6 +18,13 @@ u = the unfolded input patches, T = output positions) has per-example weight gra
 :func:`norm_method` picks the cheapest of these by multiply-adds (per group of a grouped convolution). The clipped
 sum ``sum_i c_i G_i U_i^T`` is then ONE weight-gradient computation with the output gradients scaled by ``c_i`` (a
 matrix product for nn.Linear, ``convolution_backward`` for convolutions).
+
+Rounding: every norm that sets a clip factor is an upper bound of the norm of what the example adds, whatever the
+inputs (:func:`norm_bound`; docs/privacy.md, "What clipping guarantees"). With m_i = sum_t ||g_t|| ||u_t|| the
+example's mass (float64, from per-token norms), the Gram norm errs by at most gamma m_i^2 (:func:`_gram_error`), a
+per-example or bias sum by gamma_T m_i, and the example's terms in the batch's sum by (gamma_R + 2u) m_i; each
+bound is added. An example whose bound is loose, or whose terms are large against its norm, is computed alone in
+float64 and added after the batch's product (:class:`NormBound`).
 """
 
 from __future__ import annotations
@@ -200,7 +207,9 @@ def _gram_error(d_out: int, p: int, u: float, steps: int) -> float:
 
 
 # ---- nn.Linear, Conv1D ----------------------------------------------------------------------------------------------
-def _linear_estimates(module: nn.Module, a: Tensor, g: Tensor, method: str | None) -> tuple[Tensor, Tensor, Tensor, int]:
+def _linear_estimates(
+    module: nn.Module, a: Tensor, g: Tensor, method: str | None
+) -> tuple[Tensor, Tensor, Tensor, int]:
     """(upper bound of each example's exact gradient norm, its terms' mass sum_t ||g_t|| (||u_t|| + 1), whether the
     bound is loose, the rows of the batch's sum) for nn.Linear on (B, d) or (B, T, d)."""
     if g.dim() == 2:
@@ -372,7 +381,9 @@ def _live_taps(module: nn.Module, in_size: torch.Size, out_size: torch.Size) -> 
     return live
 
 
-def _conv_estimates(module: nn.Module, a: Tensor, g: Tensor, method: str | None) -> tuple[Tensor, Tensor, Tensor, int]:
+def _conv_estimates(
+    module: nn.Module, a: Tensor, g: Tensor, method: str | None
+) -> tuple[Tensor, Tensor, Tensor, int]:
     """As :func:`_linear_estimates`, for a convolution: u_t is the input patch read at output position t."""
     batch, groups, steps = g.shape[0], module.groups, math.prod(g.shape[2:])
     d_out, p = module.out_channels // groups, module.weight[0].numel()
@@ -391,7 +402,8 @@ def _conv_estimates(module: nn.Module, a: Tensor, g: Tensor, method: str | None)
             if method == "ghost":
                 estimate, inner = _conv_ghost_norms(module, a, g), p
             else:  # the patches' Gram entries: sums of kernel-tap sums of the input's Gram entries
-                estimate, inner = _conv_input_gram_norms(module, a, g), module.in_channels // groups + math.prod(module.kernel_size)
+                inner = module.in_channels // groups + math.prod(module.kernel_size)
+                estimate = _conv_input_gram_norms(module, a, g)
             error = _gram_error(d_out, inner, u, steps) * group_mass.square() + 2 * tiny * (
                 d_out * un.sum(dim=2).square() + inner * gn.sum(dim=2).square()
             ) + steps * steps * (d_out * inner * tiny + 1) * tiny
