@@ -172,25 +172,27 @@ def _gloo_node(rank: int, world: int, init: str, out: str, device: str = "cpu") 
         for k in range(25):
             gossip.step(gossip.x - LR * update(rank, k).to(device))
             dist.all_reduce(torch.ones(1))  # a collective while messages are in flight, as Lightning does per step
-        assert gossip.x.device.type == device and exchange.wire_device.type == "cpu"
+        assert gossip.x.device.type == torch.device(device).type and exchange.wire_device == torch.device("cpu")
+        assert (exchange.wire_device != exchange.device) == (device != "cpu")  # staged through host buffers
         results[staleness] = (gossip.x.cpu(), gossip.y.cpu(), in_flight_mass(gossip))
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 def test_gloo_processes_mix_exactly_like_the_loopback_simulation(device: str, tmp_path):
-    """On CPU bit for bit; with CUDA tensors (several gloo ranks sharing one GPU: the messages travel through host
-    memory) to float rounding."""
+    """On CPU bit for bit; "cpu:0" is not gloo's wire device ("cpu"), so its messages take the host-staging path of
+    CUDA ranks on gloo (copied to host buffers and back), bit for bit too; with CUDA tensors (several gloo ranks
+    sharing one GPU) to float rounding."""
     world = 3
     # fork: the children start with this process's imports instead of loading torch and Lightning again (CUDA
     # cannot be used in a forked child once this process has used it: spawn then)
     mp.start_processes(_gloo_node, args=(world, f"file://{tmp_path}/rendezvous", str(tmp_path), device), nprocs=world,
-                       start_method="fork" if device == "cpu" else "spawn")
+                       start_method="spawn" if device == "cuda" else "fork")
     topology = build_topology("exponential-one-peer", world, weights="push-sum")
-    same = torch.equal if device == "cpu" else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    same = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6) if device == "cuda" else torch.equal(a, b)  # noqa: E731
     for staleness in (0, 1, 2):
         simulated = run(world, topology, range(25), staleness=staleness, lr=LR)
         for rank, g in enumerate(simulated):

@@ -138,7 +138,7 @@ class TorchDistributedExchange(Exchange):
         """The byte buffer kept for the ``slot``-th message of a round, reallocated only when its size changes."""
         buffer = self._reused.get((kind, slot))
         if buffer is None or buffer.numel() != nbytes:
-            pinned = self.wire_device != self.device  # host staging of a CUDA rank: pinned for fast copies
+            pinned = self.wire_device != self.device and self.device.type == "cuda"  # fast copies to the GPU
             buffer = self._reused[(kind, slot)] = torch.empty(
                 nbytes, dtype=torch.uint8, device=self.wire_device, pin_memory=pinned
             )
