@@ -1,6 +1,6 @@
 """The GPU check: every CUDA path of the library run and timed in one command, written to one JSON file and a table.
 
-What it runs (each section in its own child process, bounded in time, so one failure or hang costs only its own
+What it runs (each section in processes of its own, bounded in time, so one failure or hang costs only its own
 section; a section that fails is recorded with its error and the others still run)
 --------------------------------------------------------------------------------------------------------------------
 ``tests``       pytest on the CUDA-only tests (skipped without CUDA) and on the per-sample, noise and mixed-precision
@@ -8,22 +8,24 @@ section; a section that fails is recorded with its error and the others still ru
                 passed / failed / skipped counts and the failing tests' names.
 ``throughput``  one training step (forward, backward, clipping, noise, SGD step) on one device, samples/s and peak
                 GPU memory, for torchvision's ResNet-18 (GroupNorm, batch 256, 32x32), EfficientNet-B0 (GroupNorm,
-                batch 256, 32x32) and GPT-2 small from its config (batch 32, 128 tokens), each in fp32, bf16-mixed
-                and 16-mixed (float16 autocast and a real GradScaler), as: the non-private step; the library's private
-                step (``DPCSGPNode``, C = 1, sigma = 1) in ``bookkeeping`` and ``ghost`` mode, as the strategies run
-                it (the GradScaler's scale told before backward, the privatized sum multiplied by it before
-                ``scaler.step``); and Opacus's ghost clipping (``PrivacyEngine.make_private(grad_sample_mode=
+                out-of-place activations; batch 256, 32x32) and GPT-2 small from its config (batch 32, 128 tokens),
+                each in fp32, bf16-mixed and 16-mixed (float16 autocast and a real GradScaler), plus in fp32 the CIFAR
+                example's out-of-place ResNet-18 (the ResNet-18 that Opacus's ghost clipping can run; it refuses
+                torchvision's in-place residual add and GPT-2's tied weights), as: the non-private step; the
+                library's private step (``DPCSGPNode``, C = 1, sigma = 1) in ``bookkeeping`` and ``ghost`` mode, as
+                the strategies run it (the GradScaler's scale told before backward, the privatized sum multiplied by
+                it before ``scaler.step``); and Opacus's ghost clipping (``PrivacyEngine.make_private(grad_sample_mode=
                 "ghost")``, its DPOptimizer's step). Models and data come from benchmarks/step_time.py's
                 ``build_problem``. A configuration that cannot run is a row with its error.
 ``noise``       the ChaCha20 noise generator on the device: ns per coordinate for 11M (ResNet-18) and 124M (GPT-2
                 small) float32 coordinates next to ``torch.randn`` on the same device, peak GPU memory, and the
                 distribution checks of the 11M draw (mean, standard deviation, Kolmogorov-Smirnov, 2/3/4-sigma tail
-                masses) plus bit-equality with the CPU draws of the same key.
+                masses) plus equality (to 1e-12) with the CPU draws of the same key.
 ``ranks``       4 ranks sharing the one GPU over gloo (NCCL refuses two ranks on one GPU; the gossip's messages travel
-                through host memory): ``examples/cifar_resnet.py --synthetic`` for 20 steps with each private
-                strategy, launched as 4 single-device processes (``--num-nodes 4 --devices 1`` with the launch
-                variables set per rank, as benchmarks/network.py does); each rank's epsilon, whether its parameters
-                are finite, and its peak GPU memory.
+                through host memory): ``examples/cifar_resnet.py --synthetic`` for 20 steps (batch 32, 512 images)
+                with each private strategy, launched as 4 single-device processes (``--num-nodes 4 --devices 1``
+                with the launch variables set per rank, as benchmarks/network.py does); each rank's epsilon, whether
+                its parameters are finite, and its peak GPU memory.
 Peak GPU memory (``torch.cuda.max_memory_allocated``) is part of every throughput, noise and ranks row; the
 ``memory`` section gathers them per configuration (on CPU nothing is measured: null).
 
@@ -65,6 +67,7 @@ picks sections; ``--no-table`` prints only the JSON's path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -104,13 +107,14 @@ PRECISIONS = ("fp32", "bf16-mixed", "16-mixed")
 #: is one that Opacus's ghost clipping can hook (it refuses torchvision's in-place `out += identity`, and GPT-2's
 #: shared position ids); the quick run leaves it out.
 MODELS: dict[str, dict[str, Any]] = {
-    "resnet18": dict(full=dict(name="resnet18_torchvision", batch=256), quick=dict(name="resnet18_torchvision", batch=2),
-                     precisions=PRECISIONS, quick_precisions=("fp32",)),
+    "resnet18": dict(full=dict(name="resnet18_torchvision", batch=256),
+                     quick=dict(name="resnet18_torchvision", batch=2), precisions=PRECISIONS, quick_precisions=("fp32",)),
     "efficientnet_b0": dict(full=dict(name="efficientnet_b0", batch=256), quick=dict(name="efficientnet_b0", batch=2),
                             precisions=PRECISIONS, quick_precisions=("fp32",)),
     "gpt2": dict(full=dict(name="gpt2_small", batch=32, tokens=128), quick=dict(name="gpt2", batch=2, tokens=16),
                  precisions=PRECISIONS, quick_precisions=PRECISIONS),
-    "resnet18_cifar": dict(full=dict(name="resnet18", batch=256), quick=None, precisions=("fp32",), quick_precisions=()),
+    "resnet18_cifar": dict(full=dict(name="resnet18", batch=256), quick=None, precisions=("fp32",),
+                           quick_precisions=()),
 }
 QUICK_IMAGE_SIZE = 8  # pixels: the quick run's images (the full run's are 32x32)
 KINDS = ("non-private", "bookkeeping", "ghost", "opacus-ghost")  # bookkeeping and ghost: the library's modes
@@ -207,14 +211,13 @@ def run_tests(args: argparse.Namespace, timeout: float) -> dict[str, Any]:
         if not report.exists():
             return result | {"error": done["error"] or "pytest wrote no report", "tail": done["tail"]}
         outcomes = junit_outcomes(report)
-    cuda_only = [t for t in outcomes if any(t["id"].startswith(c.split("[")[0]) and "cuda" in t["id"]
-                                            for c in CUDA_ONLY_TESTS)]  # fmt: skip
+    cuda_only = [t for t in outcomes if t["id"].startswith(CUDA_ONLY_TESTS)]
     return result | count_outcomes(outcomes) | {
         "collected": len(outcomes),
         "cuda_only": count_outcomes(cuda_only),
         "failures": [{"id": t["id"], "message": t["message"]} for t in outcomes if t["outcome"] in ("failed", "error")],
-        "error": done["error"],
-    }
+        "error": done["error"],  # pytest's exit status when not 0 (failed tests included)
+    } | ({"tail": done["tail"]} if done["error"] else {})
 
 
 def count_outcomes(outcomes: list[dict[str, str]]) -> dict[str, int]:
@@ -231,8 +234,7 @@ def junit_outcomes(report: Path) -> list[dict[str, str]]:
         for tag, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
             node = case.find(tag)
             if node is not None:
-                outcome, message = name, (node.get("message") or "").strip().splitlines()[0:1]
-                message = message[0][:300] if message else ""
+                outcome, message = name, ((node.get("message") or "").strip().splitlines() or [""])[0][:300]
                 break
         outcomes.append({"id": f"{path}::{case.get('name')}", "outcome": outcome, "message": message})
     return outcomes
@@ -263,7 +265,8 @@ def throughput_child(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append(measure_step(model, precision, kind, device, args.quick, args.deadline))
                 print(f"  {model} {precision} {kind}: " + (rows[-1].get("error") or
                       f"{rows[-1]['samples_per_second']:,.1f} samples/s"), flush=True)  # fmt: skip
-    return {"rows": rows, "targets": throughput_targets(rows) if args.accelerator == "gpu" else []}
+    tf32 = {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32}
+    return {"rows": rows, "targets": throughput_targets(rows) if args.accelerator == "gpu" else [], "tf32": tf32}
 
 
 def measure_step(model: str, precision: str, kind: str, device: Any, quick: bool, deadline: float) -> dict[str, Any]:
@@ -313,7 +316,7 @@ def build_step(kind, precision, net, x, y, loss_fn, device, batch):  # noqa: ANN
     scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
 
     def autocast():  # noqa: ANN202
-        return torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+        return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
     if kind == "non-private":
         optimizer = torch.optim.SGD(net.parameters(), lr=LR)
@@ -716,7 +719,8 @@ def format_table(result: dict[str, Any]) -> str:
         r0 = s["ranks"]
         lines += [f"{r0.get('ranks')} ranks over gloo sharing the device, examples/cifar_resnet.py --synthetic, "
                   f"{r0.get('steps')} steps, batch {r0.get('batch_size')}:", "",
-                  "| strategy | epsilon per rank | parameters finite | peak GPU MiB (largest rank) | samples/s | wall s |",
+                  "| strategy | epsilon per rank | parameters finite | peak GPU MiB (largest rank) | samples/s "
+                  "| wall s |",
                   "|---|---|---|---:|---:|---:|"]  # fmt: skip
         for r in r0.get("rows", []):
             if "error" in r:

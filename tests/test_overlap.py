@@ -192,7 +192,10 @@ def test_gloo_processes_mix_exactly_like_the_loopback_simulation(device: str, tm
     mp.start_processes(_gloo_node, args=(world, f"file://{tmp_path}/rendezvous", str(tmp_path), device), nprocs=world,
                        start_method="spawn" if device == "cuda" else "fork")
     topology = build_topology("exponential-one-peer", world, weights="push-sum")
-    same = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6) if device == "cuda" else torch.equal(a, b)  # noqa: E731
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.allclose(a, b, rtol=1e-5, atol=1e-6) if device == "cuda" else torch.equal(a, b)
+
     for staleness in (0, 1, 2):
         simulated = run(world, topology, range(25), staleness=staleness, lr=LR)
         for rank, g in enumerate(simulated):

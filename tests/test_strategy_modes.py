@@ -203,7 +203,9 @@ class PrivatizedGradients(pl.Callback):
         self.steps.append(torch.cat([p.grad.flatten() for p in pl_module.parameters()]).clone())
 
 
-def _fit_16_mixed(name: str, loader: DataLoader, tmp_path, device: torch.device, precision: str = "16-mixed"):  # noqa: ANN202
+def _fit_16_mixed(  # noqa: ANN202
+    name: str, loader: DataLoader, tmp_path, device: torch.device, precision: str = "16-mixed"
+):
     """Two steps: float16 autocast and Lightning's GradScaler (on CPU the code path of "16-mixed" on a GPU; on a GPU
     CUDA's own GradScaler)."""
     torch.manual_seed(0)
@@ -211,9 +213,9 @@ def _fit_16_mixed(name: str, loader: DataLoader, tmp_path, device: torch.device,
     strategy = PRIVATE_STRATEGIES[name](noise_seed=0, **ARGUMENTS[name])
     plugins = [MixedPrecision("16-mixed", device.type)] if precision == "16-mixed" else []
     trainer = pl.Trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], plugins=plugins,
-        default_root_dir=tmp_path,
+        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, strategy=strategy, max_steps=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[probe], plugins=plugins, default_root_dir=tmp_path,
     )
     trainer.fit(model, loader)
     return trainer, strategy, model, probe
@@ -293,7 +295,8 @@ def test_16_mixed_matches_float32_in_ghost_accumulation_user_level_and_vr_table(
         scaler = torch.amp.GradScaler(device.type, growth_interval=1)  # would double the scale every step
         plugins = [MixedPrecision("16-mixed", device.type, scaler=scaler)] if precision == "16-mixed" else []
         trainer = pl.Trainer(
-            accelerator=accelerator, devices=1, strategy=strategy, max_steps=4, logger=False, enable_checkpointing=False,
+            accelerator=accelerator, devices=1, strategy=strategy, max_steps=4, logger=False,
+            enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, callbacks=[probe, moves], plugins=plugins,
             accumulate_grad_batches=accumulate, default_root_dir=tmp_path,
         )
