@@ -69,3 +69,34 @@ def test_the_quick_cpu_run_writes_every_section_with_plausible_numbers(tmp_path:
     memory = sections["memory"]["rows"]
     assert len(memory) == len(rows) + len(noise["rows"]) + 1
     assert all(r["peak_memory_bytes"] is None for r in memory)  # measured on CUDA only
+
+
+def test_pytest_outcomes_are_read_from_the_junit_report_and_from_a_run_cut_short(tmp_path: Path) -> None:
+    from gpu_check import count_outcomes, junit_outcomes, verbose_outcomes
+
+    report = tmp_path / "junit.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_noise" name="test_a[cpu]"/>'
+        '<testcase classname="tests.test_noise" name="test_b"><failure message="assert 1 == 2&#10;more"/></testcase>'
+        '<testcase classname="tests.test_overlap" name="test_c[cuda]"><skipped message="needs a CUDA device"/></testcase>'
+        '<testcase classname="tests.test_overlap" name="test_d"><error message="fixture failed"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    outcomes = junit_outcomes(report)
+    assert [(t["id"], t["outcome"]) for t in outcomes] == [
+        ("tests/test_noise.py::test_a[cpu]", "passed"), ("tests/test_noise.py::test_b", "failed"),
+        ("tests/test_overlap.py::test_c[cuda]", "skipped"), ("tests/test_overlap.py::test_d", "error"),
+    ]  # fmt: skip
+    assert outcomes[1]["message"] == "assert 1 == 2"
+    assert count_outcomes(outcomes) == {"passed": 1, "failed": 1, "skipped": 1, "errors": 1}
+    printed = (
+        "tests/test_noise.py::test_a[cpu] PASSED [ 33%]\n"
+        "tests/test_noise.py::test_b FAILED [ 66%]\n"
+        "tests/test_overlap.py::test_c[cuda] SKIPPED (needs a CUDA device) [100%]\n"
+        "FAILED tests/test_noise.py::test_b - assert 1 == 2\n"
+        "tests/test_overlap.py::test_d "  # cut here: not counted
+    )
+    assert [(t["id"], t["outcome"]) for t in verbose_outcomes(printed)] == [
+        (t["id"], t["outcome"]) for t in outcomes[:3]
+    ]
