@@ -416,41 +416,64 @@ def run_child(args: argparse.Namespace) -> None:
 # child: the per-sample modes in one process
 # ---------------------------------------------------------------------------------------------------------------------
 def modes_problem(args: argparse.Namespace):  # noqa: ANN201
-    """(a fresh model, its inputs, targets, a loss of (outputs, targets) with ``reduction``) for ``--modes-model``:
-    the MLP above, the GroupNorm ResNet-18 of examples/cifar_resnet.py or torchvision's (unchanged, GroupNorm) on
-    32x32 images, or a GPT-2 (2 layers, width
-    128, vocabulary 512, sequences of 32 tokens; the privacy unit is a sequence) built from its config."""
+    """:func:`build_problem` for ``--modes-model``, ``--batch-size`` and ``--seed``."""
+    return build_problem(args.modes_model, args.batch_size, args.seed, hidden=args.hidden)
+
+
+def build_problem(  # noqa: ANN201
+    name: str, batch: int, seed: int, *, hidden: int = 1024, tokens: int = 32, image_size: int = 32
+):
+    """(a fresh model, its inputs, targets, a loss of (outputs, targets) with ``reduction``), on the CPU, for:
+
+    * ``mlp``: the MLP above (784-``hidden``-``hidden/2``-10);
+    * ``resnet18``: the GroupNorm ResNet-18 of examples/cifar_resnet.py (out-of-place throughout), images of
+      ``image_size`` (32) pixels square;
+    * ``resnet18_torchvision``: torchvision's ResNet-18 unchanged (in-place ReLU, ``out += identity``) with
+      GroupNorm(8, c), the same images;
+    * ``efficientnet_b0``: torchvision's EfficientNet-B0 with GroupNorm(8, c) (its channels are multiples of 8) and
+      its in-place activations made out-of-place (so that Opacus's hooks can see their inputs), the same images;
+    * ``gpt2``: a GPT-2 from a config (2 layers, width 128, vocabulary 512), sequences of ``tokens`` tokens;
+    * ``gpt2_small``: GPT-2 small from its config (12 layers, width 768, vocabulary 50257; 124M parameters, no
+      download), sequences of ``tokens`` tokens.
+
+    The GPT-2s predict each next token; the privacy unit is a sequence (its mean token loss)."""
     import torch
     from torch import nn
 
-    gen = torch.Generator().manual_seed(args.seed)
-    batch = args.batch_size
-    if args.modes_model == "mlp":
+    gen = torch.Generator().manual_seed(seed)
+
+    def cross_entropy(outputs, y, reduction="mean"):  # noqa: ANN001, ANN202
+        return nn.functional.cross_entropy(outputs, y, reduction=reduction)
+
+    loss = cross_entropy
+    if name == "mlp":
         inputs = torch.randn(batch, INPUT_DIM, generator=gen)
         targets = torch.randint(0, NUM_CLASSES, (batch,), generator=gen)
-        build = lambda: build_model(args.hidden)  # noqa: E731
-
-        def loss(outputs, y, reduction="mean"):  # noqa: ANN001, ANN202
-            return nn.functional.cross_entropy(outputs, y, reduction=reduction)
-    elif args.modes_model in ("resnet18", "resnet18_torchvision"):
-        inputs = torch.randn(batch, 3, 32, 32, generator=gen)
+        build = lambda: build_model(hidden)  # noqa: E731
+    elif name in ("resnet18", "resnet18_torchvision", "efficientnet_b0"):
+        inputs = torch.randn(batch, 3, image_size, image_size, generator=gen)
         targets = torch.randint(0, 10, (batch,), generator=gen)
-        if args.modes_model == "resnet18":
+        if name == "resnet18":
             sys.path.insert(0, str(ROOT / "examples"))
             from cifar_resnet import resnet18_groupnorm as build
-        else:  # torchvision's own, unchanged: in-place ReLU and `out += identity`
+        else:  # torchvision's own, unchanged but for the normalisation
             import torchvision
 
-            def build():  # noqa: ANN202
-                return torchvision.models.resnet18(num_classes=10, norm_layer=lambda c: nn.GroupNorm(8, c))
+            factory = getattr(torchvision.models, name.removesuffix("_torchvision"))
 
-        def loss(outputs, y, reduction="mean"):  # noqa: ANN001, ANN202
-            return nn.functional.cross_entropy(outputs, y, reduction=reduction)
-    else:
+            def build():  # noqa: ANN202
+                model = factory(num_classes=10, norm_layer=lambda c: nn.GroupNorm(8, c))
+                if name == "efficientnet_b0":
+                    for module in model.modules():
+                        if getattr(module, "inplace", False):
+                            module.inplace = False
+                return model
+    elif name in ("gpt2", "gpt2_small"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        config = GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4)
-        inputs = torch.randint(0, 512, (batch, 32), generator=gen)
+        config = GPT2Config(vocab_size=512, n_positions=64, n_embd=128, n_layer=2, n_head=4) if name == "gpt2" else \
+            GPT2Config()  # GPT-2 small: the defaults of the config are its hyper-parameters
+        inputs = torch.randint(0, config.vocab_size, (batch, tokens), generator=gen)
         targets = inputs
 
         class GPT2(nn.Module):
@@ -469,9 +492,11 @@ def modes_problem(args: argparse.Namespace):  # noqa: ANN201
             ).view(ids.shape[0], -1)
             per_sequence = per_token.mean(1)  # the privacy unit is a sequence
             return per_sequence if reduction == "none" else per_sequence.mean()
+    else:
+        raise ValueError(f"unknown model {name!r}")
 
     def fresh_model():  # noqa: ANN202
-        torch.manual_seed(args.seed)
+        torch.manual_seed(seed)
         return build()
 
     return fresh_model, inputs, targets, loss

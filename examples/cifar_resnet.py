@@ -284,11 +284,15 @@ def main(argv: list[str] | None = None) -> None:
         limit_val_batches=0 if args.synthetic else 1.0,
     )
     trainer.fit(model, datamodule=CifarData(args))
-    speed = gather_tensors(torch.tensor([throughput.samples_per_second()])).reshape(-1)
-    epsilons = None
-    if private:
-        local = torch.tensor([trainer.strategy.privacy.epsilon()], dtype=torch.float64)
-        epsilons = gather_tensors(local).reshape(-1).tolist()
+    device = trainer.strategy.root_device  # NCCL gathers CUDA tensors only; gloo either
+
+    def per_node(value: float | int, dtype: torch.dtype) -> list:
+        return gather_tensors(torch.tensor([value], dtype=dtype, device=device)).reshape(-1).tolist()
+
+    speed = per_node(throughput.samples_per_second(), torch.float64)
+    finite = per_node(int(all(bool(torch.isfinite(p).all()) for p in model.parameters())), torch.int64)
+    peak = per_node(torch.cuda.max_memory_allocated(device), torch.int64) if device.type == "cuda" else None
+    epsilons = per_node(trainer.strategy.privacy.epsilon(), torch.float64) if private else None
     if not trainer.is_global_zero:
         return
     result = {
@@ -299,9 +303,11 @@ def main(argv: list[str] | None = None) -> None:
         "steps": trainer.global_step,
         "epsilon_per_node": epsilons,
         "delta": args.delta if private else None,
-        "samples_per_second_total": float(speed.sum()),
+        "samples_per_second_total": float(sum(speed)),
         "train_loss": float(trainer.callback_metrics.get("train/loss", float("nan"))),
         "bytes_sent_node0": trainer.strategy.gossip.exchange.traffic.bytes_sent,
+        "parameters_finite_per_node": [bool(v) for v in finite],
+        "peak_gpu_memory_bytes_per_node": peak,  # torch.cuda.max_memory_allocated; None off CUDA
     }
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
 

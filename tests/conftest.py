@@ -12,6 +12,7 @@ import numpy as np
 import opacus.accountants.analysis.prv.prvs as opacus_prvs
 import opacus.accountants.analysis.rdp as opacus_rdp
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.multiprocess import kill_process_groups
@@ -53,6 +54,26 @@ opacus_prvs._compute_rdp = _memoized_compute_rdp
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     kill_process_groups()
+
+
+#: the device of the tests that take the ``device`` fixture (per-sample clipping, noise, mixed precision): ``cpu``,
+#: or ``cuda`` to run them on a GPU (benchmarks/gpu_check.py sets it); a GPU named without one fails every such test
+TEST_DEVICE_VARIABLE = "PRIVDEC_TEST_DEVICE"
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """``torch.device`` of ``$PRIVDEC_TEST_DEVICE`` (default ``cpu``)."""
+    device = torch.device(os.environ.get(TEST_DEVICE_VARIABLE, "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        pytest.fail(f"{TEST_DEVICE_VARIABLE}={device} but torch sees no CUDA device")
+    return device
+
+
+@pytest.fixture
+def accelerator(device: torch.device) -> str:
+    """Lightning's ``accelerator`` for :func:`device`."""
+    return "gpu" if device.type == "cuda" else device.type
 
 
 @pytest.fixture(autouse=True)

@@ -35,6 +35,7 @@ def test_synthetic_private_run_with_dirichlet_partition(tmp_path: Path):
     assert report["compressor"] == "RandK(ratio=0.5)" and report["delta"] == 1e-4  # the paper's defaults
     assert all(0 < eps <= 3.0 for eps in report["epsilon_per_node"])
     assert report["bytes_sent_node0"] > 0
+    assert report["parameters_finite_per_node"] == [True, True] and report["peak_gpu_memory_bytes_per_node"] is None
     assert report["train_loss"] == report["train_loss"]  # not NaN
     assert list(tmp_path.glob("lightning_logs/cifar_dp_csgp/version_0/metrics.csv"))
 

@@ -87,10 +87,14 @@ def test_secure_generators_never_leave_the_process() -> None:
 
 
 @pytest.mark.parametrize(("secure_mode", "dtype"), [(False, torch.float64), (True, torch.float64), (False, torch.float32)])
-def test_gaussian_noise_has_the_right_mean_std_and_tails(secure_mode: bool, dtype: torch.dtype) -> None:
+def test_gaussian_noise_has_the_right_mean_std_and_tails(
+    secure_mode: bool, dtype: torch.dtype, device: torch.device
+) -> None:
     n, std = 400_000, 2.5
-    generator = node_noise_generator("cpu", None, 0, secure_mode=secure_mode)
-    draws = generator.normal(n, std, dtype).double().numpy()
+    generator = node_noise_generator(device, None, 0, secure_mode=secure_mode)
+    draws = generator.normal(n, std, dtype)
+    assert draws.device.type == device.type
+    draws = draws.double().cpu().numpy()
     assert abs(draws.mean()) < 5 * std / np.sqrt(n)
     assert draws.std() == pytest.approx(std, rel=0.01)
     assert stats.kstest(draws / std, "norm").pvalue > 1e-4
@@ -99,23 +103,23 @@ def test_gaussian_noise_has_the_right_mean_std_and_tails(secure_mode: bool, dtyp
         assert observed == pytest.approx(expected, rel=5 / np.sqrt(expected * n))
 
 
-def test_narrow_noise_is_the_float64_draw_with_a_float32_angle() -> None:
+def test_narrow_noise_is_the_float64_draw_with_a_float32_angle(device: torch.device) -> None:
     """float32/bfloat16 draws: the same uniforms and float64 radii r; the angle's cos/sin in float32, so each entry
     is the float64 draw to within r * 2^-21 (the angle's float32 rounding) plus two ulps."""
     std = 0.7
-    wide = node_noise_generator("cpu", 5, 0).normal(100_000, std, torch.float64)
+    wide = node_noise_generator(device, 5, 0).normal(100_000, std, torch.float64)
     radius = wide.view(-1, 2).norm(dim=1).repeat_interleave(2)  # r of each Box-Muller pair, times std
     for dtype in (torch.float32, torch.bfloat16):
-        narrow = node_noise_generator("cpu", 5, 0).normal(100_000, std, dtype).double()
+        narrow = node_noise_generator(device, 5, 0).normal(100_000, std, dtype).double()
         ulp = torch.finfo(dtype).eps * wide.abs()
         error = (narrow - wide).abs()
         assert bool((error <= 2 * ulp + radius * 2.0**-21).all()), dtype
         assert float((error <= ulp).float().mean()) > 0.5
 
 
-def test_reused_output_draws_the_same_noise_without_allocating() -> None:
-    fresh = node_noise_generator("cpu", 9, 0)
-    reused = node_noise_generator("cpu", 9, 0)
+def test_reused_output_draws_the_same_noise_without_allocating(device: torch.device) -> None:
+    fresh = node_noise_generator(device, 9, 0)
+    reused = node_noise_generator(device, 9, 0)
     first = reused.normal(5000, 1.0, reuse_output=True)
     assert torch.equal(first, fresh.normal(5000, 1.0))
     pointer = first.data_ptr()
@@ -124,10 +128,10 @@ def test_reused_output_draws_the_same_noise_without_allocating() -> None:
     assert reused.normal(6000, 1.0, torch.float64, reuse_output=True).dtype == torch.float64
 
 
-def test_laplace_noise_and_bernoulli_sampling_have_their_distributions() -> None:
-    generator = node_noise_generator("cpu", None, 0)
+def test_laplace_noise_and_bernoulli_sampling_have_their_distributions(device: torch.device) -> None:
+    generator = node_noise_generator(device, None, 0)
     scale = 1.5
-    draws = laplace_noise(300_000, scale, generator).numpy()
+    draws = laplace_noise(300_000, scale, generator).cpu().numpy()
     assert stats.kstest(draws, "laplace", args=(0, scale)).pvalue > 1e-4
     assert np.mean(np.abs(draws)) == pytest.approx(scale, rel=0.01)
     mask = generator.bernoulli(200_000, 0.05)
@@ -151,12 +155,12 @@ def test_a_fixed_seed_is_reproducible_and_its_state_continues_the_stream() -> No
     assert all(not torch.equal(o.normal(300, 1.0), draws(node_noise_generator("cpu", 7, 2))[0]) for o in others)
 
 
-def test_draws_do_not_depend_on_the_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_draws_do_not_depend_on_the_chunk_size(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
     from lightning_privdec.privacy import noise
 
-    expected = node_noise_generator("cpu", 3, 0).normal(1001, 1.0, torch.float64)
+    expected = node_noise_generator(device, 3, 0).normal(1001, 1.0, torch.float64)
     monkeypatch.setattr(noise, "_CHUNK_WORDS", 6)
-    assert torch.equal(node_noise_generator("cpu", 3, 0).normal(1001, 1.0, torch.float64), expected)
+    assert torch.equal(node_noise_generator(device, 3, 0).normal(1001, 1.0, torch.float64), expected)
 
 
 def test_poisson_sampling_is_secret_per_node_and_reproducible_with_a_seed() -> None:

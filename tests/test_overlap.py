@@ -46,7 +46,7 @@ def in_flight_mass(gossip: PushSumGossip) -> tuple[torch.Tensor, torch.Tensor]:
     for flight in gossip.state_dict().get("in_flight", []):
         plan = gossip.plan(flight["round"])
         for j, (xj, yj) in flight["received"].items():
-            x, y = x + plan.in_weights[j] * xj, y + plan.in_weights[j] * yj
+            x, y = x + plan.in_weights[j] * xj.cpu(), y + plan.in_weights[j] * yj.cpu()
     return x, y
 
 
@@ -159,36 +159,49 @@ def test_overlap_is_refused_where_delayed_mixing_is_not_sound():
 
 
 # ---- real processes -------------------------------------------------------------------------------------------------
-def _gloo_node(rank: int, world: int, init: str, out: str) -> None:
+def _gloo_node(rank: int, world: int, init: str, out: str, device: str = "cpu") -> None:
     die_with_parent()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     topology = build_topology("exponential-one-peer", world, weights="push-sum")
     results = {}
     for staleness in (0, 1, 2):  # 0: blocking rounds through the exchange's reused per-peer buffers
-        gossip = PushSumGossip(start_points(world)[rank], rank=rank, topology=topology,
-                               exchange=TorchDistributedExchange(torch.device("cpu")), staleness=staleness)
+        exchange = TorchDistributedExchange(torch.device(device))
+        gossip = PushSumGossip(start_points(world)[rank].to(device), rank=rank, topology=topology,
+                               exchange=exchange, staleness=staleness)
         for k in range(25):
-            gossip.step(gossip.x - LR * update(rank, k))
+            gossip.step(gossip.x - LR * update(rank, k).to(device))
             dist.all_reduce(torch.ones(1))  # a collective while messages are in flight, as Lightning does per step
-        results[staleness] = (gossip.x.clone(), gossip.y.clone(), in_flight_mass(gossip))
+        assert gossip.x.device.type == torch.device(device).type and exchange.wire_device == torch.device("cpu")
+        assert (exchange.wire_device != exchange.device) == (device != "cpu")  # staged through host buffers
+        results[staleness] = (gossip.x.cpu(), gossip.y.cpu(), in_flight_mass(gossip))
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
 @pytest.mark.multiprocess
-def test_gloo_processes_mix_exactly_like_the_loopback_simulation(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_gloo_processes_mix_exactly_like_the_loopback_simulation(device: str, tmp_path):
+    """On CPU bit for bit; "cpu:0" is not gloo's wire device ("cpu"), so its messages take the host-staging path of
+    CUDA ranks on gloo (copied to host buffers and back), bit for bit too; with CUDA tensors (several gloo ranks
+    sharing one GPU) to float rounding."""
     world = 3
-    # fork: the children start with this process's imports instead of loading torch and Lightning again
-    mp.start_processes(_gloo_node, args=(world, f"file://{tmp_path}/rendezvous", str(tmp_path)), nprocs=world,
-                       start_method="fork")
+    # fork: the children start with this process's imports instead of loading torch and Lightning again (CUDA
+    # cannot be used in a forked child once this process has used it: spawn then)
+    mp.start_processes(_gloo_node, args=(world, f"file://{tmp_path}/rendezvous", str(tmp_path), device), nprocs=world,
+                       start_method="spawn" if device == "cuda" else "fork")
     topology = build_topology("exponential-one-peer", world, weights="push-sum")
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.allclose(a, b, rtol=1e-5, atol=1e-6) if device == "cuda" else torch.equal(a, b)
+
     for staleness in (0, 1, 2):
         simulated = run(world, topology, range(25), staleness=staleness, lr=LR)
         for rank, g in enumerate(simulated):
             x, y, (in_x, in_y) = torch.load(tmp_path / f"rank{rank}.pt")[staleness]
-            assert torch.equal(x, g.x) and torch.equal(y, g.y)
-            assert torch.equal(in_x, in_flight_mass(g)[0]) and torch.equal(in_y, in_flight_mass(g)[1])
+            assert same(x, g.x) and same(y, g.y)
+            assert same(in_x, in_flight_mass(g)[0]) and same(in_y, in_flight_mass(g)[1])
 
 
 @pytest.mark.multiprocess

@@ -85,16 +85,16 @@ def _model(name: str) -> nn.Module:
      ("tied", 6, 1.0, "mean"), ("sequence", 5, 1.0, "mean"), ("conv", 5, 3.0, "mean")],
 )  # fmt: skip
 def test_bookkeeping_clips_exactly_like_materialised_per_sample_gradients(
-    name: str, n: int, clip: float, reduction: str
+    name: str, n: int, clip: float, reduction: str, device: torch.device
 ) -> None:
     """sum_i min(1, C/||g_i||) g_i and the norms ||g_i|| agree with Opacus's per-sample gradients (mode 'hooks')."""
-    reference, model = _model(name), _model(name)
+    reference, model = _model(name).to(device), _model(name).to(device)
     hooks = PerSampleGradients(reference, mode="hooks", loss_reduction=reduction)
     book = PerSampleGradients(model, mode="bookkeeping", loss_reduction=reduction)
-    x, y = _batch(name, n)
+    x, y = (t.to(device) for t in _batch(name, n))
     for m in (reference, model):
         F.cross_entropy(m(x), y, reduction=reduction).backward()
-    expected_sums, expected_norms = clip_and_accumulate(hooks.per_sample_grads(), clip, torch.device("cpu"))
+    expected_sums, expected_norms = clip_and_accumulate(hooks.per_sample_grads(), clip, device)
     for a, b in zip(hooks.per_sample_grads(), book.per_sample_grads()):  # materialised on demand
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
     _assert_flat_per_sample_grads_match(hooks, book, n)
@@ -113,7 +113,7 @@ def _assert_flat_per_sample_grads_match(hooks: PerSampleGradients, book: PerSamp
     """Both modes write the (n, d) matrix of per-sample gradients into a reused buffer, overwriting stale rows."""
     expected = torch.cat([g.flatten(1) for g in hooks.per_sample_grads()], dim=1)
     assert hooks.batch_size == book.batch_size == n
-    buffer = torch.full((n + 2, expected.shape[1]), float("nan"))
+    buffer = torch.full((n + 2, expected.shape[1]), float("nan"), device=expected.device)
     for mode in (hooks, book):
         written = mode.flat_per_sample_grads(buffer[:n])
         assert n == 0 or written.data_ptr() == buffer.data_ptr()
@@ -170,15 +170,15 @@ def test_bookkeeping_backward_passes_guard_and_no_backward() -> None:
         torch.testing.assert_close(p.grad, expected)
 
 
-def test_the_engine_defaults_to_bookkeeping_and_releases_what_hooks_release() -> None:
+def test_the_engine_defaults_to_bookkeeping_and_releases_what_hooks_release(device: torch.device) -> None:
     assert DEFAULT_GRAD_SAMPLE_MODE == "bookkeeping"
-    x, y = _batch("mlp_root", 6)
+    x, y = (t.to(device) for t in _batch("mlp_root", 6))
     grads = {}
     for mode in ("bookkeeping", "hooks"):
-        model = _model("mlp_root")
+        model = _model("mlp_root").to(device)
         kwargs = {} if mode == DEFAULT_GRAD_SAMPLE_MODE else {"grad_sample_mode": mode}
         engine = DPCSGPNode(PrivacyParameters(max_grad_norm=0.5, noise_multiplier=1.0), rank=3,
-                                   device=torch.device("cpu"), noise_seed=7, **kwargs)
+                                   device=device, noise_seed=7, **kwargs)
         engine.attach(model)
         assert engine.per_sample is not None and engine.per_sample.mode == mode
         engine.noise_multiplier, engine.sample_rate, engine.expected_batch_size = 1.0, 0.1, 4.0
@@ -231,17 +231,20 @@ class _OwnScale(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["hooks", "functorch", "bookkeeping", "ghost"])
-def test_a_loss_scale_is_divided_out_before_clipping_and_an_overflowed_example_contributes_zero(mode: str) -> None:
+def test_a_loss_scale_is_divided_out_before_clipping_and_an_overflowed_example_contributes_zero(
+    mode: str, device: torch.device
+) -> None:
     """precision="16-mixed" (docs/privacy.md): the backward pass's loss is multiplied by the GradScaler's scale S;
     clipping must see unscaled per-example gradients, and an example whose values overflowed (here NaN from its
     input on) must add nothing rather than poison the sum. Result: exactly the clipped sum of the other examples
     without any scale (float64)."""
     def build() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _OwnScale(8), nn.Linear(8, 3)).double()
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _OwnScale(8), nn.Linear(8, 3)).double().to(device)
 
     torch.manual_seed(1)
     x, y, clip, scale = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,)), 0.5, 2.0**12
+    x, y = x.to(device), y.to(device)
     kept = [0, 1, 3, 4, 5]
     overflowed = x.clone()
     overflowed[2] = float("nan")

@@ -79,7 +79,9 @@ SUMMARY = {
 
 @pytest.mark.parametrize("mode", GRAD_SAMPLE_MODES)
 @pytest.mark.parametrize("name", sorted(ARGUMENTS))
-def test_every_private_strategy_trains_with_every_mode_it_accepts(name: str, mode: str, tmp_path, caplog) -> None:
+def test_every_private_strategy_trains_with_every_mode_it_accepts(
+    name: str, mode: str, tmp_path, caplog, accelerator: str
+) -> None:
     assert set(ARGUMENTS) == set(PRIVATE_STRATEGIES)  # a new strategy joins this matrix
     build = lambda: PRIVATE_STRATEGIES[name](grad_sample_mode=mode, noise_seed=0, **ARGUMENTS[name])  # noqa: E731
     if (name, mode) in REFUSED:
@@ -88,7 +90,7 @@ def test_every_private_strategy_trains_with_every_mode_it_accepts(name: str, mod
         return
     strategy, probe, model = build(), ModeProbe(), PerSampleLossClassifier(ghost=mode == "ghost")
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        accelerator=accelerator, devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], default_root_dir=tmp_path,
     )
     with caplog.at_level("INFO"):
@@ -114,12 +116,12 @@ class GradientDtypes(pl.Callback):
         self.dtypes |= {p.grad.dtype for p in pl_module.parameters() if p.grad is not None}
 
 
-def assert_bf16_mixed_trains(strategy, model: pl.LightningModule, tmp_path) -> None:  # noqa: ANN001
+def assert_bf16_mixed_trains(strategy, model: pl.LightningModule, tmp_path, accelerator: str) -> None:  # noqa: ANN001
     """Two bf16-mixed steps: the optimizer sees float32 gradients (clipped sum + noise), the parameters stay float32
     and finite, and epsilon is spent."""
     dtypes = GradientDtypes()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        accelerator=accelerator, devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[dtypes], precision="bf16-mixed",
         default_root_dir=tmp_path,
     )
@@ -130,9 +132,11 @@ def assert_bf16_mixed_trains(strategy, model: pl.LightningModule, tmp_path) -> N
 
 
 @pytest.mark.parametrize("name", sorted(ARGUMENTS))
-def test_bf16_mixed_trains_every_private_strategy_with_float32_clipping_and_noise(name: str, tmp_path) -> None:
+def test_bf16_mixed_trains_every_private_strategy_with_float32_clipping_and_noise(
+    name: str, tmp_path, accelerator: str
+) -> None:
     strategy = PRIVATE_STRATEGIES[name](noise_seed=0, **ARGUMENTS[name])
-    assert_bf16_mixed_trains(strategy, PerSampleLossClassifier(ghost=False), tmp_path)
+    assert_bf16_mixed_trains(strategy, PerSampleLossClassifier(ghost=False), tmp_path, accelerator)
 
 
 class ConvClassifier(PerSampleLossClassifier):
@@ -145,11 +149,11 @@ class ConvClassifier(PerSampleLossClassifier):
 
 
 @pytest.mark.parametrize("mode", GRAD_SAMPLE_MODES)
-def test_bf16_mixed_trains_a_convolution_in_every_per_sample_mode(mode: str, tmp_path) -> None:
+def test_bf16_mixed_trains_a_convolution_in_every_per_sample_mode(mode: str, tmp_path, accelerator: str) -> None:
     """functorch re-runs each layer outside the forward's autocast: its inputs must be cast back (it once failed with
     "Input type (CPUBFloat16Type) and weight type (torch.FloatTensor) should be the same")."""
     strategy = PRIVATE_STRATEGIES["dp_csgp"](noise_seed=0, grad_sample_mode=mode, **ARGUMENTS["dp_csgp"])
-    assert_bf16_mixed_trains(strategy, ConvClassifier(ghost=mode == "ghost"), tmp_path)
+    assert_bf16_mixed_trains(strategy, ConvClassifier(ghost=mode == "ghost"), tmp_path, accelerator)
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
@@ -199,29 +203,32 @@ class PrivatizedGradients(pl.Callback):
         self.steps.append(torch.cat([p.grad.flatten() for p in pl_module.parameters()]).clone())
 
 
-def _fit_16_mixed(name: str, loader: DataLoader, tmp_path, precision: str = "16-mixed"):  # noqa: ANN202
-    """Two steps on CPU: float16 autocast and Lightning's GradScaler (the code path of "16-mixed" on a GPU)."""
+def _fit_16_mixed(  # noqa: ANN202
+    name: str, loader: DataLoader, tmp_path, device: torch.device, precision: str = "16-mixed"
+):
+    """Two steps: float16 autocast and Lightning's GradScaler (on CPU the code path of "16-mixed" on a GPU; on a GPU
+    CUDA's own GradScaler)."""
     torch.manual_seed(0)
     model, probe = PerSampleLossClassifier(ghost=False), PrivatizedGradients()
     strategy = PRIVATE_STRATEGIES[name](noise_seed=0, **ARGUMENTS[name])
-    plugins = [MixedPrecision("16-mixed", "cpu")] if precision == "16-mixed" else []
+    plugins = [MixedPrecision("16-mixed", device.type)] if precision == "16-mixed" else []
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe], plugins=plugins,
-        default_root_dir=tmp_path,
+        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, strategy=strategy, max_steps=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[probe], plugins=plugins, default_root_dir=tmp_path,
     )
     trainer.fit(model, loader)
     return trainer, strategy, model, probe
 
 
 @pytest.mark.parametrize("name", sorted(ARGUMENTS))
-def test_16_mixed_unscales_before_clipping_and_skips_no_step(name: str, tmp_path) -> None:
+def test_16_mixed_unscales_before_clipping_and_skips_no_step(name: str, tmp_path, device: torch.device) -> None:
     """The privatized gradient under "16-mixed" is the float32 run's (same Poisson batches and noise) to float16's
     rounding: per-example gradients were unscaled before clipping (clipping the scaled ones would shrink the sum by
     the scale, 65536); the optimizer gets it in float32, and the GradScaler skipped no step (its scale never backed
     off), which every node's ledger counts."""
-    *_, reference = _fit_16_mixed(name, _loader(), tmp_path, precision="32-true")
-    trainer, strategy, model, probe = _fit_16_mixed(name, _loader(), tmp_path)
+    *_, reference = _fit_16_mixed(name, _loader(), tmp_path, device, precision="32-true")
+    trainer, strategy, model, probe = _fit_16_mixed(name, _loader(), tmp_path, device)
     assert trainer.global_step == 2 and strategy.privacy.steps == 2
     assert trainer.precision_plugin.scaler.get_scale() == 2.0**16
     for got, want in zip(probe.steps, reference.steps):
@@ -230,7 +237,7 @@ def test_16_mixed_unscales_before_clipping_and_skips_no_step(name: str, tmp_path
     assert strategy.nonfinite_examples == 0
 
 
-def test_16_mixed_an_overflowing_example_adds_zero_and_no_step_is_skipped(tmp_path) -> None:
+def test_16_mixed_an_overflowing_example_adds_zero_and_no_step_is_skipped(tmp_path, device: torch.device) -> None:
     """Examples whose features overflow float16 (1e6 > 65504: inf - inf = NaN in the first layer's output) contribute
     zero to the layers they reach; every step is taken (none skipped: a skip would release, without noise, whether
     some example overflowed), the parameters stay finite and the count is kept for the end-of-fit summary."""
@@ -238,7 +245,7 @@ def test_16_mixed_an_overflowing_example_adds_zero_and_no_step_is_skipped(tmp_pa
     x = torch.randn(64, 8, generator=g)
     x[::2, :2] = 1e6
     loader = DataLoader(TensorDataset(x, (x[:, 1] > 0).long()), batch_size=16)
-    trainer, strategy, model, probe = _fit_16_mixed("dp_csgp", loader, tmp_path)
+    trainer, strategy, model, probe = _fit_16_mixed("dp_csgp", loader, tmp_path, device)
     assert trainer.global_step == 2 and strategy.privacy.steps == 2
     assert trainer.precision_plugin.scaler.get_scale() == 2.0**16
     assert strategy.nonfinite_examples > 0
@@ -268,7 +275,9 @@ class _ParameterMoves(pl.Callback):
 @pytest.mark.parametrize(("name", "mode", "accumulate"), [
     ("dp_csgp", "ghost", 1), ("dp_csgp", "bookkeeping", 2), ("decor", "user", 1), ("privsgp_vr", "bookkeeping", 1),
 ])
-def test_16_mixed_matches_float32_in_ghost_accumulation_user_level_and_vr_table(name, mode, accumulate, tmp_path):
+def test_16_mixed_matches_float32_in_ghost_accumulation_user_level_and_vr_table(
+    name, mode, accumulate, tmp_path, device, accelerator
+):
     """Ghost clipping (its per-sample losses scaled too), micro-batches, Decor's user-level clipping (the batch
     gradient unscaled before clipping) and PrivSGP-VR's table (filled under the same scaling) give the float32 run's
     privatized gradients and parameter moves to float16's rounding; the GradScaler's scale is held (its growth would
@@ -283,10 +292,11 @@ def test_16_mixed_matches_float32_in_ghost_accumulation_user_level_and_vr_table(
         torch.manual_seed(0)
         model, probe, moves = _NoneOnEmptyBatch(ghost=mode == "ghost"), PrivatizedGradients(), _ParameterMoves()
         strategy = PRIVATE_STRATEGIES[name](noise_seed=0, **arguments)
-        scaler = torch.amp.GradScaler("cpu", growth_interval=1)  # would double the scale every step
-        plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)] if precision == "16-mixed" else []
+        scaler = torch.amp.GradScaler(device.type, growth_interval=1)  # would double the scale every step
+        plugins = [MixedPrecision("16-mixed", device.type, scaler=scaler)] if precision == "16-mixed" else []
         trainer = pl.Trainer(
-            accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False, enable_checkpointing=False,
+            accelerator=accelerator, devices=1, strategy=strategy, max_steps=4, logger=False,
+            enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, callbacks=[probe, moves], plugins=plugins,
             accumulate_grad_batches=accumulate, default_root_dir=tmp_path,
         )
@@ -300,7 +310,7 @@ def test_16_mixed_matches_float32_in_ghost_accumulation_user_level_and_vr_table(
         assert size == want_size and got == pytest.approx(want, rel=1e-2, abs=1e-9)
 
 
-def test_16_mixed_an_empty_batch_returning_none_still_takes_its_noise_only_step(tmp_path) -> None:
+def test_16_mixed_an_empty_batch_returning_none_still_takes_its_noise_only_step(tmp_path, device, accelerator) -> None:
     """Lightning's precision plugin skips the optimizer step when the closure returns None; the strategy returns a
     zero loss instead, so the noise-only update of an empty Poisson batch is applied as in float32 (a node that kept
     its model would reveal that its batch was empty)."""
@@ -312,8 +322,8 @@ def test_16_mixed_an_empty_batch_returning_none_still_takes_its_noise_only_step(
         torch.manual_seed(0)
         model, moves = _NoneOnEmptyBatch(ghost=False), _ParameterMoves()
         strategy = PRIVATE_STRATEGIES["dp_csgp"](noise_seed=0, max_grad_norm=1.0, noise_multiplier=1.0)
-        plugins = [MixedPrecision("16-mixed", "cpu")] if precision == "16-mixed" else []
-        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=8, logger=False,
+        plugins = [MixedPrecision("16-mixed", device.type)] if precision == "16-mixed" else []
+        trainer = pl.Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=8, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              callbacks=[moves], plugins=plugins, default_root_dir=tmp_path)
         trainer.fit(model, loader)

@@ -1,4 +1,8 @@
-"""Point-to-point exchange over torch.distributed (gloo on CPU, NCCL on CUDA) on the default process group."""
+"""Point-to-point exchange over torch.distributed (gloo on CPU, NCCL on CUDA) on the default process group.
+
+gloo on CUDA (several ranks sharing one GPU, which NCCL refuses) works too: gloo's send and receive read and write
+host memory only, so a CUDA rank's messages travel through host buffers (:attr:`TorchDistributedExchange.wire_device`).
+"""
 
 from __future__ import annotations
 
@@ -52,6 +56,10 @@ class TorchDistributedExchange(Exchange):
     device of this rank must be set before the first round (Lightning's strategies do this at setup).
 
     ``timeout``: the longest wait for one round's messages before :class:`PeerFailureError` (``None``: no limit).
+
+    ``wire_device``: where the bytes travel from and to: the rank's device, except on gloo with a CUDA device, whose
+    send and receive take raw host pointers; there each message is copied to pinned host memory before its round
+    and the received bytes back to the device after it.
     """
 
     def __init__(
@@ -61,6 +69,7 @@ class TorchDistributedExchange(Exchange):
             raise RuntimeError("TorchDistributedExchange needs an initialised torch.distributed process group")
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.device = device
+        self.wire_device = torch.device("cpu") if dist.get_backend(group) == "gloo" else device
         self.group = group
         self.timeout = timeout
         self._reused: dict[tuple[str, int], Tensor] = {}  # ("send" | "recv", k-th message) -> its last buffer
@@ -70,7 +79,7 @@ class TorchDistributedExchange(Exchange):
         for work in works:
             work.wait()
         self._record(send_buffers, recv_buffers)
-        return {peer: unpack(recv_buffers[peer], specs) for peer, specs in incoming.items()}
+        return {peer: unpack(recv_buffers[peer].to(self.device), specs) for peer, specs in incoming.items()}
 
     def start(self, outgoing: Outgoing, incoming: Incoming, tag: int = 0) -> PendingRound:
         """The same ``batch_isend_irecv`` without waiting: gloo's and NCCL's own threads move the bytes meanwhile."""
@@ -80,7 +89,7 @@ class TorchDistributedExchange(Exchange):
         def complete() -> Received:
             for work in works:
                 work.wait()
-            return {peer: unpack(recv_buffers[peer], specs) for peer, specs in incoming.items()}
+            return {peer: unpack(recv_buffers[peer].to(self.device), specs) for peer, specs in incoming.items()}
 
         return PendingRound(complete)
 
@@ -93,21 +102,26 @@ class TorchDistributedExchange(Exchange):
         own_buffers: bool,
     ) -> tuple[list[Any], dict[int, Tensor], dict[int, Tensor]]:
         self._check_peers(outgoing, incoming)
+        staged = self.wire_device != self.device
         if own_buffers:  # a send still in flight must not read a tensor the caller goes on to change
             send_buffers = {
-                peer: pack(tensors).clone() if len(tensors) == 1 else pack(tensors) for peer, tensors in outgoing.items()
-            }
+                peer: pack(tensors).to(self.wire_device) if staged else
+                pack(tensors).clone() if len(tensors) == 1 else pack(tensors)
+                for peer, tensors in outgoing.items()
+            }  # fmt: skip
             recv_buffers = {
-                peer: torch.empty(message_nbytes(specs), dtype=torch.uint8, device=self.device)
+                peer: torch.empty(message_nbytes(specs), dtype=torch.uint8, device=self.wire_device)
                 for peer, specs in incoming.items()
             }
         else:  # buffers kept by position in the round, so a time-varying graph reuses them whatever the peer
-            send_buffers = {
-                peer: pack(tensors) if len(tensors) == 1 else pack(
-                    tensors, out=self._buffer("send", slot, message_nbytes([TensorSpec.of(t) for t in tensors]))
-                )
-                for slot, (peer, tensors) in enumerate(outgoing.items())
-            }
+            send_buffers = {}
+            for slot, (peer, tensors) in enumerate(outgoing.items()):
+                nbytes = message_nbytes([TensorSpec.of(t) for t in tensors])
+                if staged:
+                    send_buffers[peer] = self._buffer("send", slot, nbytes).copy_(pack(tensors))
+                else:
+                    send_buffers[peer] = pack(tensors) if len(tensors) == 1 else pack(
+                        tensors, out=self._buffer("send", slot, nbytes))
             recv_buffers = {
                 peer: self._buffer("recv", slot, message_nbytes(specs)) for slot, (peer, specs) in enumerate(incoming.items())
             }
@@ -124,7 +138,10 @@ class TorchDistributedExchange(Exchange):
         """The byte buffer kept for the ``slot``-th message of a round, reallocated only when its size changes."""
         buffer = self._reused.get((kind, slot))
         if buffer is None or buffer.numel() != nbytes:
-            buffer = self._reused[(kind, slot)] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            pinned = self.wire_device != self.device and self.device.type == "cuda"  # fast copies to the GPU
+            buffer = self._reused[(kind, slot)] = torch.empty(
+                nbytes, dtype=torch.uint8, device=self.wire_device, pin_memory=pinned
+            )
         return buffer
 
     def _record(self, send_buffers: Mapping[int, Tensor], recv_buffers: Mapping[int, Tensor]) -> None:

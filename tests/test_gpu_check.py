@@ -1,0 +1,102 @@
+"""benchmarks/gpu_check.py's smoke run on CPU (``--accelerator cpu --quick``): every section runs and writes numbers
+that are finite and consistent, so the script is ready for the next GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.multiprocess import run_group
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu_check import KINDS, MODELS  # noqa: E402
+
+
+@pytest.mark.multiprocess
+def test_the_quick_cpu_run_writes_every_section_with_plausible_numbers(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    done = run_group([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--accelerator", "cpu", "--quick",
+                      "--json", str(out)], timeout=600, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["complete"] and result["device"].startswith("CPU: ") and result["accelerator"] == "cpu"
+    sections = result["sections"]
+    assert set(sections) == {"tests", "noise", "throughput", "ranks", "memory"}
+    assert not any("error" in sections[name] for name in ("noise", "throughput", "ranks")), sections
+    assert "## gpu_check.py" in done.stdout and result["device"] in done.stdout  # the table, with the device
+
+    tests = sections["tests"]  # the device-fixture test passes on CPU; the CUDA-only one is counted as skipped
+    assert tests["device"] == "cpu" and tests["exit_code"] == 0 and tests["error"] is None
+    assert tests["failed"] == tests["errors"] == 0 and tests["passed"] >= 3
+    assert tests["cuda_only"] == {"passed": 0, "failed": 0, "skipped": 1, "errors": 0}
+    assert tests["collected"] == tests["passed"] + tests["skipped"]
+
+    noise = sections["noise"]
+    assert [r["coordinates"] for r in noise["rows"]] == [100_000, 1_000_000]
+    for row in noise["rows"]:  # ChaCha20 on a CPU: nanoseconds per coordinate, not microseconds
+        assert 0 < row["ns_per_coordinate"] < 5_000 and 0 < row["torch_randn_ns_per_coordinate"] < 5_000
+        assert row["peak_memory_bytes"] is None and "target_met" not in row  # no GPU, no GPU target
+    distribution = noise["distribution"]
+    assert distribution["passed"] and distribution["equals_cpu_draws"] and distribution["device"] == "cpu"
+    assert abs(distribution["std"] - 1) < 0.01 and set(distribution["tails"]) == {"2", "3", "4"}
+
+    rows = {(r["model"], r["precision"], r["kind"]): r for r in sections["throughput"]["rows"]}
+    expected = {(m, p, k) for m, spec in MODELS.items() for p in spec["quick_precisions"] for k in KINDS}
+    assert set(rows) == expected
+    for (model, precision, kind), row in rows.items():
+        if kind == "opacus-ghost" and model != "efficientnet_b0":
+            assert row["error"]  # Opacus refuses torchvision's in-place residual add and GPT-2's tied weights
+            continue
+        assert "error" not in row, row
+        assert row["steps"] == 3 and row["parameters"] > 10_000 and row["peak_memory_bytes"] is None
+        assert math.isfinite(row["samples_per_second"]) and row["samples_per_second"] > 0
+        assert row["step_ms"] * row["samples_per_second"] == pytest.approx(1000 * row["batch"])
+    assert sections["throughput"]["targets"] == []  # the targets are the GPU's
+
+    ranks = sections["ranks"]
+    assert ranks["ranks"] == 2 and [r["strategy"] for r in ranks["rows"]] == ["dp_csgp"]
+    (run,) = ranks["rows"]
+    assert run["nodes"] == 2 and run["steps"] == 1 and run["parameters_finite_per_node"] == [True, True]
+    assert all(0 < eps <= 3.0 for eps in run["epsilon_per_node"]) and len(run["epsilon_per_node"]) == 2
+    assert run["bytes_sent_node0"] > 0 and run["peak_gpu_memory_bytes_per_node"] is None
+
+    memory = sections["memory"]["rows"]
+    assert len(memory) == len(rows) + len(noise["rows"]) + 1
+    assert all(r["peak_memory_bytes"] is None for r in memory)  # measured on CUDA only
+
+
+def test_pytest_outcomes_are_read_from_the_junit_report_and_from_a_run_cut_short(tmp_path: Path) -> None:
+    from gpu_check import count_outcomes, junit_outcomes, verbose_outcomes
+
+    report = tmp_path / "junit.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_noise" name="test_a[cpu]"/>'
+        '<testcase classname="tests.test_noise" name="test_b"><failure message="assert 1 == 2&#10;more"/></testcase>'
+        '<testcase classname="tests.test_overlap" name="test_c[cuda]"><skipped message="needs a CUDA device"/></testcase>'
+        '<testcase classname="tests.test_overlap" name="test_d"><error message="fixture failed"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    outcomes = junit_outcomes(report)
+    assert [(t["id"], t["outcome"]) for t in outcomes] == [
+        ("tests/test_noise.py::test_a[cpu]", "passed"), ("tests/test_noise.py::test_b", "failed"),
+        ("tests/test_overlap.py::test_c[cuda]", "skipped"), ("tests/test_overlap.py::test_d", "error"),
+    ]  # fmt: skip
+    assert outcomes[1]["message"] == "assert 1 == 2"
+    assert count_outcomes(outcomes) == {"passed": 1, "failed": 1, "skipped": 1, "errors": 1}
+    printed = (
+        "tests/test_noise.py::test_a[cpu] PASSED [ 33%]\n"
+        "tests/test_noise.py::test_b FAILED [ 66%]\n"
+        "tests/test_overlap.py::test_c[cuda] SKIPPED (needs a CUDA device) [100%]\n"
+        "FAILED tests/test_noise.py::test_b - assert 1 == 2\n"
+        "tests/test_overlap.py::test_d "  # cut here: not counted
+    )
+    assert [(t["id"], t["outcome"]) for t in verbose_outcomes(printed)] == [
+        (t["id"], t["outcome"]) for t in outcomes[:3]
+    ]
