@@ -69,8 +69,9 @@ def _autocast(precision: str):  # noqa: ANN202
 
 
 def _clipped_sum(clipper: PerSampleGradients | GhostClipping, model: nn.Module, batch: Batch, losses: Losses,
-                 clip: float, precision: str) -> Tensor:
-    """S(batch): the library's sum of clipped per-sample gradients, flat, float64."""
+                 clip: float, precision: str, expected: int) -> Tensor:
+    """S(batch): the library's sum of clipped per-sample gradients, flat, float64; ``expected``: the run's expected
+    batch size (the private strategies' power-of-two mean under half precision)."""
     scale = _LOSS_SCALE if precision == "16-mixed" else 1.0
     for p in model.parameters():
         p.grad = None
@@ -82,7 +83,7 @@ def _clipped_sum(clipper: PerSampleGradients | GhostClipping, model: nn.Module, 
         clipper.max_grad_norm = clip
         clipper.backward(per_example.float() * scale)
     else:  # as the private strategies' backward: a mean loss, times B 2^-ceil(log2 B) under half precision
-        multiplier = 1.0 if precision == "32-true" else mean_loss_multiplier(per_example.shape[0])
+        multiplier = 1.0 if precision == "32-true" else mean_loss_multiplier(per_example.shape[0], expected)
         clipper.set_mean_loss_multiplier(multiplier)
         (per_example.float().mean() * (scale * multiplier)).backward()
         clipper.clip_and_sum(clip)
@@ -102,14 +103,14 @@ def sensitivity(model: nn.Module, batch: Batch, losses: Losses, *, clip: float, 
         clipper = PerSampleGradients(model, mode=mode, strict=False)
     try:
         if warm_up is not None:
-            _clipped_sum(clipper, model, warm_up, losses, clip, precision)
-        full = _clipped_sum(clipper, model, batch, losses, clip, precision)
+            _clipped_sum(clipper, model, warm_up, losses, clip, precision, warm_up[0].shape[0])
         size = batch[0].shape[0]
+        full = _clipped_sum(clipper, model, batch, losses, clip, precision, size)
         ratios = []
         for x in range(size):
             keep = torch.tensor([i for i in range(size) if i != x])
             without = _clipped_sum(clipper, model, tuple(t.index_select(0, keep) for t in batch), losses, clip,
-                                   precision)  # fmt: skip
+                                   precision, size)  # fmt: skip
             ratios.append(float(torch.linalg.vector_norm(full - without)) / clip)
         return torch.tensor(ratios, dtype=torch.float64)
     finally:

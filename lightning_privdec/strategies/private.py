@@ -533,7 +533,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         per_sample = self.privacy.per_sample
         if per_sample is None or self.precision_plugin.precision not in ("bf16-mixed", "16-mixed"):
             return loss
-        multiplier = mean_loss_multiplier(per_sample.forward_batch_size)
+        expected = (self.privacy.expected_batch_size or 0) / self.privacy.micro_batches
+        multiplier = mean_loss_multiplier(per_sample.forward_batch_size, expected or None)
         per_sample.set_mean_loss_multiplier(multiplier)
         return loss * multiplier if multiplier != 1.0 else loss
 
