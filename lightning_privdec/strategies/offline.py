@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
@@ -22,7 +23,9 @@ from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 def offline_strategy(name: str, rank: int, world_size: int, **kwargs: Any) -> PrivateDecentralizedStrategy:
     """The strategy ``name`` (a key of ``PRIVATE_STRATEGIES``) as node ``rank`` sees it, its graph built."""
     environment = LightningEnvironment()
-    environment.set_global_rank(rank)
+    process_rank = rank_zero_only.rank
+    environment.set_global_rank(rank)  # (which also sets Lightning's process-wide rank: restored below)
+    rank_zero_only.rank = process_rank
     environment.set_world_size(world_size)
     strategy = PRIVATE_STRATEGIES[name](**kwargs, parallel_devices=[torch.device("cpu")],
                                         cluster_environment=environment)
