@@ -10,7 +10,9 @@ Per optimizer step it
 4. gossips the updated numerator with the round's neighbours and writes z = x / y back into the module.
 
 Global collectives (``reduce``, ``barrier``, ``broadcast``, ``all_gather``) keep working for logging, metrics and
-checkpointing; training itself only talks to graph neighbours.
+checkpointing; training itself only talks to graph neighbours. No object a node receives from another is unpickled:
+``broadcast``, the setup checks and the checkpoint gathering use the typed encoding of
+:mod:`lightning_privdec.comm.objects`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from lightning_privdec.algorithms.base import Gossip, NodeAlgorithm
 from lightning_privdec.algorithms.sgp import SGPNode
 from lightning_privdec.algorithms.consensus_step import check_consensus_step, choose_consensus_step
 from lightning_privdec.comm import Exchange, TorchDistributedExchange
+from lightning_privdec.comm.objects import broadcast_object, gather_objects
 from lightning_privdec.compression import Compressor, build_compressor
 from lightning_privdec.data.cycled import CycledLoader
 from lightning_privdec.strategies.checks import (
@@ -456,6 +459,13 @@ class DecentralizedStrategy(DDPStrategy):
             self.gossip.flush()  # overlap: mix the last rounds still in flight, so no node's final model misses them
             self.gossip.debias_into(self.flat.buffer)
 
+    # ---- objects between nodes: never pickled ----------------------------------------------------------------------
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's broadcast (checkpoint paths, log dirs, stop decisions) in the typed encoding of
+        :mod:`lightning_privdec.comm.objects` instead of pickle: plain values only (str, int, float, bool, None,
+        bytes, lists, tuples, dicts, paths, CPU tensors); anything else raises before it is sent."""
+        return broadcast_object(obj, src, what=f"{type(self).__name__}.broadcast")
+
     # ---- checkpoints: every node's own state ---------------------------------------------------------------------
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -486,8 +496,8 @@ class DecentralizedStrategy(DDPStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         if self.gossip is not None and dist.is_available() and dist.is_initialized():
-            gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
-            dist.gather_object(self.node_state_dict(), gathered, dst=0)  # checkpointing only, never training
+            # checkpointing only, never training; typed encoding, never pickled (rank 0 runs no other node's code)
+            gathered = gather_objects(self.node_state_dict(), dst=0, what="a node's checkpoint state")
             if self.is_global_zero:
                 checkpoint[CHECKPOINT_KEY] = {
                     "world_size": self.world_size,
