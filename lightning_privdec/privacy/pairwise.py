@@ -118,7 +118,7 @@ def _raw_public(key: X25519PublicKey) -> bytes:
     return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
-def _load_or_create_key_file(path: Path) -> X25519PrivateKey:
+def load_or_create_key_file(path: Path) -> X25519PrivateKey:
     """Read this node's private key from ``path``, or create the file (mode 0600, atomically) with a new key."""
     if path.exists():
         if os.name == "posix" and path.stat().st_mode & 0o077:
@@ -167,9 +167,18 @@ class PairwiseSecrets:
             each neighbour's list).
         key_file: optional path outside the checkpoint that persists this node's private key, so that a resumed
             run re-derives the same secrets; created with mode 0600 if missing, loaded otherwise.
+        private_key: this node's X25519 private key, when it was already chosen (and its public key signed in the
+            authenticated setup of :mod:`lightning_privdec.comm.identity`); excludes ``key_file``.
     """
 
-    def __init__(self, rank: int, neighbours: Sequence[int], *, key_file: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        neighbours: Sequence[int],
+        *,
+        key_file: str | os.PathLike[str] | None = None,
+        private_key: X25519PrivateKey | None = None,
+    ) -> None:
         self.rank = _check_rank(rank, "rank")
         peers = [_check_rank(j, "every neighbour") for j in neighbours]
         if len(set(peers)) != len(peers):
@@ -178,8 +187,10 @@ class PairwiseSecrets:
             raise PrivacyConfigError(f"node {rank} lists itself as a neighbour; N_i excludes i")
         self.neighbours: tuple[int, ...] = tuple(sorted(peers))
         self.key_file = None if key_file is None else Path(key_file)
-        self._private_key: X25519PrivateKey | None = (
-            X25519PrivateKey.generate() if self.key_file is None else _load_or_create_key_file(self.key_file)
+        if private_key is not None and key_file is not None:
+            raise PrivacyConfigError("give key_file or private_key, not both")
+        self._private_key: X25519PrivateKey | None = private_key or (
+            X25519PrivateKey.generate() if self.key_file is None else load_or_create_key_file(self.key_file)
         )
         self._public_key = _raw_public(self._private_key.public_key())
         self._secrets: dict[int, bytes] = {}

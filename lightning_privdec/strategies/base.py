@@ -22,15 +22,18 @@ import dataclasses
 import hashlib
 import itertools
 import math
+import os
 import random
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
+import networkx as nx
 import numpy as np
 import torch
 import torch.distributed as dist
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
@@ -46,7 +49,16 @@ from lightning_privdec.algorithms.base import Gossip, NodeAlgorithm
 from lightning_privdec.algorithms.sgp import SGPNode
 from lightning_privdec.algorithms.consensus_step import check_consensus_step, choose_consensus_step
 from lightning_privdec.comm import Exchange, TorchDistributedExchange
-from lightning_privdec.comm.objects import broadcast_object, gather_objects
+from lightning_privdec.comm.identity import (
+    AuthenticatedSetup,
+    Identity,
+    Roster,
+    authenticate_members,
+    check_membership,
+    seal_keys,
+)
+from lightning_privdec.comm.objects import broadcast_object, encode, gather_objects
+from lightning_privdec.comm.sealed import SealedExchange
 from lightning_privdec.compression import Compressor, build_compressor
 from lightning_privdec.data.cycled import CycledLoader
 from lightning_privdec.strategies.checks import (
@@ -99,6 +111,12 @@ class DecentralizedStrategy(DDPStrategy):
         divergence_guard: stop every node with :class:`~lightning_privdec.strategies.divergence.DivergenceError`
             when the gossip correction or the training loss grows without bound (checked every 10 steps with one
             small all-gather; :mod:`lightning_privdec.strategies.divergence`). ``False`` turns it off.
+        roster: a roster file (or :class:`~lightning_privdec.comm.identity.Roster`) listing every member's Ed25519
+            public key, the same on every node; with ``identity_key``, the nodes authenticate each other at setup and
+            seal their gossip (:mod:`lightning_privdec.comm.identity`, :mod:`lightning_privdec.comm.sealed`; see
+            docs/threat-model.md). ``None`` (default): members are trusted to follow the protocol.
+        identity_key: this node's Ed25519 private key file (PEM, mode 0600, outside any checkpoint; ``privdec-keygen``
+            creates one). Given with ``roster`` only.
         peer_timeout: how long a node waits for any other node (a gossip message, a collective) once training is set
             up, before it stops with an error: a ``timedelta`` or seconds, longer than the slowest checkpoint write
             or validation pass (the others wait that long). ``None`` keeps ``timeout`` (Lightning's, 30 minutes by
@@ -112,11 +130,11 @@ class DecentralizedStrategy(DDPStrategy):
     requires_symmetric_graph: bool = False
     #: constructor arguments (stored under the same attribute name) that every node must share, beyond those
     #: :meth:`configuration` lists itself; each class names its own, the check collects them over the MRO
-    shared_options: tuple[str, ...] = ("weights", "consensus_step", "seed", "staleness", "divergence_guard")
+    shared_options: tuple[str, ...] = ("weights", "consensus_step", "seed", "staleness", "divergence_guard", "roster")
     #: constructor arguments that may differ from node to node (never compared)
     local_options: tuple[str, ...] = (
         "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
-        "process_group_backend", "timeout", "peer_timeout", "start_method",
+        "process_group_backend", "timeout", "peer_timeout", "start_method", "identity_key",
     )
 
     def __init__(
@@ -130,6 +148,8 @@ class DecentralizedStrategy(DDPStrategy):
         overlap: bool = False,
         staleness: int = 1,
         divergence_guard: bool = True,
+        roster: str | os.PathLike[str] | Roster | None = None,
+        identity_key: str | os.PathLike[str] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -151,6 +171,10 @@ class DecentralizedStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.topology_spec = topology
+        self.roster, self.identity_key = check_membership(roster, identity_key)
+        self.membership: AuthenticatedSetup | None = None  # what the signed setup established (with a roster)
+        self._agreement_key: X25519PrivateKey | None = None  # held from the signed setup until the gossip is built
+        self._seal_keys: dict[int, tuple[bytes, bytes]] | None = None
         if isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool):
             peer_timeout = timedelta(seconds=peer_timeout)
         if peer_timeout is not None and (not isinstance(peer_timeout, timedelta) or peer_timeout.total_seconds() <= 0):
@@ -223,6 +247,7 @@ class DecentralizedStrategy(DDPStrategy):
             set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # torch < 2.10
             set_timeout(self.peer_timeout)
         self.check_same_configuration()
+        self.authenticate_members()
 
     def configuration(self) -> dict[str, Any]:
         """What every node must agree on: strategy arguments, the graph, the model's shapes and the Trainer's
@@ -256,14 +281,43 @@ class DecentralizedStrategy(DDPStrategy):
         mine = {name: describe(value) for name, value in self.configuration().items()}
         check_same_configuration(gather_from_nodes(mine), self.global_rank)
 
+    def authenticate_members(self) -> None:
+        """With a roster: the signed setup of :mod:`lightning_privdec.comm.identity` (every node proves its roster
+        membership for this run and signs its configuration digest and ephemeral X25519 key), then the sealing keys
+        of this node's edges. Raises :class:`~lightning_privdec.comm.identity.MembershipError` naming the rank."""
+        self.membership, self._agreement_key, self._seal_keys = None, None, None
+        if self.roster is None or self.identity_key is None:
+            return
+        assert self.topology is not None
+        mine = {name: describe(value) for name, value in self.configuration().items()}
+        key = self.agreement_private_key()
+        setup = authenticate_members(
+            Identity(self.identity_key), self.roster, rank=self.global_rank, world_size=self.world_size,
+            agreement_key=key.public_key().public_bytes_raw(), configuration_digest=hashlib.sha256(encode(mine)).digest(),
+        )
+        neighbours = nx.Graph(self.topology.union_graph()).neighbors(self.global_rank)
+        self._seal_keys = seal_keys(key, setup, self.global_rank, neighbours)
+        self.membership, self._agreement_key = setup, key
+
+    def agreement_private_key(self) -> X25519PrivateKey:
+        """The X25519 key this node signs at setup (fresh for every run unless a subclass keeps one in a file)."""
+        return X25519PrivateKey.generate()
+
+    def make_exchange(self) -> Exchange:
+        """The gossip's point-to-point exchange: over torch.distributed, sealed per edge when a roster is given."""
+        exchange: Exchange = TorchDistributedExchange(self.root_device, timeout=self.peer_timeout or self._timeout)
+        if self._seal_keys is not None:
+            exchange = SealedExchange(exchange, self._seal_keys)
+        return exchange
+
     def configure_ddp(self) -> None:
         """Replaces DDP wrapping: common public initialisation, flat parameters, exchange and gossip state."""
         assert isinstance(self.model, pl.LightningModule)
         assert self.topology is not None
         sync_module_states(self.model)  # every node starts from rank 0's parameters (the public x^0)
         self.flat = FlatParameters(self.model)
-        exchange = TorchDistributedExchange(self.root_device, timeout=self.peer_timeout or self._timeout)
-        self.gossip = self.build_gossip(self.flat.buffer, exchange)
+        self.gossip = self.build_gossip(self.flat.buffer, self.make_exchange())
+        self._agreement_key = self._seal_keys = None  # the exchange (and Decor's secrets) hold what they need
         if getattr(self.gossip, "staleness", 0) != self.staleness:
             raise RuntimeError(f"{type(self).__name__}'s gossip does not implement overlap=True; use overlap=False")
         self._guard = DivergenceGuard() if self.divergence_guard else None
