@@ -306,3 +306,16 @@ def test_a_tampered_message_stops_the_receiving_node_inside_the_exchange():
 
     with pytest.raises(TamperedMessageError, match="node 0: the gossip message from node 1 in round 1"):
         network.run(node)
+
+
+def test_a_non_finite_message_is_refused_naming_its_sender_before_anything_is_mixed():
+    from lightning_privdec.comm import NonFiniteMessageError
+
+    def node(rank, exchange):
+        for step in range(2):
+            value = float("nan") if (rank, step) == (1, 1) else float(rank)
+            specs = [TensorSpec((3,), torch.float32)]
+            exchange.exchange({(rank + 1) % 2: [torch.full((3,), value)]}, {(rank + 1) % 2: specs})
+
+    with pytest.raises(NonFiniteMessageError, match=r"node 0: the gossip message from node 1 in round 1 holds NaN"):
+        LoopbackNetwork(2, timeout=3).run(node)

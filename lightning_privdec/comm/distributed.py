@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received
+from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received, check_finite
 from lightning_privdec.comm.wire import TensorSpec, message_nbytes, pack, unpack
 
 
@@ -66,21 +66,23 @@ class TorchDistributedExchange(Exchange):
         self._reused: dict[tuple[str, int], Tensor] = {}  # ("send" | "recv", k-th message) -> its last buffer
 
     def exchange(self, outgoing: Outgoing, incoming: Incoming) -> Received:
+        round = self.traffic.rounds
         works, send_buffers, recv_buffers = self._post(outgoing, incoming, tag=0, own_buffers=False)
         for work in works:
             work.wait()
         self._record(send_buffers, recv_buffers)
-        return {peer: unpack(recv_buffers[peer], specs) for peer, specs in incoming.items()}
+        return check_finite(self.rank, {peer: unpack(recv_buffers[peer], specs) for peer, specs in incoming.items()}, round)
 
     def start(self, outgoing: Outgoing, incoming: Incoming, tag: int = 0) -> PendingRound:
         """The same ``batch_isend_irecv`` without waiting: gloo's and NCCL's own threads move the bytes meanwhile."""
+        round = self.traffic.rounds
         works, send_buffers, recv_buffers = self._post(outgoing, incoming, tag=tag, own_buffers=True)
         self._record(send_buffers, recv_buffers)
 
         def complete() -> Received:
             for work in works:
                 work.wait()
-            return {peer: unpack(recv_buffers[peer], specs) for peer, specs in incoming.items()}
+            return check_finite(self.rank, {peer: unpack(recv_buffers[peer], s) for peer, s in incoming.items()}, round)
 
         return PendingRound(complete)
 

@@ -25,7 +25,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from torch import Tensor
 
-from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received
+from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received, check_finite
 from lightning_privdec.comm.wire import TensorSpec, message_nbytes, pack, unpack
 
 __all__ = ["SEAL_OVERHEAD", "SealedExchange", "TamperedMessageError"]
@@ -84,8 +84,9 @@ class SealedExchange(Exchange):
         return sealed, expected
 
     def _open_round(self, received: Received, expected: Mapping) -> Received:
-        return {peer: self._open(peer, received[peer][0], specs, round, count)
-                for peer, (_, specs, (round, count)) in expected.items()}
+        opened = {peer: self._open(peer, received[peer][0], specs, round, count)
+                  for peer, (_, specs, (round, count)) in expected.items()}
+        return check_finite(self.rank, opened, next((r for _, _, (r, _) in expected.values()), 0))
 
     def _cipher(self, peer: int, direction: int) -> ChaCha20Poly1305:
         ciphers = self._ciphers.get(peer)
