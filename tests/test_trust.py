@@ -226,7 +226,8 @@ def ring_round(rank: int, exchange, step: int) -> dict:
     message = [torch.full((5,), float(10 * rank + step)), torch.tensor([rank], dtype=torch.int64)]
     peers = [(rank + 1) % n, (rank - 1) % n]
     specs = [TensorSpec((5,), torch.float32), TensorSpec((1,), torch.int64)]
-    return exchange.exchange({p: message for p in peers}, {p: specs for p in peers})
+    received = exchange.exchange({p: message for p in peers}, {p: specs for p in peers})
+    return {p: [t.clone() for t in tensors] for p, tensors in received.items()}  # views the next round overwrites
 
 
 def test_sealed_gossip_delivers_the_same_tensors_with_exactly_16_more_bytes_per_message():
@@ -319,3 +320,17 @@ def test_a_non_finite_message_is_refused_naming_its_sender_before_anything_is_mi
 
     with pytest.raises(NonFiniteMessageError, match=r"node 0: the gossip message from node 1 in round 1 holds NaN"):
         LoopbackNetwork(2, timeout=3).run(node)
+
+
+def test_an_identity_key_path_may_name_one_key_per_process(tmp_path):
+    from lightning_privdec.comm.identity import identity_path
+
+    roster, _ = make_members(tmp_path, ["site-a-0", "site-a-1"])
+    template = tmp_path / "site-a-{local_rank}.key"
+    checked_roster, path = check_membership(roster, template)  # nothing to read until the rank is known
+    assert path == template
+    assert identity_path(roster, path, rank=5, local_rank=1, node_rank=2) == tmp_path / "site-a-1.key"
+    with pytest.raises(MembershipError, match="privdec-keygen"):
+        identity_path(roster, path, rank=2, local_rank=2, node_rank=1)
+    with pytest.raises(MembershipError, match="placeholders"):
+        check_membership(roster, tmp_path / "{machine}.key")

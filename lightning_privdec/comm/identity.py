@@ -53,6 +53,7 @@ __all__ = [
     "Roster",
     "authenticate_members",
     "check_membership",
+    "identity_path",
     "seal_keys",
     "write_identity_key",
 ]
@@ -68,7 +69,8 @@ class MembershipError(ValueError):
 def check_membership(roster: str | os.PathLike[str] | Roster | None, identity_key: str | os.PathLike[str] | None,
                      ) -> tuple[Roster | None, Path | None]:
     """The roster and identity-key path a strategy was given, checked before anything starts: both or neither, a
-    readable key of mode 0600 whose public key is in the roster."""
+    readable key of mode 0600 whose public key is in the roster. A path with ``{rank}``, ``{local_rank}`` or
+    ``{node_rank}`` (one key per process of a machine) is checked when :func:`identity_path` resolves it."""
     if (roster is None) != (identity_key is None):
         raise MembershipError(
             "roster= and identity_key= go together: the roster lists every member's public key, identity_key is this "
@@ -78,6 +80,15 @@ def check_membership(roster: str | os.PathLike[str] | Roster | None, identity_ke
     if roster is None or identity_key is None:
         return None, None
     roster = roster if isinstance(roster, Roster) else Roster.from_file(roster)
+    if "{" in str(identity_key):  # one key per process: checked once the process knows its rank
+        try:
+            str(identity_key).format(rank=0, local_rank=0, node_rank=0)
+        except (KeyError, IndexError, ValueError) as error:
+            raise MembershipError(
+                f"identity_key={str(identity_key)!r}: the only placeholders are {{rank}}, {{local_rank}} and "
+                f"{{node_rank}} ({error!r})"
+            ) from None
+        return roster, Path(identity_key)
     identity = Identity(identity_key)
     if roster.member(identity.public_key) is None:
         raise MembershipError(
@@ -85,6 +96,13 @@ def check_membership(roster: str | os.PathLike[str] | Roster | None, identity_ke
             f"{roster.source}: add the line `privdec-keygen --public {identity.path}` prints to every node's roster"
         )
     return roster, identity.path
+
+
+def identity_path(roster: Roster, identity_key: Path, *, rank: int, local_rank: int, node_rank: int) -> Path:
+    """This process's identity key file, its placeholders filled in, checked as :func:`check_membership` does."""
+    path = Path(str(identity_key).format(rank=rank, local_rank=local_rank, node_rank=node_rank))
+    check_membership(roster, path)
+    return path
 
 
 def _fingerprint(public_key: bytes) -> str:

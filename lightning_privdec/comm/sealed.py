@@ -56,25 +56,29 @@ class SealedExchange(Exchange):
         self._ciphers = {peer: (ChaCha20Poly1305(send), ChaCha20Poly1305(receive)) for peer, (send, receive) in keys.items()}
         self._sent: dict[int, int] = {}  # messages sealed so far to each peer
         self._opened: dict[int, int] = {}  # messages expected so far from each peer
+        self._buffers: dict[tuple[str, int], Tensor] = {}
         self.rounds = 0
 
     def exchange(self, outgoing: Outgoing, incoming: Incoming) -> Received:
-        sealed, expected = self._seal_round(outgoing, incoming)
-        return self._open_round(self.inner.exchange(sealed, {p: [s] for p, (s, _, _) in expected.items()}), expected)
+        """One round; sealed and opened in buffers kept per peer (the inner exchange is done with them on return;
+        the tensors returned are views that the next round overwrites, as the :class:`Exchange` contract allows)."""
+        sealed, expected = self._seal_round(outgoing, incoming, reuse=True)
+        received = self.inner.exchange(sealed, {p: [s] for p, (s, _, _) in expected.items()})
+        return self._open_round(received, expected, reuse=True)
 
     def start(self, outgoing: Outgoing, incoming: Incoming, tag: int = 0) -> PendingRound:
-        sealed, expected = self._seal_round(outgoing, incoming)
+        sealed, expected = self._seal_round(outgoing, incoming, reuse=False)
         pending = self.inner.start(sealed, {p: [s] for p, (s, _, _) in expected.items()}, tag)
-        return PendingRound(lambda: self._open_round(pending.wait(), expected))
+        return PendingRound(lambda: self._open_round(pending.wait(), expected, reuse=False))
 
     # ---- one round -----------------------------------------------------------------------------------------------------
     def _seal_round(
-        self, outgoing: Outgoing, incoming: Incoming
+        self, outgoing: Outgoing, incoming: Incoming, reuse: bool
     ) -> tuple[dict[int, list[Tensor]], dict[int, tuple[TensorSpec, list[TensorSpec], tuple[int, int]]]]:
         self._check_peers(outgoing, incoming)
         round = self.rounds
         self.rounds += 1
-        sealed = {peer: [self._seal(peer, tensors)] for peer, tensors in outgoing.items()}
+        sealed = {peer: [self._seal(peer, tensors, reuse)] for peer, tensors in outgoing.items()}
         expected = {}
         for peer, specs in incoming.items():
             count = self._opened.get(peer, 0)
@@ -83,8 +87,8 @@ class SealedExchange(Exchange):
             expected[peer] = (TensorSpec((size,), torch.uint8), list(specs), (round, count))
         return sealed, expected
 
-    def _open_round(self, received: Received, expected: Mapping) -> Received:
-        opened = {peer: self._open(peer, received[peer][0], specs, round, count)
+    def _open_round(self, received: Received, expected: Mapping, reuse: bool) -> Received:
+        opened = {peer: self._open(peer, received[peer][0], specs, round, count, reuse)
                   for peer, (_, specs, (round, count)) in expected.items()}
         return check_finite(self.rank, opened, next((r for _, _, (r, _) in expected.values()), 0))
 
@@ -97,21 +101,36 @@ class SealedExchange(Exchange):
     def _associated(self, sender: int, receiver: int, count: int) -> bytes:
         return _TAG + _u64(sender) + _u64(receiver) + _u64(count)
 
-    def _seal(self, peer: int, tensors: list[Tensor] | tuple[Tensor, ...]) -> Tensor:
+    def _host_buffer(self, kind: str, peer: int, nbytes: int, reuse: bool) -> Tensor:
+        """A CPU byte buffer: the one kept for (kind, peer) when ``reuse`` (fresh large buffers cost page faults)."""
+        if not reuse:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        buffer = self._buffers.get((kind, peer))
+        if buffer is None or buffer.numel() != nbytes:
+            buffer = self._buffers[(kind, peer)] = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer
+
+    def _seal(self, peer: int, tensors: list[Tensor] | tuple[Tensor, ...], reuse: bool = False) -> Tensor:
         cipher = self._cipher(peer, 0)
         count = self._sent.get(peer, 0)
         self._sent[peer] = count + 1
-        plain = pack(tensors)
+        if len(tensors) > 1 and all(t.device.type == "cpu" for t in tensors):  # packed into a kept buffer too
+            nbytes = message_nbytes([TensorSpec.of(t) for t in tensors])
+            plain = pack(tensors, out=self._host_buffer("plain", peer, nbytes, reuse))
+        else:
+            plain = pack(tensors)
         device = plain.device
         host = plain.cpu() if device.type != "cpu" else plain
-        out = torch.empty(host.numel() + SEAL_OVERHEAD, dtype=torch.uint8)
+        out = self._host_buffer("sealed", peer, host.numel() + SEAL_OVERHEAD, reuse)
         cipher.encrypt_into(b"\0\0\0\0" + _u64(count), host.numpy(), self._associated(self.rank, peer, count), out.numpy())
         return out if device.type == "cpu" else out.to(device)
 
-    def _open(self, peer: int, buffer: Tensor, specs: list[TensorSpec], round: int, count: int) -> list[Tensor]:
+    def _open(
+        self, peer: int, buffer: Tensor, specs: list[TensorSpec], round: int, count: int, reuse: bool = False
+    ) -> list[Tensor]:
         cipher = self._cipher(peer, 1)
         host = buffer.cpu() if buffer.device.type != "cpu" else buffer
-        plain = torch.empty(host.numel() - SEAL_OVERHEAD, dtype=torch.uint8)
+        plain = self._host_buffer("opened", peer, host.numel() - SEAL_OVERHEAD, reuse)
         try:
             cipher.decrypt_into(b"\0\0\0\0" + _u64(count), host.numpy(), self._associated(peer, self.rank, count),
                                 plain.numpy())

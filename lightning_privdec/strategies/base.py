@@ -55,6 +55,7 @@ from lightning_privdec.comm.identity import (
     Roster,
     authenticate_members,
     check_membership,
+    identity_path,
     seal_keys,
 )
 from lightning_privdec.comm.objects import broadcast_object, encode, gather_objects
@@ -116,7 +117,8 @@ class DecentralizedStrategy(DDPStrategy):
             seal their gossip (:mod:`lightning_privdec.comm.identity`, :mod:`lightning_privdec.comm.sealed`; see
             docs/threat-model.md). ``None`` (default): members are trusted to follow the protocol.
         identity_key: this node's Ed25519 private key file (PEM, mode 0600, outside any checkpoint; ``privdec-keygen``
-            creates one). Given with ``roster`` only.
+            creates one). Given with ``roster`` only. ``{rank}``, ``{local_rank}`` and ``{node_rank}`` in the path
+            are filled in per process (several nodes on one machine: ``"keys/site-a-{local_rank}.key"``).
         peer_timeout: how long a node waits for any other node (a gossip message, a collective) once training is set
             up, before it stops with an error: a ``timedelta`` or seconds, longer than the slowest checkpoint write
             or validation pass (the others wait that long). ``None`` keeps ``timeout`` (Lightning's, 30 minutes by
@@ -291,8 +293,10 @@ class DecentralizedStrategy(DDPStrategy):
         assert self.topology is not None
         mine = {name: describe(value) for name, value in self.configuration().items()}
         key = self.agreement_private_key()
+        identity = identity_path(self.roster, self.identity_key, rank=self.global_rank, local_rank=self.local_rank,
+                                 node_rank=self.node_rank)
         setup = authenticate_members(
-            Identity(self.identity_key), self.roster, rank=self.global_rank, world_size=self.world_size,
+            Identity(identity), self.roster, rank=self.global_rank, world_size=self.world_size,
             agreement_key=key.public_key().public_bytes_raw(), configuration_digest=hashlib.sha256(encode(mine)).digest(),
         )
         neighbours = nx.Graph(self.topology.union_graph()).neighbors(self.global_rank)
