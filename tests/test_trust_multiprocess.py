@@ -24,14 +24,14 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from lightning_privdec.cli.keygen import main as keygen
 from lightning_privdec.comm import TorchDistributedExchange
-from lightning_privdec.comm.identity import Identity, Roster, authenticate_members, seal_keys
+from lightning_privdec.comm.identity import Identity, Roster, authenticate_members, seal_keys, write_identity_key
 from lightning_privdec.comm.objects import all_gather_bytes, broadcast_bytes, decode, encode, gather_bytes, gather_objects
 from lightning_privdec.comm.sealed import SealedExchange
 from lightning_privdec.comm.wire import TensorSpec
 from lightning_privdec.privacy.pairwise import PairwiseSecrets, exchange_public_keys, verify_agreement
 from lightning_privdec.strategies import DecentralizedPushSumStrategy
 from lightning_privdec.strategies.checks import gather_from_nodes
-from tests.multiprocess import die_with_parent
+from tests.multiprocess import die_with_parent, fit_digits_in_one_launch
 
 WORLD, ATTACKER = 3, 2
 SPECS = [TensorSpec((8,), torch.float32)]
@@ -217,6 +217,23 @@ def test_every_attack_of_a_malicious_node_is_refused_naming_it_and_none_of_its_c
             assert outcome.startswith(error) and says in outcome, f"node {rank}, {name}: {outcome}"
     assert not list(tmp_path.glob("executed-on-a-node-*")), "a pickle sent by node 2 was executed"
     print(table(outcomes))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_fit_with_a_roster_takes_the_same_steps_as_without_and_sends_16_more_bytes_per_message(tmp_path):
+    keys = tmp_path / "keys"
+    lines = [f"{r} {base64.b64encode(write_identity_key(keys / f'node{r}.key')).decode()}" for r in range(WORLD)]
+    (keys / "roster").write_text("\n".join(lines) + "\n")
+    sealed = json.dumps({"roster": str(keys / "roster"), "identity_key": str(keys / "node{rank}.key")})
+    common = ["--topology", "ring", "--max-epochs", "1"]
+    plain_run, sealed_run = fit_digits_in_one_launch(
+        (tmp_path / "plain", common), (tmp_path / "sealed", [*common, "--strategy-kwargs", sealed]), devices=WORLD
+    )
+    for plain, secure in zip(plain_run, sealed_run):
+        assert torch.equal(plain["params"], secure["params"]), f"node {plain['rank']}: sealing changed the model"
+        messages = 2 * secure["rounds"]  # a ring: two neighbours per round
+        assert secure["bytes_sent"] - plain["bytes_sent"] == 16 * messages
 
 
 if __name__ == "__main__":

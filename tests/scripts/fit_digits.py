@@ -49,10 +49,6 @@ def make_strategy(args: argparse.Namespace):  # noqa: ANN201
         return "ddp"
     common = dict(topology=args.topology, compressor=args.compressor, consensus_step=args.gamma, seed=args.seed)
     common.update(json.loads(args.strategy_kwargs))
-    if args.identity_dir is not None:  # this process's own key: node<global rank>.key
-        rank = int(os.environ.get("RANK", int(os.environ.get("NODE_RANK", 0)) * args.devices
-                                  + int(os.environ.get("LOCAL_RANK", 0))))
-        common.update(roster=args.identity_dir / "roster", identity_key=args.identity_dir / f"node{rank}.key")
     if args.strategy in NON_PRIVATE_STRATEGIES:
         return NON_PRIVATE_STRATEGIES[args.strategy](**common)
     if args.strategy == "decor":
@@ -99,8 +95,6 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--key-dir", default=None, help="decor: keep each node's X25519 key in this directory")
     parser.add_argument("--grad-sample-mode", default="hooks", choices=["hooks", "functorch", "ghost"])
     parser.add_argument("--strategy-kwargs", default="{}", help="JSON object of extra strategy arguments")
-    parser.add_argument("--identity-dir", type=Path, default=None,
-                        help="authenticated membership: DIR/roster and each rank's identity key DIR/node<rank>.key")
     parser.add_argument("--csv", action="store_true", help="log to a CSVLogger under --out")
     parser.add_argument("--float16", action="store_true",
                         help="precision '16-mixed' on CPU: float16 autocast and Lightning's GradScaler")
