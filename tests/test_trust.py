@@ -334,3 +334,45 @@ def test_an_identity_key_path_may_name_one_key_per_process(tmp_path):
         identity_path(roster, path, rank=2, local_rank=2, node_rank=1)
     with pytest.raises(MembershipError, match="placeholders"):
         check_membership(roster, tmp_path / "{machine}.key")
+
+
+# ---- bounded influence: robust="clip" ------------------------------------------------------------------------------------
+def test_a_clipped_exchange_moves_no_received_model_farther_than_the_radius_and_leaves_close_ones_alone():
+    from lightning_privdec.comm.robust import ClippedExchange
+
+    def node(rank, exchange):
+        exchange = ClippedExchange(exchange, radius=1.0)
+        own = torch.zeros(4) if rank == 0 else torch.full((4,), 100.0 if rank == 1 else 0.1)
+        peers = [p for p in range(3) if p != rank]
+        received = exchange.exchange({p: [own] for p in peers}, {p: [TensorSpec((4,), torch.float32)] for p in peers})
+        return {p: t[0].clone() for p, t in received.items()}, exchange.clipped
+
+    (at_0, clipped_0), *_ = LoopbackNetwork(3).run(node)
+    assert torch.allclose(at_0[1], torch.full((4,), 0.5)) and clipped_0 == {1: 1}  # 100 -> radius 1 towards it
+    assert torch.equal(at_0[2], torch.full((4,), 0.1))  # within the radius: unchanged
+
+
+def test_robust_clip_is_refused_where_the_message_is_not_the_model():
+    from lightning_privdec.strategies import DecentralizedPushSumStrategy, DecentralizedSGDStrategy
+
+    with pytest.raises(ValueError, match="does not support robust='clip'"):
+        DecentralizedPushSumStrategy(robust="clip", robust_radius=1.0)
+    with pytest.raises(ValueError, match="with a compressor does not support"):
+        DecentralizedSGDStrategy(compressor="randk:0.5", robust="clip", robust_radius=1.0)
+    with pytest.raises(ValueError, match="needs robust_radius"):
+        DecentralizedSGDStrategy(robust="clip")
+    with pytest.raises(ValueError, match="only applies with robust='clip'"):
+        DecentralizedSGDStrategy(robust_radius=1.0)
+    assert DecentralizedSGDStrategy(robust="clip", robust_radius=0.5).robust_radius == 0.5
+
+
+def test_robust_clip_keeps_honest_nodes_accurate_next_to_a_sign_flipping_neighbour():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from robust_clip import run
+
+    plain = run(4, 60, "sign-flip", None, scale=10.0, sigma=1.0, lr=0.5)
+    clipped = run(4, 60, "sign-flip", 0.5, scale=10.0, sigma=1.0, lr=0.5)
+    assert min(plain) < 0.3 < 0.7 < min(clipped), (plain, clipped)

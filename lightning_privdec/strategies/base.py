@@ -59,6 +59,7 @@ from lightning_privdec.comm.identity import (
     seal_keys,
 )
 from lightning_privdec.comm.objects import broadcast_object, encode, gather_objects
+from lightning_privdec.comm.robust import ClippedExchange
 from lightning_privdec.comm.sealed import SealedExchange
 from lightning_privdec.compression import Compressor, build_compressor
 from lightning_privdec.data.cycled import CycledLoader
@@ -112,6 +113,12 @@ class DecentralizedStrategy(DDPStrategy):
         divergence_guard: stop every node with :class:`~lightning_privdec.strategies.divergence.DivergenceError`
             when the gossip correction or the training loss grows without bound (checked every 10 steps with one
             small all-gather; :mod:`lightning_privdec.strategies.divergence`). ``False`` turns it off.
+        robust: ``"clip"``: self-centred clipping of every received model to within ``robust_radius`` (L2) of this
+            node's own (ClippedGossip, :mod:`lightning_privdec.comm.robust`): one neighbour moves a node by at most
+            that radius per round, whatever it sends. For the exact doubly-stochastic strategies (D-PSGD, DP²-SGD,
+            Decor) without compression or overlap. ``None`` (default): plain mixing.
+        robust_radius: the clipping radius tau (required with ``robust="clip"``), in parameter units: larger than
+            the honest nodes' distance to each other, or they are slowed down too.
         roster: a roster file (or :class:`~lightning_privdec.comm.identity.Roster`) listing every member's Ed25519
             public key, the same on every node; with ``identity_key``, the nodes authenticate each other at setup and
             seal their gossip (:mod:`lightning_privdec.comm.identity`, :mod:`lightning_privdec.comm.sealed`; see
@@ -132,7 +139,11 @@ class DecentralizedStrategy(DDPStrategy):
     requires_symmetric_graph: bool = False
     #: constructor arguments (stored under the same attribute name) that every node must share, beyond those
     #: :meth:`configuration` lists itself; each class names its own, the check collects them over the MRO
-    shared_options: tuple[str, ...] = ("weights", "consensus_step", "seed", "staleness", "divergence_guard", "roster")
+    shared_options: tuple[str, ...] = (
+        "weights", "consensus_step", "seed", "staleness", "divergence_guard", "roster", "robust", "robust_radius",
+    )
+    #: whether the gossip's one message is the node's model (exact doubly-stochastic mixing): ``robust="clip"``
+    supports_robust_clip: bool = False
     #: constructor arguments that may differ from node to node (never compared)
     local_options: tuple[str, ...] = (
         "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
@@ -150,6 +161,8 @@ class DecentralizedStrategy(DDPStrategy):
         overlap: bool = False,
         staleness: int = 1,
         divergence_guard: bool = True,
+        robust: Literal["clip"] | None = None,
+        robust_radius: float | None = None,
         roster: str | os.PathLike[str] | Roster | None = None,
         identity_key: str | os.PathLike[str] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -192,6 +205,7 @@ class DecentralizedStrategy(DDPStrategy):
         self._guard: DivergenceGuard | None = None
         self.seed = int(seed)
         self.staleness = self._check_overlap(overlap, staleness)
+        self.robust, self.robust_radius = self._check_robust(robust, robust_radius)
         self.topology: Topology | None = None
         self.flat: FlatParameters | None = None
         self.gossip: Gossip | None = None
@@ -236,6 +250,28 @@ class DecentralizedStrategy(DDPStrategy):
                 "(DP-CSGP without compression is PrivSGPStrategy), or overlap=False."
             )
         return staleness
+
+    def _check_robust(self, robust: str | None, radius: float | None) -> tuple[str | None, float | None]:
+        name = type(self).__name__
+        if robust is None:
+            if radius is not None:
+                raise ValueError(f"robust_radius={radius!r} only applies with robust='clip': add it or drop the radius")
+            return None, None
+        if robust != "clip":
+            raise ValueError(f"robust must be None or 'clip' (self-centred clipping), got {robust!r}")
+        if isinstance(radius, bool) or not isinstance(radius, (int, float)) or not math.isfinite(radius) or radius <= 0:
+            raise ValueError(
+                f"robust='clip' needs robust_radius=tau > 0 (L2, parameter units): how far one neighbour may pull a "
+                f"node per round; got {radius!r}"
+            )
+        if not self.supports_robust_clip or self.compressor is not None or self.staleness:
+            raise ValueError(
+                f"{name}{' with a compressor' if self.compressor is not None else ''}"
+                f"{' with overlap=True' if self.staleness else ''} does not support robust='clip': it clips the "
+                "neighbours' models, so it needs exact gossip whose message is the model itself (D-PSGD: "
+                "DecentralizedSGDStrategy; DP2SGDStrategy; CorrelatedNoiseStrategy) without compression or overlap."
+            )
+        return robust, float(radius)
 
     def setup_environment(self) -> None:
         # Validate the graph against the world size before the process group exists: every rank fails the same
@@ -308,10 +344,14 @@ class DecentralizedStrategy(DDPStrategy):
         return X25519PrivateKey.generate()
 
     def make_exchange(self) -> Exchange:
-        """The gossip's point-to-point exchange: over torch.distributed, sealed per edge when a roster is given."""
+        """The gossip's point-to-point exchange: over torch.distributed, sealed per edge when a roster is given,
+        clipped around the node's own model with ``robust="clip"``."""
         exchange: Exchange = TorchDistributedExchange(self.root_device, timeout=self.peer_timeout or self._timeout)
         if self._seal_keys is not None:
             exchange = SealedExchange(exchange, self._seal_keys)
+        if self.robust == "clip":
+            assert self.robust_radius is not None
+            exchange = ClippedExchange(exchange, self.robust_radius)
         return exchange
 
     def configure_ddp(self) -> None:

@@ -51,6 +51,7 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
     required_mixing = "doubly"
     requires_symmetric_graph = True
     shared_options = ("options",)
+    supports_robust_clip = True  # its one message is the node's model
     local_options = ("key_file_dir",)  # a per-node path
 
     def __init__(
