@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from lightning_privdec.cli.keygen import main as keygen
 from lightning_privdec.comm import TorchDistributedExchange
 from lightning_privdec.comm.identity import Identity, Roster, authenticate_members, seal_keys, write_identity_key
 from lightning_privdec.comm.objects import all_gather_bytes, broadcast_bytes, decode, encode, gather_bytes, gather_objects
+from lightning_privdec.comm.robust import ClippedExchange
 from lightning_privdec.comm.sealed import SealedExchange
 from lightning_privdec.comm.wire import TensorSpec
 from lightning_privdec.privacy.pairwise import PairwiseSecrets, exchange_public_keys, verify_agreement
@@ -52,6 +54,7 @@ EXPECTED = {
     "reordered gossip": ("TamperedMessageError", "message from node 2 in round 1 does not authenticate"),
     "forged gossip": ("TamperedMessageError", "message from node 2 in round 1 does not authenticate"),
     "non-finite gossip": ("NonFiniteMessageError", "message from node 2 in round 1 holds NaN"),
+    "huge gossip (robust='clip')": ("clipped", "moved this node by at most the radius"),
 }
 #: the receivers of each attack (a gather reaches rank 0 only)
 VICTIMS = {"pickle in checkpoint gathering": (0,)}
@@ -100,10 +103,12 @@ class Attacker(SealedExchange):
         super().__init__(inner, keys)
         self.attack, self.first = attack, {}
 
-    def _seal(self, peer, tensors):
+    def _seal(self, peer, tensors, reuse=False):  # fresh buffers: it keeps its first messages to replay them
         attacking = self.rounds == 2  # counted from 1 while round r's messages are sealed: round 1
         if attacking and self.attack == "non-finite gossip":
             tensors = [torch.full((8,), float("nan"))]
+        if attacking and self.attack.startswith("huge gossip"):
+            tensors = [torch.full((8,), 1e30)]
         sealed = super()._seal(peer, tensors)
         if attacking:
             if self.attack == "tampered gossip":
@@ -122,12 +127,25 @@ class Attacker(SealedExchange):
 
 def gossip(rank: int, keys: Path, attack: str) -> None:
     edge_keys = setup(rank, keys)
-    inner = TorchDistributedExchange(torch.device("cpu"))
+    inner = TorchDistributedExchange(torch.device("cpu"), timeout=timedelta(seconds=20))
     exchange = Attacker(inner, edge_keys, attack) if rank == ATTACKER else SealedExchange(inner, edge_keys)
+    clip = "robust='clip'" in attack and rank != ATTACKER
+    if clip:
+        exchange = ClippedExchange(exchange, radius=1.0)
     peers = [r for r in range(WORLD) if r != rank]
     for step in range(2):
-        received = exchange.exchange({p: [torch.full((8,), float(rank))] for p in peers}, {p: SPECS for p in peers})
-        assert all(torch.equal(received[p][0], torch.full((8,), float(p))) for p in peers)
+        own = torch.full((8,), 0.1 * rank)  # honest models within the radius of each other
+        received = exchange.exchange({p: [own] for p in peers}, {p: SPECS for p in peers})
+        if not clip:
+            assert all(torch.equal(received[p][0], torch.full((8,), 0.1 * p)) for p in peers)
+    if clip:  # accepted, but node 2 moved this node by at most the radius
+        moved = float((received[ATTACKER][0] - own).norm())
+        assert exchange.clipped == {ATTACKER: 1} and moved <= 1.0 + 1e-6, (exchange.clipped, moved)
+        raise Clipped(f"clipped: node 2's model moved this node by at most the radius ({moved:.3f} <= 1)")
+
+
+class Clipped(Exception):
+    """The outcome of a well-formed but huge message under robust='clip' (recorded, not an error)."""
 
 
 def attack(name: str, rank: int, tmp: Path, keys: Path, state: dict) -> None:
@@ -176,7 +194,7 @@ def _worker(rank: int, tmp: str, keys: str) -> None:
                 attack(name, rank, Path(tmp), Path(keys), state)
                 outcomes[name] = "accepted"
             except Exception as error:  # noqa: BLE001 - the outcome is what is recorded
-                outcomes[name] = f"{type(error).__name__}: {error}"
+                outcomes[name] = str(error) if isinstance(error, Clipped) else f"{type(error).__name__}: {error}"
             dist.barrier()
     finally:
         Path(tmp, f"outcomes{rank}.json").write_text(json.dumps(outcomes))
