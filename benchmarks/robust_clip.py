@@ -12,7 +12,7 @@ scikit-learn's digits with a public logistic-regression start, in one process on
 The honest nodes (1 .. n-1) either mix plainly or clip every received model to within ``--radius`` of their own.
 Printed: the honest nodes' worst and mean test accuracy per (attack, defence), and the no-attack reference.
 
-    python benchmarks/robust_clip.py --nodes 6 --steps 150 --json robust.json
+    python benchmarks/robust_clip.py --nodes 6 --steps 100 --json robust.json
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from toy_digits import digits_shards, public_linear  # noqa: E402
 
 from lightning_privdec.algorithms.dp_csgp import DPCSGPNode  # noqa: E402
 from lightning_privdec.algorithms.simulation import train_node  # noqa: E402
-from lightning_privdec.comm import Exchange, LoopbackNetwork  # noqa: E402
+from lightning_privdec.comm import Exchange, LoopbackNetwork, NonFiniteMessageError  # noqa: E402
 from lightning_privdec.comm.base import Incoming, Outgoing, PendingRound  # noqa: E402
 from lightning_privdec.comm.robust import ClippedExchange  # noqa: E402
 from lightning_privdec.data.digits import accuracy  # noqa: E402
@@ -57,8 +57,9 @@ class Attacker(Exchange):
 
 
 def run(nodes: int, steps: int, attack: str | None, radius: float | None, scale: float, sigma: float,
-        lr: float, seed: int = 0) -> list[float]:
-    """The test accuracy of every honest node (1 .. n-1) after ``steps`` steps."""
+        lr: float, seed: int = 0) -> list[float] | None:
+    """The test accuracy of every honest node (1 .. n-1) after ``steps`` steps; ``None`` if the models diverged
+    (a node received a non-finite model and stopped)."""
     torch.manual_seed(seed)
     shards, test = digits_shards(nodes)
     topology = build_topology("ring", nodes, weights="metropolis")
@@ -81,6 +82,8 @@ def run(nodes: int, steps: int, attack: str | None, radius: float | None, scale:
     torch.set_num_threads(1)
     try:
         runs = network.run(node)
+    except NonFiniteMessageError:
+        return None
     finally:
         torch.set_num_threads(threads)
     return [accuracy(r.model, *test) for r in runs[1:]]
@@ -89,7 +92,7 @@ def run(nodes: int, steps: int, attack: str | None, radius: float | None, scale:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--scale", type=float, default=10.0)
     parser.add_argument("--radius", type=float, default=0.5, help="tau of robust='clip' (L2, parameter units)")
     parser.add_argument("--sigma", type=float, default=1.0)
@@ -101,12 +104,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for radius in (None, args.radius):
             acc = run(args.nodes, args.steps, attack, radius, args.scale, args.sigma, args.lr)
             rows.append({"attack": attack or "none", "robust": "clip" if radius else "none", "radius": radius,
-                         "worst": min(acc), "mean": sum(acc) / len(acc)})
-    print(f"| node 0 sends | honest nodes mix | worst honest accuracy | mean honest accuracy |")
+                         "worst": acc and min(acc), "mean": acc and sum(acc) / len(acc)})
+    print("| node 0 sends | honest nodes mix | worst honest accuracy | mean honest accuracy |")
     print("|---|---|---:|---:|")
     for r in rows:
         robust = f"robust='clip', tau={r['radius']:g}" if r["radius"] else "plainly"
-        print(f"| {r['attack']} | {robust} | {r['worst']:.3f} | {r['mean']:.3f} |")
+        if r["worst"] is None:
+            print(f"| {r['attack']} | {robust} | diverged (non-finite models) | diverged |")
+        else:
+            print(f"| {r['attack']} | {robust} | {r['worst']:.3f} | {r['mean']:.3f} |")
     if args.json is not None:
         args.json.write_text(json.dumps({"rows": rows, "arguments": vars(args) | {"json": str(args.json)}}, indent=1))
     return rows

@@ -375,4 +375,5 @@ def test_robust_clip_keeps_honest_nodes_accurate_next_to_a_sign_flipping_neighbo
 
     plain = run(4, 60, "sign-flip", None, scale=10.0, sigma=1.0, lr=0.5)
     clipped = run(4, 60, "sign-flip", 0.5, scale=10.0, sigma=1.0, lr=0.5)
-    assert min(plain) < 0.3 < 0.7 < min(clipped), (plain, clipped)
+    assert plain is None or min(plain) < 0.3, plain  # None: the plain models diverged to infinity
+    assert clipped is not None and min(clipped) > 0.7, clipped
