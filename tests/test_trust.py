@@ -281,7 +281,7 @@ def test_a_tampered_replayed_reordered_or_forged_message_is_rejected_naming_the_
 
 def test_a_tampered_message_stops_the_receiving_node_inside_the_exchange():
     keys = edge_keys(3)
-    network = LoopbackNetwork(3, timeout=3)
+    network = LoopbackNetwork(3, timeout=1)
 
     class FlipOneBit:  # the network between node 1 and node 0, at round 1
         def __init__(self, inner):
