@@ -64,7 +64,9 @@ class ClippedExchange(Exchange):
             return received
         for peer, tensors in received.items():
             difference = tensors[0].to(own.dtype) - own
-            norm = float(torch.linalg.vector_norm(difference.double()))
+            norm = float(torch.linalg.vector_norm(difference))
+            if not math.isfinite(norm):  # squares of huge finite values overflowed float32
+                norm = float(torch.linalg.vector_norm(difference.double()))
             if norm > self.radius:
                 self.clipped[peer] = self.clipped.get(peer, 0) + 1
                 received[peer] = [own + difference * (self.radius / norm)]
