@@ -18,6 +18,8 @@ then train every configuration in turn (a fresh Trainer, model and seed each), s
     ddp                Lightning's DDPStrategy (ring all-reduce of the gradients)
     push_sum           DecentralizedPushSumStrategy, exponential-one-peer graph (one message per node per step)
     push_sum_overlap   the same with overlap=True (the message travels during the next forward/backward)
+    push_sum_sealed    push_sum with a roster (roster=, identity_key=): signed setup, every message sealed with
+                       ChaCha20-Poly1305 (+16 bytes); keys made for the run in its temporary directory
     privsgp            PrivSGPStrategy (DP push-sum, uncompressed), C = 1, sigma = 1
     dp_csgp_randk0.1   DPCSGPStrategy with RandK(0.1), consensus step 0.05 (the value docs/compression.md found
                        stable for RandK(0.1) on this graph), C = 1, sigma = 1
@@ -70,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import base64
 import datetime
 import json
 import os
@@ -92,7 +95,8 @@ SUBNET = "10.217.0"
 MASTER_PORT = 29517
 TOPOLOGY = "exponential-one-peer"
 CLIP, SIGMA, LR = 1.0, 1.0, 0.05
-CONFIGS = ("ddp", "push_sum", "push_sum_overlap", "privsgp", "dp_csgp_randk0.1", "dp_csgp_qsgd8", "decor")
+CONFIGS = ("ddp", "push_sum", "push_sum_overlap", "push_sum_sealed", "privsgp", "dp_csgp_randk0.1", "dp_csgp_qsgd8",
+           "decor")
 BATCH = {"mlp": 32, "wide": 32, "resnet18": 4}  # per node; ResNet-18's is small so the CPUs keep up with the network
 WIDE_HIDDEN = 3072
 PUSH_SUM_TARGET, RANDK_TARGET, LIMIT_TARGET, ACCURACY_SPEEDUP = 0.6, 0.15, 1.3, 2.0  # issue 17's targets
@@ -251,7 +255,17 @@ def build_data(model: str, nodes: int, seed: int):  # noqa: ANN201
     return DataLoader(train, batch_size=BATCH[model], shuffle=True, drop_last=True), test
 
 
-def build_strategy(config: str, peer_timeout: float):  # noqa: ANN201
+def make_identities(directory: Path, nodes: int) -> None:
+    """``directory/node<rank>.key`` for every rank and their ``directory/roster`` (push_sum_sealed)."""
+    from lightning_privdec.comm.identity import write_identity_key
+
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = [f"{rank} {base64.b64encode(write_identity_key(directory / f'node{rank}.key')).decode()}"
+             for rank in range(nodes)]
+    (directory / "roster").write_text("\n".join(lines) + "\n")
+
+
+def build_strategy(config: str, peer_timeout: float, identities: Path | None = None, rank: int = 0):  # noqa: ANN201
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_privdec import (
@@ -269,6 +283,10 @@ def build_strategy(config: str, peer_timeout: float):  # noqa: ANN201
     if config in ("push_sum", "push_sum_overlap"):
         return DecentralizedPushSumStrategy(topology=TOPOLOGY, seed=0, overlap=config == "push_sum_overlap",
                                             peer_timeout=peer_timeout)  # fmt: skip
+    if config == "push_sum_sealed":
+        assert identities is not None
+        return DecentralizedPushSumStrategy(topology=TOPOLOGY, seed=0, peer_timeout=peer_timeout,
+                                            roster=identities / "roster", identity_key=identities / f"node{rank}.key")
     if config == "privsgp":
         return PrivSGPStrategy(topology=TOPOLOGY, noise_multiplier=SIGMA, **private)
     if config == "dp_csgp_randk0.1":
@@ -459,7 +477,7 @@ def run_child(args: argparse.Namespace) -> None:
         module = build_module(build_net(args.model, args.width))
         probe = make_probe(args.warmup, interface, test, args.eval_every)
         trainer = L.Trainer(
-            accelerator="cpu", devices=1, num_nodes=nodes, strategy=build_strategy(config, args.peer_timeout),
+            accelerator="cpu", devices=1, num_nodes=nodes, strategy=build_strategy(config, args.peer_timeout, args.out_dir / "keys", rank),
             max_steps=args.warmup + args.steps, max_epochs=-1, callbacks=[probe], logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             num_sanity_val_steps=0, limit_val_batches=0,
@@ -572,6 +590,8 @@ def run_parent(args: argparse.Namespace, argv: list[str]) -> None:
                 print(f"{args.nodes} nodes at {mbit:g} Mbit/s, model {args.model}: {', '.join(args.configs)} ...",
                       flush=True)  # fmt: skip
                 start = time.perf_counter()
+                if "push_sum_sealed" in args.configs:
+                    make_identities(out_dir / "keys", args.nodes)
                 launch(args, network, mbit, out_dir)
                 print(f"  done in {time.perf_counter() - start:.0f} s", flush=True)
                 for config in args.configs:

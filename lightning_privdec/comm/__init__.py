@@ -1,6 +1,6 @@
 """How bytes move between neighbours: point-to-point exchanges over torch.distributed, and a loopback simulator."""
 
-from lightning_privdec.comm.base import Exchange, PendingRound, TrafficCounter
+from lightning_privdec.comm.base import Exchange, NonFiniteMessageError, PendingRound, TrafficCounter
 from lightning_privdec.comm.distributed import TorchDistributedExchange
 from lightning_privdec.comm.loopback import LoopbackExchange, LoopbackNetwork
 from lightning_privdec.comm.wire import TensorSpec, message_nbytes, pack, unpack
@@ -9,6 +9,7 @@ __all__ = [
     "Exchange",
     "LoopbackExchange",
     "LoopbackNetwork",
+    "NonFiniteMessageError",
     "PendingRound",
     "TensorSpec",
     "TorchDistributedExchange",

@@ -6,6 +6,7 @@ import abc
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from lightning_privdec.comm.wire import TensorSpec
@@ -87,6 +88,32 @@ class Exchange(abc.ABC):
         for peer in list(outgoing) + list(incoming):
             if not 0 <= peer < self.world_size or peer == self.rank:
                 raise ValueError(f"node {self.rank}: invalid peer {peer} (world size {self.world_size})")
+
+
+class NonFiniteMessageError(FloatingPointError):
+    """A neighbour's gossip message holds NaN or infinite values: refused before anything of it is mixed."""
+
+
+def check_finite(rank: int, received: Received, round: int) -> Received:
+    """``received`` unchanged if every floating-point value in it is finite; else :class:`NonFiniteMessageError`
+    naming the first sender at fault. An honest node never sends a non-finite value (the strategies stop at a
+    non-finite loss or gradient), so one comes from a faulty or malicious neighbour. A NaN or infinity makes its
+    tensor's sum non-finite, so finite sums (one fast reduction each, one host synchronisation) clear the round;
+    only then, or when huge finite values overflowed a sum, is every entry checked."""
+    floats = [(peer, t) for peer, tensors in received.items() for t in tensors if t.is_floating_point() and t.numel()]
+    sums = [t.sum(dtype=torch.float32 if t.element_size() < 4 else None).to(torch.float64) for _, t in floats]
+    if not floats or bool(torch.isfinite(torch.stack(sums)).all()):
+        return received
+    bad = [peer for peer, t in floats if not bool(torch.isfinite(t).all())]
+    if not bad:
+        return received
+    peer = bad[0]
+    raise NonFiniteMessageError(
+        f"node {rank}: the gossip message from node {peer} in round {round} holds NaN or infinite values; nothing of "
+        f"it was mixed and training stops here. Node {peer} is faulty or misbehaving (an honest node stops at its own "
+        "first non-finite loss or gradient before sending anything): look at its log, then restart every node from "
+        "the last checkpoint."
+    )
 
 
 class PendingRound:

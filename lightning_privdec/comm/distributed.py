@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received
+from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received, check_finite
 from lightning_privdec.comm.wire import TensorSpec, message_nbytes, pack, unpack
 
 
@@ -75,21 +75,25 @@ class TorchDistributedExchange(Exchange):
         self._reused: dict[tuple[str, int], Tensor] = {}  # ("send" | "recv", k-th message) -> its last buffer
 
     def exchange(self, outgoing: Outgoing, incoming: Incoming) -> Received:
+        round = self.traffic.rounds
         works, send_buffers, recv_buffers = self._post(outgoing, incoming, tag=0, own_buffers=False)
         for work in works:
             work.wait()
         self._record(send_buffers, recv_buffers)
-        return {peer: unpack(recv_buffers[peer].to(self.device), specs) for peer, specs in incoming.items()}
+        received = {peer: unpack(recv_buffers[peer].to(self.device), specs) for peer, specs in incoming.items()}
+        return check_finite(self.rank, received, round)
 
     def start(self, outgoing: Outgoing, incoming: Incoming, tag: int = 0) -> PendingRound:
         """The same ``batch_isend_irecv`` without waiting: gloo's and NCCL's own threads move the bytes meanwhile."""
+        round = self.traffic.rounds
         works, send_buffers, recv_buffers = self._post(outgoing, incoming, tag=tag, own_buffers=True)
         self._record(send_buffers, recv_buffers)
 
         def complete() -> Received:
             for work in works:
                 work.wait()
-            return {peer: unpack(recv_buffers[peer].to(self.device), specs) for peer, specs in incoming.items()}
+            received = {peer: unpack(recv_buffers[peer].to(self.device), s) for peer, s in incoming.items()}
+            return check_finite(self.rank, received, round)
 
         return PendingRound(complete)
 

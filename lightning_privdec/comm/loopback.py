@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from torch import Tensor
 
-from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received
+from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received, check_finite
 from lightning_privdec.comm.wire import message_nbytes, pack, unpack
 
 T = TypeVar("T")
@@ -35,9 +35,10 @@ class LoopbackExchange(Exchange):
         """Post the messages now and collect them on ``wait()``. Each (sender, receiver) mailbox is first in, first
         out, so rounds waited for in the order they were started need no tag."""
         self._check_peers(outgoing, incoming)
+        round = self.traffic.rounds
         sent = self._send(outgoing)
         self.traffic.record(sent, {peer: message_nbytes(specs) for peer, specs in incoming.items()})
-        return PendingRound(lambda: self._receive(incoming))
+        return PendingRound(lambda: check_finite(self.rank, self._receive(incoming), round))
 
     def _send(self, outgoing: Outgoing) -> dict[int, int]:
         sent = {}

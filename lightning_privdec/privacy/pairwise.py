@@ -11,7 +11,9 @@ Because v_ij = -v_ji, sum_i sum_{j in N_i} v_ij = 0: the average model only carr
 names neither the key agreement nor the PRG; this module fixes both:
 
 * **Key agreement** (:class:`PairwiseSecrets`): every node draws a fresh X25519 key pair at setup and publishes the
-  public key (:func:`exchange_public_keys`, one ``all_gather_object`` of public data). Each pair of neighbours runs
+  public key (:func:`exchange_public_keys`, one all-gather of public data in the typed encoding of
+  :mod:`lightning_privdec.comm.objects`, never pickled; with a roster the keys come signed instead, see
+  :mod:`lightning_privdec.comm.identity`). Each pair of neighbours runs
   ECDH and HKDF-SHA256 to a 32-byte edge secret. The HKDF salt is a *run identifier* hashed from the caller's
   ``context`` and the sorted list of every node's public key; the HKDF info binds a library tag, the ordered pair
   (min(i, j), max(i, j)) and both public keys. No secret (nor any private key) is ever sent; no third node can
@@ -62,6 +64,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from torch import Tensor
 
+from lightning_privdec.comm.objects import all_gather_objects
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import KeystreamBuffers, keyed_standard_normal
 
@@ -115,7 +118,7 @@ def _raw_public(key: X25519PublicKey) -> bytes:
     return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
-def _load_or_create_key_file(path: Path) -> X25519PrivateKey:
+def load_or_create_key_file(path: Path) -> X25519PrivateKey:
     """Read this node's private key from ``path``, or create the file (mode 0600, atomically) with a new key."""
     if path.exists():
         if os.name == "posix" and path.stat().st_mode & 0o077:
@@ -164,9 +167,18 @@ class PairwiseSecrets:
             each neighbour's list).
         key_file: optional path outside the checkpoint that persists this node's private key, so that a resumed
             run re-derives the same secrets; created with mode 0600 if missing, loaded otherwise.
+        private_key: this node's X25519 private key, when it was already chosen (and its public key signed in the
+            authenticated setup of :mod:`lightning_privdec.comm.identity`); excludes ``key_file``.
     """
 
-    def __init__(self, rank: int, neighbours: Sequence[int], *, key_file: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        neighbours: Sequence[int],
+        *,
+        key_file: str | os.PathLike[str] | None = None,
+        private_key: X25519PrivateKey | None = None,
+    ) -> None:
         self.rank = _check_rank(rank, "rank")
         peers = [_check_rank(j, "every neighbour") for j in neighbours]
         if len(set(peers)) != len(peers):
@@ -175,8 +187,10 @@ class PairwiseSecrets:
             raise PrivacyConfigError(f"node {rank} lists itself as a neighbour; N_i excludes i")
         self.neighbours: tuple[int, ...] = tuple(sorted(peers))
         self.key_file = None if key_file is None else Path(key_file)
-        self._private_key: X25519PrivateKey | None = (
-            X25519PrivateKey.generate() if self.key_file is None else _load_or_create_key_file(self.key_file)
+        if private_key is not None and key_file is not None:
+            raise PrivacyConfigError("give key_file or private_key, not both")
+        self._private_key: X25519PrivateKey | None = private_key or (
+            X25519PrivateKey.generate() if self.key_file is None else load_or_create_key_file(self.key_file)
         )
         self._public_key = _raw_public(self._private_key.public_key())
         self._secrets: dict[int, bytes] = {}
@@ -319,21 +333,24 @@ class PairwiseSecrets:
         )
 
 
-def exchange_public_keys(secrets: PairwiseSecrets, group: dist.ProcessGroup | None = None) -> dict[int, bytes]:
-    """Gather every node's public key over torch.distributed: one ``all_gather_object`` at setup (public data).
+def exchange_public_keys(secrets: PairwiseSecrets) -> dict[int, bytes]:
+    """Gather every node's public key over torch.distributed: one all-gather at setup (public data, typed encoding).
 
     Returns ``{node rank: raw public key}`` keyed by each process's ``PairwiseSecrets.rank`` (the graph ids), the
-    same mapping on every process of ``group``; pass it unchanged to :meth:`PairwiseSecrets.agree`.
+    same mapping on every process; pass it unchanged to :meth:`PairwiseSecrets.agree`. Unauthenticated: a member
+    or a man in the middle can substitute keys; with a roster the strategies use the signed keys instead.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("exchange_public_keys needs an initialised torch.distributed process group")
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (secrets.rank, secrets.public_key_bytes()), group=group)
+    gathered = all_gather_objects([secrets.rank, secrets.public_key_bytes()], "Decor's public key")
     keys: dict[int, bytes] = {}
-    for rank, key in gathered:
+    for sender, record in enumerate(gathered):
+        if not (isinstance(record, list) and len(record) == 2 and type(record[0]) is int and isinstance(record[1], bytes)):
+            raise PrivacyConfigError(f"node {secrets.rank}: node {sender} sent a malformed public-key record")
+        rank, key = record
         if rank in keys:
             raise PrivacyConfigError(f"two processes claim node rank {rank}")
-        keys[int(rank)] = bytes(key)
+        keys[rank] = key
     return keys
 
 
@@ -354,7 +371,7 @@ def _check_agreement_records(records: Sequence[tuple[int, Sequence[int], Mapping
         raise PrivacyConfigError("pairwise key agreement is inconsistent: " + "; ".join(problems))
 
 
-def verify_agreement(secrets: PairwiseSecrets, group: dist.ProcessGroup | None = None) -> None:
+def verify_agreement(secrets: PairwiseSecrets) -> None:
     """Check collectively that the graph is symmetric and both ends of every edge hold the same secret.
 
     Gathers only public data (rank, neighbours, one-way fingerprints); raises the same error on every process.
@@ -362,9 +379,11 @@ def verify_agreement(secrets: PairwiseSecrets, group: dist.ProcessGroup | None =
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("verify_agreement needs an initialised torch.distributed process group")
-    record = (secrets.rank, list(secrets.neighbours), {j: secrets.fingerprint(j) for j in secrets.neighbours})
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, record, group=group)
+    record = [secrets.rank, list(secrets.neighbours), {j: secrets.fingerprint(j) for j in secrets.neighbours}]
+    gathered = all_gather_objects(record, "Decor's agreement fingerprints")
+    for sender, item in enumerate(gathered):
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[1], list) and isinstance(item[2], dict)):
+            raise PrivacyConfigError(f"node {secrets.rank}: node {sender} sent a malformed agreement record")
     _check_agreement_records(gathered)
 
 

@@ -10,7 +10,9 @@ Per optimizer step it
 4. gossips the updated numerator with the round's neighbours and writes z = x / y back into the module.
 
 Global collectives (``reduce``, ``barrier``, ``broadcast``, ``all_gather``) keep working for logging, metrics and
-checkpointing; training itself only talks to graph neighbours.
+checkpointing; training itself only talks to graph neighbours. No object a node receives from another is unpickled:
+``broadcast``, the setup checks and the checkpoint gathering use the typed encoding of
+:mod:`lightning_privdec.comm.objects`.
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ import dataclasses
 import hashlib
 import itertools
 import math
+import os
 import random
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
+import networkx as nx
 import numpy as np
 import torch
 import torch.distributed as dist
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
@@ -44,6 +49,18 @@ from lightning_privdec.algorithms.base import Gossip, NodeAlgorithm
 from lightning_privdec.algorithms.sgp import SGPNode
 from lightning_privdec.algorithms.consensus_step import check_consensus_step, choose_consensus_step
 from lightning_privdec.comm import Exchange, TorchDistributedExchange
+from lightning_privdec.comm.identity import (
+    AuthenticatedSetup,
+    Identity,
+    Roster,
+    authenticate_members,
+    check_membership,
+    identity_path,
+    seal_keys,
+)
+from lightning_privdec.comm.objects import broadcast_object, encode, gather_objects
+from lightning_privdec.comm.robust import ClippedExchange
+from lightning_privdec.comm.sealed import SealedExchange
 from lightning_privdec.compression import Compressor, build_compressor
 from lightning_privdec.data.cycled import CycledLoader
 from lightning_privdec.strategies.checks import (
@@ -96,6 +113,19 @@ class DecentralizedStrategy(DDPStrategy):
         divergence_guard: stop every node with :class:`~lightning_privdec.strategies.divergence.DivergenceError`
             when the gossip correction or the training loss grows without bound (checked every 10 steps with one
             small all-gather; :mod:`lightning_privdec.strategies.divergence`). ``False`` turns it off.
+        robust: ``"clip"``: self-centred clipping of every received model to within ``robust_radius`` (L2) of this
+            node's own (ClippedGossip, :mod:`lightning_privdec.comm.robust`): one neighbour moves a node by at most
+            that radius per round, whatever it sends. For the exact doubly-stochastic strategies (D-PSGD, DP²-SGD,
+            Decor) without compression or overlap. ``None`` (default): plain mixing.
+        robust_radius: the clipping radius tau (required with ``robust="clip"``), in parameter units: larger than
+            the honest nodes' distance to each other, or they are slowed down too.
+        roster: a roster file (or :class:`~lightning_privdec.comm.identity.Roster`) listing every member's Ed25519
+            public key, the same on every node; with ``identity_key``, the nodes authenticate each other at setup and
+            seal their gossip (:mod:`lightning_privdec.comm.identity`, :mod:`lightning_privdec.comm.sealed`; see
+            docs/threat-model.md). ``None`` (default): members are trusted to follow the protocol.
+        identity_key: this node's Ed25519 private key file (PEM, mode 0600, outside any checkpoint; ``privdec-keygen``
+            creates one). Given with ``roster`` only. ``{rank}``, ``{local_rank}`` and ``{node_rank}`` in the path
+            are filled in per process (several nodes on one machine: ``"keys/site-a-{local_rank}.key"``).
         peer_timeout: how long a node waits for any other node (a gossip message, a collective) once training is set
             up, before it stops with an error: a ``timedelta`` or seconds, longer than the slowest checkpoint write
             or validation pass (the others wait that long). ``None`` keeps ``timeout`` (Lightning's, 30 minutes by
@@ -109,11 +139,15 @@ class DecentralizedStrategy(DDPStrategy):
     requires_symmetric_graph: bool = False
     #: constructor arguments (stored under the same attribute name) that every node must share, beyond those
     #: :meth:`configuration` lists itself; each class names its own, the check collects them over the MRO
-    shared_options: tuple[str, ...] = ("weights", "consensus_step", "seed", "staleness", "divergence_guard")
+    shared_options: tuple[str, ...] = (
+        "weights", "consensus_step", "seed", "staleness", "divergence_guard", "roster", "robust", "robust_radius",
+    )
+    #: whether the gossip's one message is the node's model (exact doubly-stochastic mixing): ``robust="clip"``
+    supports_robust_clip: bool = False
     #: constructor arguments that may differ from node to node (never compared)
     local_options: tuple[str, ...] = (
         "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
-        "process_group_backend", "timeout", "peer_timeout", "start_method",
+        "process_group_backend", "timeout", "peer_timeout", "start_method", "identity_key",
     )
 
     def __init__(
@@ -127,6 +161,10 @@ class DecentralizedStrategy(DDPStrategy):
         overlap: bool = False,
         staleness: int = 1,
         divergence_guard: bool = True,
+        robust: Literal["clip"] | None = None,
+        robust_radius: float | None = None,
+        roster: str | os.PathLike[str] | Roster | None = None,
+        identity_key: str | os.PathLike[str] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -148,6 +186,10 @@ class DecentralizedStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.topology_spec = topology
+        self.roster, self.identity_key = check_membership(roster, identity_key)
+        self.membership: AuthenticatedSetup | None = None  # what the signed setup established (with a roster)
+        self._agreement_key: X25519PrivateKey | None = None  # held from the signed setup until the gossip is built
+        self._seal_keys: dict[int, tuple[bytes, bytes]] | None = None
         if isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool):
             peer_timeout = timedelta(seconds=peer_timeout)
         if peer_timeout is not None and (not isinstance(peer_timeout, timedelta) or peer_timeout.total_seconds() <= 0):
@@ -163,6 +205,7 @@ class DecentralizedStrategy(DDPStrategy):
         self._guard: DivergenceGuard | None = None
         self.seed = int(seed)
         self.staleness = self._check_overlap(overlap, staleness)
+        self.robust, self.robust_radius = self._check_robust(robust, robust_radius)
         self.topology: Topology | None = None
         self.flat: FlatParameters | None = None
         self.gossip: Gossip | None = None
@@ -208,6 +251,28 @@ class DecentralizedStrategy(DDPStrategy):
             )
         return staleness
 
+    def _check_robust(self, robust: str | None, radius: float | None) -> tuple[str | None, float | None]:
+        name = type(self).__name__
+        if robust is None:
+            if radius is not None:
+                raise ValueError(f"robust_radius={radius!r} only applies with robust='clip': add it or drop the radius")
+            return None, None
+        if robust != "clip":
+            raise ValueError(f"robust must be None or 'clip' (self-centred clipping), got {robust!r}")
+        if isinstance(radius, bool) or not isinstance(radius, (int, float)) or not math.isfinite(radius) or radius <= 0:
+            raise ValueError(
+                f"robust='clip' needs robust_radius=tau > 0 (L2, parameter units): how far one neighbour may pull a "
+                f"node per round; got {radius!r}"
+            )
+        if not self.supports_robust_clip or self.compressor is not None or self.staleness:
+            raise ValueError(
+                f"{name}{' with a compressor' if self.compressor is not None else ''}"
+                f"{' with overlap=True' if self.staleness else ''} does not support robust='clip': it clips the "
+                "neighbours' models, so it needs exact gossip whose message is the model itself (D-PSGD: "
+                "DecentralizedSGDStrategy; DP2SGDStrategy; CorrelatedNoiseStrategy) without compression or overlap."
+            )
+        return robust, float(radius)
+
     def setup_environment(self) -> None:
         # Validate the graph against the world size before the process group exists: every rank fails the same
         # way and nobody waits on a rendezvous that will never complete.
@@ -220,6 +285,7 @@ class DecentralizedStrategy(DDPStrategy):
             set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # torch < 2.10
             set_timeout(self.peer_timeout)
         self.check_same_configuration()
+        self.authenticate_members()
 
     def configuration(self) -> dict[str, Any]:
         """What every node must agree on: strategy arguments, the graph, the model's shapes and the Trainer's
@@ -253,14 +319,49 @@ class DecentralizedStrategy(DDPStrategy):
         mine = {name: describe(value) for name, value in self.configuration().items()}
         check_same_configuration(gather_from_nodes(mine), self.global_rank)
 
+    def authenticate_members(self) -> None:
+        """With a roster: the signed setup of :mod:`lightning_privdec.comm.identity` (every node proves its roster
+        membership for this run and signs its configuration digest and ephemeral X25519 key), then the sealing keys
+        of this node's edges. Raises :class:`~lightning_privdec.comm.identity.MembershipError` naming the rank."""
+        self.membership, self._agreement_key, self._seal_keys = None, None, None
+        if self.roster is None or self.identity_key is None:
+            return
+        assert self.topology is not None
+        mine = {name: describe(value) for name, value in self.configuration().items()}
+        key = self.agreement_private_key()
+        identity = identity_path(self.roster, self.identity_key, rank=self.global_rank, local_rank=self.local_rank,
+                                 node_rank=self.node_rank)
+        setup = authenticate_members(
+            Identity(identity), self.roster, rank=self.global_rank, world_size=self.world_size,
+            agreement_key=key.public_key().public_bytes_raw(), configuration_digest=hashlib.sha256(encode(mine)).digest(),
+        )
+        neighbours = nx.Graph(self.topology.union_graph()).neighbors(self.global_rank)
+        self._seal_keys = seal_keys(key, setup, self.global_rank, neighbours)
+        self.membership, self._agreement_key = setup, key
+
+    def agreement_private_key(self) -> X25519PrivateKey:
+        """The X25519 key this node signs at setup (fresh for every run unless a subclass keeps one in a file)."""
+        return X25519PrivateKey.generate()
+
+    def make_exchange(self) -> Exchange:
+        """The gossip's point-to-point exchange: over torch.distributed, sealed per edge when a roster is given,
+        clipped around the node's own model with ``robust="clip"``."""
+        exchange: Exchange = TorchDistributedExchange(self.root_device, timeout=self.peer_timeout or self._timeout)
+        if self._seal_keys is not None:
+            exchange = SealedExchange(exchange, self._seal_keys)
+        if self.robust == "clip":
+            assert self.robust_radius is not None
+            exchange = ClippedExchange(exchange, self.robust_radius)
+        return exchange
+
     def configure_ddp(self) -> None:
         """Replaces DDP wrapping: common public initialisation, flat parameters, exchange and gossip state."""
         assert isinstance(self.model, pl.LightningModule)
         assert self.topology is not None
         sync_module_states(self.model)  # every node starts from rank 0's parameters (the public x^0)
         self.flat = FlatParameters(self.model)
-        exchange = TorchDistributedExchange(self.root_device, timeout=self.peer_timeout or self._timeout)
-        self.gossip = self.build_gossip(self.flat.buffer, exchange)
+        self.gossip = self.build_gossip(self.flat.buffer, self.make_exchange())
+        self._agreement_key = self._seal_keys = None  # the exchange (and Decor's secrets) hold what they need
         if getattr(self.gossip, "staleness", 0) != self.staleness:
             raise RuntimeError(f"{type(self).__name__}'s gossip does not implement overlap=True; use overlap=False")
         self._guard = DivergenceGuard() if self.divergence_guard else None
@@ -456,6 +557,13 @@ class DecentralizedStrategy(DDPStrategy):
             self.gossip.flush()  # overlap: mix the last rounds still in flight, so no node's final model misses them
             self.gossip.debias_into(self.flat.buffer)
 
+    # ---- objects between nodes: never pickled ----------------------------------------------------------------------
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's broadcast (checkpoint paths, log dirs, stop decisions) in the typed encoding of
+        :mod:`lightning_privdec.comm.objects` instead of pickle: plain values only (str, int, float, bool, None,
+        bytes, lists, tuples, dicts, paths, CPU tensors); anything else raises before it is sent."""
+        return broadcast_object(obj, src, what=f"{type(self).__name__}.broadcast")
+
     # ---- checkpoints: every node's own state ---------------------------------------------------------------------
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -486,8 +594,8 @@ class DecentralizedStrategy(DDPStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         if self.gossip is not None and dist.is_available() and dist.is_initialized():
-            gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
-            dist.gather_object(self.node_state_dict(), gathered, dst=0)  # checkpointing only, never training
+            # checkpointing only, never training; typed encoding, never pickled (rank 0 runs no other node's code)
+            gathered = gather_objects(self.node_state_dict(), dst=0, what="a node's checkpoint state")
             if self.is_global_zero:
                 checkpoint[CHECKPOINT_KEY] = {
                     "world_size": self.world_size,

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_privdec.comm.objects import all_gather_objects
+
 __all__ = [
     "NodeMismatchError",
     "common_steps_per_epoch",
@@ -61,13 +63,10 @@ def describe(value: Any) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def gather_from_nodes(value: Any) -> list[Any]:
-    """Every node's ``value`` by rank (one ``all_gather_object``); just ``[value]`` without a process group."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
+def gather_from_nodes(value: Any, what: str = "a setup check") -> list[Any]:
+    """Every node's ``value`` by rank (one all-gather in the typed encoding of :mod:`lightning_privdec.comm.objects`,
+    never pickled: plain types only); just ``[value]`` without a process group."""
+    return all_gather_objects(value, what)
 
 
 def gather_tensors(value: torch.Tensor) -> torch.Tensor:

@@ -8,15 +8,22 @@ carries the small independent noise, while every single message stays private ag
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import networkx as nx
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_privdec.privacy import PrivacyConfigError
 from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
 from lightning_privdec.algorithms.decor import DecorNode, DecorOptions
-from lightning_privdec.privacy.pairwise import PairwiseSecrets, exchange_public_keys, verify_agreement
+from lightning_privdec.privacy.pairwise import (
+    PairwiseSecrets,
+    exchange_public_keys,
+    load_or_create_key_file,
+    verify_agreement,
+)
 from lightning_privdec.privacy.accounting.secldp_step import collusion_level
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 
@@ -44,6 +51,7 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
     required_mixing = "doubly"
     requires_symmetric_graph = True
     shared_options = ("options",)
+    supports_robust_clip = True  # its one message is the node's model
     local_options = ("key_file_dir",)  # a per-node path
 
     def __init__(
@@ -101,13 +109,27 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
         assert self.topology is not None
         return {"graph": nx.Graph(self.topology.union_graph()), "options": self.options}
 
+    def _key_file(self) -> str | None:
+        return None if self.key_file_dir is None else f"{self.key_file_dir}/node_{self.global_rank}.key"
+
+    def agreement_private_key(self) -> X25519PrivateKey:
+        """With a roster, the key signed at setup is the one Decor's secrets come from: the key file's if kept."""
+        key_file = self._key_file()
+        return super().agreement_private_key() if key_file is None else load_or_create_key_file(Path(key_file))
+
     def connect_node_algorithm(self, node: PrivateNodeAlgorithm) -> None:
         assert self.topology is not None and isinstance(node, DecorNode)
         # Pairwise secrets: real X25519 key agreement with every neighbour (public keys travel, secrets never do).
+        # With a roster, only from the keys every node signed at setup (a substituted key was refused there).
         neighbours = sorted(nx.Graph(self.topology.union_graph()).neighbors(self.global_rank))
-        key_file = None if self.key_file_dir is None else f"{self.key_file_dir}/node_{self.global_rank}.key"
-        secrets = PairwiseSecrets(self.global_rank, neighbours, key_file=key_file)
-        secrets.agree(exchange_public_keys(secrets))
+        if self.membership is not None:
+            if self._agreement_key is None:
+                raise RuntimeError(f"node {self.global_rank}: the signed setup's key is gone before Decor's agreement")
+            secrets = PairwiseSecrets(self.global_rank, neighbours, private_key=self._agreement_key)
+            secrets.agree(self.membership.agreement_keys, context=self.membership.run_id)
+        else:
+            secrets = PairwiseSecrets(self.global_rank, neighbours, key_file=self._key_file())
+            secrets.agree(exchange_public_keys(secrets))
         verify_agreement(secrets)
         node.secrets = secrets
 

@@ -39,6 +39,7 @@ class PrivSGPStrategy(DPCSGPStrategy):
 
 class DP2SGDStrategy(PrivateDecentralizedStrategy):
     """DP^2-SGD: D-PSGD with local DP-SGD over an undirected graph with doubly-stochastic (Metropolis) weights."""
+    supports_robust_clip = True  # its one message is the node's model
 
     default_weights = "metropolis"
     required_mixing = "doubly"

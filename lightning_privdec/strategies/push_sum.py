@@ -48,6 +48,7 @@ class DecentralizedSGDStrategy(DecentralizedPushSumStrategy):
     """
 
     strategy_name = "dpsgd"
+    supports_robust_clip = True  # its one message is the node's model
     default_weights = "metropolis"
     required_mixing = "doubly"
     requires_symmetric_graph = True
