@@ -37,6 +37,7 @@ from lightning_privdec.privacy.accounting.secldp import CalibrationResult, SecLD
 from lightning_privdec.privacy.accounting.secldp_step import secldp_sensitivity, secldp_step
 from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats, clip_factor
+from lightning_privdec.privacy.rounding import norm_upper_bound
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator
 from lightning_privdec.privacy.pairwise import CorrelatedNoise, PairwiseSecrets
@@ -218,8 +219,7 @@ class DecorNode(PrivateNodeAlgorithm):
                 grads = [g / self.loss_scale for g in grads]
                 if not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
                     grads = [torch.zeros_like(p) for p in params]
-            # float64 sums of squares: the norm cannot round below the true one (docs/privacy.md, clipping)
-            norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
+            norms = [norm_upper_bound(g) for g in grads]  # never below the true norm (docs/privacy.md, clipping)
             norm = torch.linalg.vector_norm(torch.stack(norms))
             factor = clip_factor(norm, C)
             for p, g in zip(params, grads):

@@ -221,9 +221,9 @@ def broken_norms() -> Iterator[None]:
         work = torch.promote_types(g.dtype, torch.float32)
         a, g = (a.to(work) if a.is_floating_point() else a), g.to(work)
         if bookkeeping._is_linear(module) and g.dim() == 3:
-            squared = bookkeeping._gram_inner_products(g.transpose(1, 2), a.transpose(1, 2)).clamp_min(0)
+            squared = bookkeeping._gram_inner_products(g.transpose(1, 2), a.transpose(1, 2))[0].clamp_min(0)
         elif not bookkeeping._is_linear(module) and g.dim() == 4:
-            squared = bookkeeping._conv_ghost_norms(module, a, g).sum(dim=1).clamp_min(0)
+            squared = bookkeeping._conv_ghost_norms(module, a, g)[0].sum(dim=1).clamp_min(0)
         else:
             return original(module, a, g, method)
         if module.bias is not None and module.bias.requires_grad:

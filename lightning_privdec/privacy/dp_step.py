@@ -31,7 +31,7 @@ from torch import Tensor
 from lightning_privdec.tensors import split_like
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator
-from lightning_privdec.privacy.rounding import sum_rounding
+from lightning_privdec.privacy.rounding import norm_upper_bound, sum_rounding
 
 __all__ = [
     "DPStepStats", "clip_and_accumulate", "clip_factor", "clip_rows", "clip_rows_", "noise_clipped_sum",
@@ -133,7 +133,7 @@ def clip_rows(rows: Tensor, max_norm: float) -> tuple[Tensor, Tensor]:
 
 def clip_rows_(rows: Tensor, max_norm: float) -> Tensor:
     """:func:`clip_rows` in place (no B x d temporary); returns the norms before clipping."""
-    norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)  # float64 sums: no rounding above the norm
+    norms = norm_upper_bound(rows, dim=1)  # never below the true norm
     rows.mul_(clip_factor(norms, max_norm).to(rows.dtype).unsqueeze(1))
     return norms.to(torch.promote_types(rows.dtype, torch.float32))
 
@@ -146,10 +146,10 @@ def clip_and_accumulate(
     float32 at least. ``grad_samples[k]`` has shape ``(B, *shape_k)``; B may be 0 (sums of zeros)."""
     batch_size = int(grad_samples[0].shape[0])
     norm_dtype = torch.promote_types(grad_samples[0].dtype, torch.float32)
-    if batch_size > 0:  # float64 sums of squares: the norm cannot round below the true one
+    if batch_size > 0:  # upper bounds of the norms: rounding cannot clip an example to more than C
         per_param = torch.stack(
             [
-                torch.linalg.vector_norm(g.reshape(batch_size, -1), ord=2, dim=1, dtype=torch.float64).to(device)
+                norm_upper_bound(g.reshape(batch_size, -1), dim=1).to(device)
                 for g in grad_samples
             ],
             dim=1,

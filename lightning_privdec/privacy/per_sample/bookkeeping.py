@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_privdec.privacy.rounding import U64 as _U64
-from lightning_privdec.privacy.rounding import full_precision, gamma, sum_rounding, unit_roundoff
+from lightning_privdec.privacy.rounding import full_precision, gamma, norm_upper_bound, sum_rounding, unit_roundoff
 from lightning_privdec.privacy.rounding import tiny as _tiny
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -216,31 +216,34 @@ def _linear_estimates(
         a, g = a.unsqueeze(1), g.unsqueeze(1)
     batch, steps, d_out, p = g.shape[0], g.shape[1], g.shape[-1], a.shape[-1]
     u, tiny = unit_roundoff(g.dtype), _tiny(g.dtype)
-    gn = torch.linalg.vector_norm(g, dim=-1, dtype=torch.float64)  # (B, T), accurate: float64 sums of squares
     squared = torch.zeros(batch, dtype=torch.float64, device=g.device)
     mass = torch.zeros_like(squared)
     loose = torch.zeros(batch, dtype=torch.bool, device=g.device)
+    ghost = steps > 1 and module.weight.requires_grad and (method or norm_method(module, a, g)) == "ghost"
+    if ghost:  # per-token norms from the Gram matrices' diagonals (no pass of their own)
+        estimate, g_squares, a_squares = _gram_inner_products(g.transpose(1, 2), a.transpose(1, 2))
+        eps = _gram_error(d_out, p, u, steps)
+        gn, an = _root_upper(g_squares, d_out, g.dtype, eps), _root_upper(a_squares, p, g.dtype, eps)
+    else:
+        gn = norm_upper_bound(g, dim=-1)  # (B, T)
+        an = norm_upper_bound(a, dim=-1) if module.weight.requires_grad else None
     if module.weight.requires_grad:
-        an = torch.linalg.vector_norm(a, dim=-1, dtype=torch.float64)
         weight_mass = (gn * an).sum(dim=1)
         if steps == 1:  # ||g|| ||a||, in float64
             squared += (weight_mass * (1 + gamma(d_out + p + 4, _U64))).square()
-        elif (method or norm_method(module, a, g)) == "ghost":
-            estimate = _gram_inner_products(g.transpose(1, 2), a.transpose(1, 2))
-            error = _gram_error(d_out, p, u, steps) * weight_mass.square() + 2 * tiny * (
-                d_out * an.sum(dim=1).square() + p * gn.sum(dim=1).square()
-            ) + steps * steps * (d_out * p * tiny + 1) * tiny
+        elif ghost:  # the floors of gn and an cover the Gram entries' underflow (:func:`_root_upper`)
+            error = weight_mass.square().mul_(eps).add_(steps * steps * tiny)
             squared += torch.minimum(estimate.clamp_min(0) + error, weight_mass.square() * (1 + 1e-9))
             loose |= ~(error <= 0.1 * estimate)  # also when the estimate is not finite
         else:
-            norms = torch.stack([torch.linalg.vector_norm(g[i].t() @ a[i], dtype=torch.float64) for i in range(batch)])
+            norms = torch.stack([norm_upper_bound(g[i].t() @ a[i]) for i in range(batch)])
             error = gamma(steps, u) * weight_mass + steps * tiny * math.sqrt(d_out * p)
             squared += (norms + error).square()
             loose |= ~(error <= 0.05 * norms)
         mass += weight_mass
     if module.bias is not None and module.bias.requires_grad:
         bias_mass = gn.sum(dim=1)
-        norms = torch.linalg.vector_norm(g.sum(dim=1), dim=1, dtype=torch.float64)
+        norms = norm_upper_bound(g.sum(dim=1), dim=1)
         error = gamma(steps - 1, u) * bias_mass
         squared += (norms + error).square()
         if steps > 1:
@@ -249,12 +252,23 @@ def _linear_estimates(
     return squared.sqrt() * (1 + 1e-12), mass, loose, batch * steps
 
 
-def _gram_inner_products(g: Tensor, u: Tensor | None, u_gram: Tensor | None = None) -> Tensor:
+def _gram_inner_products(g: Tensor, u: Tensor | None, u_gram: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``<G_i^T G_i, U_i^T U_i>`` for batches G (B, d_out, T) and U (B, p, T) (or U's Gram (B, T, T) given as
     ``u_gram``): the ghost norm, summed in float64 and NOT clamped (rounding may leave it below zero; the caller
-    adds the bound of :func:`_gram_error`)."""
+    adds the bound of :func:`_gram_error`); and the Grams' diagonals, ``||g_t||^2`` and ``||u_t||^2`` (B, T)."""
     u_gram = torch.bmm(u.transpose(1, 2), u) if u_gram is None else u_gram
-    return (torch.bmm(g.transpose(1, 2), g) * u_gram).sum(dim=(1, 2), dtype=torch.float64)
+    g_gram = torch.bmm(g.transpose(1, 2), g)
+    estimate = (g_gram * u_gram).sum(dim=(1, 2), dtype=torch.float64)
+    return estimate, g_gram.diagonal(dim1=1, dim2=2), u_gram.diagonal(dim1=1, dim2=2)
+
+
+def _root_upper(squares: Tensor, terms: int, dtype: torch.dtype, eps: float) -> Tensor:
+    """Upper bounds of norms (float64) from their squares, Gram diagonals computed as ``terms``-long dot products in
+    ``dtype``, floored at sqrt(3 terms tiny / eps): with ``eps`` the Gram bound's relative factor, eps m^2 then also
+    covers the absolute underflow of the Gram entries, 2 tiny (d_out (sum_t ||u_t||)^2 + p (sum_t ||g_t||)^2 +
+    T^2 d_out p tiny), which honest values never come near."""
+    floor = terms * _tiny(dtype) * (1 + 3 / eps)
+    return squares.double().mul_(1 + gamma(terms + 2, unit_roundoff(dtype))).add_(floor).sqrt_()
 
 
 def exact_rows(module: nn.Module, a: Tensor, g: Tensor, samples: dict[nn.Parameter, Tensor]) -> dict:
@@ -265,7 +279,7 @@ def exact_rows(module: nn.Module, a: Tensor, g: Tensor, samples: dict[nn.Paramet
     a, g = (a.to(work) if a.is_floating_point() else a), g.to(work)
     mass, steps = _mass(module, a, g)
     norms = torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(gs.flatten(1), dim=1, dtype=torch.float64) for gs in samples.values()]),
+        torch.stack([norm_upper_bound(gs.flatten(1), dim=1) for gs in samples.values()]),
         dim=0,
     )
     exact = ~(unit_roundoff(work) * math.sqrt(steps) * mass <= 1e-3 * norms)
@@ -285,20 +299,20 @@ def _mass(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, int]:
     if _is_linear(module):
         if g.dim() == 2:
             a, g = a.unsqueeze(1), g.unsqueeze(1)
-        gn = torch.linalg.vector_norm(g, dim=-1, dtype=torch.float64)
+        gn = norm_upper_bound(g, dim=-1)
         mass = torch.zeros_like(gn[:, 0])
         if weight:
-            mass += (gn * torch.linalg.vector_norm(a, dim=-1, dtype=torch.float64)).sum(dim=1)
+            mass += (gn * norm_upper_bound(a, dim=-1)).sum(dim=1)
         if bias:
             mass += gn.sum(dim=1)
         return mass, g.shape[1]
     batch, steps = g.shape[0], math.prod(g.shape[2:])
     mass = torch.zeros(batch, dtype=torch.float64, device=g.device)
     if weight:
-        gn = torch.linalg.vector_norm(g.reshape(batch, module.groups, -1, steps), dim=2, dtype=torch.float64)
+        gn = norm_upper_bound(g.reshape(batch, module.groups, -1, steps), dim=2)
         mass += (gn * _patch_norms(module, a, g.shape[2:])).sum(dim=(1, 2))
     if bias:
-        mass += torch.linalg.vector_norm(g.reshape(batch, -1, steps), dim=1, dtype=torch.float64).sum(dim=1)
+        mass += norm_upper_bound(g.reshape(batch, -1, steps), dim=1).sum(dim=1)
     return mass, steps
 
 
@@ -392,27 +406,31 @@ def _conv_estimates(
     mass = torch.zeros_like(squared)
     loose = torch.zeros(batch, dtype=torch.bool, device=g.device)
     if module.weight.requires_grad:
-        gn = torch.linalg.vector_norm(g.reshape(batch, groups, d_out, steps), dim=2, dtype=torch.float64)
-        un = _patch_norms(module, a, g.shape[2:])
-        group_mass = (gn * un).sum(dim=2)  # (B, groups)
         method = method or norm_method(module, a, g)
+        if steps > 1 and method in ("ghost", "input_gram"):  # per-position norms from the Grams' diagonals
+            if method == "ghost":
+                estimate, g_squares, u_squares = _conv_ghost_norms(module, a, g)
+                inner = p
+            else:  # the patches' Gram entries: sums of kernel-tap sums of the input's Gram entries
+                estimate, g_squares, u_squares = _conv_input_gram_norms(module, a, g)
+                inner = module.in_channels // groups + math.prod(module.kernel_size)
+            eps = _gram_error(d_out, inner, u, steps)
+            gn = _root_upper(g_squares, d_out, g.dtype, eps).view(batch, groups, steps)
+            un = _root_upper(u_squares, inner, g.dtype, eps).view(batch, groups, steps)
+        else:
+            gn = norm_upper_bound(g.reshape(batch, groups, d_out, steps), dim=2)
+            un = _patch_norms(module, a, g.shape[2:])
+        group_mass = (gn * un).sum(dim=2)  # (B, groups)
         if steps == 1:
             squared += group_mass.square().sum(dim=1) * (1 + gamma(d_out + p + 4, _U64))
-        elif method in ("ghost", "input_gram"):
-            if method == "ghost":
-                estimate, inner = _conv_ghost_norms(module, a, g), p
-            else:  # the patches' Gram entries: sums of kernel-tap sums of the input's Gram entries
-                inner = module.in_channels // groups + math.prod(module.kernel_size)
-                estimate = _conv_input_gram_norms(module, a, g)
-            error = _gram_error(d_out, inner, u, steps) * group_mass.square() + 2 * tiny * (
-                d_out * un.sum(dim=2).square() + inner * gn.sum(dim=2).square()
-            ) + steps * steps * (d_out * inner * tiny + 1) * tiny
+        elif method in ("ghost", "input_gram"):  # the floors of gn and un cover the Gram entries' underflow
+            error = group_mass.square().mul_(eps).add_(steps * steps * tiny)
             bounded = torch.minimum(estimate.clamp_min(0) + error, group_mass.square() * (1 + 1e-9)).sum(dim=1)
             squared += bounded
             loose |= ~(error.sum(dim=1) <= 0.1 * estimate.sum(dim=1))
         else:
             norms = torch.stack([
-                torch.linalg.vector_norm(_conv_weight_grad(module, g[i : i + 1], a[i : i + 1]), dtype=torch.float64)
+                norm_upper_bound(_conv_weight_grad(module, g[i : i + 1], a[i : i + 1]))
                 for i in range(batch)
             ])  # fmt: skip
             error = gamma(steps + p, u) * group_mass.sum(dim=1) + steps * tiny * math.sqrt(module.weight.numel())
@@ -420,8 +438,8 @@ def _conv_estimates(
             loose |= ~(error <= 0.05 * norms)
         mass += group_mass.sum(dim=1)
     if module.bias is not None and module.bias.requires_grad:
-        bias_mass = torch.linalg.vector_norm(g.reshape(batch, -1, steps), dim=1, dtype=torch.float64).sum(dim=1)
-        norms = torch.linalg.vector_norm(g.flatten(2).sum(dim=2), dim=1, dtype=torch.float64)
+        bias_mass = norm_upper_bound(g.reshape(batch, -1, steps), dim=1).sum(dim=1)
+        norms = norm_upper_bound(g.flatten(2).sum(dim=2), dim=1)
         error = gamma(steps - 1, u) * bias_mass
         squared += (norms + error).square()
         if steps > 1:
@@ -454,17 +472,19 @@ def _as_2d(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, tup
     return a, g, (module.kernel_size, module.dilation, module.padding, module.stride)
 
 
-def _conv_ghost_norms(module: nn.Module, a: Tensor, g: Tensor) -> Tensor:
-    """Ghost norms of a Conv1d/Conv2d: unfold the input into patches U (B, p * groups, T), then per group."""
+def _conv_ghost_norms(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Ghost norms of a Conv1d/Conv2d: unfold the input into patches U (B, p * groups, T), then per group; (B,
+    groups) estimates and the Grams' diagonals (:func:`_gram_inner_products`)."""
     a, g, (kernel, dilation, padding, stride) = _as_2d(module, a, g)
     patches = nn.functional.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)
     batch, groups, steps = g.shape[0], module.groups, patches.shape[-1]
     u = patches.view(batch * groups, -1, steps)
     grads = g.reshape(batch * groups, -1, steps)
-    return _gram_inner_products(grads, u).view(batch, groups)
+    estimate, g_squares, u_squares = _gram_inner_products(grads, u)
+    return estimate.view(batch, groups), g_squares, u_squares
 
 
-def _conv_input_gram_norms(module: nn.Module, a: Tensor, g: Tensor) -> Tensor:
+def _conv_input_gram_norms(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Ghost norms of a Conv1d/Conv2d with the patches' Gram ``U_i^T U_i`` summed from the padded input's position
     Gram ``S_i``: one (N x N) product per example and group instead of unfolding (module docstring)."""
     a, g, (kernel, dilation, padding, stride) = _as_2d(module, a, g)
@@ -479,4 +499,5 @@ def _conv_input_gram_norms(module: nn.Module, a: Tensor, g: Tensor) -> Tensor:
     u_gram = sum(by_rows[:, :, c, :, c] for c in cols)  # (B g, out_h, out_w, out_h, out_w)
     steps = out_h * out_w
     grads = g.reshape(batch * groups, -1, steps)
-    return _gram_inner_products(grads, None, u_gram.reshape(-1, steps, steps)).view(batch, groups)
+    estimate, g_squares, u_squares = _gram_inner_products(grads, None, u_gram.reshape(-1, steps, steps))
+    return estimate.view(batch, groups), g_squares, u_squares

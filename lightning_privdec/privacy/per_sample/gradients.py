@@ -41,7 +41,7 @@ from lightning_privdec.privacy.per_sample.capture import (
 )
 from lightning_privdec.privacy.per_sample.checks import check_private_model
 from lightning_privdec.privacy.per_sample.probe import check_examples
-from lightning_privdec.privacy.rounding import sum_rounding
+from lightning_privdec.privacy.rounding import norm_upper_bound, sum_rounding
 
 GradSampleMode = Literal["bookkeeping", "hooks", "functorch", "ghost"]
 GRAD_SAMPLE_MODES: tuple[str, ...] = ("bookkeeping", "hooks", "functorch", "ghost")
@@ -277,7 +277,7 @@ class _PerSampleArithmetic:
             squared[: r.backprops.shape[0]] += bound.upper.square()
             bounds.append(bound)
         for gs in materialised.values():
-            rows = torch.linalg.vector_norm(gs.flatten(1), dim=1, dtype=torch.float64)
+            rows = norm_upper_bound(gs.flatten(1), dim=1)
             squared[: gs.shape[0]] += (rows * (1 + sum_rounding(gs.shape[0], _sum_dtype(gs)))).square()
         norms = squared.sqrt()
         factor = clip_factor(norms, max_grad_norm)
