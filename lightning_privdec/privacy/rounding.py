@@ -58,13 +58,32 @@ def sum_rounding(rows: int, dtype: torch.dtype) -> float:
     return gamma(rows, u) + 2 * u
 
 
+#: vector norms are summed in float32 over blocks of this many entries, the blocks' squares in float64
+NORM_BLOCK = 1024
+
+
 def norm_upper_bound(x: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
-    """``||x||`` along ``dim`` (all of x when None), in float64, never below the true norm: the norm computed in x's
-    precision (float32 at least) times (1 + gamma_{n+3}) for its n squares, their sum and the root, plus n times the
-    smallest value under the root for squares that underflow. As fast as the float32 norm (a float64 reduction of
-    float32 data is about ten times slower on a CPU)."""
+    """``||x||`` along ``dim`` (all of x when None), in float64, never below the true norm: float32 (or wider) norms of
+    blocks of at most :data:`NORM_BLOCK` entries, rounded up by (1 + gamma_{k+3}) for their k squares, sums and roots,
+    their squares summed in float64 (gamma_{n/k}), plus n times the smallest value for squares that underflow. As fast
+    as a float32 norm (a float64 reduction of float32 data is about ten times slower on a CPU), and as tight as 3e-5
+    of the norm whatever n (a float32 sum of n squares is bounded only by gamma_n, 0.14 for a 3x3x512x512 kernel)."""
     work = torch.promote_types(x.dtype, torch.float32)
-    norms = torch.linalg.vector_norm(x, dim=dim, dtype=None if x.dtype == work else work)
-    dims = range(x.dim()) if dim is None else ((dim,) if isinstance(dim, int) else dim)
+    dims = tuple(range(x.dim())) if dim is None else ((dim,) if isinstance(dim, int) else tuple(dim))
+    dims = tuple(d % x.dim() for d in dims)
     n = math.prod(x.shape[d] for d in dims)
-    return (norms.double().square() * (1 + gamma(n + 3, unit_roundoff(work))) + n * tiny(work)).sqrt()
+    kept = [x.shape[d] for d in range(x.dim()) if d not in dims]
+    rows = x.movedim(dims, tuple(range(x.dim() - len(dims), x.dim()))).reshape(*kept, n)
+    cast = None if rows.dtype == work else work
+    if n <= NORM_BLOCK:
+        squares = torch.linalg.vector_norm(rows, dim=-1, dtype=cast).double().square()
+        block = n
+    else:
+        whole = n - n % NORM_BLOCK
+        blocks = rows[..., :whole].reshape(*rows.shape[:-1], whole // NORM_BLOCK, NORM_BLOCK)
+        squares = torch.linalg.vector_norm(blocks, dim=-1, dtype=cast).double().square().sum(dim=-1)
+        if whole < n:
+            squares += torch.linalg.vector_norm(rows[..., whole:], dim=-1, dtype=cast).double().square()
+        block = NORM_BLOCK
+    grow = (1 + gamma(block + 3, unit_roundoff(work))) * (1 + gamma(n // block + 2, U64))
+    return squares.mul_(grow).add_(n * tiny(work)).sqrt_()
