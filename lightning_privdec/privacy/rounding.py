@@ -32,23 +32,36 @@ def tiny(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).smallest_normal) * torch.finfo(dtype).eps
 
 
+def _precision_switches() -> list[tuple[object, str, object]]:
+    """(object, attribute, full-precision value) of every switch that lets float32 products use TF32 or bfloat16:
+    torch's per-backend ``fp32_precision`` where it exists (torch >= 2.9; cuDNN convolutions default to "tf32"),
+    else the older ``allow_tf32`` flags and the matmul precision."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        switches = [(conv, "fp32_precision", "ieee"), (torch.backends.cuda.matmul, "fp32_precision", "ieee")]
+        mkldnn_matmul = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+        if mkldnn_matmul is not None and hasattr(mkldnn_matmul, "fp32_precision"):
+            switches.append((mkldnn_matmul, "fp32_precision", "ieee"))
+        return switches
+    return [(torch.backends.cudnn, "allow_tf32", False), (torch.backends.cuda.matmul, "allow_tf32", False)]
+
+
 @contextmanager
 def full_precision() -> Iterator[None]:
-    """float32 matrix products and convolutions in float32 (no TF32 or bfloat16 inner products, whatever
-    ``torch.set_float32_matmul_precision`` or ``torch.backends.cudnn.allow_tf32`` say), so that the bounds hold."""
-    precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    if precision == "highest" and not cudnn_tf32:
+    """float32 matrix products and convolutions in float32 (no TF32 or bfloat16 inner products, whatever the user's
+    ``torch.set_float32_matmul_precision`` or TF32 settings say), so that the bounds hold; restored afterwards."""
+    switches = _precision_switches()
+    saved = [getattr(obj, name) for obj, name, _ in switches]
+    if all(value == full for value, (_, _, full) in zip(saved, switches)):
         yield
         return
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cudnn.allow_tf32 = False
     try:
+        for obj, name, full in switches:
+            setattr(obj, name, full)
         yield
     finally:
-        torch.set_float32_matmul_precision(precision)
-        torch.backends.cudnn.allow_tf32 = cudnn_tf32
-
-
+        for (obj, name, _), value in zip(switches, saved):
+            setattr(obj, name, value)
 
 
 def sum_rounding(rows: int, dtype: torch.dtype) -> float:

@@ -101,8 +101,12 @@ class NormBound:
     exact_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)
 
 
-def norm_bound(module: nn.Module, a: Tensor, g: Tensor, method: str | None = None) -> NormBound:
-    """Per-example upper bounds of the gradient norms of a covered layer call (module docstring, "Rounding")."""
+def norm_bound(
+    module: nn.Module, a: Tensor, g: Tensor, method: str | None = None, *, defer_exact: bool = False
+) -> NormBound:
+    """Per-example upper bounds of the gradient norms of a covered layer call (module docstring, "Rounding").
+    ``defer_exact``: leave the ill-conditioned examples marked in ``exact`` without computing them (no host
+    synchronisation); :func:`compute_exact` finishes them."""
     work = _work_dtype(module, g)
     batch = g.shape[0]
     if batch == 0:
@@ -117,17 +121,25 @@ def norm_bound(module: nn.Module, a: Tensor, g: Tensor, method: str | None = Non
         u = unit_roundoff(work)
         # the batch's sum: one weight-gradient product over `rows` terms per entry, the factor's multiplication and
         # the products' underflow
-        rounding = sum_rounding(rows, work) * mass + rows * _tiny(work) * math.sqrt(_numel(module))
-        upper = estimate + rounding
+        upper = mass * sum_rounding(rows, work) + (estimate + rows * _tiny(work) * math.sqrt(_numel(module)))
         # an example whose terms are large against its norm would round the whole batch's sum: computed apart
-        isolate = u * math.sqrt(rows) * mass > 1e-3 * estimate
+        isolate = mass * (u * math.sqrt(rows) * 1e3) > estimate
         exact = loose | isolate | ~torch.isfinite(upper)
-        if not bool(exact.any()):
-            return NormBound(upper)
-        grads, exact_upper = _exact_gradients(module, a[exact], g[exact], work)
-        upper = upper.clone()
-        upper[exact] = exact_upper
-        return NormBound(upper, exact, grads)
+    bound = NormBound(upper, exact)
+    return bound if defer_exact else compute_exact(module, a, g, bound)
+
+
+def compute_exact(module: nn.Module, a: Tensor, g: Tensor, bound: NormBound) -> NormBound:
+    """``bound`` with its ill-conditioned examples' gradients computed in float64 and their bounds replaced (one
+    host synchronisation: whether there are any)."""
+    if bound.exact is None or bound.exact_grads or not bool(bound.exact.any()):
+        return NormBound(bound.upper) if bound.exact is not None and not bound.exact_grads else bound
+    work = _work_dtype(module, g)
+    with full_precision():
+        grads, exact_upper = _exact_gradients(module, a[bound.exact], g[bound.exact], work)
+    upper = bound.upper.clone()
+    upper[bound.exact] = exact_upper
+    return NormBound(upper, bound.exact, grads)
 
 
 def clipped_sums(
@@ -138,7 +150,7 @@ def clipped_sums(
     weight, bias = module.weight, module.bias
     work = _work_dtype(module, g)
     factor = factor.to(g.device, torch.float64)
-    exact = bound.exact if bound is not None else None
+    exact = bound.exact if bound is not None and bound.exact_grads else None
     out: dict[nn.Parameter, Tensor] = {}
     with full_precision():
         a = a.to(work) if a.is_floating_point() else a

@@ -271,11 +271,12 @@ class _PerSampleArithmetic:
         # included (bookkeeping.NormBound; materialised gradients: the very rows that are summed, plus their sum's
         # rounding), accumulated in float64
         squared = torch.zeros(batch, dtype=torch.float64, device=reference.device)
-        bounds = []
-        for r in bookkept:
-            bound = bookkeeping.norm_bound(r.module, r.activations[0], r.backprops)
+        bounds = [bookkeeping.norm_bound(r.module, r.activations[0], r.backprops, defer_exact=True) for r in bookkept]
+        if bounds and bool(torch.stack([b.exact.any() for b in bounds if b.exact is not None] or [torch.zeros(())]).any()):
+            # ill-conditioned examples somewhere (one host synchronisation per pass): computed apart in float64
+            bounds = [bookkeeping.compute_exact(r.module, r.activations[0], r.backprops, b) for r, b in zip(bookkept, bounds)]
+        for r, bound in zip(bookkept, bounds):
             squared[: r.backprops.shape[0]] += bound.upper.square()
-            bounds.append(bound)
         for gs in materialised.values():
             rows = norm_upper_bound(gs.flatten(1), dim=1)
             squared[: gs.shape[0]] += (rows * (1 + sum_rounding(gs.shape[0], _sum_dtype(gs)))).square()
