@@ -40,6 +40,9 @@ from lightning_privdec.privacy.rounding import full_precision, gamma, norm_upper
 from lightning_privdec.privacy.rounding import tiny as _tiny
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: examples per weight-gradient product of a clipped sum (:func:`clipped_sums`): the rounding bound of an example's
+#: terms, gamma_{SUM_BLOCK T}, then does not depend on the batch size
+SUM_BLOCK = 16
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
@@ -119,8 +122,8 @@ def norm_bound(
         else:
             estimate, mass, loose, rows = _conv_estimates(module, a, g, method)
         u = unit_roundoff(work)
-        # the batch's sum: one weight-gradient product over `rows` terms per entry, the factor's multiplication and
-        # the products' underflow
+        # the clipped sum: weight-gradient products over blocks of SUM_BLOCK examples, `rows` = SUM_BLOCK T terms per
+        # entry, the factor's multiplication and the products' underflow (independent of the batch size)
         upper = mass * sum_rounding(rows, work) + (estimate + rows * _tiny(work) * math.sqrt(_numel(module)))
         # an example whose terms are large against its norm would round the whole batch's sum: computed apart
         isolate = mass * (u * math.sqrt(rows) * 1e3) > estimate
@@ -157,21 +160,36 @@ def clipped_sums(
         g = g.to(work)
         batch_factor = factor if exact is None else torch.where(exact, 0.0, factor)
         weighted = g * batch_factor.to(work).view(-1, *([1] * (g.dim() - 1)))
-        if _is_linear(module):
-            a = a.reshape(-1, a.shape[-1])
-            weighted = weighted.reshape(-1, g.shape[-1])
-            if weight.requires_grad:
-                out[weight] = a.t() @ weighted if is_transposed_linear(module) else weighted.t() @ a
-            if bias is not None and bias.requires_grad:
-                out[bias] = weighted.sum(dim=0)
-        else:
-            if weight.requires_grad:
-                out[weight] = _conv_weight_grad(module, weighted, a)
-            if bias is not None and bias.requires_grad:
-                out[bias] = weighted.sum(dim=[0, *range(2, g.dim())])
+        # blocks of SUM_BLOCK examples, their sums added in float64: an example's terms are rounded with at most
+        # SUM_BLOCK - 1 other examples' terms, whatever the batch size (the bound's gamma, hence every clip factor,
+        # does not depend on how many examples the batch holds)
+        for start in range(0, max(g.shape[0], 1), SUM_BLOCK):  # (an empty batch: one empty product)
+            block = slice(start, start + SUM_BLOCK)
+            for p, value in _weight_gradient(module, a[block], weighted[block]).items():
+                out[p] = value.double() if p not in out else out[p] + value
+        out = {p: value.to(work) for p, value in out.items()}
     if exact is not None:
         for p, grads in bound.exact_grads.items():
             out[p] = out[p] + torch.einsum("k,k...->...", factor[exact], grads).to(out[p].dtype)
+    return out
+
+
+def _weight_gradient(module: nn.Module, a: Tensor, weighted: Tensor) -> dict[nn.Parameter, Tensor]:
+    """The layer's parameter gradients for input ``a`` and output gradient ``weighted``, summed over the examples:
+    one weight-gradient product."""
+    weight, bias = module.weight, module.bias
+    out: dict[nn.Parameter, Tensor] = {}
+    if _is_linear(module):
+        a, weighted = a.reshape(-1, a.shape[-1]), weighted.reshape(-1, weighted.shape[-1])
+        if weight.requires_grad:
+            out[weight] = a.t() @ weighted if is_transposed_linear(module) else weighted.t() @ a
+        if bias is not None and bias.requires_grad:
+            out[bias] = weighted.sum(dim=0)
+        return out
+    if weight.requires_grad:
+        out[weight] = _conv_weight_grad(module, weighted, a)
+    if bias is not None and bias.requires_grad:
+        out[bias] = weighted.sum(dim=[0, *range(2, weighted.dim())])
     return out
 
 
@@ -261,7 +279,7 @@ def _linear_estimates(
         if steps > 1:
             loose |= ~(error <= 0.05 * norms)
         mass += bias_mass
-    return squared.sqrt() * (1 + 1e-12), mass, loose, batch * steps
+    return squared.sqrt() * (1 + 1e-12), mass, loose, SUM_BLOCK * steps
 
 
 def _gram_inner_products(g: Tensor, u: Tensor | None, u_gram: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -457,7 +475,7 @@ def _conv_estimates(
         if steps > 1:
             loose |= ~(error <= 0.05 * norms)
         mass += bias_mass
-    return squared.sqrt() * (1 + 1e-12), mass, loose, batch * steps
+    return squared.sqrt() * (1 + 1e-12), mass, loose, SUM_BLOCK * steps
 
 
 def _patch_norms(module: nn.Module, a: Tensor, out_size: torch.Size) -> Tensor:
