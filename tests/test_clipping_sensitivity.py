@@ -51,8 +51,9 @@ def test_a_norm_without_its_rounding_bound_is_caught(attack: str) -> None:
 
 
 def test_the_bound_is_tight_for_honest_examples() -> None:
-    """Soundness costs honest examples nothing measurable: a float32 nn.Linear over random sequences gets norms
-    within 1e-3 of the float64 truth (the float64 path is kept for ill-conditioned examples)."""
+    """Soundness costs honest examples little: a float32 nn.Linear over 16 random tokens gets norm bounds within
+    0.3% of the float64 truth (most of it the worst-case rounding of the clipped sum, gamma_{256 T} times the
+    example's mass); the float64 path is kept for ill-conditioned examples."""
     torch.manual_seed(0)
     layer = nn.Linear(64, 32)
     a, g = torch.randn(8, 16, 64), torch.randn(8, 16, 32)
@@ -62,7 +63,7 @@ def test_the_bound_is_tight_for_honest_examples() -> None:
     ])  # fmt: skip
     assert bound.exact is None or not bool(bound.exact.any())
     assert torch.all(bound.upper >= exact)
-    assert torch.all(bound.upper <= exact * (1 + 1e-3))
+    assert torch.all(bound.upper <= exact * (1 + 3e-3))
 
 
 def test_an_ill_conditioned_example_is_computed_apart_and_bounded() -> None:

@@ -99,10 +99,10 @@ def test_bookkeeping_clips_exactly_like_materialised_per_sample_gradients(
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
     _assert_flat_per_sample_grads_match(hooks, book, n)
     norms = book.clip_and_sum(clip)
-    torch.testing.assert_close(norms, expected_norms, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(norms, expected_norms, atol=1e-5, rtol=2e-3)  # book-keeping's bound: + gamma_{256 T} of its sum
     assert n == 0 or 0 < int((norms > clip).sum()) <= n  # the cases clip at least one example
     for expected, p in zip(expected_sums, book.parameters):
-        torch.testing.assert_close(p.grad, expected, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(p.grad, expected, atol=1e-4, rtol=2e-3)
     assert not any(getattr(p, "grad_sample", None) is not None for p in model.parameters())
     book.clear()
     book.detach()
@@ -165,9 +165,10 @@ def test_bookkeeping_backward_passes_guard_and_no_backward() -> None:
         F.cross_entropy(m(x[:2]), y[:2]).backward()
     expected_sums, expected_norms = clip_and_accumulate(hooks.per_sample_grads(), 0.5, torch.device("cpu"))
     _assert_flat_per_sample_grads_match(hooks, book, 8)
-    torch.testing.assert_close(book.clip_and_sum(0.5), expected_norms)
+    # book-keeping's norms are upper bounds that carry the rounding bound of its own clipped sum
+    torch.testing.assert_close(book.clip_and_sum(0.5), expected_norms, rtol=2e-3, atol=1e-5)
     for expected, p in zip(expected_sums, book.parameters):
-        torch.testing.assert_close(p.grad, expected)
+        torch.testing.assert_close(p.grad, expected, rtol=2e-3, atol=1e-4)
 
 
 def test_the_engine_defaults_to_bookkeeping_and_releases_what_hooks_release(device: torch.device) -> None:
@@ -187,7 +188,7 @@ def test_the_engine_defaults_to_bookkeeping_and_releases_what_hooks_release(devi
         assert stats.batch_size == 6 and engine.steps == 1
         grads[mode] = [p.grad.clone() for p in model.parameters()]
     for a, b in zip(grads["bookkeeping"], grads["hooks"]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=2e-3)  # the modes' norm bounds differ by their sums' rounding
 
 
 @pytest.mark.parametrize("width", [1, 2, 3, 4, 5, 7, 11, 16, 24, 32])
@@ -335,10 +336,10 @@ def test_every_mode_clips_the_true_per_example_gradients_of_convolutions_on_chan
             # materialised in every mode (PrivSGP-VR's table), then clipped by the mode's own arithmetic
             torch.testing.assert_close(per_sample.flat_per_sample_grads(), expected, rtol=1e-10, atol=1e-12)
             norms = per_sample.clip_and_sum(clip)
-    torch.testing.assert_close(norms, expected_norms, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(norms, expected_norms, rtol=1e-8, atol=1e-12)  # float64: book-keeping's bound adds gamma_{256 T}
     assert 0 < int((norms > clip).sum()) < x.shape[0]
     for p, want in zip(params, expected_sums):
-        torch.testing.assert_close(p.grad, want, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(p.grad, want, rtol=1e-8, atol=1e-12)
 
 
 @pytest.mark.parametrize("entry", ["clip_and_sum", "per_sample_grads", "flat_per_sample_grads"])

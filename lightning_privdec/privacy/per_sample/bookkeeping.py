@@ -41,8 +41,8 @@ from lightning_privdec.privacy.rounding import tiny as _tiny
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 #: examples per weight-gradient product of a clipped sum (:func:`clipped_sums`): the rounding bound of an example's
-#: terms, gamma_{SUM_BLOCK T}, then does not depend on the batch size
-SUM_BLOCK = 16
+#: terms, gamma_{SUM_BLOCK T}, then does not depend on the batch size (a batch of at most SUM_BLOCK is one product)
+SUM_BLOCK = 256
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
@@ -163,11 +163,14 @@ def clipped_sums(
         # blocks of SUM_BLOCK examples, their sums added in float64: an example's terms are rounded with at most
         # SUM_BLOCK - 1 other examples' terms, whatever the batch size (the bound's gamma, hence every clip factor,
         # does not depend on how many examples the batch holds)
-        for start in range(0, max(g.shape[0], 1), SUM_BLOCK):  # (an empty batch: one empty product)
-            block = slice(start, start + SUM_BLOCK)
-            for p, value in _weight_gradient(module, a[block], weighted[block]).items():
-                out[p] = value.double() if p not in out else out[p] + value
-        out = {p: value.to(work) for p, value in out.items()}
+        if g.shape[0] <= SUM_BLOCK:
+            out = _weight_gradient(module, a, weighted)
+        else:
+            for start in range(0, g.shape[0], SUM_BLOCK):
+                block = slice(start, start + SUM_BLOCK)
+                for p, value in _weight_gradient(module, a[block], weighted[block]).items():
+                    out[p] = value.double() if p not in out else out[p].add_(value)
+            out = {p: value.to(work) for p, value in out.items()}
     if exact is not None:
         for p, grads in bound.exact_grads.items():
             out[p] = out[p] + torch.einsum("k,k...->...", factor[exact], grads).to(out[p].dtype)
