@@ -54,7 +54,7 @@ from torch import Tensor
 
 from lightning_privdec.algorithms.consensus_step import ConsensusStep, check_consensus_step, choose_consensus_step
 from lightning_privdec.comm import Exchange, PendingRound, TensorSpec
-from lightning_privdec.compression import Compressor, Identity
+from lightning_privdec.compression import Compressor, Identity, Workspace
 from lightning_privdec.topology import Topology
 
 BROADCAST = -1  # channel id of the one public copy a node shares with all its out-neighbours on a static graph
@@ -161,6 +161,7 @@ class PushSumGossip:
         self._reference_init = None if reference is None else reference.detach().clone()
         self.own_copies: dict[int, Tensor] = {}  # x_hat_i per channel (BROADCAST, or receiver id on time-varying graphs)
         self.neighbour_copies: dict[int, Tensor] = {}  # x_hat_j (or x_hat_ji) per in-neighbour j
+        self.workspace = Workspace()  # the compressor's scratch, reused every round
         self._plans: dict[int, RoundPlan] = {}
         self.staleness = self._check_staleness(staleness)
         self.in_flight: deque[InFlight] = deque()  # overlap: posted rounds, oldest first
@@ -294,16 +295,17 @@ class PushSumGossip:
         return table[key]
 
     def _compressed_round(self, x_half: Tensor, plan: RoundPlan) -> None:
+        """Lines 1-6 with no model-sized temporary: the compressor works in :attr:`workspace` and adds its decoded
+        messages into the copies in place (a sparsifier touches only the kept coordinates)."""
         assert self.compressor is not None
         d, k = x_half.numel(), self.round
-        compressor = self.compressor
+        compressor, workspace = self.compressor, self.workspace
         # Lines 1 and 4 (j = i): q_i = Q(x_i - x_hat_i); x_hat_i += q_i. One payload per channel.
         payloads: dict[int, list[Tensor]] = {}
         for channel in {self._channel(receiver) for receiver in plan.out_peers}:
             own = self._copy(self.own_copies, channel, x_half)
             key = message_key(self.seed, self.rank, channel, k)
-            payloads[channel] = compressor.encode(x_half - own, key)
-            own.add_(compressor.decode(payloads[channel], d, key, dtype=x_half.dtype))
+            payloads[channel] = compressor.encode_feedback_(x_half, own, key, workspace)
         # Lines 2-3: send {q_i, y_i}; receive {q_j, y_j}.
         payload_specs = [TensorSpec(tuple(s), dt) for s, dt in compressor.payload_spec(d, x_half.dtype)]
         message_specs = payload_specs + self._weight_specs()
@@ -313,16 +315,20 @@ class PushSumGossip:
         for j in plan.in_peers:
             key = message_key(self.seed, j, self._channel(self.rank), k)
             payload = received[j][: len(payload_specs)]
-            self._copy(self.neighbour_copies, j, x_half).add_(compressor.decode(payload, d, key, dtype=x_half.dtype))
+            compressor.decode_add_(payload, self._copy(self.neighbour_copies, j, x_half), key, workspace)
         # Line 5 (5' on time-varying graphs): w_i = x_i + gamma (sum_j a_ij x_hat_j - sum_k a_ki x_hat_ik),
-        # where the first sum runs over in-neighbours and the second over the copies this node sent from.
-        correction = torch.zeros_like(x_half)
+        # where the first sum runs over in-neighbours and the second over the copies this node sent from: one
+        # pass per copy, straight into x.
+        source = x_half
         for j in plan.in_peers:
-            correction.add_(self.neighbour_copies[j], alpha=plan.in_weights[j])
+            torch.add(source, self.neighbour_copies[j], alpha=self.gamma * plan.in_weights[j], out=self.x)
+            source = self.x
         for channel in payloads:
             sent_weight = sum(a for r, a in plan.out_weights.items() if self._channel(r) == channel)
-            correction.sub_(self.own_copies[channel], alpha=sent_weight)
-        torch.add(x_half, correction, alpha=self.gamma, out=self.x)
+            torch.add(source, self.own_copies[channel], alpha=-self.gamma * sent_weight, out=self.x)
+            source = self.x
+        if source is x_half:  # no neighbour this round
+            self.x.copy_(x_half)
         # Line 6: y_i = sum_j a_ij y_j (the weight travels uncompressed).
         self._mix_weights(plan, received)
 
