@@ -428,3 +428,12 @@ def test_build_compressor_valid() -> None:
 def test_build_compressor_invalid(spec: object) -> None:
     with pytest.raises(ValueError, match=r"topk:<ratio in \(0, 1\]>.*qsgd:<bits in 1\.\.16>"):
         build_compressor(spec)
+
+
+def test_qsgd_dithering_does_not_depend_on_the_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_privdec.compression import quantizers
+
+    x = make_x("gaussian", 1001, seed=2)
+    expected = QSGD(8).encode(x, 99)
+    monkeypatch.setattr(quantizers, "_DITHER_CHUNK", 6)
+    assert all(torch.equal(a, b) for a, b in zip(QSGD(8).encode(x, 99), expected))

@@ -158,9 +158,10 @@ class PushSumGossip:
         self.round = 0
         self.x = x.detach().clone()
         self.y = torch.ones(1, dtype=torch.float64, device=x.device)
-        self._reference_init = None if reference is None else reference.detach().clone()
         self.own_copies: dict[int, Tensor] = {}  # x_hat_i per channel (BROADCAST, or receiver id on time-varying graphs)
         self.neighbour_copies: dict[int, Tensor] = {}  # x_hat_j (or x_hat_ji) per in-neighbour j
+        if self.compressor is not None:
+            self._create_copies(self.x if reference is None else reference.detach(), zeros=reference is None)
         self.workspace = Workspace()  # the compressor's scratch, reused every round
         self._plans: dict[int, RoundPlan] = {}
         self.staleness = self._check_staleness(staleness)
@@ -289,10 +290,15 @@ class PushSumGossip:
         """Which public copy of the sender an edge uses: one shared copy on a static graph, one per edge otherwise."""
         return BROADCAST if self.topology.is_static else receiver
 
-    def _copy(self, table: dict[int, Tensor], key: int, like: Tensor) -> Tensor:
-        if key not in table:
-            table[key] = torch.zeros_like(like) if self._reference_init is None else self._reference_init.clone()
-        return table[key]
+    def _create_copies(self, reference: Tensor, zeros: bool) -> None:
+        """Every public copy this node will ever use, at ``reference`` (or zeros): one per channel it sends on and one
+        per node it hears from over the topology's period (docs/compression.md, "Memory per neighbour")."""
+        union = self.topology.union_graph()
+        receivers = [k for k in union.successors(self.rank) if k != self.rank]
+        senders = [j for j in union.predecessors(self.rank) if j != self.rank]
+        for table, keys in ((self.own_copies, {self._channel(k) for k in receivers}), (self.neighbour_copies, senders)):
+            for key in sorted(keys):
+                table[key] = torch.zeros_like(reference) if zeros else reference.clone()
 
     def _compressed_round(self, x_half: Tensor, plan: RoundPlan) -> None:
         """Lines 1-6 with no model-sized temporary: the compressor works in :attr:`workspace` and adds its decoded
@@ -303,9 +309,8 @@ class PushSumGossip:
         # Lines 1 and 4 (j = i): q_i = Q(x_i - x_hat_i); x_hat_i += q_i. One payload per channel.
         payloads: dict[int, list[Tensor]] = {}
         for channel in {self._channel(receiver) for receiver in plan.out_peers}:
-            own = self._copy(self.own_copies, channel, x_half)
             key = message_key(self.seed, self.rank, channel, k)
-            payloads[channel] = compressor.encode_feedback_(x_half, own, key, workspace)
+            payloads[channel] = compressor.encode_feedback_(x_half, self.own_copies[channel], key, workspace)
         # Lines 2-3: send {q_i, y_i}; receive {q_j, y_j}.
         payload_specs = [TensorSpec(tuple(s), dt) for s, dt in compressor.payload_spec(d, x_half.dtype)]
         message_specs = payload_specs + self._weight_specs()
@@ -315,7 +320,7 @@ class PushSumGossip:
         for j in plan.in_peers:
             key = message_key(self.seed, j, self._channel(self.rank), k)
             payload = received[j][: len(payload_specs)]
-            compressor.decode_add_(payload, self._copy(self.neighbour_copies, j, x_half), key, workspace)
+            compressor.decode_add_(payload, self.neighbour_copies[j], key, workspace)
         # Line 5 (5' on time-varying graphs): w_i = x_i + gamma (sum_j a_ij x_hat_j - sum_k a_ki x_hat_ik),
         # where the first sum runs over in-neighbours and the second over the copies this node sent from: one
         # pass per copy, straight into x.
@@ -359,8 +364,13 @@ class PushSumGossip:
         self.round = int(state["round"])
         self.x.copy_(state["x"].to(device))
         self.y = state["y"].to(device=device, dtype=torch.float64).clone()
-        self.own_copies = {int(c): t.to(device).clone() for c, t in state["own_copies"].items()}
-        self.neighbour_copies = {int(j): t.to(device).clone() for j, t in state["neighbour_copies"].items()}
+        # into the copies in place (no second set while loading); a copy the checkpoint lacks was never used yet
+        for table, saved in ((self.own_copies, state["own_copies"]), (self.neighbour_copies, state["neighbour_copies"])):
+            for key, t in saved.items():
+                if int(key) in table:
+                    table[int(key)].copy_(t)
+                else:
+                    table[int(key)] = t.to(device).clone()
         self.exchange.traffic.load_state_dict(state["traffic"])
         self.in_flight = deque(
             InFlight(

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-__all__ = ["Compressor", "Identity", "PayloadSpec", "Workspace", "make_generator", "seed_of"]
+__all__ = ["Compressor", "Identity", "PayloadSpec", "Workspace", "make_generator", "public_stream", "public_words",
+           "seed_of"]
 
 #: Shapes and dtypes of payload tensors, in wire order.
 PayloadSpec = list[tuple[tuple[int, ...], torch.dtype]]
@@ -83,20 +84,26 @@ class Workspace:
 _STREAM_DOMAIN = b"lightning_privdec/compression/v2"  # 32 bytes: the key's last 24 bytes
 
 
-def public_words(key: int, n: int, workspace: Workspace | None = None) -> torch.Tensor:
-    """``n`` pseudo-random 64-bit words (int64, on the host) that only depend on ``key``: the ChaCha20 keystream
-    under the 256-bit key (63-bit seed, domain tag), nonce 0. Public randomness that sender and receiver share
-    (message keys are not secret); OpenSSL's ChaCha20 makes ~0.2 ns per byte, several times NumPy's PCG64.
-    With ``workspace`` the words are a reused buffer (valid until its next use)."""
+def public_stream(key: int):  # noqa: ANN201
+    """The ChaCha20 keystream (an encryptor of zeros) under the 256-bit key (63-bit seed, domain tag), nonce 0:
+    public randomness that only depends on ``key``, which sender and receiver of a message share (message keys are
+    not secret). OpenSSL's ChaCha20 makes ~0.2 ns per byte, several times NumPy's PCG64."""
     cipher_key = seed_of(key).to_bytes(8, "little") + _STREAM_DOMAIN[8:]
-    encryptor = Cipher(algorithms.ChaCha20(cipher_key, bytes(16)), mode=None).encryptor()
+    return Cipher(algorithms.ChaCha20(cipher_key, bytes(16)), mode=None).encryptor()
+
+
+def public_words(
+    key: int, n: int, workspace: Workspace | None = None, stream: object | None = None, name: str = "public_words"
+) -> torch.Tensor:
+    """The next ``n`` 64-bit words (int64, on the host) of ``stream`` (default: a new :func:`public_stream` of
+    ``key``). With ``workspace`` they are written into its buffer ``name`` (valid until that buffer's next use)."""
+    encryptor = stream if stream is not None else public_stream(key)
     if workspace is None:
         raw = bytearray(8 * n)
-        encryptor.update_into(bytes(8 * n), raw)
+        encryptor.update_into(bytes(8 * n), raw)  # type: ignore[attr-defined]
         return torch.frombuffer(raw, dtype=torch.int64)
-    words = workspace.get("public_words", n, torch.int64, "cpu")
-    zeros = workspace.zeros(8 * n)
-    encryptor.update_into(zeros, memoryview(words.numpy()).cast("B"))
+    words = workspace.get(name, n, torch.int64, "cpu")
+    encryptor.update_into(workspace.zeros(8 * n), memoryview(words.numpy()).cast("B"))  # type: ignore[attr-defined]
     return words
 
 

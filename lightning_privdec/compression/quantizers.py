@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import Compressor, PayloadSpec, Workspace, _check_dim, public_words
+from .base import Compressor, PayloadSpec, Workspace, _check_dim, public_stream, public_words
 from .bits import pack_bits, packed_nbytes, unpack_bits
 
 __all__ = ["QSGD", "Sign"]
@@ -22,16 +22,22 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_DITHER_CHUNK = 1 << 20  # coordinates dithered per keystream read (even: whole 64-bit words)
+
+
 def _add_dither_(scaled: torch.Tensor, key: int, workspace: Workspace | None) -> torch.Tensor:
-    """``scaled += u``, u ~ U[0, 1)^d from the message's keystream (:func:`~.base.public_words`): 24-bit uniforms
-    for float32 work (as NumPy's float32 draws), 53-bit ones for float64, added in one pass. Only the sender draws
-    them (decoding does not need u)."""
-    d = scaled.numel()
-    if scaled.dtype == torch.float64:
-        uniform, bits = public_words(key, d, workspace).bitwise_and_((1 << 53) - 1), 53
-    else:
-        uniform, bits = public_words(key, (d + 1) // 2, workspace).view(torch.int32)[:d].bitwise_and_((1 << 24) - 1), 24
-    return scaled.add_(uniform.to(scaled.device), alpha=2.0**-bits)  # exact: r 2^-b is representable
+    """``scaled += u``, u ~ U[0, 1)^d from the message's keystream (:func:`~.base.public_stream`), chunk by chunk:
+    24-bit uniforms for float32 work (as NumPy's float32 draws), 53-bit ones for float64, each added in one pass.
+    Only the sender draws them (decoding does not need u)."""
+    d, wide = scaled.numel(), scaled.dtype == torch.float64
+    stream = public_stream(key)
+    for start in range(0, d, _DITHER_CHUNK):
+        m = min(_DITHER_CHUNK, d - start)
+        words = public_words(key, m if wide else (m + 1) // 2, workspace, stream, name="dither")
+        uniform = words.bitwise_and_((1 << 53) - 1) if wide else words.view(torch.int32)[:m].bitwise_and_(
+            (1 << 24) - 1)
+        scaled[start : start + m].add_(uniform.to(scaled.device), alpha=2.0 ** -(53 if wide else 24))  # r 2^-b: exact
+    return scaled
 
 
 def _signs(packed_signs: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
@@ -137,8 +143,7 @@ class QSGD(Compressor):
         else:
             levels = workspace.get("levels", d, work, device)
             levels.copy_(packed_levels if self.bits == 8 else unpack_bits(packed_levels, self.bits, d, dtype=work))
-            signs = workspace.get("signs", d, work, device)
-            signs.copy_(unpack_bits(packed_signs, 1, d, dtype=torch.uint8)).mul_(-2).add_(1)
+            signs = unpack_bits(packed_signs, 1, d, dtype=torch.uint8).view(torch.int8).mul_(-2).add_(1)  # +1 / -1
         scale = norm.to(work) / (self.tau(d) * self.s)
         return levels.mul_(signs).mul_(scale).to(dtype)
 
