@@ -160,8 +160,14 @@ class PushSumGossip:
         self.y = torch.ones(1, dtype=torch.float64, device=x.device)
         self.own_copies: dict[int, Tensor] = {}  # x_hat_i per channel (BROADCAST, or receiver id on time-varying graphs)
         self.neighbour_copies: dict[int, Tensor] = {}  # x_hat_j (or x_hat_ji) per in-neighbour j
-        if self.compressor is not None:
-            self._create_copies(self.x if reference is None else reference.detach(), zeros=reference is None)
+        # what the public copies start at, until they are made (at the first round, after the first backward pass
+        # and its one-off checks, or when a checkpoint is loaded): x itself in the usual case (no second vector)
+        self._copies_start: Tensor | None = None
+        self._copies_made = self.compressor is None
+        if reference is not None and not torch.equal(reference, self.x):
+            self._copies_start = reference.detach().clone()
+        elif reference is not None:
+            self._copies_start = self.x  # x is first written by the first round, after the copies are made
         self.workspace = Workspace()  # the compressor's scratch, reused every round
         self._plans: dict[int, RoundPlan] = {}
         self.staleness = self._check_staleness(staleness)
@@ -290,15 +296,19 @@ class PushSumGossip:
         """Which public copy of the sender an edge uses: one shared copy on a static graph, one per edge otherwise."""
         return BROADCAST if self.topology.is_static else receiver
 
-    def _create_copies(self, reference: Tensor, zeros: bool) -> None:
-        """Every public copy this node will ever use, at ``reference`` (or zeros): one per channel it sends on and one
-        per node it hears from over the topology's period (docs/compression.md, "Memory per neighbour")."""
+    def _make_copies(self) -> None:
+        """Every public copy this node will ever use, at the reference (or zeros): one per channel it sends on and
+        one per node it hears from over the topology's period (docs/compression.md, "Memory per neighbour")."""
+        if self._copies_made:
+            return
         union = self.topology.union_graph()
         receivers = [k for k in union.successors(self.rank) if k != self.rank]
         senders = [j for j in union.predecessors(self.rank) if j != self.rank]
+        start = self._copies_start
         for table, keys in ((self.own_copies, {self._channel(k) for k in receivers}), (self.neighbour_copies, senders)):
             for key in sorted(keys):
-                table[key] = torch.zeros_like(reference) if zeros else reference.clone()
+                table[key] = torch.zeros_like(self.x) if start is None else start.clone()
+        self._copies_start, self._copies_made = None, True
 
     def _compressed_round(self, x_half: Tensor, plan: RoundPlan) -> None:
         """Lines 1-6 with no model-sized temporary: the compressor works in :attr:`workspace` and adds its decoded
@@ -306,6 +316,7 @@ class PushSumGossip:
         assert self.compressor is not None
         d, k = x_half.numel(), self.round
         compressor, workspace = self.compressor, self.workspace
+        self._make_copies()
         # Lines 1 and 4 (j = i): q_i = Q(x_i - x_hat_i); x_hat_i += q_i. One payload per channel.
         payloads: dict[int, list[Tensor]] = {}
         for channel in {self._channel(receiver) for receiver in plan.out_peers}:
@@ -341,6 +352,7 @@ class PushSumGossip:
     def state_dict(self) -> dict[str, Any]:
         """The node's state; with overlap it waits for the rounds in flight and keeps their messages, unmixed, so a
         resumed run mixes them at the same step as an uninterrupted one."""
+        self._make_copies()
         state = {
             "round": self.round,
             "x": self.x.detach().cpu().clone(),
@@ -361,10 +373,10 @@ class PushSumGossip:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         device = self.x.device
+        self._make_copies()  # before x changes: a copy the checkpoint lacks was never used, so it is at the start
         self.round = int(state["round"])
         self.x.copy_(state["x"].to(device))
         self.y = state["y"].to(device=device, dtype=torch.float64).clone()
-        # into the copies in place (no second set while loading); a copy the checkpoint lacks was never used yet
         for table, saved in ((self.own_copies, state["own_copies"]), (self.neighbour_copies, state["neighbour_copies"])):
             for key, t in saved.items():
                 if int(key) in table:

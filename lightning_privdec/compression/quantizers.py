@@ -115,10 +115,18 @@ class QSGD(Compressor):
     def decode_add_(
         self, payload: Sequence[torch.Tensor], out: torch.Tensor, key: int, workspace: Workspace | None = None
     ) -> torch.Tensor:
-        if workspace is None:
-            return super().decode_add_(payload, out, key)
-        self._check_payload(payload, out.numel(), out.dtype)
-        return out.add_(self._decode(payload, out.numel(), out.dtype, workspace))
+        """``out += scale * levels * signs`` in one pass over the unpacked bytes (no decoded vector), with the
+        rounding of ``out + decode(...)`` (``scale * level`` rounded, its sign exact, then the sum)."""
+        d = out.numel()
+        self._check_payload(payload, d, out.dtype)
+        if out.dtype != _work_dtype(out.dtype):  # half precision: decode in float32, then round and add
+            return out.add_(self._decode(payload, d, out.dtype))
+        packed_levels, packed_signs, norm = payload
+        levels = packed_levels if self.bits == 8 else unpack_bits(
+            packed_levels, self.bits, d, dtype=torch.uint8 if self.bits <= 8 else torch.int32)
+        signs = unpack_bits(packed_signs, 1, d, dtype=torch.uint8).view(torch.int8).mul_(-2).add_(1)  # +1 / -1
+        scale = norm.to(out.dtype) / (self.tau(d) * self.s)
+        return out.addcmul_(levels, signs, value=float(scale))
 
     def decode(
         self,
@@ -128,24 +136,14 @@ class QSGD(Compressor):
         dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         self._check_payload(payload, d, dtype)
-        return self._decode(payload, d, dtype, None)
+        return self._decode(payload, d, dtype)
 
-    def _decode(
-        self, payload: Sequence[torch.Tensor], d: int, dtype: torch.dtype, workspace: Workspace | None
-    ) -> torch.Tensor:
-        """``Q(x)`` of ``dtype``; with ``workspace`` in its reused buffers (valid until the next decode)."""
+    def _decode(self, payload: Sequence[torch.Tensor], d: int, dtype: torch.dtype) -> torch.Tensor:
         packed_levels, packed_signs, norm = payload
         work = _work_dtype(dtype)
-        device = packed_levels.device
-        if workspace is None:
-            levels = unpack_bits(packed_levels, self.bits, d, dtype=work)
-            signs = _signs(packed_signs, d, work)
-        else:
-            levels = workspace.get("levels", d, work, device)
-            levels.copy_(packed_levels if self.bits == 8 else unpack_bits(packed_levels, self.bits, d, dtype=work))
-            signs = unpack_bits(packed_signs, 1, d, dtype=torch.uint8).view(torch.int8).mul_(-2).add_(1)  # +1 / -1
+        levels = unpack_bits(packed_levels, self.bits, d, dtype=work)
         scale = norm.to(work) / (self.tau(d) * self.s)
-        return levels.mul_(signs).mul_(scale).to(dtype)
+        return levels.mul_(_signs(packed_signs, d, work)).mul_(scale).to(dtype)
 
     def __repr__(self) -> str:
         return f"QSGD(bits={self.bits})"
