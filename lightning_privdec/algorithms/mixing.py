@@ -317,6 +317,8 @@ class PushSumGossip:
         d, k = x_half.numel(), self.round
         compressor, workspace = self.compressor, self.workspace
         self._make_copies()
+        # x is free until line 5 writes it (the strategy took x^{t+1/2} from it): the compressor's difference buffer
+        workspace.lend("difference", self.x if self.x.data_ptr() != x_half.data_ptr() else None)
         # Lines 1 and 4 (j = i): q_i = Q(x_i - x_hat_i); x_hat_i += q_i. One payload per channel.
         payloads: dict[int, list[Tensor]] = {}
         for channel in {self._channel(receiver) for receiver in plan.out_peers}:

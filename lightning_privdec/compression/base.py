@@ -69,6 +69,13 @@ class Workspace:
             t = self._tensors[name] = torch.empty(numel, dtype=dtype, device=device)
         return t
 
+    def lend(self, name: str, tensor: torch.Tensor | None) -> None:
+        """Use the caller's ``tensor`` (free for now) as the buffer ``name``; ``None`` takes the loan back."""
+        if tensor is None:
+            self._tensors.pop(name, None)
+        else:
+            self._tensors[name] = tensor
+
     def zeros(self, nbytes: int) -> bytes:
         """``nbytes`` zero bytes to encrypt into a keystream (calloc'd: costs no memory until written)."""
         z = getattr(self, "_zeros", b"")

@@ -22,7 +22,7 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_DITHER_CHUNK = 1 << 20  # coordinates dithered per keystream read (even: whole 64-bit words)
+_DITHER_CHUNK = 1 << 20  # coordinates dithered per keystream read (even: whole 64-bit words), and decoded per pass
 
 
 def _add_dither_(scaled: torch.Tensor, key: int, workspace: Workspace | None) -> torch.Tensor:
@@ -125,8 +125,11 @@ class QSGD(Compressor):
         levels = packed_levels if self.bits == 8 else unpack_bits(
             packed_levels, self.bits, d, dtype=torch.uint8 if self.bits <= 8 else torch.int32)
         signs = unpack_bits(packed_signs, 1, d, dtype=torch.uint8).view(torch.int8).mul_(-2).add_(1)  # +1 / -1
-        scale = norm.to(out.dtype) / (self.tau(d) * self.s)
-        return out.addcmul_(levels, signs, value=float(scale))
+        scale = float(norm.to(out.dtype) / (self.tau(d) * self.s))
+        for start in range(0, d, _DITHER_CHUNK):  # chunks: the integer factors' casts stay small
+            end = min(d, start + _DITHER_CHUNK)
+            out[start:end].addcmul_(levels[start:end], signs[start:end], value=scale)
+        return out
 
     def decode(
         self,
