@@ -107,8 +107,9 @@ class QSGD(Compressor):
         norm = torch.linalg.vector_norm(xw)
         # Clamp avoids 0/0 for x = 0 (then all levels are 0) without a host sync.
         scaled = xw.abs_().mul_(self.s / norm.clamp_min(torch.finfo(work).tiny))  # s |x| / ||x|| in [0, s]
-        # Clamp: float round-off in s*ratio + u can reach s + 1 when ratio == 1.
-        levels = _add_dither_(scaled, key, workspace).floor_().clamp_(0, self.s)
+        # floor(s |x| / ||x|| + u), clamped: float round-off in s*ratio + u can reach s + 1 when ratio == 1. The
+        # conversion truncates, which is the floor of these non-negative values.
+        levels = _add_dither_(scaled, key, workspace).clamp_(max=self.s)
         levels_int = levels.to(torch.uint8 if self.bits <= 8 else torch.int32)
         return [pack_bits(levels_int, self.bits), signs, norm.to(torch.float32).reshape(1)]
 
