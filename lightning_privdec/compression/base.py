@@ -11,12 +11,15 @@ Decentralized error-feedback schemes (CHOCO-SGD, Koloskova et al. 2019, Eq. (4)
 where CHOCO writes the same condition as ``(1 - delta) ||x||^2`` with
 ``delta = 1 - omega^2``. :meth:`Compressor.omega2` returns that constant.
 
-Randomness (RandK's coordinates, QSGD's dithering) is seeded with a ``key`` that
-sender and receiver agree on for a given (sender, round), so indices never
-travel. It comes from NumPy's PCG64 for CPU tensors (much faster than torch's
-CPU generator) and from a ``torch.Generator`` on the device otherwise, so the
-two streams differ for the same key: sender and receiver of one message must
-use the same device type (and the same NumPy / torch versions).
+Randomness (RandK's coordinates, QSGD's dithering) comes from the ChaCha20
+keystream under a ``key`` that sender and receiver agree on for a given
+(sender, channel, round) (:func:`public_stream`), so indices never travel. It is
+made on the host, so every device type and library version draws the same
+values for the same key. It is public: message keys are not secret.
+
+A node that gossips keeps one :class:`Workspace` and passes it to
+:meth:`Compressor.encode_feedback_` and :meth:`Compressor.decode_add_`: error
+feedback then runs in place, without a vector of the model's size per round.
 """
 
 from __future__ import annotations
