@@ -40,6 +40,12 @@ def _add_dither_(scaled: torch.Tensor, key: int, workspace: Workspace | None) ->
     return scaled
 
 
+def _uniform(d: int, key: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The dithering u ~ U[0, 1)^d that the encoder adds for ``key`` (float64 for float64 work, else float32)."""
+    return _add_dither_(torch.zeros(d, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                                    device=device), key, None)
+
+
 def _signs(packed_signs: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
     """+1 / -1 per coordinate from the packed sign bits (bit 1 = negative)."""
     return unpack_bits(packed_signs, 1, d, dtype=dtype).mul_(-2).add_(1)
