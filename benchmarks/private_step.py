@@ -137,24 +137,34 @@ def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -
     return times[warmup:]
 
 
-def noise_ns_per_coordinate(threads: int, numel: int, repeats: int = 5) -> tuple[float, float]:
-    """(ChaCha20 NoiseGenerator.normal, torch.randn) in ns per float32 coordinate, medians over ``repeats``."""
+def noise_ns_per_coordinate(threads: int, numel: int, repeats: int = 5) -> tuple[float, float | None, float]:
+    """ns per float32 coordinate, medians over ``repeats``: ``NoiseGenerator.normal`` (reused output), its
+    ``add_normal_`` into a gradient-sized list as the DP step does (None where the library has none) and
+    ``torch.randn``."""
     import torch
 
     from lightning_privdec.privacy.noise import node_noise_generator
 
     torch.set_num_threads(threads)
     generator = node_noise_generator("cpu", None, 0)
-    ours, baseline = [], []
+    model = build_net(WIDE_HIDDEN)
+    grads = [torch.zeros_like(p) for p in model.parameters()]
+    assert sum(g.numel() for g in grads) == numel
+    ours, added, baseline = [], [], []
     out = torch.empty(numel)
     for _ in range(repeats + 1):
         start = time.perf_counter()
         generator.normal(numel, 1.0, torch.float32, reuse_output=True)
         ours.append(time.perf_counter() - start)
+        if hasattr(generator, "add_normal_"):
+            start = time.perf_counter()
+            generator.add_normal_(grads, 1.0, grads, 0.5)
+            added.append(time.perf_counter() - start)
         start = time.perf_counter()
         torch.randn(numel, out=out)
         baseline.append(time.perf_counter() - start)
-    return (statistics.median(ours[1:]) / numel * 1e9, statistics.median(baseline[1:]) / numel * 1e9)
+    per = [statistics.median(t[1:]) / numel * 1e9 if t else None for t in (ours, added, baseline)]
+    return per[0], per[1], per[2]  # type: ignore[return-value]
 
 
 def _busy(stop) -> None:  # noqa: ANN001
@@ -212,8 +222,9 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         numel = 9_670_666
-        lines += ["", f"Noise: ns per float32 coordinate, {numel:,} coordinates, median of 5 "
-                  "(NoiseGenerator.normal with reuse_output / torch.randn)", "",
+        lines += ["", f"Noise: ns per float32 coordinate, {numel:,} coordinates (the wide MLP's gradients), median "
+                  "of 5: NoiseGenerator.normal (reused output) / add_normal_ into the gradients (the DP step's "
+                  "path; n/a before it existed) / torch.randn", "",
                   "| threads | machine as is | one busy process beside |", "|---:|---:|---:|"]
         results = {}
         for busy in (False, True):
@@ -228,10 +239,13 @@ def main(argv: list[str] | None = None) -> None:
                 if spinner:
                     stop.set()
                     spinner.join()
-        torch.set_num_threads(1)
+        torch.set_num_threads(args.threads)
+
+        def cell(values: tuple) -> str:  # noqa: ANN001
+            return " / ".join("n/a" if v is None else f"{v:.2f}" for v in values)
+
         for threads in (1, 2):
-            cells = [f"{results[(threads, b)][0]:.2f} / {results[(threads, b)][1]:.2f}" for b in (False, True)]
-            lines.append(f"| {threads} | {cells[0]} | {cells[1]} |")
+            lines.append(f"| {threads} | {cell(results[(threads, False)])} | {cell(results[(threads, True)])} |")
     lines.append(f"\nLoad average after: {os.getloadavg()[0]:.1f}. {machine_line()} {software_line()}")
     text = "\n".join(lines)
     print(text)

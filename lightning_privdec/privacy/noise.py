@@ -54,6 +54,9 @@ KEY_BYTES = 32  #: 256-bit keys
 _SEED_DOMAIN = b"lightning_privdec.privacy.noise"
 _CHUNK_WORDS = 1 << 17  # 64-bit words per keystream chunk (1 MiB): the chunk's buffers stay in the core's cache
 _MASK_53 = (1 << 53) - 1
+#: torch runs an elementwise op of fewer elements than its grain size (32768) on the calling thread: pieces this
+#: small never wait for intra-op threads that another process keeps busy
+_SERIAL = 1 << 15
 _SCRATCH = ("_buffers", "_work", "_out")  # a generator's reused buffers: never pickled nor copied
 
 
@@ -262,8 +265,8 @@ class NoiseGenerator:
         """``out = N(0, std^2 I) + sums_scale * sum`` for each ``(out, sum)`` pair, the noise being ONE draw of
         ``sum(out.numel())`` entries split over the ``outs`` in order: bit for bit what :meth:`normal` (same std and
         dtype) followed by ``torch.add(noise, sum, alpha=sums_scale, out=out)`` per piece gives, without the
-        model-sized noise vector (each chunk is added while it is in the cache). ``outs`` are contiguous tensors of
-        one dtype; an ``out`` may be its ``sum``."""
+        model-sized noise vector (each chunk is added while it is in the cache, in pieces that torch runs on this
+        thread). ``outs`` are contiguous tensors of one dtype; an ``out`` may be its ``sum``."""
         total = sum(o.numel() for o in outs)
         flat_outs = [o.view(-1) for o in outs]
         flat_sums = [t.reshape(-1) for t in sums]
@@ -274,7 +277,7 @@ class NoiseGenerator:
                 while offset + flat_outs[piece].numel() <= position:
                     offset += flat_outs[piece].numel()
                     piece += 1
-                stop = min(end, offset + flat_outs[piece].numel())
+                stop = min(end, offset + flat_outs[piece].numel(), position + _SERIAL)
                 target = flat_outs[piece][position - offset : stop - offset]
                 noise = chunk[position - start : stop - start].to(target.device)
                 torch.add(noise, flat_sums[piece][position - offset : stop - offset], alpha=sums_scale, out=target)
