@@ -133,12 +133,14 @@ class RandK(_Sparsifier):
     The draw (a *rotated stratified* sample, O(k)): the coordinates are cut into k consecutive blocks
     ``[floor(j d / k), floor((j + 1) d / k))`` of ``floor(d/k)`` or ``ceil(d/k)`` coordinates; one uniform offset
     per block picks one coordinate in it; a uniform cyclic shift ``c`` in ``[0, d)`` then moves every pick to
-    ``(pick + c) mod d``. Every coordinate is kept with probability exactly ``k/d`` (the shift puts it in block b with
+    ``(pick + c) mod d``. Every coordinate is kept with probability ``k/d`` (the shift puts it in block b with
     probability ``size_b / d``, and b keeps it with probability ``1 / size_b``), which is all the contraction above
-    needs: ``E||Q(x) - x||^2 = sum_i P(i dropped) x_i^2``. The k coordinates are distinct and spread over the whole
-    vector (one per block), and the list is a rotation of an ascending list, so gathers and scatters run through
-    memory in order. Shift and offsets are ``floor(u n)`` of b-bit uniforms u (b = 53, fewer only for blocks of
-    over 1023 coordinates, at least 32 while d < 2^31): their bias is below ``n 2^-b``.
+    needs: ``E||Q(x) - x||^2 = sum_i P(i dropped) x_i^2`` (up to the offsets' rounding below). The k coordinates
+    are distinct and spread over the whole vector (one per block), and the list is a rotation of an ascending list,
+    so gathers and scatters run through memory in order. The shift is ``floor(u d)`` of a 53-bit uniform u, the offsets ``floor(r size / 2^b)`` of
+    b-bit uniform integers r (int32 arithmetic with b >= 24 for blocks of up to 127 coordinates, else int64 with
+    b <= 53): each offset's probability is within ``size 2^-b`` of ``1 / size`` relative, which :meth:`omega2`
+    accounts for (RandK(0.1) on 9.7M coordinates: 8e-8).
 
     The randomness is the message's public keystream (:func:`~.base.public_words`, ChaCha20 keyed by ``key``, which
     sender and receiver agree on), so only the k values travel: ``[values (k,) x.dtype]``; a receiver's draw costs
@@ -154,21 +156,31 @@ class RandK(_Sparsifier):
         self._blocks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def _block_table(self, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(first coordinate, size) of each of the k blocks (int64, 16 k bytes, kept per (d, device)) and the bits b
-        of the offsets' uniforms: ``r size < 2^63`` for every ``r < 2^b``, at most 53."""
+        """(first coordinate, size) of each of the k blocks, kept per (d, device), and the bits b of the offsets'
+        uniforms. int32 (8 k bytes, uniforms of b = 31 - bits(largest block) >= 24 bits, so that ``r size`` and
+        every index fit) while d < 2^30 and blocks hold at most 127 coordinates; else int64 and b <= 53."""
         table = self._blocks.get((d, str(device)))
         if table is None:
             k = self.num_kept(d)
             bounds = torch.div(torch.arange(k + 1, dtype=torch.int64, device=device) * d, k, rounding_mode="floor")
-            sizes = bounds[1:] - bounds[:-1]
-            table = (bounds[:-1].clone(), sizes, min(53, 63 - (-(-d // k)).bit_length()))
+            largest = (-(-d // k)).bit_length()
+            narrow = d < 2**30 and 31 - largest >= 24
+            dtype, bits = (torch.int32, 31 - largest) if narrow else (torch.int64, min(53, 63 - largest))
+            table = (bounds[:-1].to(dtype), (bounds[1:] - bounds[:-1]).to(dtype), bits)
             self._blocks[(d, str(device))] = table  # one assignment: safe when simulated nodes share the compressor
         return table
+
+    def omega2(self, d: int) -> float:
+        """``1 - k/d``, less the offsets' rounding: every coordinate is kept with probability at least
+        ``k/d (1 - ceil(d/k) 2^-b)`` (b >= 24 bits, the class docstring), so ``1 - k/d (1 - ceil(d/k) 2^-b)``."""
+        k = self.num_kept(d)
+        _, _, bits = self._block_table(d, torch.device("cpu"))
+        return 1.0 - k / d * (1.0 - (-(-d // k)) * 2.0**-bits)
 
     def indices(
         self, d: int, key: int, device: torch.device | str = "cpu", workspace: Workspace | None = None
     ) -> torch.Tensor:
-        """The k kept coordinates (int64) for a d-vector and ``key`` on ``device``.
+        """The k kept coordinates (int32 or int64: :meth:`_block_table`) for a d-vector and ``key`` on ``device``.
 
         Without ``workspace`` the result is a fresh tensor and the last draw is remembered (a sender's encode and its
         own decode of one message draw once); with one it is written into the workspace's reused buffers (valid
@@ -182,13 +194,14 @@ class RandK(_Sparsifier):
                 return last[1]
         k = self.num_kept(d)
         starts, sizes, bits = self._block_table(d, device)
-        # k + 1 words of the message's public keystream: the shift, then one uniform per block
-        words = public_words(key, k + 1, workspace)
+        per_word = 8 // starts.element_size()  # uniforms per 64-bit keystream word
+        # the message's public keystream: one word for the shift, then one uniform per block
+        words = public_words(key, 1 + -(-k // per_word), workspace)
         shift = (int(words[0]) & _MASK_53) * d >> 53  # floor(u d), u a 53-bit uniform
-        offsets = words[1:].bitwise_and_((1 << bits) - 1)  # b-bit uniform integers r
+        offsets = words[1:].view(starts.dtype)[:k].bitwise_and_((1 << bits) - 1)  # b-bit uniform integers r
         if device != offsets.device:
             offsets = offsets.to(device, non_blocking=True)
-        # floor(r size / 2^b) < size, in place; then the block's first coordinate and the shift
+        # floor(r size / 2^b) < size, in place; then the block's first coordinate and the shift (all below 2^31)
         idx = offsets.mul_(sizes).bitwise_right_shift_(bits).add_(starts).add_(shift)
         wrapped = int(torch.searchsorted(idx, d))  # ascending before the wrap: the picks past d are a tail
         idx[wrapped:].sub_(d)
