@@ -10,7 +10,8 @@ digits-shaped inputs, plain SGD, one intra-op thread unless ``--threads`` says o
   C = 1, Poisson q = 32 / 1024), the optimizer on the numerator x, the gossip round (compress, error feedback, line 5,
   push-sum weight) and the de-biased model. The exchange hands the node back, as each in-neighbour's message, a copy
   of what it sent: the decoding work is that of a real message (the same sizes and keys), only the transfer is absent.
-* ``--memory``: every configuration in a fresh child process; its peak resident set (``ru_maxrss``) after the steps,
+* ``--memory``: every configuration in a fresh child process; its peak resident set (``ru_maxrss``) after the steps
+  and its minor page faults per timed step (a fresh model-sized buffer costs d * 4 / 4096 = 9,444 of them),
   next to a ``ddp`` child: the same non-private step inside ``torch.nn.parallel.DistributedDataParallel`` on a
   one-process gloo group (DDP's gradient buckets; no peer to all-reduce with).
 * ``--noise``: nanoseconds per coordinate of ``NoiseGenerator.normal`` (float32, 9.7M coordinates) with 1 and 2
@@ -70,8 +71,16 @@ class EchoExchange:
         return _Echo(rank, world_size)
 
 
+FAULTS: list[int] = []  # minor page faults of the process when each step ended
+
+
+def _record(times: list[float], start: float) -> None:
+    times.append(time.perf_counter() - start)
+    FAULTS.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
 def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -> list[float]:
-    """Seconds per step of ``config`` (``steps`` after ``warmup``)."""
+    """Seconds per step of ``config`` (``steps`` after ``warmup``); :data:`FAULTS` gets the page-fault counts."""
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
@@ -97,7 +106,7 @@ def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -
                 optimizer.zero_grad(set_to_none=True)
                 F.cross_entropy(net(x), y).backward()
                 optimizer.step()
-                times.append(time.perf_counter() - start)
+                _record(times, start)
                 if len(times) == steps + warmup:
                     break
         return times[warmup:]
@@ -131,7 +140,7 @@ def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -
             optimizer.step()
             gossip.step(flat.buffer)
             gossip.debias_into(flat.buffer)
-            times.append(time.perf_counter() - start)
+            _record(times, start)
             if len(times) == steps + warmup:
                 break
     return times[warmup:]
@@ -208,7 +217,9 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     times = run_steps(args.child, args.steps, args.warmup, args.width)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"config": args.child, "median_ms": statistics.median(times) * 1e3, "peak_rss_mib": peak_mib}))
+    faults = (FAULTS[-1] - FAULTS[args.warmup - 1]) / args.steps  # the timed steps (a 4 KiB page each)
+    print(json.dumps({"config": args.child, "median_ms": statistics.median(times) * 1e3, "peak_rss_mib": peak_mib,
+                      "faults": faults}))
 
 
 def run_child(config: str, args: argparse.Namespace) -> dict:
@@ -242,12 +253,14 @@ def main(argv: list[str] | None = None) -> None:
              f"load average before: {os.getloadavg()[0]:.1f}", ""]
     rows = {config: run_child(config, args) for config in (configs + (["ddp"] if args.memory else []))}
     base = rows["sgd"]["median_ms"] if "sgd" in rows else None
-    lines += ["| step | median ms | / non-private | peak RSS MiB | / DDP |", "|---|---:|---:|---:|---:|"]
+    lines += ["| step | median ms | / non-private | peak RSS MiB | / DDP | page faults per step |",
+              "|---|---:|---:|---:|---:|---:|"]
     ddp_rss = rows["ddp"]["peak_rss_mib"] if "ddp" in rows else None
     for config, row in rows.items():
         ratio = f"{row['median_ms'] / base:.2f}x" if base else "n/a"
         mem = f"{row['peak_rss_mib'] / ddp_rss:.2f}x" if ddp_rss else "n/a"
-        lines.append(f"| {config} | {row['median_ms']:.1f} | {ratio} | {row['peak_rss_mib']:.0f} | {mem} |")
+        lines.append(f"| {config} | {row['median_ms']:.1f} | {ratio} | {row['peak_rss_mib']:.0f} | {mem} | "
+                     f"{row['faults']:.0f} |")
     if args.noise:
         import torch
 
