@@ -67,8 +67,9 @@ class Workspace:
 
     def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """A 1-D tensor of ``numel`` entries, kept under ``name`` (contents undefined; re-allocated when it differs)."""
-        t = self._tensors.get(name)
-        if t is None or t.numel() != numel or t.dtype != dtype or t.device != torch.device(device):
+        t, device = self._tensors.get(name), torch.device(device)
+        elsewhere = t is not None and (t.device.type != device.type or device.index not in (None, t.device.index))
+        if t is None or t.numel() != numel or t.dtype != dtype or elsewhere:
             t = self._tensors[name] = torch.empty(numel, dtype=dtype, device=device)
         return t
 
