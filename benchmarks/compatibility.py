@@ -403,14 +403,39 @@ def step_time_ratio(case: Case, steps: int = 3) -> tuple[float, float]:
     return non_private, median_ms(lambda: (private.zero_grad(), loss(private).backward(), engine.privatize()))
 
 
-def format_table(results: dict[str, dict[str, str]], ratios: dict[str, str], args: argparse.Namespace) -> list[str]:
-    columns = [f"{s}/{m}" for s in args.strategy_list for m in args.mode_list]
-    lines = ["| model | private / non-private step (1 process) | " + " | ".join(columns) + " |",
-             "|---|---|" + "---|" * len(columns)]
+#: one symbol per cell of docs/models.md's matrix
+TRAINS, NOT_RUN = "✓", "·"
+
+
+def format_table(
+    results: dict[str, dict[str, str]], ratios: dict[str, str], args: argparse.Namespace
+) -> tuple[list[str], list[str]]:
+    """(the matrix, its footnotes): one row per model, one column per strategy holding one symbol per per-sample
+    mode (in ``args.mode_list`` order): ``✓`` trains, ``Rn`` refused and ``Fn`` fails for the reason of footnote n,
+    ``·`` not run. Each distinct reason is written once, as a footnote."""
+    reasons: dict[str, str] = {}  # reason text -> its footnote mark
+
+    def symbol(cell: str) -> str:
+        cell = " ".join(cell.replace("|", "/").split())
+        if cell == "trains":
+            return TRAINS
+        if cell in ("", "-"):
+            return NOT_RUN
+        kind = "R" if cell.startswith("refused") else "F"
+        if cell not in reasons:
+            reasons[cell] = f"{kind}{sum(r.startswith(kind) for r in reasons.values()) + 1}"
+        return reasons[cell]
+
+    lines = ["| model | private / non-private step (1 process) | " + " | ".join(args.strategy_list) + " |",
+             "|---|---|" + ":-:|" * len(args.strategy_list)]
     for name, row in results.items():
-        cells = [" ".join(row.get(c, "-").replace("|", "/").split()) for c in columns]
-        lines.append(f"| {name} | {ratios.get(name, '-')} | " + " | ".join(cells) + " |")
-    return lines
+        ratio = ratios.get(name, "-")
+        ratio = ratio if ratio == "-" or ratio[0].isdigit() else symbol(ratio)
+        cells = [" ".join(symbol(row.get(f"{s}/{m}", "-")) for m in args.mode_list) for s in args.strategy_list]
+        lines.append(f"| {name} | {ratio} | " + " | ".join(cells) + " |")
+    notes = [f"- **{mark}** {text.partition(': ')[2]}" for text, mark in sorted(reasons.items(), key=lambda item: (
+        item[1][0], int(item[1][1:])))]
+    return lines, notes
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -427,7 +452,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "models.md")
     parser.add_argument("--no-record", action="store_true", help="print only; do not write docs/models.md")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                        help="run nothing: the table of earlier runs' --json files (later ones fill in or replace)")
+                        help="run nothing: the table of earlier runs' --json files (later ones fill in or replace); "
+                        "benchmarks/compatibility.json holds the runs docs/models.md shows")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)
@@ -474,8 +500,10 @@ def main(argv: list[str] | None = None) -> None:
             for name, row in run["cells"].items():
                 results.setdefault(name, {}).update(row)
             ratios.update(run["ratios"])
-        commands = [run["command"] for run in runs] + [command_line.replace("--merge", "(tabulated by) --merge")]
-        record(results, ratios, sum(run["seconds"] for run in runs), commands, args)
+        commands = [c for run in runs for c in ([run["command"]] if isinstance(run["command"], str) else run["command"])]
+        commands.append(command_line.replace("--merge", "(tabulated by) --merge"))
+        machine = next((run["machine"] for run in runs if "machine" in run), None)
+        record(results, ratios, sum(run["seconds"] for run in runs), commands, args, machine)
         return
     zoo = cases()
     unknown = [m for m in args.model_list if m not in zoo]
@@ -505,39 +533,49 @@ def main(argv: list[str] | None = None) -> None:
     total = time.perf_counter() - started
     if args.json is not None:
         args.json.write_text(json.dumps({"cells": results, "ratios": ratios, "seconds": total,
-                                         "command": command_line}, indent=1))
+                                         "command": command_line,
+                                         "machine": [machine_line(), software_line(opacus=True)]}, indent=1))
     record(results, ratios, total, [command_line], args)
 
 
 def record(results: dict[str, dict[str, str]], ratios: dict[str, str], total: float, commands: list[str],
-           args: argparse.Namespace) -> None:
-    """Print the table and (unless ``--no-record``) write it to ``args.doc`` with the commands that measured it."""
-    table = format_table(results, ratios, args)
-    print("\n".join(table))
+           args: argparse.Namespace, machine: list[str] | None = None) -> None:
+    """Print the matrix and (unless ``--no-record``) write it to ``args.doc`` with the commands that measured it and
+    ``machine`` (the lines describing where they ran; default: this machine)."""
+    table, footnotes = format_table(results, ratios, args)
+    print("\n".join(table + [""] + footnotes))
     cells = [c for row in results.values() for c in row.values()]
     print(f"{sum(c == 'trains' for c in cells)} of {len(cells)} cells train, "
           f"{sum(c.startswith('refused') for c in cells)} refused, {sum(c.startswith('fails') for c in cells)} fail; "
           f"{total:.0f} s")
     if args.no_record:
         return
+    machine = machine or [machine_line(), software_line(opacus=True)]
+    modes = " ".join(args.mode_list)
     doc = [
         "# Models: what trains with which private strategy",
         "",
-        f"Generated on {datetime.date.today().isoformat()} ({total:.0f} s in all) by "
-        + "; ".join(f"`{c}`" for c in commands)
-        + f"; {args.steps} steps per cell on {args.devices} CPU processes (gloo), synthetic data, tiny configs. "
-        "'trains': finite loss and parameters, epsilon spent; 'refused': the library's own error before training "
-        "(its first sentence); 'fails': anything else; '-': not run. The second column is one private step "
-        "(book-keeping clipping + noise) against one non-private step (forward + backward), one process, batch 16.",
-        "",
-        f"- {machine_line()}",
-        f"- {software_line(opacus=True)}",
+        f"Each strategy's cell holds one symbol per per-sample mode, in the order **{modes}**: "
+        f"**{TRAINS}** trains (finite loss and parameters, epsilon spent), **R*n*** the library refuses the "
+        "combination before training (reason *n* below), **F*n*** anything else goes wrong (reason *n*), "
+        f"**{NOT_RUN}** not run. The second column is one private step (book-keeping clipping + noise) against one "
+        "non-private step (forward + backward), one process, batch 16.",
         "",
         *table,
+        "",
+        "Reasons (each the first sentence of the library's message):",
+        "",
+        *footnotes,
         "",
         "Notes:",
         "",
         *(f"- {name}: {text}" for name, text in NOTES.items()),
+        "",
+        f"Generated on {datetime.date.today().isoformat()} ({total:.0f} s of runs in all) by "
+        + "; ".join(f"`{c}`" for c in commands)
+        + f"; {args.steps} steps per cell on {args.devices} CPU processes (gloo), synthetic data, tiny configs.",
+        "",
+        *(f"- {line}" for line in machine),
         "",
     ]
     args.doc.write_text("\n".join(doc))

@@ -15,6 +15,7 @@ from lightning_privdec.compression import (
     RandK,
     Sign,
     TopK,
+    Workspace,
     build_compressor,
     pack_bits,
     packed_nbytes,
@@ -202,6 +203,52 @@ def test_randk_coordinates_are_uniform() -> None:
     assert ((counts - expected).abs() < 0.15 * expected).all(), counts
 
 
+def test_randk_keeps_every_coordinate_with_probability_k_over_d_when_k_does_not_divide_d() -> None:
+    """Blocks of 3 and 4 coordinates (d = 13, k = 4): the random shift evens out their sizes, so each coordinate
+    is kept with probability exactly 4/13 (a block-of-4 coordinate without the shift: 1/4)."""
+    comp, d, n = RandK(0.31), 13, 20000
+    assert comp.num_kept(d) == 4
+    counts = torch.zeros(d)
+    for key in range(n):
+        idx = comp.indices(d, key)
+        assert idx.unique().numel() == 4 and 0 <= int(idx.min()) and int(idx.max()) < d
+        counts[idx] += 1
+    expected = n * 4 / d
+    assert ((counts - expected).abs() < 4 * math.sqrt(expected)).all(), counts  # 4 sigma per coordinate
+
+
+@pytest.mark.parametrize("d", [1, 2, 9, 10, 11, 1000, 100_003])
+def test_randk_draws_k_distinct_coordinates_and_a_workspace_draws_the_same(d: int) -> None:
+    comp, workspace = RandK(0.1), Workspace()
+    for key in (0, 1, 2**62 + 7):
+        fresh = comp.indices(d, key)
+        assert fresh.numel() == comp.num_kept(d) == fresh.unique().numel()
+        assert 0 <= int(fresh.min()) and int(fresh.max()) < d
+        assert torch.equal(comp.indices(d, key, workspace=workspace), fresh)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("comp", COMPRESSORS, ids=_ids)
+def test_error_feedback_in_place_matches_encode_and_decode(comp: Compressor, dtype: torch.dtype) -> None:
+    """What the gossip calls (a reused workspace, decoded messages added in place) gives bit for bit what
+    ``encode(x - copy)`` and ``copy + decode(...)`` give, round after round."""
+    d, workspace = 100_003, Workspace()
+    copy = make_x("gaussian", d, seed=11, dtype=dtype)
+    expected_copy, received, expected_received = copy.clone(), torch.zeros(d, dtype=dtype), torch.zeros(d, dtype=dtype)
+    for key in range(3):
+        x = make_x("sparse_heavy", d, seed=key, dtype=dtype)
+        expected = comp.encode(x - expected_copy, key)
+        payload = comp.encode_feedback_(x, copy, key, workspace)
+        assert all(torch.equal(a, b) for a, b in zip(payload, expected))
+        expected_copy += comp.decode(expected, d, key, dtype=dtype)
+        assert torch.equal(copy, expected_copy)
+        assert all(torch.equal(a, b) for a, b in zip(comp.encode_difference(x, copy, key + 7, workspace),
+                                                     comp.encode(x - copy, key + 7)))
+        comp.decode_add_(payload, received, key, workspace)
+        expected_received += comp.decode(expected, d, key, dtype=dtype)
+        assert torch.equal(received, expected_received)
+
+
 def test_topk_keeps_largest_magnitudes() -> None:
     comp, d = TopK(0.1), 1000
     x = make_x("sparse_heavy", d, seed=6) + 1e-3 * make_x("gaussian", d, seed=7)  # no exact ties
@@ -381,3 +428,12 @@ def test_build_compressor_valid() -> None:
 def test_build_compressor_invalid(spec: object) -> None:
     with pytest.raises(ValueError, match=r"topk:<ratio in \(0, 1\]>.*qsgd:<bits in 1\.\.16>"):
         build_compressor(spec)
+
+
+def test_qsgd_dithering_does_not_depend_on_the_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_privdec.compression import quantizers
+
+    x = make_x("gaussian", 1001, seed=2)
+    expected = QSGD(8).encode(x, 99)
+    monkeypatch.setattr(quantizers, "_DITHER_CHUNK", 6)
+    assert all(torch.equal(a, b) for a, b in zip(QSGD(8).encode(x, 99), expected))

@@ -236,3 +236,38 @@ def test_a_copied_seeded_generator_continues_the_same_stream() -> None:
     copied, pickled = copy.deepcopy(generator), pickle.loads(pickle.dumps(generator))
     expected = generator.normal(1000, 1.0)
     assert torch.equal(copied.normal(1000, 1.0), expected) and torch.equal(pickled.normal(1000, 1.0), expected)
+
+
+def test_the_host_transform_and_the_accelerator_transform_give_the_same_draws() -> None:
+    """The host's NumPy transform and the torch transform that accelerators run (here on CPU tensors) compute the
+    same Box-Muller draws from the same keystream, to float rounding, for even and odd sizes and both widths."""
+    from lightning_privdec.privacy.noise import KeystreamBuffers, _KeyStream
+
+    key = bytes(range(32))
+    for numel, dtype in ((1000, torch.float64), (1001, torch.float64), (1001, torch.float32)):
+        host, device = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
+        _KeyStream(key, bytes(16), KeystreamBuffers("cpu"))._normal_chunk_host(host, 0.5)
+        _KeyStream(key, bytes(16), KeystreamBuffers("cpu"))._normal_chunk_device(device, 0.5)
+        tolerance = 1e-12 if dtype == torch.float64 else 2e-6
+        torch.testing.assert_close(host, device, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("secure_mode", [False, True])
+@pytest.mark.parametrize("chunk", [6, 1 << 17])
+def test_noise_added_into_pieces_is_the_one_draw_split_over_them(
+    monkeypatch: pytest.MonkeyPatch, secure_mode: bool, chunk: int
+) -> None:
+    """add_normal_ (the DP step's noise, added into each parameter's gradient chunk by chunk) gives bit for bit
+    ``normal(total)`` split over the pieces plus the scaled sums, whatever the chunk size and the pieces' sizes."""
+    from lightning_privdec.privacy import noise
+
+    monkeypatch.setattr(noise, "_CHUNK_WORDS", chunk)
+    sizes, std, scale = (5, 1, 12, 3, 40), 0.3, 0.25
+    sums = [torch.randn(n) for n in sizes]
+    expected = node_noise_generator("cpu", 4, 1, secure_mode=secure_mode).normal(sum(sizes), std).split(sizes)
+    inputs = [s.clone() for s in sums]
+    outs = [torch.empty(n) for n in sizes]
+    outs[2] = inputs[2]  # an out may be its own sum (p.grad holding the clipped sum)
+    node_noise_generator("cpu", 4, 1, secure_mode=secure_mode).add_normal_(outs, std, inputs, scale)
+    for out, noise_piece, summed in zip(outs, expected, sums):
+        assert torch.equal(out, torch.add(noise_piece, summed, alpha=scale))

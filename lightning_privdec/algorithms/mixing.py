@@ -54,7 +54,7 @@ from torch import Tensor
 
 from lightning_privdec.algorithms.consensus_step import ConsensusStep, check_consensus_step, choose_consensus_step
 from lightning_privdec.comm import Exchange, PendingRound, TensorSpec
-from lightning_privdec.compression import Compressor, Identity
+from lightning_privdec.compression import Compressor, Identity, Workspace
 from lightning_privdec.topology import Topology
 
 BROADCAST = -1  # channel id of the one public copy a node shares with all its out-neighbours on a static graph
@@ -158,9 +158,17 @@ class PushSumGossip:
         self.round = 0
         self.x = x.detach().clone()
         self.y = torch.ones(1, dtype=torch.float64, device=x.device)
-        self._reference_init = None if reference is None else reference.detach().clone()
         self.own_copies: dict[int, Tensor] = {}  # x_hat_i per channel (BROADCAST, or receiver id on time-varying graphs)
         self.neighbour_copies: dict[int, Tensor] = {}  # x_hat_j (or x_hat_ji) per in-neighbour j
+        # what the public copies start at, until they are made (at the first round, after the first backward pass
+        # and its one-off checks, or when a checkpoint is loaded): x itself in the usual case (no second vector)
+        self._copies_start: Tensor | None = None
+        self._copies_made = self.compressor is None
+        if reference is not None and not torch.equal(reference, self.x):
+            self._copies_start = reference.detach().clone()
+        elif reference is not None:
+            self._copies_start = self.x  # x is first written by the first round, after the copies are made
+        self.workspace = Workspace()  # the compressor's scratch, reused every round
         self._plans: dict[int, RoundPlan] = {}
         self.staleness = self._check_staleness(staleness)
         self.in_flight: deque[InFlight] = deque()  # overlap: posted rounds, oldest first
@@ -288,22 +296,34 @@ class PushSumGossip:
         """Which public copy of the sender an edge uses: one shared copy on a static graph, one per edge otherwise."""
         return BROADCAST if self.topology.is_static else receiver
 
-    def _copy(self, table: dict[int, Tensor], key: int, like: Tensor) -> Tensor:
-        if key not in table:
-            table[key] = torch.zeros_like(like) if self._reference_init is None else self._reference_init.clone()
-        return table[key]
+    def _make_copies(self) -> None:
+        """Every public copy this node will ever use, at the reference (or zeros): one per channel it sends on and
+        one per node it hears from over the topology's period (docs/compression.md, "Memory per neighbour")."""
+        if self._copies_made:
+            return
+        union = self.topology.union_graph()
+        receivers = [k for k in union.successors(self.rank) if k != self.rank]
+        senders = [j for j in union.predecessors(self.rank) if j != self.rank]
+        start = self._copies_start
+        for table, keys in ((self.own_copies, {self._channel(k) for k in receivers}), (self.neighbour_copies, senders)):
+            for key in sorted(keys):
+                table[key] = torch.zeros_like(self.x) if start is None else start.clone()
+        self._copies_start, self._copies_made = None, True
 
     def _compressed_round(self, x_half: Tensor, plan: RoundPlan) -> None:
+        """Lines 1-6 with no model-sized temporary: the compressor works in :attr:`workspace` and adds its decoded
+        messages into the copies in place (a sparsifier touches only the kept coordinates)."""
         assert self.compressor is not None
         d, k = x_half.numel(), self.round
-        compressor = self.compressor
+        compressor, workspace = self.compressor, self.workspace
+        self._make_copies()
+        # x is free until line 5 writes it (the strategy took x^{t+1/2} from it): the compressor's difference buffer
+        workspace.lend("difference", self.x if self.x.data_ptr() != x_half.data_ptr() else None)
         # Lines 1 and 4 (j = i): q_i = Q(x_i - x_hat_i); x_hat_i += q_i. One payload per channel.
         payloads: dict[int, list[Tensor]] = {}
         for channel in {self._channel(receiver) for receiver in plan.out_peers}:
-            own = self._copy(self.own_copies, channel, x_half)
             key = message_key(self.seed, self.rank, channel, k)
-            payloads[channel] = compressor.encode(x_half - own, key)
-            own.add_(compressor.decode(payloads[channel], d, key, dtype=x_half.dtype))
+            payloads[channel] = compressor.encode_feedback_(x_half, self.own_copies[channel], key, workspace)
         # Lines 2-3: send {q_i, y_i}; receive {q_j, y_j}.
         payload_specs = [TensorSpec(tuple(s), dt) for s, dt in compressor.payload_spec(d, x_half.dtype)]
         message_specs = payload_specs + self._weight_specs()
@@ -313,16 +333,20 @@ class PushSumGossip:
         for j in plan.in_peers:
             key = message_key(self.seed, j, self._channel(self.rank), k)
             payload = received[j][: len(payload_specs)]
-            self._copy(self.neighbour_copies, j, x_half).add_(compressor.decode(payload, d, key, dtype=x_half.dtype))
+            compressor.decode_add_(payload, self.neighbour_copies[j], key, workspace)
         # Line 5 (5' on time-varying graphs): w_i = x_i + gamma (sum_j a_ij x_hat_j - sum_k a_ki x_hat_ik),
-        # where the first sum runs over in-neighbours and the second over the copies this node sent from.
-        correction = torch.zeros_like(x_half)
+        # where the first sum runs over in-neighbours and the second over the copies this node sent from: one
+        # pass per copy, straight into x.
+        source = x_half
         for j in plan.in_peers:
-            correction.add_(self.neighbour_copies[j], alpha=plan.in_weights[j])
+            torch.add(source, self.neighbour_copies[j], alpha=self.gamma * plan.in_weights[j], out=self.x)
+            source = self.x
         for channel in payloads:
             sent_weight = sum(a for r, a in plan.out_weights.items() if self._channel(r) == channel)
-            correction.sub_(self.own_copies[channel], alpha=sent_weight)
-        torch.add(x_half, correction, alpha=self.gamma, out=self.x)
+            torch.add(source, self.own_copies[channel], alpha=-self.gamma * sent_weight, out=self.x)
+            source = self.x
+        if source is x_half:  # no neighbour this round
+            self.x.copy_(x_half)
         # Line 6: y_i = sum_j a_ij y_j (the weight travels uncompressed).
         self._mix_weights(plan, received)
 
@@ -330,6 +354,7 @@ class PushSumGossip:
     def state_dict(self) -> dict[str, Any]:
         """The node's state; with overlap it waits for the rounds in flight and keeps their messages, unmixed, so a
         resumed run mixes them at the same step as an uninterrupted one."""
+        self._make_copies()
         state = {
             "round": self.round,
             "x": self.x.detach().cpu().clone(),
@@ -350,11 +375,16 @@ class PushSumGossip:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         device = self.x.device
+        self._make_copies()  # before x changes: a copy the checkpoint lacks was never used, so it is at the start
         self.round = int(state["round"])
         self.x.copy_(state["x"].to(device))
         self.y = state["y"].to(device=device, dtype=torch.float64).clone()
-        self.own_copies = {int(c): t.to(device).clone() for c, t in state["own_copies"].items()}
-        self.neighbour_copies = {int(j): t.to(device).clone() for j, t in state["neighbour_copies"].items()}
+        for table, saved in ((self.own_copies, state["own_copies"]), (self.neighbour_copies, state["neighbour_copies"])):
+            for key, t in saved.items():
+                if int(key) in table:
+                    table[int(key)].copy_(t)
+                else:
+                    table[int(key)] = t.to(device).clone()
         self.exchange.traffic.load_state_dict(state["traffic"])
         self.in_flight = deque(
             InFlight(

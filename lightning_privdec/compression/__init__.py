@@ -12,7 +12,7 @@ Use :func:`build_compressor` to create one from a CLI-style string such as
 
 from __future__ import annotations
 
-from .base import Compressor, Identity, PayloadSpec, make_generator
+from .base import Compressor, Identity, PayloadSpec, Workspace, make_generator
 from .bits import pack_bits, packed_nbytes, unpack_bits
 from .quantizers import QSGD, Sign
 from .sparsifiers import RandK, TopK
@@ -25,6 +25,7 @@ __all__ = [
     "QSGD",
     "Sign",
     "PayloadSpec",
+    "Workspace",
     "build_compressor",
     "make_generator",
     "pack_bits",

@@ -11,12 +11,15 @@ Decentralized error-feedback schemes (CHOCO-SGD, Koloskova et al. 2019, Eq. (4)
 where CHOCO writes the same condition as ``(1 - delta) ||x||^2`` with
 ``delta = 1 - omega^2``. :meth:`Compressor.omega2` returns that constant.
 
-Randomness (RandK's coordinates, QSGD's dithering) is seeded with a ``key`` that
-sender and receiver agree on for a given (sender, round), so indices never
-travel. It comes from NumPy's PCG64 for CPU tensors (much faster than torch's
-CPU generator) and from a ``torch.Generator`` on the device otherwise, so the
-two streams differ for the same key: sender and receiver of one message must
-use the same device type (and the same NumPy / torch versions).
+Randomness (RandK's coordinates, QSGD's dithering) comes from the ChaCha20
+keystream under a ``key`` that sender and receiver agree on for a given
+(sender, channel, round) (:func:`public_stream`), so indices never travel. It is
+made on the host, so every device type and library version draws the same
+values for the same key. It is public: message keys are not secret.
+
+A node that gossips keeps one :class:`Workspace` and passes it to
+:meth:`Compressor.encode_feedback_` and :meth:`Compressor.decode_add_`: error
+feedback then runs in place, without a vector of the model's size per round.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import math
 from collections.abc import Sequence
 
 import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-__all__ = ["Compressor", "Identity", "PayloadSpec", "make_generator", "seed_of"]
+__all__ = ["Compressor", "Identity", "PayloadSpec", "Workspace", "make_generator", "public_stream", "public_words",
+           "seed_of"]
 
 #: Shapes and dtypes of payload tensors, in wire order.
 PayloadSpec = list[tuple[tuple[int, ...], torch.dtype]]
@@ -47,6 +52,70 @@ def make_generator(key: int, device: torch.device | str) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed_of(key))
     return gen
+
+
+class Workspace:
+    """Named scratch tensors that one caller (one gossiping node) reuses from step to step.
+
+    Compressors shared by several simulated nodes must not keep per-call scratch themselves (the nodes run in
+    threads), so the caller owns one workspace and passes it to :meth:`Compressor.encode_difference` and
+    :meth:`Compressor.decode_add_`. A fresh model-sized tensor per step costs its page faults every time.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` entries, kept under ``name`` (contents undefined; re-allocated when it differs)."""
+        t, device = self._tensors.get(name), torch.device(device)
+        elsewhere = t is not None and (t.device.type != device.type or device.index not in (None, t.device.index))
+        if t is None or t.numel() != numel or t.dtype != dtype or elsewhere:
+            t = self._tensors[name] = torch.empty(numel, dtype=dtype, device=device)
+        return t
+
+    def lend(self, name: str, tensor: torch.Tensor | None) -> None:
+        """Use the caller's ``tensor`` (free for now) as the buffer ``name``; ``None`` takes the loan back."""
+        if tensor is None:
+            self._tensors.pop(name, None)
+        else:
+            self._tensors[name] = tensor
+
+    def zeros(self, nbytes: int) -> bytes:
+        """``nbytes`` zero bytes to encrypt into a keystream (calloc'd: costs no memory until written)."""
+        z = getattr(self, "_zeros", b"")
+        if len(z) < nbytes:
+            z = self._zeros = bytes(nbytes)
+        return memoryview(z)[:nbytes]
+
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+
+_STREAM_DOMAIN = b"lightning_privdec/compression/v2"  # 32 bytes: the key's last 24 bytes
+
+
+def public_stream(key: int):  # noqa: ANN201
+    """The ChaCha20 keystream (an encryptor of zeros) under the 256-bit key (63-bit seed, domain tag), nonce 0:
+    public randomness that only depends on ``key``, which sender and receiver of a message share (message keys are
+    not secret). OpenSSL's ChaCha20 makes ~0.2 ns per byte, several times NumPy's PCG64."""
+    cipher_key = seed_of(key).to_bytes(8, "little") + _STREAM_DOMAIN[8:]
+    return Cipher(algorithms.ChaCha20(cipher_key, bytes(16)), mode=None).encryptor()
+
+
+def public_words(
+    key: int, n: int, workspace: Workspace | None = None, stream: object | None = None, name: str = "public_words"
+) -> torch.Tensor:
+    """The next ``n`` 64-bit words (int64, on the host) of ``stream`` (default: a new :func:`public_stream` of
+    ``key``). With ``workspace`` they are written into its buffer ``name`` (valid until that buffer's next use)."""
+    encryptor = stream if stream is not None else public_stream(key)
+    if workspace is None:
+        raw = bytearray(8 * n)
+        encryptor.update_into(bytes(8 * n), raw)  # type: ignore[attr-defined]
+        return torch.frombuffer(raw, dtype=torch.int64)
+    words = workspace.get(name, n, torch.int64, "cpu")
+    encryptor.update_into(workspace.zeros(8 * n), memoryview(words.numpy()).cast("B"))  # type: ignore[attr-defined]
+    return words
 
 
 def _check_dim(d: int) -> None:
@@ -98,6 +167,36 @@ class Compressor(abc.ABC):
             math.prod(shape) * torch.empty((), dtype=dt).element_size()
             for shape, dt in self.payload_spec(d, dtype)
         )
+
+    def encode_difference(
+        self, x: torch.Tensor, reference: torch.Tensor, key: int, workspace: Workspace | None = None
+    ) -> list[torch.Tensor]:
+        """``encode(x - reference, key)`` (error feedback's line 1), the difference in ``workspace`` when given.
+        Sparsifiers that choose coordinates without looking at the values read only the kept ones."""
+        if workspace is None:
+            return self.encode(x - reference, key)
+        difference = workspace.get("difference", x.numel(), x.dtype, x.device)
+        return self.encode(torch.sub(x, reference, out=difference), key)
+
+    def decode_add_(
+        self,
+        payload: Sequence[torch.Tensor],
+        out: torch.Tensor,
+        key: int,
+        workspace: Workspace | None = None,
+    ) -> torch.Tensor:
+        """``out += decode(payload, len(out), key, out.dtype)`` in place (error feedback's line 4), with the same
+        rounding as that addition; sparsifiers touch only the kept coordinates. Returns ``out``."""
+        return out.add_(self.decode(payload, out.numel(), key, dtype=out.dtype))
+
+    def encode_feedback_(
+        self, x: torch.Tensor, copy: torch.Tensor, key: int, workspace: Workspace | None = None
+    ) -> list[torch.Tensor]:
+        """Error feedback's lines 1 and 4 at the sender: ``q = Q(x - copy)``, then ``copy += q`` in place; returns
+        the payload of ``q``. The same values and rounding as :meth:`encode_difference` then :meth:`decode_add_`."""
+        payload = self.encode_difference(x, copy, key, workspace)
+        self.decode_add_(payload, copy, key, workspace)
+        return payload
 
     def compress(self, x: torch.Tensor, key: int) -> torch.Tensor:
         """``Q(x)``, i.e. ``decode(encode(x, key), len(x), key, x.dtype)``."""

@@ -12,9 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-import numpy as np
 
-from .base import Compressor, PayloadSpec, _check_dim, make_generator, seed_of
+from .base import Compressor, PayloadSpec, Workspace, _check_dim, public_words
 
 __all__ = ["TopK", "RandK"]
 
@@ -22,6 +21,7 @@ __all__ = ["TopK", "RandK"]
 _FLOOR_EPS = 1e-9
 # TopK looks for its k-th largest magnitude in a strided sample of this many elements before the exact top-k
 _TOPK_SAMPLE = 16384
+_MASK_53 = (1 << 53) - 1
 
 
 def _check_ratio(ratio: float, cls: str) -> float:
@@ -76,6 +76,23 @@ class TopK(_Sparsifier):
         idx = self.kept_indices(x.abs(), self.num_kept(x.numel()))
         return [x[idx], idx.to(torch.int32)]
 
+    def encode_difference(
+        self, x: torch.Tensor, reference: torch.Tensor, key: int, workspace: Workspace | None = None
+    ) -> list[torch.Tensor]:
+        if workspace is None:
+            return self.encode(x - reference, key)
+        difference = torch.sub(x, reference, out=workspace.get("difference", x.numel(), x.dtype, x.device))
+        magnitudes = torch.abs(difference, out=workspace.get("magnitude", x.numel(), x.dtype, x.device))
+        idx = self.kept_indices(magnitudes, self.num_kept(x.numel()))
+        return [difference[idx], idx.to(torch.int32)]
+
+    def decode_add_(
+        self, payload: Sequence[torch.Tensor], out: torch.Tensor, key: int, workspace: Workspace | None = None
+    ) -> torch.Tensor:
+        self._check_payload(payload, out.numel(), out.dtype)
+        values, idx = payload
+        return out.index_add_(0, idx, values)  # distinct indices: out[i] + v_i, the rounding of out + decode(...)
+
     @staticmethod
     def kept_indices(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
         """Indices of the k largest ``magnitudes`` (unsorted): an exact top-k.
@@ -110,21 +127,25 @@ class TopK(_Sparsifier):
 
 
 class RandK(_Sparsifier):
-    """Keep k coordinates drawn uniformly without replacement, WITHOUT 1/ratio rescaling.
+    """Keep k random coordinates, WITHOUT 1/ratio rescaling: the biased, contractive rand_k of CHOCO-SGD (Koloskova
+    et al. 2019, Sec. 3) / DP-CSGP's rand_a, ``E||Q(x) - x||^2 = (1 - k/d) ||x||^2``.
 
-    This is the biased, contractive rand_k of CHOCO-SGD (Koloskova et al. 2019,
-    Sec. 3) / DP-CSGP's rand_a: ``E||Q(x) - x||^2 = (1 - k/d) ||x||^2``.
+    The draw (a *rotated stratified* sample, O(k)): the coordinates are cut into k consecutive blocks
+    ``[floor(j d / k), floor((j + 1) d / k))`` of ``floor(d/k)`` or ``ceil(d/k)`` coordinates; one uniform offset
+    per block picks one coordinate in it; a uniform cyclic shift ``c`` in ``[0, d)`` then moves every pick to
+    ``(pick + c) mod d``. Every coordinate is kept with probability ``k/d`` (the shift puts it in block b with
+    probability ``size_b / d``, and b keeps it with probability ``1 / size_b``), which is all the contraction above
+    needs: ``E||Q(x) - x||^2 = sum_i P(i dropped) x_i^2`` (up to the offsets' rounding below). The k coordinates
+    are distinct and spread over the whole vector (one per block), and the list is a rotation of an ascending list,
+    so gathers and scatters run through memory in order. The shift is ``floor(u d)`` of a 53-bit uniform u, the offsets ``floor(r size / 2^b)`` of
+    b-bit uniform integers r (int32 arithmetic with b >= 24 for blocks of up to 127 coordinates, else int64 with
+    b <= 53): each offset's probability is within ``size 2^-b`` of ``1 / size`` relative, which :meth:`omega2`
+    accounts for (RandK(0.1) on 9.7M coordinates: 8e-8).
 
-    The coordinates are a uniformly random k-subset of ``range(d)`` drawn from a
-    generator seeded with ``key``; the receiver regenerates them from the same key,
-    so only the k values travel. Payload: ``[values (k,) x.dtype]``.
-
-    On CPU the subset comes from NumPy's ``Generator.choice(d, k, replace=False)``
-    (PCG64 seeded with ``key``; Floyd's algorithm, O(k) for k << d) and travels in
-    ascending index order, on other devices from ``torch.randperm(d)[:k]`` on the
-    device (O(d)). CPU and CUDA
-    therefore pick different coordinates for the same key, so both ends must use
-    the same device type, and the same NumPy (resp. torch) version.
+    The randomness is the message's public keystream (:func:`~.base.public_words`, ChaCha20 keyed by ``key``, which
+    sender and receiver agree on), so only the k values travel: ``[values (k,) x.dtype]``; a receiver's draw costs
+    about as much as adding the k values in. The keystream is made on the host, so every device type picks the
+    same coordinates for the same key.
     """
 
     name = "randk"
@@ -132,30 +153,60 @@ class RandK(_Sparsifier):
     def __init__(self, ratio: float) -> None:
         super().__init__(ratio)
         self._last_indices: tuple[tuple[int, int, str], torch.Tensor] | None = None
+        self._blocks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
-    def indices(self, d: int, key: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The k kept coordinates (int64, unsorted) for a d-vector and ``key`` on ``device``.
+    def _block_table(self, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(first coordinate, size) of each of the k blocks, kept per (d, device), and the bits b of the offsets'
+        uniforms. int32 (8 k bytes, uniforms of b = 31 - bits(largest block) >= 24 bits, so that ``r size`` and
+        every index fit) while d < 2^30 and blocks hold at most 127 coordinates; else int64 and b <= 53."""
+        table = self._blocks.get((d, str(device)))
+        if table is None:
+            k = self.num_kept(d)
+            bounds = torch.div(torch.arange(k + 1, dtype=torch.int64, device=device) * d, k, rounding_mode="floor")
+            largest = (-(-d // k)).bit_length()
+            narrow = d < 2**30 and 31 - largest >= 24
+            dtype, bits = (torch.int32, 31 - largest) if narrow else (torch.int64, min(53, 63 - largest))
+            table = (bounds[:-1].to(dtype), (bounds[1:] - bounds[:-1]).to(dtype), bits)
+            self._blocks[(d, str(device))] = table  # one assignment: safe when simulated nodes share the compressor
+        return table
 
-        The last draw is remembered, so a sender's encode and its own decode of the same message (error feedback)
-        pay for one permutation, not two.
-        """
-        cache_key = (d, key, str(torch.device(device)))
-        last = self._last_indices  # one read: safe when simulated nodes share the compressor across threads
-        if last is not None and last[0] == cache_key:
-            return last[1]
+    def omega2(self, d: int) -> float:
+        """``1 - k/d``, less the offsets' rounding: every coordinate is kept with probability at least
+        ``k/d (1 - ceil(d/k) 2^-b)`` (b >= 24 bits, the class docstring), so ``1 - k/d (1 - ceil(d/k) 2^-b)``."""
         k = self.num_kept(d)
-        if torch.device(device).type == "cpu":
-            chosen = np.random.default_rng(seed_of(key)).choice(d, size=k, replace=False, shuffle=False)
-            if 16 * k < d:
-                chosen.sort()
-            else:  # ascending order through a mask, O(d): sequential gathers and scatters cost less than a sort saves
-                mask = np.zeros(d, dtype=bool)
-                mask[chosen] = True
-                chosen = np.flatnonzero(mask)
-            idx = torch.from_numpy(chosen.astype(np.int64, copy=False))
-        else:
-            idx = torch.randperm(d, generator=make_generator(key, device), device=device)[:k]
-        self._last_indices = (cache_key, idx)
+        _, _, bits = self._block_table(d, torch.device("cpu"))
+        return 1.0 - k / d * (1.0 - (-(-d // k)) * 2.0**-bits)
+
+    def indices(
+        self, d: int, key: int, device: torch.device | str = "cpu", workspace: Workspace | None = None
+    ) -> torch.Tensor:
+        """The k kept coordinates (int32 or int64: :meth:`_block_table`) for a d-vector and ``key`` on ``device``.
+
+        Without ``workspace`` the result is a fresh tensor and the last draw is remembered (a sender's encode and its
+        own decode of one message draw once); with one it is written into the workspace's reused buffers (valid
+        until the next draw with that workspace).
+        """
+        device = torch.device(device)
+        cache_key = (d, key, str(device))
+        if workspace is None:
+            last = self._last_indices  # one read: safe when simulated nodes share the compressor across threads
+            if last is not None and last[0] == cache_key:
+                return last[1]
+        k = self.num_kept(d)
+        starts, sizes, bits = self._block_table(d, device)
+        per_word = 8 // starts.element_size()  # uniforms per 64-bit keystream word
+        # the message's public keystream: one word for the shift, then one uniform per block
+        words = public_words(key, 1 + -(-k // per_word), workspace)
+        shift = (int(words[0]) & _MASK_53) * d >> 53  # floor(u d), u a 53-bit uniform
+        offsets = words[1:].view(starts.dtype)[:k].bitwise_and_((1 << bits) - 1)  # b-bit uniform integers r
+        if device != offsets.device:
+            offsets = offsets.to(device, non_blocking=True)
+        # floor(r size / 2^b) < size, in place; then the block's first coordinate and the shift (all below 2^31)
+        idx = offsets.mul_(sizes).bitwise_right_shift_(bits).add_(starts).add_(shift)
+        wrapped = int(torch.searchsorted(idx, d))  # ascending before the wrap: the picks past d are a tail
+        idx[wrapped:].sub_(d)
+        if workspace is None:
+            self._last_indices = (cache_key, idx)
         return idx
 
     def payload_spec(self, d: int, dtype: torch.dtype = torch.float32) -> PayloadSpec:
@@ -165,6 +216,28 @@ class RandK(_Sparsifier):
         x = self._check_input(x)
         idx = self.indices(x.numel(), key, x.device)
         return [x[idx]]
+
+    def encode_difference(
+        self, x: torch.Tensor, reference: torch.Tensor, key: int, workspace: Workspace | None = None
+    ) -> list[torch.Tensor]:
+        """``encode(x - reference)`` reading only the k kept coordinates of each."""
+        idx = self.indices(x.numel(), key, x.device, workspace)
+        return [torch.index_select(x, 0, idx).sub_(torch.index_select(reference, 0, idx))]
+
+    def decode_add_(
+        self, payload: Sequence[torch.Tensor], out: torch.Tensor, key: int, workspace: Workspace | None = None
+    ) -> torch.Tensor:
+        self._check_payload(payload, out.numel(), out.dtype)
+        idx = self.indices(out.numel(), key, out.device, workspace)
+        return out.index_add_(0, idx, payload[0])  # distinct indices: out[i] + v_i, the rounding of out + decode(...)
+
+    def encode_feedback_(
+        self, x: torch.Tensor, copy: torch.Tensor, key: int, workspace: Workspace | None = None
+    ) -> list[torch.Tensor]:
+        idx = self.indices(x.numel(), key, x.device, workspace)  # drawn once for both lines
+        values = torch.index_select(x, 0, idx).sub_(torch.index_select(copy, 0, idx))
+        copy.index_add_(0, idx, values)
+        return [values]
 
     def decode(
         self,

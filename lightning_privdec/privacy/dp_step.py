@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_privdec.tensors import split_like
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator
 from lightning_privdec.privacy.rounding import norm_upper_bound, sum_rounding
@@ -84,23 +83,22 @@ def _noise_and_scale_into_grads(
     """p.grad <- (clipped sum + N(0, sigma^2 C^2 I)) / (q J) for every parameter; returns the noise std sigma C.
 
     Computed as ``N(0, (sigma C / qJ)^2 I) + clipped sum / qJ`` in one pass per parameter, into the existing
-    ``p.grad`` where it fits (a clipped sum may BE ``p.grad``), with the noise in the generator's kept output vector:
-    a step allocates nothing of the model's size."""
+    ``p.grad`` where it fits (a clipped sum may BE ``p.grad``), the noise added chunk by chunk as it is drawn
+    (:meth:`NoiseGenerator.add_normal_`): a step allocates nothing of the model's size and keeps no noise vector."""
     std = noise_multiplier * max_grad_norm
     scale = 1.0 / expected_batch_size
-    noise: Tensor | None = None
-    if std > 0:
-        total = sum(p.numel() for p in params)
-        noise = generator.normal(total, std * scale, params[0].dtype, params[0].device, reuse_output=True)
-    noises = split_like(noise, params) if noise is not None else [None] * len(params)
-    for p, summed, noise_p in zip(params, clipped_sums, noises):
+    grads = []
+    for p in params:
         grad = p.grad
         if grad is None or grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
             grad = torch.empty_like(p)
-        if noise_p is not None:
-            torch.add(noise_p.to(p.device, p.dtype), summed, alpha=scale, out=grad)
-        else:
+        grads.append(grad if grad.is_contiguous() else torch.empty_like(p, memory_format=torch.contiguous_format))
+    if std > 0:
+        generator.add_normal_(grads, std * scale, clipped_sums, scale)
+    else:
+        for grad, summed in zip(grads, clipped_sums):
             torch.mul(summed, scale, out=grad)
+    for p, grad in zip(params, grads):
         p.grad = grad
     return std
 

@@ -15,19 +15,22 @@ the number of draws (``get_state``). The keystream's 64-bit words become 53-bit 
 [0, 1), then
 
 * standard normals by Box-Muller: ``sqrt(-2 log(1 - u1)) (cos 2 pi u2, sin 2 pi u2)``. The radius, which sets the
-  tails (up to sqrt(2 ln 2^53) ~ 8.6 sigma) and the density near 0, is always computed in float64. float64 draws
-  are computed in float64 and rounded once; for float32 and narrower ones the angle's cosine and sine are computed
-  in float32 (about 40% less time for that part): each entry is then within ``r 2^-21`` (the angle's rounding)
-  plus two float32 ulps of the float64 draw;
+  tails (up to sqrt(2 ln 2^53) ~ 8.6 sigma) and the density near 0, is always computed in float64 up to its
+  square ``-2 log(1 - u1)``. float64 draws are computed in float64 and rounded once; for float32 and narrower ones
+  the square root, the angle and its cosine and sine are computed in float32 (a third of the time for that part):
+  each entry is then within ``r 2^-21`` (the angle's rounding) plus two float32 ulps of the float64 draw;
 * Laplace(b) as ``b (E1 - E2)`` with ``E = -log(1 - u) ~ Exp(1)``;
 * Bernoulli(q) as ``u < q`` (Poisson sampling).
 
 ``secure_mode=True`` adds Opacus's mitigation of floating-point attacks on the Gaussian sampler (Holohan and Braghin
 2021, "Secure Random Sampling in Differential Privacy", Sec. 5.1, as in Opacus's ``_generate_noise``): each noise
 coordinate is the sum of four draws divided by 2, at four times the sampling cost. The keystream is produced on the
-host in chunks and transformed on the target device; buffers are reused across chunks and draws, and a caller that
-draws the same size every step can reuse the output too (``normal(..., reuse_output=True)``; a fresh 45 MB vector
-costs ~15 ms of page faults per step). ``benchmarks/step_time.py --noise-only`` times it against ``torch.randn``.
+host in chunks of 1 MiB (its buffers stay in the core's cache) and transformed there by NumPy (SIMD logarithm, sine
+and cosine, one thread: more intra-op threads never slow it down) or, for another device, by torch on that device;
+buffers are reused across chunks and draws, and a caller that draws the same size every step can reuse the output
+too (``normal(..., reuse_output=True)``; a fresh 45 MB vector costs ~15 ms of page faults per step), or add the noise
+straight into its gradients (:meth:`NoiseGenerator.add_normal_`). ``benchmarks/private_step.py`` times it in ns per
+coordinate against ``torch.randn`` with 1 and 2 threads.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from torch import Tensor
@@ -58,8 +63,11 @@ def seed_caveat(seed: int | None) -> str:
 
 KEY_BYTES = 32  #: 256-bit keys
 _SEED_DOMAIN = b"lightning_privdec.privacy.noise"
-_CHUNK_WORDS = 1 << 19  # 64-bit words per keystream chunk (4 MiB): bounds host memory, keeps the buffers warm
+_CHUNK_WORDS = 1 << 17  # 64-bit words per keystream chunk (1 MiB): the chunk's buffers stay in the core's cache
 _MASK_53 = (1 << 53) - 1
+#: torch runs an elementwise op of fewer elements than its grain size (32768) on the calling thread: pieces this
+#: small never wait for intra-op threads that another process keeps busy
+_SERIAL = 1 << 15
 _SCRATCH = ("_buffers", "_work", "_out")  # a generator's reused buffers: never pickled nor copied
 
 
@@ -80,6 +88,8 @@ class KeystreamBuffers:
             self.uniform = torch.empty(words, dtype=torch.float64, device=self.device)
             self.pair_work = torch.empty(3, (words + 1) // 2, dtype=torch.float64, device=self.device)
             self.pair_work32 = torch.empty(3, (words + 1) // 2, dtype=torch.float32, device=self.device)
+            if self.device.type == "cpu":  # half-precision draws are made in float32, then rounded
+                self.out32 = torch.empty(words, dtype=torch.float32)
             self.size = words
 
 
@@ -105,31 +115,77 @@ class _KeyStream:
     def standard_normal_into(self, out: Tensor, scale: float = 1.0) -> Tensor:
         """Fill the flat floating tensor ``out`` with ``scale`` times standard normals, chunk by chunk: Box-Muller,
         pairs of uniforms give ``r cos t, r sin t``, interleaved. ``r`` in float64; ``cos t, sin t`` and the
-        products in float64 for a float64 ``out`` (rounded once), else in float32 (the module docstring)."""
-        numel, wide = out.numel(), out.dtype == torch.float64
+        products in float64 for a float64 ``out`` (rounded once), else ``t`` and its cosine and sine in float32 (the
+        module docstring). On the host the transform runs in NumPy (its SIMD logarithm, sine and cosine are 2-3x
+        torch's on one core, and it never spreads a chunk over threads that may be busy); on other devices in torch.
+        """
+        numel = out.numel()
         for start in range(0, numel, _CHUNK_WORDS):
             m = min(_CHUNK_WORDS, numel - start)
-            pairs = (m + 1) // 2
-            u = self.uniform(2 * pairs).view(pairs, 2)
-            radius, theta, cosine = self._buffers.pair_work[:, :pairs]  # reused: no allocation per chunk
-            torch.neg(u[:, 0], out=radius)
-            radius.log1p_().mul_(-2.0).sqrt_()  # log(1 - u1), 1 - u1 in (0, 1]: finite, tail up to ~8.6 sigma
-            if scale != 1.0:
-                radius.mul_(scale)
-            if not wide:  # the angle in float32: its cosine and sine cost half as much
-                radius32, theta, cosine = self._buffers.pair_work32[:, :pairs]
-                radius = radius32.copy_(radius)
-            torch.mul(u[:, 1], 2.0 * math.pi, out=theta)
-            torch.cos(theta, out=cosine)
-            theta.sin_()
-            if m % 2 == 0:
-                block = out[start : start + m].view(pairs, 2)
-                torch.mul(radius, cosine, out=block[:, 0])
-                torch.mul(radius, theta, out=block[:, 1])
-            else:  # the last odd entry: the pair's sine is dropped
-                both = torch.stack((radius * cosine, radius * theta), dim=1).view(-1)
-                out[start : start + m].copy_(both[:m])
+            if self._buffers.device.type == "cpu":
+                self._normal_chunk_host(out[start : start + m], scale)
+            else:
+                self._normal_chunk_device(out[start : start + m], scale)
         return out
+
+    def _words(self, n: int) -> np.ndarray:
+        """The next ``n`` keystream words as 53-bit integers (int64, a view of the reused host buffer)."""
+        b = self._buffers
+        b.reserve(n)
+        self._encryptor.update_into(memoryview(b.zeros)[: 8 * n], b.raw)
+        words = b.words.numpy()[:n]
+        np.right_shift(words.view(np.uint64), 11, out=words.view(np.uint64))  # the top 53 bits, as uniform()
+        return words
+
+    def _normal_chunk_host(self, out: Tensor, scale: float) -> None:
+        m = out.numel()
+        pairs = (m + 1) // 2
+        words = self._words(2 * pairs)
+        b = self._buffers
+        radius = b.pair_work[0, :pairs].numpy()
+        np.multiply(words[0::2], -(2.0**-53), out=radius)  # -u1, exact
+        np.log1p(radius, out=radius)  # log(1 - u1), 1 - u1 in (0, 1]: finite, tail up to ~8.6 sigma
+        np.multiply(radius, -2.0 * scale * scale, out=radius)  # the squared radius, in float64
+        wide = out.dtype == torch.float64
+        if wide:
+            np.sqrt(radius, out=radius)
+        else:  # its square root in float32 (NumPy's float64 one costs 3x): one more float32 rounding
+            radius32 = b.pair_work32[0, :pairs].numpy()
+            radius32[...] = radius
+            radius = np.sqrt(radius32, out=radius32)
+        work = b.pair_work if wide else b.pair_work32
+        theta, cosine = work[1, :pairs].numpy(), work[2, :pairs].numpy()
+        np.multiply(words[1::2], 2.0 * math.pi * 2.0**-53, out=theta, casting="same_kind")  # u2 2 pi, rounded once
+        np.cos(theta, out=cosine)
+        np.sin(theta, out=theta)
+        native = out.dtype in (torch.float32, torch.float64)
+        target = out.numpy() if native else b.out32[:m].numpy()
+        np.multiply(radius, cosine, out=target[0::2])
+        np.multiply(radius[: m // 2], theta[: m // 2], out=target[1::2])  # an odd m drops the last pair's sine
+        if not native:
+            out.copy_(b.out32[:m])
+
+    def _normal_chunk_device(self, out: Tensor, scale: float) -> None:
+        m, wide = out.numel(), out.dtype == torch.float64
+        pairs = (m + 1) // 2
+        u = self.uniform(2 * pairs).view(pairs, 2)
+        radius, theta, cosine = self._buffers.pair_work[:, :pairs]  # reused: no allocation per chunk
+        torch.neg(u[:, 0], out=radius)
+        radius.log1p_().mul_(-2.0).sqrt_()
+        if scale != 1.0:
+            radius.mul_(scale)
+        if not wide:  # the angle in float32: its cosine and sine cost half as much
+            radius32, theta, cosine = self._buffers.pair_work32[:, :pairs]
+            radius = radius32.copy_(radius)
+        torch.mul(u[:, 1], 2.0 * math.pi, out=theta)
+        torch.cos(theta, out=cosine)
+        theta.sin_()
+        if m % 2 == 0:
+            block = out.view(pairs, 2)
+            torch.mul(radius, cosine, out=block[:, 0])
+            torch.mul(radius, theta, out=block[:, 1])
+        else:  # the last odd entry: the pair's sine is dropped
+            out.copy_(torch.stack((radius * cosine, radius * theta), dim=1).view(-1)[:m])
 
 
 def keyed_standard_normal(
@@ -211,21 +267,59 @@ class NoiseGenerator:
         generator's device and then moved to ``device`` if given. With ``secure_mode`` each entry is
         (z1 + z2 + z3 + z4) / 2 of four draws. ``reuse_output=True`` writes into a vector the generator keeps (valid
         until its next ``reuse_output`` draw): a DP step's noise is not re-allocated every step."""
-        stream = self._stream()
         out = self._output(numel, dtype) if reuse_output else torch.empty(numel, dtype=dtype, device=self.device)
-        if not self.secure_mode:
-            stream.standard_normal_into(out, std)
-        else:
+        for _ in self._normal_chunks(numel, std, out):
+            pass
+        return out if device is None else out.to(device)
+
+    def add_normal_(self, outs: Sequence[Tensor], std: float, sums: Sequence[Tensor], sums_scale: float) -> None:
+        """``out = N(0, std^2 I) + sums_scale * sum`` for each ``(out, sum)`` pair, the noise being ONE draw of
+        ``sum(out.numel())`` entries split over the ``outs`` in order: bit for bit what :meth:`normal` (same std and
+        dtype) followed by ``torch.add(noise, sum, alpha=sums_scale, out=out)`` per piece gives, without the
+        model-sized noise vector (each chunk is added while it is in the cache, in pieces that torch runs on this
+        thread). ``outs`` are contiguous tensors of one dtype; an ``out`` may be its ``sum``."""
+        total = sum(o.numel() for o in outs)
+        flat_outs = [o.view(-1) for o in outs]
+        flat_sums = [t.reshape(-1) for t in sums]
+        piece, offset = 0, 0  # the piece holding chunk position `start`, and where that piece starts
+        for start, chunk in self._normal_chunks(total, std, self._chunk(outs[0].dtype)):
+            end, position = start + chunk.numel(), start
+            while position < end:
+                while offset + flat_outs[piece].numel() <= position:
+                    offset += flat_outs[piece].numel()
+                    piece += 1
+                stop = min(end, offset + flat_outs[piece].numel(), position + _SERIAL)
+                target = flat_outs[piece][position - offset : stop - offset]
+                noise = chunk[position - start : stop - start].to(target.device)
+                torch.add(noise, flat_sums[piece][position - offset : stop - offset], alpha=sums_scale, out=target)
+                position = stop
+
+    def _chunk(self, dtype: torch.dtype) -> Tensor:
+        """A reused buffer of one chunk of ``dtype`` (for :meth:`add_normal_`)."""
+        if self._out is None or self._out.dtype != dtype or self._out.numel() < _CHUNK_WORDS:
+            self._out = torch.empty(_CHUNK_WORDS, dtype=dtype, device=self.device)
+        return self._out
+
+    def _normal_chunks(self, numel: int, std: float, out: Tensor) -> Iterator[tuple[int, Tensor]]:
+        """One Gaussian draw of ``numel`` entries, chunk by chunk: yields ``(start, entries start..)`` written into
+        ``out`` (the whole vector, or one chunk's buffer that every chunk reuses)."""
+        stream = self._stream()
+        whole = out.numel() >= numel
+        if self.secure_mode:
             work = self._workspace(numel)
             chunk = min(numel, _CHUNK_WORDS)
             total, extra = work[:chunk], work[chunk : 2 * chunk]
-            for start in range(0, numel, _CHUNK_WORDS):
-                m = min(_CHUNK_WORDS, numel - start)
+        for start in range(0, numel, _CHUNK_WORDS):
+            m = min(_CHUNK_WORDS, numel - start)
+            target = out[start : start + m] if whole else out[:m]
+            if not self.secure_mode:
+                stream.standard_normal_into(target, std)
+            else:
                 z = stream.standard_normal_into(total[:m])
                 for _ in range(3):
                     z.add_(stream.standard_normal_into(extra[:m]))
-                out[start : start + m].copy_(z.mul_(0.5 * std))
-        return out if device is None else out.to(device)
+                target.copy_(z.mul_(0.5 * std))
+            yield start, target
 
     def laplace(
         self, numel: int, scale: float, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None
