@@ -40,6 +40,16 @@ RESUME_NOISE = ("auto", "recalibrate", "keep")
 MAX_TIME_WARMUP_STEPS = 5
 
 
+def _stop_every_node_on(problem: PrivacyConfigError | None) -> None:
+    """One node's configuration error stops every node here, with its message, instead of leaving the others
+    waiting for it (every node calls this at the same point)."""
+    failed = [(r, m) for r, m in enumerate(gather_from_nodes(problem and str(problem))) if m is not None]
+    if problem is not None:
+        raise problem
+    if failed:
+        raise PrivacyConfigError(f"node {failed[0][0]} cannot train privately, so no node starts: {failed[0][1]}")
+
+
 def _max_time_timer(trainer: pl.Trainer) -> Timer | None:
     """The Timer that ``Trainer(max_time=...)`` installs, if any."""
     return next((c for c in trainer.callbacks if isinstance(c, Timer) and c._duration is not None), None)
@@ -259,13 +269,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             self.check_plan()
         except PrivacyConfigError as exc:
             problem = exc
-        # one node's configuration error stops every node here, with its message, instead of leaving the others
-        # waiting for it
-        failed = [(r, m) for r, m in enumerate(gather_from_nodes(problem and str(problem))) if m is not None]
-        if problem is not None:
-            raise problem
-        if failed:
-            raise PrivacyConfigError(f"node {failed[0][0]} cannot train privately, so no node starts: {failed[0][1]}")
+        _stop_every_node_on(problem)
         if self.privacy_parameters.target_epsilon is not None:  # a later fit may have budget left (a longer plan)
             spent = self.reduce_boolean_decision(self.privacy.next_step_exceeds_budget(), all=False)
             if not spent:
@@ -381,11 +385,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             self.privacy.check_examples(partial(self.user_backward, train=None))
         except PrivacyConfigError as exc:
             problem = exc
-        failed = [(r, m) for r, m in enumerate(gather_from_nodes(problem and str(problem))) if m is not None]
-        if problem is not None:
-            raise problem
-        if failed:
-            raise PrivacyConfigError(f"node {failed[0][0]} cannot train privately, so no node starts: {failed[0][1]}")
+        _stop_every_node_on(problem)
 
     def user_backward(self, batch: Any, train: bool | None = True) -> bool:
         """The user's forward and backward on one batch outside a training step (nothing logged, no optimizer);

@@ -275,14 +275,22 @@ def _linear_estimates(
             loose |= ~(error <= 0.05 * norms)
         mass += weight_mass
     if module.bias is not None and module.bias.requires_grad:
-        bias_mass = gn.sum(dim=1)
-        norms = norm_upper_bound(g.sum(dim=1), dim=1)
-        error = gamma(steps - 1, u) * bias_mass
-        squared += (norms + error).square()
-        if steps > 1:
-            loose |= ~(error <= 0.05 * norms)
+        bias_bound, bias_mass, bias_loose = _bias_bound(gn, g.sum(dim=1), u)
+        squared += bias_bound.square()
+        loose |= bias_loose
         mass += bias_mass
     return squared.sqrt() * (1 + 1e-12), mass, loose, SUM_BLOCK * steps
+
+
+def _bias_bound(token_norms: Tensor, summed: Tensor, u: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The bias gradient sum_t g_t of each example: an upper bound of its norm (the computed sum errs by at most
+    gamma_{T-1} sum_t ||g_t||), that mass, and whether the bound is loose; ``token_norms`` (B, T) bound ||g_t||."""
+    steps = token_norms.shape[1]
+    mass = token_norms.sum(dim=1)
+    norms = norm_upper_bound(summed, dim=1)
+    error = gamma(steps - 1, u) * mass
+    loose = ~(error <= 0.05 * norms) if steps > 1 else torch.zeros_like(norms, dtype=torch.bool)
+    return norms + error, mass, loose
 
 
 def _gram_inner_products(g: Tensor, u: Tensor | None, u_gram: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -471,12 +479,10 @@ def _conv_estimates(
             loose |= ~(error <= 0.05 * norms)
         mass += group_mass.sum(dim=1)
     if module.bias is not None and module.bias.requires_grad:
-        bias_mass = norm_upper_bound(g.reshape(batch, -1, steps), dim=1).sum(dim=1)
-        norms = norm_upper_bound(g.flatten(2).sum(dim=2), dim=1)
-        error = gamma(steps - 1, u) * bias_mass
-        squared += (norms + error).square()
-        if steps > 1:
-            loose |= ~(error <= 0.05 * norms)
+        token_norms = norm_upper_bound(g.reshape(batch, -1, steps), dim=1)  # whole output vectors per position
+        bias_bound, bias_mass, bias_loose = _bias_bound(token_norms, g.flatten(2).sum(dim=2), u)
+        squared += bias_bound.square()
+        loose |= bias_loose
         mass += bias_mass
     return squared.sqrt() * (1 + 1e-12), mass, loose, SUM_BLOCK * steps
 
