@@ -150,7 +150,6 @@ def clipped_sums(
 ) -> dict[nn.Parameter, Tensor]:
     """``sum_i factor_i grad_i`` for each trainable parameter of ``module``: one weight-gradient computation over
     the batch (in float32 at least, full precision), plus the examples ``bound`` computed apart (``bound.exact``)."""
-    weight, bias = module.weight, module.bias
     work = _work_dtype(module, g)
     factor = factor.to(g.device, torch.float64)
     exact = bound.exact if bound is not None and bound.exact_grads else None
