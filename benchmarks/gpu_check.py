@@ -335,21 +335,7 @@ def build_step(kind, precision, net, x, y, loss_fn, device, batch):  # noqa: ANN
         return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
     if kind == "non-private":
-        optimizer = torch.optim.SGD(net.parameters(), lr=LR)
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            with autocast():
-                loss = loss_fn(net(x), y)
-            if scaler is None:
-                loss.backward()
-                optimizer.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-
-        return step
+        return plain_step(torch.optim.SGD(net.parameters(), lr=LR), lambda: loss_fn(net(x), y), autocast, scaler)
     if kind == "opacus-ghost":
         return opacus_ghost_step(net, x, y, loss_fn, batch, autocast, scaler)
 
@@ -405,13 +391,19 @@ def opacus_ghost_step(net, x, y, loss_fn, batch, autocast, scaler):  # noqa: ANN
         module=net, optimizer=torch.optim.SGD(net.parameters(), lr=LR), data_loader=loader, criterion=Criterion(),
         noise_multiplier=SIGMA, max_grad_norm=CLIP, grad_sample_mode="ghost", poisson_sampling=False,
     )
+    return plain_step(optimizer, lambda: criterion(wrapped(x), y), autocast, scaler)  # Opacus's two backward passes
+
+
+def plain_step(optimizer: Any, loss_of: Any, autocast: Any, scaler: Any) -> Any:
+    """A training step: zero the gradients, the loss under ``autocast``, backward and the optimizer's step, through
+    the GradScaler when there is one."""
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         with autocast():
-            loss = criterion(wrapped(x), y)
+            loss = loss_of()
         if scaler is None:
-            loss.backward()  # Opacus's two backward passes
+            loss.backward()
             optimizer.step()
         else:
             scaler.scale(loss).backward()

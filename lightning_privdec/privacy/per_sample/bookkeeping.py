@@ -136,7 +136,7 @@ def compute_exact(module: nn.Module, a: Tensor, g: Tensor, bound: NormBound) -> 
     """``bound`` with its ill-conditioned examples' gradients computed in float64 and their bounds replaced (one
     host synchronisation: whether there are any)."""
     if bound.exact is None or bound.exact_grads or not bool(bound.exact.any()):
-        return NormBound(bound.upper) if bound.exact is not None and not bound.exact_grads else bound
+        return bound  # (clipped_sums reads ``exact`` only together with ``exact_grads``)
     work = _work_dtype(module, g)
     with full_precision():
         grads, exact_upper = _exact_gradients(module, a[bound.exact], g[bound.exact], work)

@@ -272,7 +272,8 @@ class _PerSampleArithmetic:
         # rounding), accumulated in float64
         squared = torch.zeros(batch, dtype=torch.float64, device=reference.device)
         bounds = [bookkeeping.norm_bound(r.module, r.activations[0], r.backprops, defer_exact=True) for r in bookkept]
-        if bounds and bool(torch.stack([b.exact.any() for b in bounds if b.exact is not None] or [torch.zeros(())]).any()):
+        marked = [b.exact.any() for b in bounds if b.exact is not None]
+        if marked and bool(torch.stack(marked).any()):
             # ill-conditioned examples somewhere (one host synchronisation per pass): computed apart in float64
             bounds = [bookkeeping.compute_exact(r.module, r.activations[0], r.backprops, b) for r, b in zip(bookkept, bounds)]
         for r, bound in zip(bookkept, bounds):
