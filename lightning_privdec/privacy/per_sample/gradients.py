@@ -139,6 +139,7 @@ class _PerSampleArithmetic:
         """Per-sample gradients of the parameters the calls touch (rule or replay), summed over a parameter's uses
         (tied weights, a layer called twice)."""
         out: dict[nn.Parameter, Tensor] = {}
+        owned: set[nn.Parameter] = set()  # out[p] shares no memory with a call's tensors: later uses add in place
         batch = max((r.batch_size for r in calls), default=0)
         self.recorder.replaying = True  # functorch and replay run layers again: record nothing
         try:
@@ -149,12 +150,21 @@ class _PerSampleArithmetic:
                         samples = bookkeeping.exact_rows(r.module, r.activations[0], r.backprops, samples)
                 else:
                     samples = replay_grad_samples(r.record, r.scale, self.drop_nonfinite)
+                inputs = {t.untyped_storage().data_ptr() for t in (r.backprops, *r.activations) if t is not None}
                 for p, gs in samples.items():
                     if not p.requires_grad:
                         continue
                     if gs.shape[0] < batch:  # a call on a sub-batch: zero rows for the rest
                         gs = torch.cat([gs, gs.new_zeros((batch - gs.shape[0], *gs.shape[1:]))])
-                    out[p] = gs if p not in out else out[p] + gs  # usually one use per parameter: no copy
+                    if p not in out:  # usually one use per parameter: no copy
+                        out[p] = gs
+                        if gs.untyped_storage().data_ptr() not in inputs and gs.is_contiguous():
+                            owned.add(p)
+                    elif p in owned and torch.promote_types(out[p].dtype, gs.dtype) == out[p].dtype:
+                        out[p].add_(gs)  # tied weights (GPT-2's embedding and output layer): no third buffer
+                    else:
+                        out[p] = out[p] + gs
+                        owned.add(p)
         finally:
             self.recorder.replaying = False
         return out
