@@ -21,6 +21,7 @@ import atexit
 import dataclasses
 import hashlib
 import itertools
+import logging
 import math
 import os
 import random
@@ -85,6 +86,26 @@ warnings.filterwarnings(
 
 CHECKPOINT_KEY = "lightning_privdec"
 
+log = logging.getLogger(__name__)
+
+
+def check_peer_timeout(peer_timeout: timedelta | float | None) -> timedelta | None:
+    """``peer_timeout`` as a positive timedelta (None stays None); the error states the value in seconds."""
+    if peer_timeout is None:
+        return None
+    if isinstance(peer_timeout, timedelta):
+        seconds = peer_timeout.total_seconds()
+    elif isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool):
+        seconds = float(peer_timeout)
+    else:
+        raise ValueError(f"peer_timeout must be a number of seconds or a timedelta, got {peer_timeout!r}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(
+            f"peer_timeout must be a positive number of seconds, got {seconds:g} s: it is how long a node waits for "
+            "another node before it stops with an error (e.g. peer_timeout=600 for ten minutes)"
+        )
+    return timedelta(seconds=seconds)
+
 
 def destroy_process_group_at_exit() -> None:
     """Destroy the process group while the interpreter is alive (Lightning does so for NCCL only): a gloo group left
@@ -103,8 +124,8 @@ class DecentralizedStrategy(DDPStrategy):
         compressor: ``None``, a :class:`Compressor`, or a spec string such as ``"randk:0.1"``.
         consensus_step: gamma of the compressed gossip (DP-CSGP Algorithm 1 line 5 uses 1). ``"auto"`` (default):
             chosen at setup from the compressor's omega^2 and the graph's mixing weights, calibrated on CHOCO-SGD's
-            step (:mod:`lightning_privdec.algorithms.consensus_step`; 1 without compression) and printed once. A
-            number in (0, 1] is used as given.
+            step (:mod:`lightning_privdec.algorithms.consensus_step`; 1 without compression) and logged at debug
+            level. A number in (0, 1] is used as given.
         seed: shared by all nodes; keys compressor randomness and random graphs.
         overlap: SGP's overlap: each round's messages travel during the next ``staleness`` forward/backward passes
             and are mixed in ``staleness`` steps late (exact push-sum only; see
@@ -190,11 +211,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.membership: AuthenticatedSetup | None = None  # what the signed setup established (with a roster)
         self._agreement_key: X25519PrivateKey | None = None  # held from the signed setup until the gossip is built
         self._seal_keys: dict[int, tuple[bytes, bytes]] | None = None
-        if isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool):
-            peer_timeout = timedelta(seconds=peer_timeout)
-        if peer_timeout is not None and (not isinstance(peer_timeout, timedelta) or peer_timeout.total_seconds() <= 0):
-            raise ValueError(f"peer_timeout must be a positive timedelta or number of seconds, got {peer_timeout!r}")
-        self.peer_timeout: timedelta | None = peer_timeout
+        self.peer_timeout: timedelta | None = check_peer_timeout(peer_timeout)
         self.compressor = build_compressor(compressor)
         self.weights = weights if weights is not None else self.default_weights
         self._consensus_step = check_consensus_step(consensus_step)
@@ -383,12 +400,13 @@ class DecentralizedStrategy(DDPStrategy):
         )
 
     def _report_consensus_step(self) -> None:
-        """One line at setup saying which gamma ``"auto"`` chose for a compressed gossip, and from what."""
+        """Which gamma ``"auto"`` chose for a compressed gossip, and from what, at debug level: a default with nothing
+        to act on (a divergence error names the consensus step when it is the likely cause)."""
         choice = getattr(self.gossip, "consensus_step_choice", None)
         if choice is None or self.compressor is None or self._consensus_step_reported:
             return
         assert self.topology is not None
-        rank_zero_info(f"{type(self).__name__}: {choice.describe(self.compressor, self.topology)}")
+        log.debug(f"{type(self).__name__}: {choice.describe(self.compressor, self.topology)}")
         self._consensus_step_reported = True
 
     def _warn_about_unstable_compression(self, dimension: int) -> None:
