@@ -69,9 +69,12 @@ from lightning_privdec.strategies.checks import (
     check_same_configuration,
     common_steps_per_epoch,
     describe,
+    differing_fields,
     gather_from_nodes,
     gather_tensors,
+    model_difference,
     nonfinite_parameters,
+    raised_on_every_node,
 )
 from lightning_privdec.tensors import split_like
 from lightning_privdec.strategies.divergence import DivergenceError, DivergenceGuard, Verdict
@@ -230,6 +233,13 @@ class DecentralizedStrategy(DDPStrategy):
         if isinstance(topology, Topology):  # a user-built graph can be checked now, before any process starts
             self.make_topology(topology.num_nodes)
 
+    def say_once(self, message: str) -> None:
+        """Print ``message`` on rank 0, once per strategy (a setting chosen or changed for the user, in words)."""
+        said = self.__dict__.setdefault("_said", set())
+        if message not in said:
+            said.add(message)
+            rank_zero_info(message)
+
     @property
     def consensus_step(self) -> float | str:
         """gamma in use once the gossip is built (the number given, or the one ``"auto"`` chose); before, what was
@@ -294,7 +304,16 @@ class DecentralizedStrategy(DDPStrategy):
         # Validate the graph against the world size before the process group exists: every rank fails the same
         # way and nobody waits on a rendezvous that will never complete.
         world_size = self.num_nodes * self.num_processes
-        self.topology = self.make_topology(world_size)
+        try:
+            self.topology = self.make_topology(world_size)
+        except (TopologyError, ValueError) as error:  # the same on every node: rank 0 says it
+            raise raised_on_every_node(error, self.global_rank)
+        if world_size == 1:
+            self.say_once(
+                f"{type(self).__name__} runs on ONE node (devices x num_nodes = 1): there is no neighbour to gossip "
+                "with, so every step is this process's own update and nothing is sent. For N nodes, set devices=N "
+                "(one process per node) or num_nodes."
+            )
         super().setup_environment()
         atexit.unregister(destroy_process_group_at_exit)  # one entry however many fits this process runs
         atexit.register(destroy_process_group_at_exit)
@@ -334,7 +353,14 @@ class DecentralizedStrategy(DDPStrategy):
         """Exchange :meth:`configuration` (short values as text, long ones as a SHA-256 digest) and raise
         :class:`~lightning_privdec.strategies.checks.NodeMismatchError` on every node if any two nodes differ."""
         mine = {name: describe(value) for name, value in self.configuration().items()}
-        check_same_configuration(gather_from_nodes(mine), self.global_rank)
+        gathered = gather_from_nodes(mine)
+        details = {}
+        if "model" in differing_fields(gathered):  # every node sees it: the layer lists travel only then
+            module = self.lightning_module
+            layout = [(n, f"{tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}")
+                      for n, p in module.named_parameters() if p.requires_grad] if module is not None else []
+            details["model"] = model_difference(gather_from_nodes(layout))
+        check_same_configuration(gathered, self.global_rank, details)
 
     def authenticate_members(self) -> None:
         """With a roster: the signed setup of :mod:`lightning_privdec.comm.identity` (every node proves its roster
