@@ -165,7 +165,10 @@ def test_every_strategy_name_works_as_a_string(name: str, caplog: pytest.LogCapt
         assert said(caplog, f"pass strategy={STRATEGIES[name].__name__}(max_grad_norm=...") == 2
 
 
-@pytest.mark.parametrize("name", ["push_sum", "dp_csgp"])
+@pytest.mark.parametrize("name", [
+    name if name in ("push_sum", "dp_csgp") else pytest.param(name, marks=pytest.mark.slow)  # the rest: 2-9 s each
+    for name in sorted(STRATEGIES) if STRATEGIES[name] is not CPGTStrategy
+])
 def test_a_strategy_given_by_name_trains(name: str) -> None:
     trainer = fit(name, max_steps=2)
     assert trainer.global_step == 2

@@ -219,6 +219,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.weights = weights if weights is not None else self.default_weights
         self._consensus_step = check_consensus_step(consensus_step)
         self._consensus_step_reported = False
+        self._said: set[str] = set()  # what say_once has said
         if not isinstance(divergence_guard, bool):
             raise ValueError(f"divergence_guard must be True or False; got {divergence_guard!r}")
         self.divergence_guard = divergence_guard
@@ -235,9 +236,8 @@ class DecentralizedStrategy(DDPStrategy):
 
     def say_once(self, message: str) -> None:
         """Print ``message`` on rank 0, once per strategy (a setting chosen or changed for the user, in words)."""
-        said = self.__dict__.setdefault("_said", set())
-        if message not in said:
-            said.add(message)
+        if message not in self._said:
+            self._said.add(message)
             rank_zero_info(message)
 
     @property
