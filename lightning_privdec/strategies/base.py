@@ -74,7 +74,6 @@ from lightning_privdec.strategies.checks import (
     gather_tensors,
     model_difference,
     nonfinite_parameters,
-    raised_on_every_node,
 )
 from lightning_privdec.tensors import split_like
 from lightning_privdec.strategies.divergence import DivergenceError, DivergenceGuard, Verdict
@@ -304,10 +303,8 @@ class DecentralizedStrategy(DDPStrategy):
         # Validate the graph against the world size before the process group exists: every rank fails the same
         # way and nobody waits on a rendezvous that will never complete.
         world_size = self.num_nodes * self.num_processes
-        try:
-            self.topology = self.make_topology(world_size)
-        except (TopologyError, ValueError) as error:  # the same on every node: rank 0 says it
-            raise raised_on_every_node(error, self.global_rank)
+        self.topology = self.make_topology(world_size)  # (every node prints its own error: none knows yet whether
+        # the others fail alike, and a node that stayed quiet while the others waited for it would leave no trace)
         if world_size == 1:
             self.say_once(
                 f"{type(self).__name__} runs on ONE node (devices x num_nodes = 1): there is no neighbour to gossip "
