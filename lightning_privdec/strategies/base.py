@@ -301,10 +301,10 @@ class DecentralizedStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         # Validate the graph against the world size before the process group exists: every rank fails the same
-        # way and nobody waits on a rendezvous that will never complete.
+        # way and nobody waits on a rendezvous that will never complete. Every rank prints its own error here: none
+        # knows yet whether the others fail alike (raised_on_every_node would hide a node the others wait for).
         world_size = self.num_nodes * self.num_processes
-        self.topology = self.make_topology(world_size)  # (every node prints its own error: none knows yet whether
-        # the others fail alike, and a node that stayed quiet while the others waited for it would leave no trace)
+        self.topology = self.make_topology(world_size)
         if world_size == 1:
             self.say_once(
                 f"{type(self).__name__} runs on ONE node (devices x num_nodes = 1): there is no neighbour to gossip "
