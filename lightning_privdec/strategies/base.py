@@ -72,6 +72,7 @@ from lightning_privdec.strategies.checks import (
     differing_fields,
     gather_from_nodes,
     gather_tensors,
+    check_peer_timeout,
     model_difference,
     nonfinite_parameters,
 )
@@ -89,24 +90,6 @@ warnings.filterwarnings(
 CHECKPOINT_KEY = "lightning_privdec"
 
 log = logging.getLogger(__name__)
-
-
-def check_peer_timeout(peer_timeout: timedelta | float | None) -> timedelta | None:
-    """``peer_timeout`` as a positive timedelta (None stays None); the error states the value in seconds."""
-    if peer_timeout is None:
-        return None
-    if isinstance(peer_timeout, timedelta):
-        seconds = peer_timeout.total_seconds()
-    elif isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool):
-        seconds = float(peer_timeout)
-    else:
-        raise ValueError(f"peer_timeout must be a number of seconds or a timedelta, got {peer_timeout!r}")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(
-            f"peer_timeout must be a positive number of seconds, got {seconds:g} s: it is how long a node waits for "
-            "another node before it stops with an error (e.g. peer_timeout=600 for ten minutes)"
-        )
-    return timedelta(seconds=seconds)
 
 
 def destroy_process_group_at_exit() -> None:

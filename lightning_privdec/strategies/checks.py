@@ -9,8 +9,10 @@ and ranks that differ; at the start of training they do the same for the number 
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,7 @@ __all__ = [
     "common_steps_per_epoch",
     "gather_tensors",
     "NonFiniteStepError",
+    "check_peer_timeout",
     "check_same_configuration",
     "describe",
     "differing_fields",
@@ -63,6 +66,24 @@ def _skip_errors_rank_0_prints(previous: Callable[..., Any]) -> Callable[..., An
 
     excepthook.skips_errors_rank_0_prints = True  # type: ignore[attr-defined]
     return excepthook
+
+
+def check_peer_timeout(peer_timeout: timedelta | float | None) -> timedelta | None:
+    """``peer_timeout`` as a positive timedelta (None stays None); the error states the value in seconds."""
+    if peer_timeout is None:
+        return None
+    if isinstance(peer_timeout, timedelta):
+        seconds = peer_timeout.total_seconds()
+    elif isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool):
+        seconds = float(peer_timeout)
+    else:
+        raise ValueError(f"peer_timeout must be a number of seconds or a timedelta, got {peer_timeout!r}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(
+            f"peer_timeout must be a positive number of seconds, got {seconds:g} s: it is how long a node waits for "
+            "another node before it stops with an error (e.g. peer_timeout=600 for ten minutes)"
+        )
+    return timedelta(seconds=seconds)
 
 
 def _canonical(value: Any) -> str:
