@@ -31,6 +31,6 @@ def test_the_same_run_with_the_automatic_consensus_step_trains(tmp_path):
     run = subprocess.run(command, capture_output=True, text=True, timeout=240, env=clean_environment())
     assert run.returncode == 0, run.stderr[-4000:]
     output = run.stdout + run.stderr
-    assert output.count("consensus_step='auto' chose gamma = 0.0437 for RandK(ratio=0.1)") == 1  # once, rank 0
+    assert "consensus_step='auto' chose" not in output  # a default with nothing to act on: debug level only
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(4)]
     assert min(r["test_acc"] for r in results) > 0.8

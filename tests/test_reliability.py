@@ -360,6 +360,20 @@ def test_a_resume_may_keep_its_noise_and_stop_at_the_budget_or_recalibrate_knowi
     assert strategy.privacy.noise_multiplier > 2 * old_sigma and strategy.privacy.epsilon() <= 3.0
 
 
+def test_a_resume_that_replans_sigma_says_so_once_and_the_summary_shows_both(end_of_a_two_epoch_plan, tmp_path,
+                                                                              caplog) -> None:
+    checkpoint, old_sigma = end_of_a_two_epoch_plan
+    with caplog.at_level("INFO"):
+        _, strategy = _resume_with_max_epochs_4(tmp_path, checkpoint, resume_noise="recalibrate")
+    new_sigma = strategy.privacy.noise_multiplier
+    change = f"sigma = {old_sigma:.4g} up to step 32, {new_sigma:.4g} from step 33"
+    messages = [r.getMessage() for r in caplog.records]
+    announced = [m for m in messages if "this resumed run plans 64 steps in all" in m]
+    assert len(announced) == 1 and change in announced[0]
+    (summary,) = [m for m in messages if "final privacy per node" in m]
+    assert f"Gaussian noise sigma = {new_sigma:.4g} x C" in summary and change in summary
+
+
 def test_a_resume_with_a_noise_multiplier_given_by_hand_uses_it(end_of_a_two_epoch_plan, tmp_path) -> None:
     """resume_noise governs a calibrated sigma only: a sigma the user passes is never refused nor replaced."""
     checkpoint, old_sigma = end_of_a_two_epoch_plan

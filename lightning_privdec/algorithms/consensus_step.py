@@ -69,7 +69,8 @@ class ConsensusStep:
     def describe(self, compressor: Compressor, topology: Topology) -> str:
         return (
             f"consensus_step='auto' chose gamma = {self.gamma:.3g} for {compressor} (omega^2 = {self.omega2:.3g}) on "
-            f"{topology.name!r} ({topology.num_nodes} nodes, ||I - A||_2 = {self.beta:.3g}): CHOCO-SGD's step at "
+            f"{topology.name!r} ({topology.num_nodes} node{'s' if topology.num_nodes != 1 else ''}, "
+            f"||I - A||_2 = {self.beta:.3g}): CHOCO-SGD's step at "
             f"rho = 1 x {CALIBRATION:g} (its worst-case value here: {self.theory:.2g}); pass consensus_step=<number> "
             "to override"
         )

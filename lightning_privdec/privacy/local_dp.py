@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum
@@ -28,6 +28,32 @@ from lightning_privdec.privacy.per_sample import (
     check_private_model,
 )
 from lightning_privdec.privacy.sampling import poisson_dataloader, sampler_shard_indices
+
+
+def check_sampler_is_replaceable(sampler: Sampler, num_examples: int) -> None:
+    """Refuse a training sampler whose choice of examples Poisson sampling would silently drop.
+
+    Kept: shuffling or sequential order (Poisson sampling replaces both) and a ``DistributedSampler`` (it only says
+    which examples are this node's). Refused: any other sampler (weights, replacement, a subset, a custom order),
+    also when Lightning has wrapped it in its ``DistributedSamplerWrapper``.
+    """
+    inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's DistributedSamplerWrapper
+    if isinstance(sampler, DistributedSampler) and inner is None:
+        return
+    user = inner if inner is not None else sampler
+    if isinstance(user, SequentialSampler):
+        return
+    if isinstance(user, RandomSampler) and not user.replacement and user.num_samples == num_examples:
+        return
+    raise PrivacyConfigError(
+        f"the training DataLoader's sampler is a {type(user).__name__}, which private strategies cannot keep: the "
+        "accountant's amplification by subsampling assumes that every example of a node's shard joins each batch "
+        "independently with the same probability q = B / J (Poisson sampling), so the strategy draws the batches "
+        "itself and the sampler's weights, order or subset would be lost. Remove sampler= (for class imbalance, "
+        "weight the loss instead, e.g. F.cross_entropy(logits, y, weight=class_weights)); to choose which examples "
+        "a node holds, use a DistributedSampler that states them as node_indices (as DirichletPartitionSampler does), "
+        "or give each process a dataset of only its own examples and pass node_local_data=True."
+    )
 
 
 class LocalDPSGD:
@@ -149,6 +175,7 @@ class LocalDPSGD:
             )
         sampler = dataloader.sampler
         num_examples = len(dataloader.dataset)  # type: ignore[arg-type]
+        check_sampler_is_replaceable(sampler, num_examples)
         if isinstance(sampler, DistributedSampler):  # Lightning decides the shard; padding duplicates are dropped
             shard = sampler_shard_indices(sampler, num_examples)
         elif world_size == 1 or node_local_data:

@@ -1,6 +1,11 @@
 """Lightning strategies: one base class and one thin file per algorithm."""
 
+from functools import partial
+
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_privdec.privacy import PrivacyConfigError
 
 from lightning_privdec.strategies.base import DecentralizedStrategy
 from lightning_privdec.strategies.cpgt import CPGTStrategy
@@ -12,10 +17,7 @@ from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
 from lightning_privdec.strategies.privsgp_vr import PrivSGPVRStrategy
 from lightning_privdec.strategies.push_sum import DecentralizedPushSumStrategy, DecentralizedSGDStrategy
 
-for _strategy in (DecentralizedPushSumStrategy, DecentralizedSGDStrategy):
-    _strategy.register_strategies(StrategyRegistry)
-
-#: the strategies by the short names examples and command lines use
+#: the strategies by the short names examples, command lines and ``Trainer(strategy="<name>")`` use
 NON_PRIVATE_STRATEGIES = {"push_sum": DecentralizedPushSumStrategy, "dpsgd": DecentralizedSGDStrategy}
 PRIVATE_STRATEGIES = {
     "dp_csgp": DPCSGPStrategy,
@@ -27,11 +29,45 @@ PRIVATE_STRATEGIES = {
     "cpgt": CPGTStrategy,
 }
 STRATEGIES = {**NON_PRIVATE_STRATEGIES, **PRIVATE_STRATEGIES}
+#: the privacy a private strategy gets from its name alone: the README quick start's clip and budget (stated at once)
+NAME_ONLY_PRIVACY = {"max_grad_norm": 1.0, "target_epsilon": 3.0, "target_delta": 1e-5}
+
+
+def strategy_by_name(name: str, start_method: str = "popen") -> DecentralizedStrategy:
+    """The strategy ``Trainer(strategy=name)`` builds: the class's defaults and, for a private one,
+    :data:`NAME_ONLY_PRIVACY`, stated once; CPGT, whose epsilon rests on a constant only the user can state, is
+    refused with the call to write instead."""
+    cls = STRATEGIES[name]
+    if name not in PRIVATE_STRATEGIES:
+        return cls(start_method=start_method)
+    budget = ", ".join(f"{k}={v!r}" for k, v in NAME_ONLY_PRIVACY.items())
+    if cls is CPGTStrategy:
+        raise PrivacyConfigError(
+            f"strategy={name!r} needs an argument a name cannot carry: CPGT's epsilon holds only if the loss is "
+            "L-smooth with the L you state (lipschitz=...), and the strategy has no default L. Pass "
+            f"strategy=CPGTStrategy(lipschitz=..., {budget}) instead (docs/privacy.md, 'CPGT')."
+        )
+    strategy = cls(**NAME_ONLY_PRIVACY, start_method=start_method)
+    rank_zero_info(
+        f"strategy={name!r} is {cls.__name__} with {budget} (the README's quick start; sigma is calibrated for the "
+        f"planned steps). To choose them, pass strategy={cls.__name__}(max_grad_norm=..., target_epsilon=..., "
+        "target_delta=...)."
+    )
+    return strategy
+
+
+for _name, _cls in STRATEGIES.items():
+    for _suffix, _start_method in (("", "popen"), ("_spawn", "spawn")):
+        StrategyRegistry.register(
+            _name + _suffix, partial(strategy_by_name, _name, _start_method), override=True,
+            description=f"{_cls.__name__} with start_method {_start_method!r}",
+        )
 
 __all__ = [
     "CPGTStrategy",
     "NON_PRIVATE_STRATEGIES",
     "PRIVATE_STRATEGIES",
+    "NAME_ONLY_PRIVACY",
     "STRATEGIES",
     "CorrelatedNoiseStrategy",
     "DP2SGDStrategy",
@@ -44,4 +80,5 @@ __all__ = [
     "PrivSGPStrategy",
     "PrivSGPVRStrategy",
     "PrivateDecentralizedStrategy",
+    "strategy_by_name",
 ]

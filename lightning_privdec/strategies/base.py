@@ -21,6 +21,7 @@ import atexit
 import dataclasses
 import hashlib
 import itertools
+import logging
 import math
 import os
 import random
@@ -68,8 +69,11 @@ from lightning_privdec.strategies.checks import (
     check_same_configuration,
     common_steps_per_epoch,
     describe,
+    differing_fields,
     gather_from_nodes,
     gather_tensors,
+    check_peer_timeout,
+    model_difference,
     nonfinite_parameters,
 )
 from lightning_privdec.tensors import split_like
@@ -84,6 +88,8 @@ warnings.filterwarnings(
 )
 
 CHECKPOINT_KEY = "lightning_privdec"
+
+log = logging.getLogger(__name__)
 
 
 def destroy_process_group_at_exit() -> None:
@@ -103,8 +109,8 @@ class DecentralizedStrategy(DDPStrategy):
         compressor: ``None``, a :class:`Compressor`, or a spec string such as ``"randk:0.1"``.
         consensus_step: gamma of the compressed gossip (DP-CSGP Algorithm 1 line 5 uses 1). ``"auto"`` (default):
             chosen at setup from the compressor's omega^2 and the graph's mixing weights, calibrated on CHOCO-SGD's
-            step (:mod:`lightning_privdec.algorithms.consensus_step`; 1 without compression) and printed once. A
-            number in (0, 1] is used as given.
+            step (:mod:`lightning_privdec.algorithms.consensus_step`; 1 without compression) and logged at debug
+            level. A number in (0, 1] is used as given.
         seed: shared by all nodes; keys compressor randomness and random graphs.
         overlap: SGP's overlap: each round's messages travel during the next ``staleness`` forward/backward passes
             and are mixed in ``staleness`` steps late (exact push-sum only; see
@@ -190,15 +196,12 @@ class DecentralizedStrategy(DDPStrategy):
         self.membership: AuthenticatedSetup | None = None  # what the signed setup established (with a roster)
         self._agreement_key: X25519PrivateKey | None = None  # held from the signed setup until the gossip is built
         self._seal_keys: dict[int, tuple[bytes, bytes]] | None = None
-        if isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool):
-            peer_timeout = timedelta(seconds=peer_timeout)
-        if peer_timeout is not None and (not isinstance(peer_timeout, timedelta) or peer_timeout.total_seconds() <= 0):
-            raise ValueError(f"peer_timeout must be a positive timedelta or number of seconds, got {peer_timeout!r}")
-        self.peer_timeout: timedelta | None = peer_timeout
+        self.peer_timeout: timedelta | None = check_peer_timeout(peer_timeout)
         self.compressor = build_compressor(compressor)
         self.weights = weights if weights is not None else self.default_weights
         self._consensus_step = check_consensus_step(consensus_step)
         self._consensus_step_reported = False
+        self._said: set[str] = set()  # what say_once has said
         if not isinstance(divergence_guard, bool):
             raise ValueError(f"divergence_guard must be True or False; got {divergence_guard!r}")
         self.divergence_guard = divergence_guard
@@ -212,6 +215,12 @@ class DecentralizedStrategy(DDPStrategy):
         self.steps_per_epoch: int | None = None  # common to every node, fixed when training starts
         if isinstance(topology, Topology):  # a user-built graph can be checked now, before any process starts
             self.make_topology(topology.num_nodes)
+
+    def say_once(self, message: str) -> None:
+        """Print ``message`` on rank 0, once per strategy (a setting chosen or changed for the user, in words)."""
+        if message not in self._said:
+            self._said.add(message)
+            rank_zero_info(message)
 
     @property
     def consensus_step(self) -> float | str:
@@ -275,9 +284,16 @@ class DecentralizedStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         # Validate the graph against the world size before the process group exists: every rank fails the same
-        # way and nobody waits on a rendezvous that will never complete.
+        # way and nobody waits on a rendezvous that will never complete. Every rank prints its own error here: none
+        # knows yet whether the others fail alike (raised_on_every_node would hide a node the others wait for).
         world_size = self.num_nodes * self.num_processes
         self.topology = self.make_topology(world_size)
+        if world_size == 1:
+            self.say_once(
+                f"{type(self).__name__} runs on ONE node (devices x num_nodes = 1): there is no neighbour to gossip "
+                "with, so every step is this process's own update and nothing is sent. For N nodes, set devices=N "
+                "(one process per node) or num_nodes."
+            )
         super().setup_environment()
         atexit.unregister(destroy_process_group_at_exit)  # one entry however many fits this process runs
         atexit.register(destroy_process_group_at_exit)
@@ -317,7 +333,14 @@ class DecentralizedStrategy(DDPStrategy):
         """Exchange :meth:`configuration` (short values as text, long ones as a SHA-256 digest) and raise
         :class:`~lightning_privdec.strategies.checks.NodeMismatchError` on every node if any two nodes differ."""
         mine = {name: describe(value) for name, value in self.configuration().items()}
-        check_same_configuration(gather_from_nodes(mine), self.global_rank)
+        gathered = gather_from_nodes(mine)
+        details = {}
+        if "model" in differing_fields(gathered):  # every node sees it: the layer lists travel only then
+            module = self.lightning_module
+            layout = [(n, f"{tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}")
+                      for n, p in module.named_parameters() if p.requires_grad] if module is not None else []
+            details["model"] = model_difference(gather_from_nodes(layout))
+        check_same_configuration(gathered, self.global_rank, details)
 
     def authenticate_members(self) -> None:
         """With a roster: the signed setup of :mod:`lightning_privdec.comm.identity` (every node proves its roster
@@ -383,12 +406,13 @@ class DecentralizedStrategy(DDPStrategy):
         )
 
     def _report_consensus_step(self) -> None:
-        """One line at setup saying which gamma ``"auto"`` chose for a compressed gossip, and from what."""
+        """Which gamma ``"auto"`` chose for a compressed gossip, and from what, at debug level: a default with nothing
+        to act on (a divergence error names the consensus step when it is the likely cause)."""
         choice = getattr(self.gossip, "consensus_step_choice", None)
         if choice is None or self.compressor is None or self._consensus_step_reported:
             return
         assert self.topology is not None
-        rank_zero_info(f"{type(self).__name__}: {choice.describe(self.compressor, self.topology)}")
+        log.debug(f"{type(self).__name__}: {choice.describe(self.compressor, self.topology)}")
         self._consensus_step_reported = True
 
     def _warn_about_unstable_compression(self, dimension: int) -> None:

@@ -9,7 +9,10 @@ and ranks that differ; at the start of training they do the same for the number 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -23,10 +26,14 @@ __all__ = [
     "common_steps_per_epoch",
     "gather_tensors",
     "NonFiniteStepError",
+    "check_peer_timeout",
     "check_same_configuration",
     "describe",
+    "differing_fields",
     "gather_from_nodes",
+    "model_difference",
     "nonfinite_parameters",
+    "raised_on_every_node",
 ]
 
 #: longest value shown as text; longer ones (graphs, model shapes) travel as a SHA-256 digest
@@ -39,6 +46,44 @@ class NodeMismatchError(ValueError):
 
 class NonFiniteStepError(FloatingPointError):
     """A node's loss or gradient is NaN or infinite; raised before anything from that step leaves the node."""
+
+
+def raised_on_every_node(error: BaseException, rank: int) -> BaseException:
+    """``error``, which every node raises alike at setup, marked so that only rank 0 prints it: one message per run
+    instead of one traceback per process. The other ranks exit with status 1 and print nothing (an uncaught
+    exception's hook, installed here, skips the marked error; any other error prints as usual)."""
+    if rank != 0:
+        error.printed_by_rank_0 = True  # type: ignore[attr-defined]
+        if not getattr(sys.excepthook, "skips_errors_rank_0_prints", False):
+            sys.excepthook = _skip_errors_rank_0_prints(sys.excepthook)
+    return error
+
+
+def _skip_errors_rank_0_prints(previous: Callable[..., Any]) -> Callable[..., Any]:
+    def excepthook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        if not getattr(error, "printed_by_rank_0", False):
+            previous(kind, error, traceback)
+
+    excepthook.skips_errors_rank_0_prints = True  # type: ignore[attr-defined]
+    return excepthook
+
+
+def check_peer_timeout(peer_timeout: timedelta | float | None) -> timedelta | None:
+    """``peer_timeout`` as a positive timedelta (None stays None); the error states the value in seconds."""
+    if peer_timeout is None:
+        return None
+    if isinstance(peer_timeout, timedelta):
+        seconds = peer_timeout.total_seconds()
+    elif isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool):
+        seconds = float(peer_timeout)
+    else:
+        raise ValueError(f"peer_timeout must be a number of seconds or a timedelta, got {peer_timeout!r}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(
+            f"peer_timeout must be a positive number of seconds, got {seconds:g} s: it is how long a node waits for "
+            "another node before it stops with an error (e.g. peer_timeout=600 for ten minutes)"
+        )
+    return timedelta(seconds=seconds)
 
 
 def _canonical(value: Any) -> str:
@@ -83,29 +128,56 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def check_same_configuration(configurations: Sequence[Mapping[str, str]], rank: int) -> None:
+def differing_fields(configurations: Sequence[Mapping[str, str]]) -> list[str]:
+    """The fields on which some node's description differs from another's."""
+    fields = sorted(set().union(*configurations))
+    return [f for f in fields if len({c.get(f, "<missing>") for c in configurations}) > 1]
+
+
+def model_difference(layouts: Sequence[Sequence[Sequence[str]]]) -> str:
+    """Where the nodes' models first differ, in words: ``layouts[r]`` is node r's ``[(name, "shape dtype"), ...]``
+    of trainable parameters, in order."""
+    counts = [len(layout) for layout in layouts]
+    for i in range(max(counts)):
+        by_entry: dict[str, list[int]] = {}
+        for r, layout in enumerate(layouts):
+            entry = f"{layout[i][0]} {layout[i][1]}" if i < len(layout) else "no parameter"
+            by_entry.setdefault(entry, []).append(r)
+        if len(by_entry) > 1:
+            parts = "; ".join(f"{_ranks(ranks)}: {entry}" for entry, ranks in by_entry.items())
+            total = "" if len(set(counts)) == 1 else (
+                "; trainable parameters: " + ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts)))
+            return f"different models; the first difference is trainable parameter {i + 1}: {parts}{total}"
+    return "different models"  # the same layouts: the configuration's digest saw the same shapes (cannot happen)
+
+
+def check_same_configuration(
+    configurations: Sequence[Mapping[str, str]], rank: int, details: Mapping[str, str] | None = None
+) -> None:
     """Raise :class:`NodeMismatchError` unless every node described the same configuration.
 
     ``configurations[r]`` is node r's ``{field: describe(value)}``; the message lists each differing field with the
-    ranks holding each value, so every node prints the same diagnosis.
+    ranks holding each value (or ``details[field]``, a fuller account of a long value: which layer differs), so
+    every node prints the same diagnosis.
     """
-    fields = sorted(set().union(*configurations))
     problems = []
-    for field in fields:
+    for field in differing_fields(configurations):
+        if details is not None and field in details:
+            problems.append(f"  {field} -> {details[field]}")
+            continue
         by_value: dict[str, list[int]] = {}
         for r, configuration in enumerate(configurations):
             by_value.setdefault(configuration.get(field, "<missing>"), []).append(r)
-        if len(by_value) > 1:
-            parts = "; ".join(f"{_ranks(ranks)}: {value}" for value, ranks in by_value.items())
-            problems.append(f"  {field} -> {parts}")
+        parts = "; ".join(f"{_ranks(ranks)}: {value}" for value, ranks in by_value.items())
+        problems.append(f"  {field} -> {parts}")
     if problems:
-        raise NodeMismatchError(
+        raise raised_on_every_node(NodeMismatchError(
             f"node {rank}: the {len(configurations)} nodes were started with different configurations:\n"
             + "\n".join(problems)
             + "\nEvery node must run the same strategy arguments, Trainer limits and model (only the data shard, "
             "devices, timeouts and per-node paths may differ): start all processes from the same script and command "
             "line, then restart them together."
-        )
+        ), rank)
 
 
 def common_steps_per_epoch(batches: Sequence[int | None], rank: int, max_steps: int) -> tuple[int, str | None]:
@@ -120,19 +192,19 @@ def common_steps_per_epoch(batches: Sequence[int | None], rank: int, max_steps: 
     known = {r: b for r, b in enumerate(batches) if b is not None}
     empty = [r for r, b in known.items() if b == 0]
     if empty:
-        raise NodeMismatchError(
+        raise raised_on_every_node(NodeMismatchError(
             f"node {rank}: the training data of {_ranks(empty)} is empty (0 batches per epoch): an empty shard, or "
             "drop_last=True with fewer examples than batch_size. Give every node at least one batch of data (a "
             "larger dataset or fewer devices; with node_local_data, a non-empty dataset in every process)."
-        )
+        ), rank)
     if len(known) < len(batches):
         if max_steps is None or max_steps < 0:
             unknown = [r for r in range(len(batches)) if r not in known]
-            raise NodeMismatchError(
+            raise raised_on_every_node(NodeMismatchError(
                 f"node {rank}: the training data of {_ranks(unknown)} has no length (an IterableDataset), so the "
                 "nodes cannot agree on an epoch, and every step is one gossip round. Set Trainer(max_steps=...): "
                 "every node then takes that many steps, cycling its own data."
-            )
+            ), rank)
         return max_steps, f"every node takes max_steps = {max_steps} steps, cycling its own training data"
     if len(set(known.values())) > 1:
         counts = ", ".join(f"rank {r}: {b}" for r, b in known.items())

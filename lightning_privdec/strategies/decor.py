@@ -82,6 +82,13 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
             target_delta=target_delta,
             **kwargs,
         )
+        if self.compressor is not None:
+            raise PrivacyConfigError(
+                f"CorrelatedNoiseStrategy does not support compressor={self.compressor}: Decor's correlated noise "
+                "v_ij = -v_ji cancels in the network average only when every message arrives whole, and neither the "
+                "paper's Algorithm 1 nor its SecLDP accounting has compression; a compressor would leave part of that "
+                "noise in the model. Use compressor=None, or DPCSGPStrategy for compressed private gossip."
+            )
 
     @property
     def adversary(self) -> str | int:

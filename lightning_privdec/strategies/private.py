@@ -30,7 +30,7 @@ from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES, mean_loss_multiplier
 from lightning_privdec.privacy.write_ahead import WriteAheadLedger, new_run_id
 from lightning_privdec.strategies.base import DecentralizedStrategy
-from lightning_privdec.strategies.checks import gather_from_nodes, gather_tensors
+from lightning_privdec.strategies.checks import gather_from_nodes, gather_tensors, raised_on_every_node
 
 log = logging.getLogger("lightning.pytorch")  # Lightning's console handler; used for each node's own lines
 
@@ -41,13 +41,15 @@ MAX_TIME_WARMUP_STEPS = 5
 
 
 def _stop_every_node_on(problem: PrivacyConfigError | None) -> None:
-    """One node's configuration error stops every node here, with its message, instead of leaving the others
-    waiting for it (every node calls this at the same point)."""
+    """One node's configuration error stops every node here, instead of leaving the others waiting for it (every
+    node calls this at the same point); rank 0 prints the first failing node's message, the others stay quiet."""
     failed = [(r, m) for r, m in enumerate(gather_from_nodes(problem and str(problem))) if m is not None]
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if problem is not None:
-        raise problem
+        raise raised_on_every_node(problem, rank)
     if failed:
-        raise PrivacyConfigError(f"node {failed[0][0]} cannot train privately, so no node starts: {failed[0][1]}")
+        error = PrivacyConfigError(f"node {failed[0][0]} cannot train privately, so no node starts: {failed[0][1]}")
+        raise raised_on_every_node(error, rank)
 
 
 def _max_time_timer(trainer: pl.Trainer) -> Timer | None:
@@ -155,6 +157,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         self._checkpoint_saved = False
         self._time_replan_at: int | None = None  # ledger step at which sigma is re-planned for max_time
         self._fit_start_steps = 0
+        self.noise_changes: list[str] = []  # each re-plan of sigma, in words (repeated by the end-of-fit summary)
 
     def configure_ddp(self) -> None:
         # Fix and hook the model before its parameters are broadcast, flattened and handed to the optimizer. The engine
@@ -163,7 +166,12 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             self.privacy = self.make_node_algorithm()
             self.connect_node_algorithm(self.privacy)
             self._ledger_run = self.broadcast(new_run_id())  # a new run: a new write-ahead ledger, shared by all nodes
-        self.privacy.attach(self.model, fix_model=self.fix_model)
+        problem: PrivacyConfigError | None = None
+        try:
+            self.privacy.attach(self.model, fix_model=self.fix_model)
+        except PrivacyConfigError as exc:  # e.g. BatchNorm: refused on every node, said once
+            problem = exc
+        _stop_every_node_on(problem)
         super().configure_ddp()
 
     def configuration(self) -> dict[str, Any]:
@@ -206,6 +214,15 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 f"{type(self).__name__} supports automatic optimization only: with manual optimization the "
                 "strategy cannot tell which backward passes make one private step. Remove "
                 "`self.automatic_optimization = False`."
+            )
+        if trainer.gradient_clip_val:
+            raise PrivacyConfigError(
+                f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) cannot be combined with "
+                f"{type(self).__name__}: "
+                "Lightning would clip the privatized gradient after its noise is added, shrinking noise and signal "
+                "alike without bounding any example further (each example's gradient is already clipped to "
+                f"max_grad_norm={self.privacy_parameters.max_grad_norm} before the noise). Remove gradient_clip_val; "
+                "the per-example bound is max_grad_norm."
             )
         scaler = self._loss_scaler()
         if scaler is not None:  # "16-mixed" (docs/privacy.md)
@@ -270,6 +287,9 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         except PrivacyConfigError as exc:
             problem = exc
         _stop_every_node_on(problem)
+        if resumed_sigma and self.privacy.noise_multiplier != resumed_sigma:
+            self._noise_changed(resumed_sigma, f"this resumed run plans {self.privacy.planned_steps} steps in all, "
+                                               "the checkpoint's plan fewer")
         if self.privacy_parameters.target_epsilon is not None:  # a later fit may have budget left (a longer plan)
             spent = self.reduce_boolean_decision(self.privacy.next_step_exceeds_budget(), all=False)
             if not spent:
@@ -321,11 +341,20 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         old, planned = engine.noise_multiplier, engine.planned_steps - self._fit_start_steps
         engine.noise_multiplier = engine.calibrate_remaining(total - engine.steps)
         engine.planned_steps, engine._certified = total, None
-        rank_zero_info(
-            f"{type(self).__name__}: at {per_step:.3g} s per step, max_time allows about {affordable} steps of this "
-            f"fit, not the {planned} planned by max_steps/max_epochs: sigma re-planned from {old:.4g} to "
-            f"{engine.noise_multiplier:.4g} so that target_epsilon={self.privacy_parameters.target_epsilon} is spent by then"
-            f"{engine.privacy_caveat}"
+        self._noise_changed(old, f"at {per_step:.3g} s per step, max_time allows about {affordable} steps of this "
+                                 f"fit, not the {planned} planned by max_steps/max_epochs")
+
+    def _noise_changed(self, old: float, why: str) -> None:
+        """Say once that sigma changed from ``old`` for the steps from now on, and why; the end-of-fit summary
+        repeats it (the steps before used ``old``)."""
+        engine = self.privacy
+        assert engine is not None and engine.noise_multiplier is not None
+        new, step = engine.noise_multiplier, engine.steps
+        change = f"sigma = {old:.4g} up to step {step}, {new:.4g} from step {step + 1}"
+        self.noise_changes.append(change)
+        self.say_once(
+            f"{type(self).__name__}: {why}: {change}, so that target_epsilon={self.privacy_parameters.target_epsilon} "
+            f"is spent by the end of the plan{engine.privacy_caveat}"
         )
 
     def _check_resumed_noise(self, old_sigma: float) -> None:
@@ -497,6 +526,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                              device=self.root_device)
         gathered = gather_tensors(local).tolist()
         summary = self.privacy.noise_summary()  # the configuration is the same on every node (checked at setup)
+        if self.noise_changes:
+            summary += " (" + "; ".join(self.noise_changes) + ")"
         caveat = self.privacy.privacy_caveat
         lines = [f"{type(self).__name__}: final privacy per node (delta = {self.privacy.delta:g}); {summary}{caveat}"]
         lines += [f"  node {rank}: epsilon = {eps:.4f} after {int(steps)} private steps{caveat}"

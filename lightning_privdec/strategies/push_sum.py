@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from lightning.fabric.strategies import _StrategyRegistry
-
 from lightning_privdec.strategies.base import DecentralizedStrategy
 
 
@@ -24,21 +22,9 @@ class DecentralizedPushSumStrategy(DecentralizedStrategy):
                             strategy=DecentralizedPushSumStrategy(topology="exponential-one-peer", overlap=True))
     """
 
-    strategy_name = "push_sum"
     default_weights = "push-sum"
     required_mixing = "column"
     requires_symmetric_graph = False
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, start_method in ((cls.strategy_name, "popen"), (f"{cls.strategy_name}_spawn", "spawn")):
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"{cls.__name__} with start_method '{start_method}'",
-                override=True,
-                start_method=start_method,
-            )
 
 
 class DecentralizedSGDStrategy(DecentralizedPushSumStrategy):
@@ -47,7 +33,6 @@ class DecentralizedSGDStrategy(DecentralizedPushSumStrategy):
     The classic baseline for undirected graphs; a directed graph is refused at setup.
     """
 
-    strategy_name = "dpsgd"
     supports_robust_clip = True  # its one message is the node's model
     default_weights = "metropolis"
     required_mixing = "doubly"

@@ -35,6 +35,23 @@ class _Offence:
         return f"  - {self.name or '<root>'} ({type(self.module).__name__}): {self.reason} [{how}]"
 
 
+#: layers named for each kind of offence; the rest are counted
+_NAMED = 3
+
+
+def _listed(offences: list[_Offence]) -> str:
+    """The offences, one line each for the first :data:`_NAMED` of a kind (layer type and reason), then a count."""
+    kinds: dict[tuple[str, str, bool], list[_Offence]] = {}
+    for offence in offences:
+        kinds.setdefault((type(offence.module).__name__, offence.reason, offence.fixable), []).append(offence)
+    lines = []
+    for (kind, _, _), alike in kinds.items():
+        lines += [o.describe() for o in alike[:_NAMED]]
+        if len(alike) > _NAMED:
+            lines.append(f"  - and {len(alike) - _NAMED} more {kind} layers alike ({len(alike)} in all)")
+    return "\n".join(lines)
+
+
 def _first_sentence(error: Exception) -> str:
     text = str(error).strip()
     end = text.find(". ")
@@ -124,7 +141,7 @@ def check_private_model(module: nn.Module, fix: bool = False) -> nn.Module:
     if not fix:
         raise PrivacyConfigError(
             "the model has layers incompatible with per-sample differential privacy:\n"
-            + "\n".join(o.describe() for o in offences)
+            + _listed(offences)
             + "\n"
             + _FIX_HINT
         )
@@ -132,7 +149,7 @@ def check_private_model(module: nn.Module, fix: bool = False) -> nn.Module:
     if unfixable:
         raise PrivacyConfigError(
             "these layers are incompatible with per-sample differential privacy and cannot be fixed in place:\n"
-            + "\n".join(o.describe() for o in unfixable)
+            + _listed(unfixable)
             + "\nReplace them by hand (e.g. BatchNorm -> GroupNorm or LayerNorm; a root-level BatchNorm must be "
             "wrapped in a parent module first)."
         )
@@ -141,10 +158,11 @@ def check_private_model(module: nn.Module, fix: bool = False) -> nn.Module:
         new = _like(ModuleValidator.FIXERS[type(offence.module)](offence.module), offence.module)
         for name in _replace_in_place(module, offence.module, new):
             replaced.append(f"{name}: {_short(offence.module)} -> {_short(new)}")
+    more = f" and {len(replaced) - _NAMED} more" if len(replaced) > _NAMED else ""
     warnings.warn(
         "check_private_model(fix=True) replaced layers incompatible with per-sample differential privacy, in "
-        "place: " + "; ".join(replaced) + ". The new layers have freshly initialised parameters; create the "
-        "optimizer after this call.",
+        "place: " + "; ".join(replaced[:_NAMED]) + more + ". The new layers have freshly initialised parameters; "
+        "create the optimizer after this call.",
         UserWarning,
         stacklevel=2,
     )
@@ -152,7 +170,7 @@ def check_private_model(module: nn.Module, fix: bool = False) -> nn.Module:
     if remaining:
         raise PrivacyConfigError(
             "after replacing the fixable layers, these remain incompatible with per-sample differential privacy:\n"
-            + "\n".join(o.describe() for o in remaining)
+            + _listed(remaining)
         )
     return module
 
