@@ -336,6 +336,57 @@ def test_an_identity_key_path_may_name_one_key_per_process(tmp_path):
         check_membership(roster, tmp_path / "{machine}.key")
 
 
+def _directories_of(strategy, monkeypatch, cwd, **trainer):
+    """The output directories ``strategy`` names once attached to a Trainer built with ``trainer`` in ``cwd``."""
+    import lightning as L
+
+    from lightning_privdec.data.digits import DigitsClassifier
+
+    monkeypatch.chdir(cwd)
+    model = DigitsClassifier()
+    trainer = L.Trainer(**{"accelerator": "cpu", "devices": 1, "strategy": strategy, "logger": False, **trainer})
+    trainer.strategy.connect(model)
+    model.trainer = trainer
+    return strategy.output_directories()
+
+
+def test_an_identity_key_inside_the_runs_checkpoint_or_log_directories_is_refused(tmp_path, monkeypatch):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_privdec.comm.identity import check_key_outside
+    from lightning_privdec.strategies import DecentralizedSGDStrategy, DP2SGDStrategy
+
+    roster, (key,) = make_members(tmp_path / "keys", ["site-a"])
+    inside = {
+        "the Trainer's default_root_dir": dict(default_root_dir=tmp_path / "keys"),
+        "a ModelCheckpoint's dirpath": dict(default_root_dir=tmp_path / "out",
+                                            callbacks=[ModelCheckpoint(dirpath=tmp_path / "keys")]),
+        "the CSVLogger's directory": dict(default_root_dir=tmp_path / "out", logger=CSVLogger(tmp_path, name="keys")),
+    }
+    for what, trainer in inside.items():
+        directories = _directories_of(DecentralizedSGDStrategy(roster=roster, identity_key=key), monkeypatch, tmp_path,
+                                      **trainer)
+        with pytest.raises(MembershipError, match=f"lies inside {re.escape(what)}.*move the file"):
+            check_key_outside(key, directories)
+    for ledger_dir, refused in ((tmp_path / "keys" / "ledger", False), (tmp_path, True)):
+        private = DP2SGDStrategy(roster=roster, identity_key=key, max_grad_norm=1.0, noise_multiplier=1.0,
+                                 ledger_dir=ledger_dir)
+        directories = _directories_of(private, monkeypatch, tmp_path, default_root_dir=tmp_path / "out")
+        if refused:
+            with pytest.raises(MembershipError, match=r"lies inside the write-ahead ledger directory \(ledger_dir\)"):
+                check_key_outside(key, directories)
+        else:
+            check_key_outside(key, directories)
+    # Lightning's default root, the working directory: only the folders it writes there are the run's
+    default = _directories_of(DecentralizedSGDStrategy(roster=roster, identity_key=key), monkeypatch, tmp_path)
+    check_key_outside(key, default)  # keys/ next to the script is fine
+    with pytest.raises(MembershipError, match="lies inside the Trainer's default checkpoint directory"):
+        check_key_outside(tmp_path / "checkpoints" / "site-a.key", default)
+    with pytest.raises(MembershipError, match="lies inside the Trainer's default log directory"):
+        check_key_outside(tmp_path / "lightning_logs" / "version_0" / "site-a.key", default)
+
+
 # ---- bounded influence: robust="clip" ------------------------------------------------------------------------------------
 def test_a_clipped_exchange_moves_no_received_model_farther_than_the_radius_and_leaves_close_ones_alone():
     from lightning_privdec.comm.robust import ClippedExchange

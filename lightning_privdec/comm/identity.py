@@ -52,6 +52,7 @@ __all__ = [
     "MembershipError",
     "Roster",
     "authenticate_members",
+    "check_key_outside",
     "check_membership",
     "identity_path",
     "seal_keys",
@@ -103,6 +104,22 @@ def identity_path(roster: Roster, identity_key: Path, *, rank: int, local_rank: 
     path = Path(str(identity_key).format(rank=rank, local_rank=local_rank, node_rank=node_rank))
     check_membership(roster, path)
     return path
+
+
+def check_key_outside(identity_key: Path, directories: Iterable[tuple[str, str | os.PathLike[str]]]) -> None:
+    """Refuse an identity key file that lies inside one of ``directories`` (``(what, path)`` pairs: the run's
+    checkpoint, log and ledger directories), which are copied, archived and shared with the model; a private key must
+    never travel with them."""
+    key = Path(identity_key).resolve()
+    holding = [(what, Path(d).resolve()) for what, d in directories
+               if "://" not in str(d) and key.is_relative_to(Path(d).resolve())]  # a remote file system holds no key
+    if holding:
+        what, folder = max(holding, key=lambda item: len(item[1].parts))  # the innermost names the problem best
+        raise MembershipError(
+            f"the identity key {identity_key} lies inside {what} ({folder}), so it would travel with every copy of "
+            "the checkpoints and logs written there. Keep private keys outside the run's output: move the file "
+            "(e.g. to ~/.privdec/) and pass its new path as identity_key"
+        )
 
 
 def _fingerprint(public_key: bytes) -> str:

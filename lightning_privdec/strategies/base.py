@@ -27,6 +27,7 @@ import random
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import networkx as nx
@@ -53,7 +54,9 @@ from lightning_privdec.comm.identity import (
     AuthenticatedSetup,
     Identity,
     Roster,
+    MembershipError,
     authenticate_members,
+    check_key_outside,
     check_membership,
     identity_path,
     seal_keys,
@@ -327,10 +330,20 @@ class DecentralizedStrategy(DDPStrategy):
         if self.roster is None or self.identity_key is None:
             return
         assert self.topology is not None
+        problem, identity = None, self.identity_key
+        try:
+            identity = identity_path(self.roster, self.identity_key, rank=self.global_rank, local_rank=self.local_rank,
+                                     node_rank=self.node_rank)
+            check_key_outside(identity, self.output_directories())
+        except MembershipError as error:
+            problem = error
+        failed = [(r, m) for r, m in enumerate(gather_from_nodes(problem and str(problem))) if m is not None]
+        if problem is not None:
+            raise problem
+        if failed:
+            raise MembershipError(f"node {failed[0][0]} cannot use its identity key, so no node starts: {failed[0][1]}")
         mine = {name: describe(value) for name, value in self.configuration().items()}
         key = self.agreement_private_key()
-        identity = identity_path(self.roster, self.identity_key, rank=self.global_rank, local_rank=self.local_rank,
-                                 node_rank=self.node_rank)
         setup = authenticate_members(
             Identity(identity), self.roster, rank=self.global_rank, world_size=self.world_size,
             agreement_key=key.public_key().public_bytes_raw(), configuration_digest=hashlib.sha256(encode(mine)).digest(),
@@ -338,6 +351,27 @@ class DecentralizedStrategy(DDPStrategy):
         neighbours = nx.Graph(self.topology.union_graph()).neighbors(self.global_rank)
         self._seal_keys = seal_keys(key, setup, self.global_rank, neighbours)
         self.membership, self._agreement_key = setup, key
+
+    def output_directories(self) -> list[tuple[str, str | os.PathLike[str]]]:
+        """The directories this run writes checkpoints and logs to, as ``(what, path)``: the Trainer's
+        ``default_root_dir`` (when it is the working directory, Lightning's default, only the ``checkpoints`` and
+        ``lightning_logs`` folders it writes there), every ModelCheckpoint's ``dirpath`` and every logger's directory.
+        An identity key must lie outside all of them."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None:
+            return []
+        root = Path(trainer.default_root_dir)
+        if root.resolve() == Path.cwd().resolve():
+            directories = [("the Trainer's default checkpoint directory", root / "checkpoints"),
+                           ("the Trainer's default log directory", root / "lightning_logs")]
+        else:
+            directories = [("the Trainer's default_root_dir", root)]
+        directories += [("a ModelCheckpoint's dirpath", c.dirpath) for c in trainer.checkpoint_callbacks if c.dirpath]
+        for logger in trainer.loggers:
+            folder = getattr(logger, "root_dir", None) or logger.save_dir
+            if folder:
+                directories.append((f"the {type(logger).__name__}'s directory", folder))
+        return directories
 
     def agreement_private_key(self) -> X25519PrivateKey:
         """The X25519 key this node signs at setup (fresh for every run unless a subclass keeps one in a file)."""
