@@ -30,11 +30,11 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_privdec.cli.keygen import main as keygen
-from lightning_privdec.comm import TorchDistributedExchange
 from lightning_privdec.comm.identity import Identity, Roster, authenticate_members, seal_keys, write_identity_key
+from lightning_privdec.comm.framed import FRAME_HEADER, FramedExchange
 from lightning_privdec.comm.objects import all_gather_bytes, broadcast_bytes, decode, encode, gather_bytes, gather_objects
 from lightning_privdec.comm.robust import ClippedExchange
-from lightning_privdec.comm.sealed import SealedExchange
+from lightning_privdec.comm.sealed import SEAL_OVERHEAD, SealedExchange
 from lightning_privdec.comm.wire import TensorSpec
 from lightning_privdec.data.digits import DigitsClassifier, DigitsDataModule
 from lightning_privdec.privacy.pairwise import PairwiseSecrets, exchange_public_keys, verify_agreement
@@ -62,7 +62,8 @@ EXPECTED = {
     "reordered gossip": ("TamperedMessageError", "message from node 2 in round 1 does not authenticate"),
     "forged gossip": ("TamperedMessageError", "message from node 2 in round 1 does not authenticate"),
     "non-finite gossip": ("NonFiniteMessageError", "message from node 2 in round 1 holds NaN"),
-    "undersized gossip": ("TamperedMessageError", "message from node 2 in round 1 does not authenticate"),
+    "undersized gossip": ("MessageSizeError", "message from node 2 in round 1 is 40 bytes, not the round's 48"),
+    "oversized gossip": ("MessageSizeError", "message from node 2 in round 1 is 56 bytes, not the round's 48"),
     "huge gossip (robust='clip')": ("clipped", "moved this node by at most the radius"),
 }
 #: the receivers of each attack (a gather reaches rank 0 only)
@@ -135,8 +136,10 @@ class Attacker(SealedExchange):
             elif self.attack.startswith("forged gossip"):
                 forger = SealedExchange(self.inner, {peer: (os.urandom(32), os.urandom(32))})
                 sealed = forger._seal(peer, tensors)
-            elif self.attack.startswith("undersized gossip"):  # 8 bytes short: gloo accepts a shorter message
+            elif self.attack.startswith("undersized gossip"):  # 8 bytes short (gloo would accept it)
                 sealed = sealed[:-8]
+            elif self.attack.startswith("oversized gossip"):  # 8 bytes too many (gloo would abort the receiver)
+                sealed = torch.cat([sealed, sealed[:8]])
         self.first.setdefault(peer, sealed)
         return sealed
 
@@ -149,7 +152,7 @@ class Attacker(SealedExchange):
 
 def gossip(rank: int, keys: Path, attack: str) -> None:
     edge_keys = setup(rank, keys)
-    inner = TorchDistributedExchange(torch.device("cpu"), timeout=timedelta(seconds=20))
+    inner = FramedExchange(torch.device("cpu"), edge_keys, timeout=timedelta(seconds=20))
     exchange = Attacker(inner, edge_keys, attack) if rank == ATTACKER else SealedExchange(inner, edge_keys)
     clip = "robust='clip'" in attack and rank != ATTACKER
     if clip:
@@ -210,9 +213,11 @@ STEPS_BEFORE_ATTACK = 2
 #: attack on a training run -> (the exception of every honest node, what its message must say)
 TRAINING_EXPECTED = {
     "unknown identity at a restart": ("MembershipError", "node 2 presents identity key"),
-    **{f"{name} while training": ("TamperedMessageError", "message from node 2 in round 2 does not authenticate")
-       for name in ("tampered gossip", "replayed gossip", "reordered gossip", "forged gossip", "undersized gossip")},
-    "non-finite gossip while training": ("NonFiniteMessageError", "message from node 2 in round 2 holds NaN"),
+    **{f"{name} while training": ("TamperedMessageError", "message from node 2 in round {round} does not authenticate")
+       for name in ("tampered gossip", "replayed gossip", "reordered gossip", "forged gossip")},
+    "non-finite gossip while training": ("NonFiniteMessageError", "message from node 2 in round {round} holds NaN"),
+    "oversized gossip while training": ("MessageSizeError", "message from node 2 in round {round} is 19264 bytes, "
+                                                            "not the round's 19256"),
 }
 SETUP_ATTACKS = ("unknown identity at a restart",)
 #: a honest node's misconfiguration, refused by every node before anything is written
@@ -239,7 +244,7 @@ class AttackingStrategy(DP2SGDStrategy):
         )
 
     def make_exchange(self):
-        inner = TorchDistributedExchange(self.root_device, timeout=self.peer_timeout)
+        inner = FramedExchange(self.root_device, self._seal_keys, timeout=self.peer_timeout)
         return Attacker(inner, self._seal_keys, self.attack, at_round=STEPS_BEFORE_ATTACK, stop=True)
 
 
@@ -344,7 +349,7 @@ def training_attacks(rank: int, tmp: Path, keys: Path) -> dict:
         dist.barrier()
         step += STEPS_BEFORE_ATTACK
         kept = digests(run)
-        records[name] = {"error": outcome["error"], "previous": previous,
+        records[name] = {"error": outcome["error"], "previous": previous, "attacked round": step,
                          "earlier checkpoints unchanged": all(kept.get(f) == d for f, d in before.items())}
         if rank != ATTACKER:
             records[name].update(after_the_stop(rank, run, step, outcome))
@@ -409,6 +414,7 @@ def run_harness(tmp: Path) -> list[dict]:
 def damage(name: str, record: dict) -> list[str]:
     """What an honest node lost or got wrong in one training attack (empty: its files and ledger are intact)."""
     error, says = TRAINING_EXPECTED[name]
+    says = says.format(round=record.get("attacked round"))  # the gossip round after the checkpoint
     problems = [] if (record["error"] or "").startswith(error) and says in record["error"] else [f"{record['error']}"]
     if name in SETUP_ATTACKS:
         return problems + ([] if record["unchanged"] else ["a file of the earlier run changed"])
@@ -474,7 +480,7 @@ def test_every_attack_of_a_malicious_node_is_refused_naming_it_and_none_of_its_c
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_a_fit_with_a_roster_takes_the_same_steps_as_without_and_sends_16_more_bytes_per_message(tmp_path):
+def test_a_fit_with_a_roster_takes_the_same_steps_as_without_and_sends_24_more_bytes_per_message(tmp_path):
     keys = tmp_path / "keys"
     lines = [f"{r} {base64.b64encode(write_identity_key(keys / f'node{r}.key')).decode()}" for r in range(WORLD)]
     (keys / "roster").write_text("\n".join(lines) + "\n")
@@ -486,7 +492,7 @@ def test_a_fit_with_a_roster_takes_the_same_steps_as_without_and_sends_16_more_b
     for plain, secure in zip(plain_run, sealed_run):
         assert torch.equal(plain["params"], secure["params"]), f"node {plain['rank']}: sealing changed the model"
         messages = 2 * secure["rounds"]  # a ring: two neighbours per round
-        assert secure["bytes_sent"] - plain["bytes_sent"] == 16 * messages
+        assert secure["bytes_sent"] - plain["bytes_sent"] == (SEAL_OVERHEAD + FRAME_HEADER) * messages == 24 * messages
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ from lightning_privdec.comm.identity import (
     identity_path,
     seal_keys,
 )
+from lightning_privdec.comm.framed import FramedExchange
 from lightning_privdec.comm.objects import broadcast_object, encode, gather_objects
 from lightning_privdec.comm.robust import ClippedExchange
 from lightning_privdec.comm.sealed import SealedExchange
@@ -378,11 +379,15 @@ class DecentralizedStrategy(DDPStrategy):
         return X25519PrivateKey.generate()
 
     def make_exchange(self) -> Exchange:
-        """The gossip's point-to-point exchange: over torch.distributed, sealed per edge when a roster is given,
-        clipped around the node's own model with ``robust="clip"``."""
-        exchange: Exchange = TorchDistributedExchange(self.root_device, timeout=self.peer_timeout or self._timeout)
-        if self._seal_keys is not None:
-            exchange = SealedExchange(exchange, self._seal_keys)
+        """The gossip's point-to-point exchange: over torch.distributed; with a roster sealed per edge and carried
+        length-framed over TCP (:mod:`lightning_privdec.comm.framed`); clipped around the node's own model with
+        ``robust="clip"``."""
+        timeout = self.peer_timeout or self._timeout
+        if self._seal_keys is not None:  # length-framed, so that no message size can abort the receiver
+            framed = FramedExchange(torch.device("cpu"), self._seal_keys, timeout)  # sealed and sent from the host
+            exchange: Exchange = SealedExchange(framed, self._seal_keys, device=self.root_device)
+        else:
+            exchange = TorchDistributedExchange(self.root_device, timeout=timeout)
         if self.robust == "clip":
             assert self.robust_radius is not None
             exchange = ClippedExchange(exchange, self.robust_radius)
@@ -584,6 +589,12 @@ class DecentralizedStrategy(DDPStrategy):
             f"Likely cause: the learning rate (lr={lr}) is too large for this model and noise, or compressor="
             f"{self.compressor} too aggressive at consensus_step={gamma:.3g}: lower one of them."
         )
+
+    def teardown(self) -> None:
+        exchange = getattr(self.gossip, "exchange", None)
+        if exchange is not None:
+            exchange.close()  # a roster's gossip connections (nothing over torch.distributed)
+        super().teardown()
 
     def on_train_end(self) -> None:
         super().on_train_end()
