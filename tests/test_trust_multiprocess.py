@@ -3,7 +3,10 @@
 Each attack runs the honest code on ranks 0 and 1 and a modified version on rank 2, over the real collectives and
 point-to-point exchange; every honest node records what it did. Expected: it refuses the foreign object or stops
 naming node 2 (and the round), and nothing rank 2 sent ever executes (its pickles would create a marker file).
-Running ``python -m tests.test_trust_multiprocess`` prints the table of attacks and outcomes.
+In the second half the same processes train (DP²-SGD with a roster, a checkpoint every 2 steps, the write-ahead
+privacy ledger) and rank 2 attacks a restart and the gossip round after a checkpoint: the honest nodes' files stay
+as they were, and their checkpoints and ledgers read back as recorded and resume. Running
+``python -m tests.test_trust_multiprocess`` prints the table of attacks and outcomes.
 """
 
 from __future__ import annotations
