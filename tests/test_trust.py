@@ -447,6 +447,28 @@ def test_framed_gossip_delivers_large_messages_both_ways_and_stops_on_a_wrong_si
     node1.close()
 
 
+def test_sealed_framed_gossip_rounds_posted_ahead_arrive_in_order():
+    """overlap=True posts a round with ``start`` and waits for it later: over framed TCP the round runs at once."""
+    import socket
+
+    a, b = socket.socketpair()
+    keys = (os.urandom(32), os.urandom(32))
+    node0 = SealedExchange(_framed(0, 1, a), {1: keys})
+    node1 = SealedExchange(_framed(1, 0, b), {0: keys[::-1]})
+    spec = [TensorSpec((3,), torch.float32)]
+    messages = [torch.full((3,), float(r)) for r in range(3)]
+
+    def rounds(node, peer):
+        pending = [node.start({peer: [m * (node.rank + 1)]}, {peer: spec}, tag=r % 2) for r, m in enumerate(messages)]
+        return [p.wait()[peer][0] for p in pending]
+
+    got0, got1 = _both(lambda: rounds(node0, 1), lambda: rounds(node1, 0))
+    assert [t.tolist() for t in got0] == [(m * 2).tolist() for m in messages]
+    assert [t.tolist() for t in got1] == [m.tolist() for m in messages]
+    node0.close()
+    node1.close()
+
+
 def test_a_framed_connection_that_does_not_prove_its_sender_is_ignored():
     import socket
 

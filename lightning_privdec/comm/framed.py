@@ -109,6 +109,8 @@ class FramedExchange(Exchange):
                 conn = socket.create_connection((host, port), timeout=self.timeout)
                 conn.sendall(_HELLO.pack(self.rank, _hello_mac(keys[peer][0], self.rank, peer)))
             except OSError as error:
+                for opened in sockets.values():
+                    opened.close()
                 raise self._lost([peer], error) from error
             sockets[peer] = conn
         waiting = {p for p in keys if p < self.rank}
@@ -117,10 +119,15 @@ class FramedExchange(Exchange):
             listener.settimeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
             try:
                 conn, _ = listener.accept()
-                conn.settimeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
-                hello = self._read_exactly(conn, _HELLO.size)
             except OSError as error:
+                for opened in sockets.values():
+                    opened.close()
                 raise self._lost(sorted(waiting), error) from error
+            try:
+                conn.settimeout(None if deadline is None else max(0.001, deadline - time.monotonic()))
+                hello = self._read_exactly(conn, _HELLO.size)
+            except OSError:  # too slow to open, or closed: ignored like a wrong opening
+                hello = None
             peer, mac = _HELLO.unpack(hello) if hello is not None else (-1, b"")
             if peer in waiting and hmac.compare_digest(mac, _hello_mac(keys[peer][1], peer, self.rank)):
                 sockets[peer] = conn
