@@ -8,7 +8,8 @@ A **roster** is a text file distributed out of band (as WireGuard's peer list), 
 
 A member named by an integer may only take that rank; any other name may take any rank (its process's rank is then
 what the launcher gave it). Each node holds its **identity key**, the Ed25519 private key of one roster member, in a
-PEM file of mode 0600 outside every checkpoint (``privdec-keygen`` creates one and prints its roster line).
+PEM file of mode 0600 outside the run's checkpoint, log and ledger directories (:func:`check_key_outside`;
+``privdec-keygen`` creates one and prints its roster line).
 
 At setup (:func:`authenticate_members`) every node
 

@@ -125,11 +125,13 @@ class DecentralizedStrategy(DDPStrategy):
             the honest nodes' distance to each other, or they are slowed down too.
         roster: a roster file (or :class:`~lightning_privdec.comm.identity.Roster`) listing every member's Ed25519
             public key, the same on every node; with ``identity_key``, the nodes authenticate each other at setup and
-            seal their gossip (:mod:`lightning_privdec.comm.identity`, :mod:`lightning_privdec.comm.sealed`; see
-            docs/threat-model.md). ``None`` (default): members are trusted to follow the protocol.
-        identity_key: this node's Ed25519 private key file (PEM, mode 0600, outside any checkpoint; ``privdec-keygen``
-            creates one). Given with ``roster`` only. ``{rank}``, ``{local_rank}`` and ``{node_rank}`` in the path
-            are filled in per process (several nodes on one machine: ``"keys/site-a-{local_rank}.key"``).
+            seal their gossip, carried length-framed over TCP (:mod:`lightning_privdec.comm.identity`,
+            :mod:`lightning_privdec.comm.sealed`, :mod:`lightning_privdec.comm.framed`; see docs/threat-model.md).
+            ``None`` (default): members are trusted to follow the protocol.
+        identity_key: this node's Ed25519 private key file (PEM, mode 0600; ``privdec-keygen`` creates one), refused
+            at setup when it lies inside the run's checkpoint, log or ledger directories (:meth:`output_directories`).
+            Given with ``roster`` only. ``{rank}``, ``{local_rank}`` and ``{node_rank}`` in the path are filled in per
+            process (several nodes on one machine: ``"keys/site-a-{local_rank}.key"``).
         peer_timeout: how long a node waits for any other node (a gossip message, a collective) once training is set
             up, before it stops with an error: a ``timedelta`` or seconds, longer than the slowest checkpoint write
             or validation pass (the others wait that long). ``None`` keeps ``timeout`` (Lightning's, 30 minutes by
