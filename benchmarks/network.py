@@ -19,7 +19,8 @@ then train every configuration in turn (a fresh Trainer, model and seed each), s
     push_sum           DecentralizedPushSumStrategy, exponential-one-peer graph (one message per node per step)
     push_sum_overlap   the same with overlap=True (the message travels during the next forward/backward)
     push_sum_sealed    push_sum with a roster (roster=, identity_key=): signed setup, every message sealed with
-                       ChaCha20-Poly1305 (+16 bytes); keys made for the run in its temporary directory
+                       ChaCha20-Poly1305 and sent length-framed over TCP (+16 + 8 bytes); keys made for the run in its
+                       temporary directory
     privsgp            PrivSGPStrategy (DP push-sum, uncompressed), C = 1, sigma = 1
     dp_csgp_randk0.1   DPCSGPStrategy with RandK(0.1), consensus step 0.05 (the value docs/compression.md found
                        stable for RandK(0.1) on this graph), C = 1, sigma = 1

@@ -336,6 +336,163 @@ def test_an_identity_key_path_may_name_one_key_per_process(tmp_path):
         check_membership(roster, tmp_path / "{machine}.key")
 
 
+def _directories_of(strategy, monkeypatch, cwd, **trainer):
+    """The output directories ``strategy`` names once attached to a Trainer built with ``trainer`` in ``cwd``."""
+    import lightning as L
+
+    from lightning_privdec.data.digits import DigitsClassifier
+
+    monkeypatch.chdir(cwd)
+    model = DigitsClassifier()
+    trainer = L.Trainer(**{"accelerator": "cpu", "devices": 1, "strategy": strategy, "logger": False, **trainer})
+    trainer.strategy.connect(model)
+    model.trainer = trainer
+    return strategy.output_directories()
+
+
+def test_an_identity_key_inside_the_runs_checkpoint_or_log_directories_is_refused(tmp_path, monkeypatch):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_privdec.comm.identity import check_key_outside
+    from lightning_privdec.strategies import DecentralizedSGDStrategy, DP2SGDStrategy
+
+    roster, (key,) = make_members(tmp_path / "keys", ["site-a"])
+    inside = {
+        "the Trainer's default_root_dir": dict(default_root_dir=tmp_path / "keys"),
+        "a ModelCheckpoint's dirpath": dict(default_root_dir=tmp_path / "out",
+                                            callbacks=[ModelCheckpoint(dirpath=tmp_path / "keys")]),
+        "the CSVLogger's directory": dict(default_root_dir=tmp_path / "out", logger=CSVLogger(tmp_path, name="keys")),
+    }
+    for what, trainer in inside.items():
+        directories = _directories_of(DecentralizedSGDStrategy(roster=roster, identity_key=key), monkeypatch, tmp_path,
+                                      **trainer)
+        with pytest.raises(MembershipError, match=f"lies inside {re.escape(what)}.*move the file"):
+            check_key_outside(key, directories)
+    for ledger_dir, refused in ((tmp_path / "keys" / "ledger", False), (tmp_path, True)):
+        private = DP2SGDStrategy(roster=roster, identity_key=key, max_grad_norm=1.0, noise_multiplier=1.0,
+                                 ledger_dir=ledger_dir)
+        directories = _directories_of(private, monkeypatch, tmp_path, default_root_dir=tmp_path / "out")
+        if refused:
+            with pytest.raises(MembershipError, match=r"lies inside the write-ahead ledger directory \(ledger_dir\)"):
+                check_key_outside(key, directories)
+        else:
+            check_key_outside(key, directories)
+    # Lightning's default root, the working directory: only the folders it writes there are the run's
+    default = _directories_of(DecentralizedSGDStrategy(roster=roster, identity_key=key), monkeypatch, tmp_path)
+    check_key_outside(key, default)  # keys/ next to the script is fine
+    with pytest.raises(MembershipError, match="lies inside the Trainer's default checkpoint directory"):
+        check_key_outside(tmp_path / "checkpoints" / "site-a.key", default)
+    with pytest.raises(MembershipError, match="lies inside the Trainer's default log directory"):
+        check_key_outside(tmp_path / "lightning_logs" / "version_0" / "site-a.key", default)
+
+
+# ---- length-framed gossip --------------------------------------------------------------------------------------------------
+def _framed(rank: int, peer: int, conn) -> "FramedExchange":  # noqa: F821
+    """A FramedExchange of ``rank`` whose connection to ``peer`` is ``conn`` (no process group needed)."""
+    from lightning_privdec.comm.base import Exchange
+    from lightning_privdec.comm.framed import FramedExchange
+
+    exchange = FramedExchange.__new__(FramedExchange)
+    Exchange.__init__(exchange, rank, 2)
+    exchange.device, exchange.timeout, exchange._buffers = torch.device("cpu"), 10.0, {}
+    conn.setblocking(False)
+    exchange._sockets = {peer: conn}
+    return exchange
+
+
+def _both(first: Callable, second: Callable) -> list:
+    """Run two nodes' rounds at once; each one's result or exception."""
+    results: list = [None, None]
+
+    def run(i, call):
+        try:
+            results[i] = call()
+        except Exception as error:  # noqa: BLE001
+            results[i] = error
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate((first, second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def test_framed_gossip_delivers_large_messages_both_ways_and_stops_on_a_wrong_size_naming_the_sender_and_round():
+    import socket
+
+    from lightning_privdec.comm.framed import FRAME_HEADER, MessageSizeError
+
+    a, b = socket.socketpair()
+    node0, node1 = _framed(0, 1, a), _framed(1, 0, b)
+    x0, x1 = torch.randn(1 << 20), torch.randn(1 << 20)  # 4 MB: more than the sockets buffer, both ways at once
+    spec = [TensorSpec((1 << 20,), torch.float32)]
+    got0, got1 = _both(lambda: node0.exchange({1: [x0]}, {1: spec}), lambda: node1.exchange({0: [x1]}, {0: spec}))
+    assert torch.equal(got0[1][0], x1) and torch.equal(got1[0][0], x0)
+    assert node0.traffic.bytes_sent == node0.traffic.bytes_received == 4 * (1 << 20) + FRAME_HEADER
+    for wrong in (torch.randn((1 << 20) + 1), torch.randn(2)):  # one float too many, then far too few
+        sender = threading.Thread(target=_both, args=(lambda: node1.exchange({0: [wrong]}, {}), lambda: None))
+        sender.start()
+        with pytest.raises(MessageSizeError, match=f"node 0: the gossip message from node 1 in round 1 is "
+                           f"{wrong.numel() * 4} bytes, not the round's {4 << 20}: nothing of it was read"):
+            node0.exchange({}, {1: spec})
+        a.close()  # the stopped node's connection holds the rest of the message: the sender fails, then a new pair
+        sender.join(30)
+        node1.close()
+        a, b = socket.socketpair()
+        node0, node1 = _framed(0, 1, a), _framed(1, 0, b)
+        node0.traffic.rounds = node1.traffic.rounds = 1
+    node0.close()
+    node1.close()
+
+
+def test_sealed_framed_gossip_rounds_posted_ahead_arrive_in_order():
+    """overlap=True posts a round with ``start`` and waits for it later: over framed TCP the round runs at once."""
+    import socket
+
+    a, b = socket.socketpair()
+    keys = (os.urandom(32), os.urandom(32))
+    node0 = SealedExchange(_framed(0, 1, a), {1: keys})
+    node1 = SealedExchange(_framed(1, 0, b), {0: keys[::-1]})
+    spec = [TensorSpec((3,), torch.float32)]
+    messages = [torch.full((3,), float(r)) for r in range(3)]
+
+    def rounds(node, peer):
+        pending = [node.start({peer: [m * (node.rank + 1)]}, {peer: spec}, tag=r % 2) for r, m in enumerate(messages)]
+        return [p.wait()[peer][0] for p in pending]
+
+    got0, got1 = _both(lambda: rounds(node0, 1), lambda: rounds(node1, 0))
+    assert [t.tolist() for t in got0] == [(m * 2).tolist() for m in messages]
+    assert [t.tolist() for t in got1] == [m.tolist() for m in messages]
+    node0.close()
+    node1.close()
+
+
+def test_a_framed_connection_that_does_not_prove_its_sender_is_ignored():
+    import socket
+
+    from lightning_privdec.comm.base import Exchange
+    from lightning_privdec.comm.framed import _HELLO, FramedExchange, _hello_mac
+
+    keys = {0: (os.urandom(32), os.urandom(32))}  # node 1's (sending, receiving) keys with node 0
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()
+    impostor = socket.create_connection(address)  # claims to be node 0 without its key
+    impostor.sendall(_HELLO.pack(0, os.urandom(32)))
+    honest = socket.create_connection(address)
+    honest.sendall(_HELLO.pack(0, _hello_mac(keys[0][1], 0, 1)))  # node 0 signs with its sending key = node 1's receiving
+    node1 = FramedExchange.__new__(FramedExchange)
+    Exchange.__init__(node1, 1, 2)
+    node1.timeout = 10.0
+    sockets = node1._connect(listener, [None, None], keys)
+    honest.sendall(b"x")
+    assert sockets[0].recv(1) == b"x"  # the accepted connection is the honest one
+    assert impostor.recv(1) == b""  # the impostor's was closed
+    for conn in (listener, impostor, honest, sockets[0]):
+        conn.close()
+
+
 # ---- bounded influence: robust="clip" ------------------------------------------------------------------------------------
 def test_a_clipped_exchange_moves_no_received_model_farther_than_the_radius_and_leaves_close_ones_alone():
     from lightning_privdec.comm.robust import ClippedExchange

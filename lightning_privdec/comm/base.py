@@ -84,6 +84,9 @@ class Exchange(abc.ABC):
         received = {peer: [t.clone() for t in tensors] for peer, tensors in self.exchange(outgoing, incoming).items()}
         return PendingRound(lambda: received)
 
+    def close(self) -> None:
+        """Release the connections this exchange holds (nothing by default); no round may follow."""
+
     def _check_peers(self, outgoing: Mapping[int, Sequence[Tensor]], incoming: Mapping[int, object]) -> None:
         for peer in list(outgoing) + list(incoming):
             if not 0 <= peer < self.world_size or peer == self.rank:

@@ -8,7 +8,8 @@ A **roster** is a text file distributed out of band (as WireGuard's peer list), 
 
 A member named by an integer may only take that rank; any other name may take any rank (its process's rank is then
 what the launcher gave it). Each node holds its **identity key**, the Ed25519 private key of one roster member, in a
-PEM file of mode 0600 outside every checkpoint (``privdec-keygen`` creates one and prints its roster line).
+PEM file of mode 0600 outside the run's checkpoint, log and ledger directories (:func:`check_key_outside`;
+``privdec-keygen`` creates one and prints its roster line).
 
 At setup (:func:`authenticate_members`) every node
 
@@ -52,6 +53,7 @@ __all__ = [
     "MembershipError",
     "Roster",
     "authenticate_members",
+    "check_key_outside",
     "check_membership",
     "identity_path",
     "seal_keys",
@@ -103,6 +105,22 @@ def identity_path(roster: Roster, identity_key: Path, *, rank: int, local_rank: 
     path = Path(str(identity_key).format(rank=rank, local_rank=local_rank, node_rank=node_rank))
     check_membership(roster, path)
     return path
+
+
+def check_key_outside(identity_key: Path, directories: Iterable[tuple[str, str | os.PathLike[str]]]) -> None:
+    """Refuse an identity key file that lies inside one of ``directories`` (``(what, path)`` pairs: the run's
+    checkpoint, log and ledger directories), which are copied, archived and shared with the model; a private key must
+    never travel with them."""
+    key = Path(identity_key).resolve()
+    holding = [(what, Path(d).resolve()) for what, d in directories
+               if "://" not in str(d) and key.is_relative_to(Path(d).resolve())]  # a remote file system holds no key
+    if holding:
+        what, folder = max(holding, key=lambda item: len(item[1].parts))  # the innermost names the problem best
+        raise MembershipError(
+            f"the identity key {identity_key} lies inside {what} ({folder}), so it would travel with every copy of "
+            "the checkpoints and logs written there. Keep private keys outside the run's output: move the file "
+            "(e.g. to ~/.privdec/) and pass its new path as identity_key"
+        )
 
 
 def _fingerprint(public_key: bytes) -> str:

@@ -47,6 +47,9 @@ class ClippedExchange(Exchange):
         pending = self.inner.start(outgoing, incoming, tag)
         return PendingRound(lambda: self._clip(pending.wait(), own))
 
+    def close(self) -> None:
+        self.inner.close()
+
     def _own_model(self, outgoing: Outgoing, incoming: Incoming) -> Tensor | None:
         messages = list(outgoing.values())
         if not incoming:

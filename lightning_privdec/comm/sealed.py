@@ -12,8 +12,9 @@ but its sender fails to open, and the receiving node raises :class:`TamperedMess
 round before any of it is used. A message is its packed tensors (:mod:`lightning_privdec.comm.wire`) plus the
 16-byte Poly1305 tag: exactly 16 bytes more per message, which the traffic counters count.
 
-The cipher runs on the CPU: a message of tensors on a GPU is copied to the host to be sealed and back to the device
-to be sent (with NCCL), and likewise on arrival.
+The cipher runs on the CPU: a message of tensors on a GPU is copied to the host to be sealed and opened; with a
+roster the strategies carry the sealed bytes over :class:`~lightning_privdec.comm.framed.FramedExchange`, from and
+into host memory, so each message crosses PCIe once each way.
 """
 
 from __future__ import annotations
@@ -46,12 +47,15 @@ class SealedExchange(Exchange):
     """``inner`` with every message sealed under the per-edge keys ``keys[peer] = (sending key, receiving key)``.
 
     Same interface and rounds as ``inner`` (``exchange`` and ``start``); shares its traffic counter, which counts the
-    sealed bytes.
+    sealed bytes. ``device``: where opened messages are returned (``None``: where they arrived); an ``inner`` whose
+    ``device`` is the CPU (:class:`~lightning_privdec.comm.framed.FramedExchange`) is handed host buffers.
     """
 
-    def __init__(self, inner: Exchange, keys: Mapping[int, tuple[bytes, bytes]]) -> None:
+    def __init__(self, inner: Exchange, keys: Mapping[int, tuple[bytes, bytes]],
+                 device: torch.device | None = None) -> None:
         super().__init__(inner.rank, inner.world_size)
-        self.inner = inner
+        self.inner, self.device = inner, device
+        self._host_wire = getattr(inner, "device", None) == torch.device("cpu")
         self.traffic = inner.traffic
         self._ciphers = {peer: (ChaCha20Poly1305(send), ChaCha20Poly1305(receive)) for peer, (send, receive) in keys.items()}
         self._sent: dict[int, int] = {}  # messages sealed so far to each peer
@@ -76,7 +80,7 @@ class SealedExchange(Exchange):
         self, outgoing: Outgoing, incoming: Incoming, reuse: bool
     ) -> tuple[dict[int, list[Tensor]], dict[int, tuple[TensorSpec, list[TensorSpec], tuple[int, int]]]]:
         self._check_peers(outgoing, incoming)
-        round = self.rounds
+        round = self.traffic.rounds  # the gossip's round (the counter is the inner exchange's, kept in checkpoints)
         self.rounds += 1
         sealed = {peer: [self._seal(peer, tensors, reuse)] for peer, tensors in outgoing.items()}
         expected = {}
@@ -123,7 +127,7 @@ class SealedExchange(Exchange):
         host = plain.cpu() if device.type != "cpu" else plain
         out = self._host_buffer("sealed", peer, host.numel() + SEAL_OVERHEAD, reuse)
         cipher.encrypt_into(b"\0\0\0\0" + _u64(count), host.numpy(), self._associated(self.rank, peer, count), out.numpy())
-        return out if device.type == "cpu" else out.to(device)
+        return out if device.type == "cpu" or self._host_wire else out.to(device)
 
     def _open(
         self, peer: int, buffer: Tensor, specs: list[TensorSpec], round: int, count: int, reuse: bool = False
@@ -142,7 +146,11 @@ class SealedExchange(Exchange):
                 f"network path between the two nodes and node {peer} itself, then restart every node from the last "
                 "checkpoint."
             ) from None
-        return unpack(plain if buffer.device.type == "cpu" else plain.to(buffer.device), specs)
+        target = self.device or buffer.device
+        return unpack(plain if target.type == "cpu" else plain.to(target), specs)
+
+    def close(self) -> None:
+        self.inner.close()
 
     def __getstate__(self) -> object:
         raise TypeError("SealedExchange holds the edge keys and cannot be pickled")

@@ -28,6 +28,7 @@ import random
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import networkx as nx
@@ -54,11 +55,14 @@ from lightning_privdec.comm.identity import (
     AuthenticatedSetup,
     Identity,
     Roster,
+    MembershipError,
     authenticate_members,
+    check_key_outside,
     check_membership,
     identity_path,
     seal_keys,
 )
+from lightning_privdec.comm.framed import FramedExchange
 from lightning_privdec.comm.objects import broadcast_object, encode, gather_objects
 from lightning_privdec.comm.robust import ClippedExchange
 from lightning_privdec.comm.sealed import SealedExchange
@@ -127,11 +131,13 @@ class DecentralizedStrategy(DDPStrategy):
             the honest nodes' distance to each other, or they are slowed down too.
         roster: a roster file (or :class:`~lightning_privdec.comm.identity.Roster`) listing every member's Ed25519
             public key, the same on every node; with ``identity_key``, the nodes authenticate each other at setup and
-            seal their gossip (:mod:`lightning_privdec.comm.identity`, :mod:`lightning_privdec.comm.sealed`; see
-            docs/threat-model.md). ``None`` (default): members are trusted to follow the protocol.
-        identity_key: this node's Ed25519 private key file (PEM, mode 0600, outside any checkpoint; ``privdec-keygen``
-            creates one). Given with ``roster`` only. ``{rank}``, ``{local_rank}`` and ``{node_rank}`` in the path
-            are filled in per process (several nodes on one machine: ``"keys/site-a-{local_rank}.key"``).
+            seal their gossip, carried length-framed over TCP (:mod:`lightning_privdec.comm.identity`,
+            :mod:`lightning_privdec.comm.sealed`, :mod:`lightning_privdec.comm.framed`; see docs/threat-model.md).
+            ``None`` (default): members are trusted to follow the protocol.
+        identity_key: this node's Ed25519 private key file (PEM, mode 0600; ``privdec-keygen`` creates one), refused
+            at setup when it lies inside the run's checkpoint, log or ledger directories (:meth:`output_directories`).
+            Given with ``roster`` only. ``{rank}``, ``{local_rank}`` and ``{node_rank}`` in the path are filled in per
+            process (several nodes on one machine: ``"keys/site-a-{local_rank}.key"``).
         peer_timeout: how long a node waits for any other node (a gossip message, a collective) once training is set
             up, before it stops with an error: a ``timedelta`` or seconds, longer than the slowest checkpoint write
             or validation pass (the others wait that long). ``None`` keeps ``timeout`` (Lightning's, 30 minutes by
@@ -350,10 +356,20 @@ class DecentralizedStrategy(DDPStrategy):
         if self.roster is None or self.identity_key is None:
             return
         assert self.topology is not None
+        problem, identity = None, self.identity_key
+        try:
+            identity = identity_path(self.roster, self.identity_key, rank=self.global_rank, local_rank=self.local_rank,
+                                     node_rank=self.node_rank)
+            check_key_outside(identity, self.output_directories())
+        except MembershipError as error:
+            problem = error
+        failed = [(r, m) for r, m in enumerate(gather_from_nodes(problem and str(problem))) if m is not None]
+        if problem is not None:
+            raise problem
+        if failed:
+            raise MembershipError(f"node {failed[0][0]} cannot use its identity key, so no node starts: {failed[0][1]}")
         mine = {name: describe(value) for name, value in self.configuration().items()}
         key = self.agreement_private_key()
-        identity = identity_path(self.roster, self.identity_key, rank=self.global_rank, local_rank=self.local_rank,
-                                 node_rank=self.node_rank)
         setup = authenticate_members(
             Identity(identity), self.roster, rank=self.global_rank, world_size=self.world_size,
             agreement_key=key.public_key().public_bytes_raw(), configuration_digest=hashlib.sha256(encode(mine)).digest(),
@@ -362,16 +378,41 @@ class DecentralizedStrategy(DDPStrategy):
         self._seal_keys = seal_keys(key, setup, self.global_rank, neighbours)
         self.membership, self._agreement_key = setup, key
 
+    def output_directories(self) -> list[tuple[str, str | os.PathLike[str]]]:
+        """The directories this run writes checkpoints and logs to, as ``(what, path)``: the Trainer's
+        ``default_root_dir`` (when it is the working directory, Lightning's default, only the ``checkpoints`` and
+        ``lightning_logs`` folders it writes there), every ModelCheckpoint's ``dirpath`` and every logger's directory.
+        An identity key must lie outside all of them."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None:
+            return []
+        root = Path(trainer.default_root_dir)
+        if root.resolve() == Path.cwd().resolve():
+            directories = [("the Trainer's default checkpoint directory", root / "checkpoints"),
+                           ("the Trainer's default log directory", root / "lightning_logs")]
+        else:
+            directories = [("the Trainer's default_root_dir", root)]
+        directories += [("a ModelCheckpoint's dirpath", c.dirpath) for c in trainer.checkpoint_callbacks if c.dirpath]
+        for logger in trainer.loggers:
+            folder = getattr(logger, "root_dir", None) or logger.save_dir
+            if folder:
+                directories.append((f"the {type(logger).__name__}'s directory", folder))
+        return directories
+
     def agreement_private_key(self) -> X25519PrivateKey:
         """The X25519 key this node signs at setup (fresh for every run unless a subclass keeps one in a file)."""
         return X25519PrivateKey.generate()
 
     def make_exchange(self) -> Exchange:
-        """The gossip's point-to-point exchange: over torch.distributed, sealed per edge when a roster is given,
-        clipped around the node's own model with ``robust="clip"``."""
-        exchange: Exchange = TorchDistributedExchange(self.root_device, timeout=self.peer_timeout or self._timeout)
-        if self._seal_keys is not None:
-            exchange = SealedExchange(exchange, self._seal_keys)
+        """The gossip's point-to-point exchange: over torch.distributed; with a roster sealed per edge and carried
+        length-framed over TCP (:mod:`lightning_privdec.comm.framed`); clipped around the node's own model with
+        ``robust="clip"``."""
+        timeout = self.peer_timeout or self._timeout
+        if self._seal_keys is not None:  # length-framed, so that no message size can abort the receiver
+            framed = FramedExchange(torch.device("cpu"), self._seal_keys, timeout)  # sealed and sent from the host
+            exchange: Exchange = SealedExchange(framed, self._seal_keys, device=self.root_device)
+        else:
+            exchange = TorchDistributedExchange(self.root_device, timeout=timeout)
         if self.robust == "clip":
             assert self.robust_radius is not None
             exchange = ClippedExchange(exchange, self.robust_radius)
@@ -574,6 +615,12 @@ class DecentralizedStrategy(DDPStrategy):
             f"Likely cause: the learning rate (lr={lr}) is too large for this model and noise, or compressor="
             f"{self.compressor} too aggressive at consensus_step={gamma:.3g}: lower one of them."
         )
+
+    def teardown(self) -> None:
+        exchange = getattr(self.gossip, "exchange", None)
+        if exchange is not None:
+            exchange.close()  # a roster's gossip connections (nothing over torch.distributed)
+        super().teardown()
 
     def on_train_end(self) -> None:
         super().on_train_end()

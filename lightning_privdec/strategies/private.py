@@ -632,6 +632,12 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             self.write_ahead.recover(self.privacy)  # steps released after the checkpoint stay counted
 
     # ---- the write-ahead privacy ledger --------------------------------------------------------------------------
+    def output_directories(self) -> list[tuple[str, str | os.PathLike[str]]]:
+        directories = super().output_directories()
+        if self.ledger_dir not in (True, False, None):
+            directories.append(("the write-ahead ledger directory (ledger_dir)", self.ledger_dir))
+        return directories
+
     def _writes_ahead(self) -> bool:
         return bool(self.ledger_dir) and self.noise_seed is None
 
