@@ -89,7 +89,7 @@ def test_the_ldp_and_cdp_baselines_are_calibrated_from_the_same_budget():
     assert ldp.sigma_cdp > decor.sigma_cdp  # the correlated noise lets Decor's independent noise be smaller
     assert cdp.sigma_cdp == pytest.approx(ldp.sigma_cdp / 2, rel=1e-6)  # sigma_LDP / sqrt(n), n = 4
     for engine in (decor, ldp, cdp):
-        assert 2.9 < engine.ledger.epsilon_after(110, *engine.next_release()) <= 3.0
+        assert 2.9 < engine.ledger.epsilon_after(110, engine.next_release()) <= 3.0
 
 
 @pytest.mark.multiprocess
@@ -123,10 +123,10 @@ def test_the_budget_check_counts_the_steps_that_fit_and_agrees_with_the_accounta
     answers = []
     for steps in range(60):
         assert engine.steps == steps
-        direct = engine.ledger.epsilon_after(1, *engine.next_release()) > 2.0  # one more round
+        direct = engine.ledger.epsilon_after(1, engine.next_release()) > 2.0  # one more round
         assert engine.next_step_exceeds_budget() == direct, steps
         answers.append(direct)
-        engine.ledger.record(*engine.next_release())  # one more released round
+        engine.ledger.record(engine.next_release())  # one more released round
     assert not answers[0] and answers[-1]  # the boundary lies inside the range checked
 
 

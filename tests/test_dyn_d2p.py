@@ -16,6 +16,7 @@ from opacus.accountants.analysis.rdp import compute_rdp
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_privdec.privacy.accounting import GaussianRelease
 from lightning_privdec import DynD2PStrategy, PrivacyConfigError
 from lightning_privdec.algorithms import PushSumGossip
 from lightning_privdec.cli.account import main
@@ -127,7 +128,7 @@ def test_ledger_equals_opacus_rdp_accountant_on_the_same_varying_history():
         checkpoint = k in (0, 17, 39)
         if checkpoint:  # the look-ahead equals recording, and both equal Opacus on the whole history
             peek = ledger.epsilon_if(schedule.noise_multiplier(k), Q)
-        ledger.record(schedule.noise_multiplier(k), Q)
+        ledger.record(GaussianRelease(schedule.noise_multiplier(k), Q))
         opacus.step(noise_multiplier=schedule.noise_multiplier(k), sample_rate=Q)
         if checkpoint:
             expected = opacus.get_epsilon(delta=1e-5, alphas=list(RDP_ORDERS))
@@ -234,7 +235,7 @@ def test_one_step_and_huge_sampling_rates(steps, q, calibration):
         expected = sum(np.asarray(RDP_ORDERS) / (2 * s**2) for s in schedule.noise_multipliers())
         ledger = ScheduleLedger("rdp", delta=1e-5)
         for s in schedule.noise_multipliers():
-            ledger.record(float(s), 1.0)
+            ledger.record(GaussianRelease(float(s), 1.0))
         assert np.allclose(ledger.rdp, expected, rtol=1e-12)
 
 

@@ -533,7 +533,7 @@ def test_a_checkpoint_written_before_the_accountant_counted_its_steps_resumes_wi
     attach_with_data(node, nn.Linear(3, 2), *node_data(0, 8), batch_size=2, steps=8)
     assert node.noise_multiplier == OLD_STATE["noise_multiplier"]  # the plan it was calibrated for: kept
     assert node.ledger.state_dict()["steps"] == 4
-    node.ledger.record(*node.next_release())
+    node.ledger.record(node.next_release())
     with pytest.raises(PrivacyConfigError, match="has 4 steps but 5"):
         node.load_state_dict(OLD_STATE)  # never rolls back
 

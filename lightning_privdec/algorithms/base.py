@@ -105,8 +105,9 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
         """Fix the noise for a plan of ``planned_steps`` steps in all (the ledger may hold steps of earlier fits)."""
 
     @abstractmethod
-    def next_release(self) -> tuple[Any, ...] | None:
-        """What the next step will release, as :meth:`Accountant.epsilon_after` takes it (None: not planned yet)."""
+    def next_release(self) -> Any:
+        """What the next step will release: an instance of the accountant's
+        :attr:`~lightning_privdec.privacy.accounting.Accountant.release_type` (None: not planned yet)."""
 
     @abstractmethod
     def privatize(self) -> DPStepStats:
@@ -172,7 +173,7 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
         certified = self._certified
         if certified is None or certified[0] != release or self.ledger.steps < certified[1]:
             limit = target * (1.0 + self.budget_tolerance)
-            certified = self._certified = (release, self.ledger.steps, self.ledger.steps_within(limit, *release))
+            certified = self._certified = (release, self.ledger.steps, self.ledger.steps_within(limit, release))
         _, base, fitting = certified
         return self.ledger.steps - base + 1 > fitting
 

@@ -90,7 +90,7 @@ def _planned_epsilon(node: PrivateNodeAlgorithm, steps: int) -> float:
     """The accountant's epsilon of ``steps`` steps of the node's planned release (nothing recorded)."""
     release = node.next_release()
     assert release is not None
-    return node.ledger.epsilon_after(steps, *release)
+    return node.ledger.epsilon_after(steps, release)
 
 
 def _broken_configuration(
