@@ -6,6 +6,7 @@ import networkx as nx
 import pytest
 import torch
 
+from lightning_privdec.algorithms.node import private_step
 from lightning_privdec import CorrelatedNoiseStrategy, PrivacyConfigError
 from lightning_privdec.algorithms.decor import decor_perturbation
 from lightning_privdec.privacy.noise import node_noise_generator
@@ -155,7 +156,7 @@ def test_privatize_releases_messages_whose_average_carries_only_the_independent_
         node.attach(model)
         node.plan_noise(10)
         model.weight.grad = torch.zeros_like(model.weight)
-        node.privatize()
+        private_step(node)
         messages.append(model.weight.grad.reshape(-1).clone())
         slope = secldp_step(nx.cycle_graph(n), sigma_cdp, sigma_cor, 1.0, "eavesdropper", level="user")
         assert node.steps == 1 and node.epsilon() == pytest.approx(secldp_epsilon(slope, 1, node.delta), rel=1e-12)

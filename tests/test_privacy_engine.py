@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_privdec.algorithms.node import private_step
 from lightning_privdec.privacy.accounting import GaussianRelease
 from lightning_privdec import DPCSGPStrategy, PrivacyConfigError
 from lightning_privdec.privacy import PrivacyParameters, epsilon_for
@@ -61,7 +62,7 @@ def attached_engine(**params) -> tuple[DPCSGPNode, nn.Module]:
 
 def one_step(e: DPCSGPNode, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     F.cross_entropy(model(x), y).backward()
-    e.privatize()
+    private_step(e)
 
 
 def test_resume_continues_the_ledger_keeps_sigma_and_never_rolls_back():

@@ -2,9 +2,12 @@
 
 A strategy drives one :class:`NodeAlgorithm` per node, once per optimizer step (``strategies/base.py``):
 
-    closure (forward, backward at the node's model)  ->  privatize()  (clip, noise: the paper's direction)
-    ->  accountant.record (inside privatize)  ->  write-ahead ledger  ->  the user's optimizer updates x
-    ->  gossip.step(x)  (communicate)  ->  gossip.debias_into(params)  (the node's model)
+    closure (forward, backward at the node's model)  ->  release = next_release()  ->  privatize()  (clip, noise:
+    the paper's direction)  ->  accountant.record(release)  ->  write-ahead ledger  ->  the user's optimizer
+    updates x  ->  gossip.step(x)  (communicate)  ->  gossip.debias_into(params)  (the node's model)
+
+That step is written once, in :mod:`.node` (:class:`~.node.NodeRunner`), for the Trainer's strategies and the
+simulator alike; a paper's :meth:`~PrivateNodeAlgorithm.privatize` records nothing.
 
 A paper's file (``dp_csgp.py``, ``dyn_d2p.py``, ...) supplies :meth:`NodeAlgorithm.build_gossip` (its mixing) and,
 when private, subclasses :class:`PrivateNodeAlgorithm` with :meth:`~PrivateNodeAlgorithm.make_accountant`,
@@ -111,7 +114,8 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
 
     @abstractmethod
     def privatize(self) -> DPStepStats:
-        """The paper's private step on this node's gradients (into ``p.grad``); records it in :attr:`ledger`."""
+        """The paper's private step on this node's gradients (into ``p.grad``). It records nothing: the node's step
+        (:func:`~.node.private_step`) records :meth:`next_release`, taken before this call, in :attr:`ledger`."""
 
     @abstractmethod
     def noise_summary(self) -> str:

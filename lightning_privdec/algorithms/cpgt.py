@@ -288,7 +288,6 @@ class CPGTNode(PrivateNodeAlgorithm):
         y = gossip.track(torch.cat([p.grad.reshape(-1) for p in params]))
         for p, value in zip(params, split_like(y, params)):
             p.grad.copy_(value)
-        self.ledger.record(self.next_release())
         return self.last_step
 
     noise_relative_to_clip = False

@@ -239,7 +239,6 @@ class DecorNode(PrivateNodeAlgorithm):
         ).div_(scale)
         for p, chunk in zip(params, split_like(noise, params)):
             p.grad.add_(chunk)
-        self.ledger.record(release)
         self.last_step = stats
         return stats
 

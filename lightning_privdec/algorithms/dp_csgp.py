@@ -69,12 +69,11 @@ class DPCSGPNode(PrivateNodeAlgorithm):
         return GaussianRelease(self.noise_multiplier, self.sample_rate)
 
     def privatize(self) -> DPStepStats:
-        """Lines 8-10: clip each example to C, sum, add N(0, sigma^2 C^2 I), divide by qJ; record (sigma, q)."""
+        """Lines 8-10: clip each example to C, sum, add N(0, sigma^2 C^2 I), divide by qJ."""
         if (self.per_sample is None and self.ghost is None) or self.noise_multiplier is None:
             raise RuntimeError("DPCSGPNode.privatize called before attach() and private_dataloader()")
         assert self.sample_rate is not None
         self.last_step = self.clip_and_noise(self.parameters.max_grad_norm, self.noise_multiplier)
-        self.ledger.record(GaussianRelease(self.noise_multiplier, self.sample_rate))
         return self.last_step
 
     def noise_summary(self) -> str:

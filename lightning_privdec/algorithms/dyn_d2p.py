@@ -522,7 +522,7 @@ class DynD2PNode(PrivateNodeAlgorithm):
         return GaussianRelease(self.schedule.noise_multiplier(self.steps), self.sample_rate)
 
     def privatize(self) -> DPStepStats:
-        """Lines 5-9 at step k: clip each example to C_k, sum, add N(0, sigma_k^2 I), divide by qJ; record 1/mu_k."""
+        """Lines 5-9 at step k: clip each example to C_k, sum, add N(0, sigma_k^2 I), divide by qJ."""
         schedule = self._require_schedule()
         if self.per_sample is None and self.ghost is None:
             raise RuntimeError("DynD2PNode.privatize called before attach()")
@@ -532,7 +532,6 @@ class DynD2PNode(PrivateNodeAlgorithm):
         if self.ghost is not None and self._ghost_norms is not None and self.ghost.max_grad_norm != clip:
             raise RuntimeError(f"ghost clipping ran at C={self.ghost.max_grad_norm:g}, but step {k} needs C_k={clip:g}")
         self.last_step = self.clip_and_noise(clip, noise_multiplier)
-        self.ledger.record(GaussianRelease(noise_multiplier, self.sample_rate))
         self.noise_multiplier = schedule.noise_multiplier(k + 1)
         return self.last_step
 

@@ -362,8 +362,7 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
 
     # ---- lines 6-8 ---------------------------------------------------------------------------------------------------
     def privatize(self) -> DPStepStats:
-        """Lines 6-8 on this step's Poisson batch: the released g~ into ``p.grad``, the table updated, the step's
-        mechanisms recorded."""
+        """Lines 6-8 on this step's Poisson batch: the released g~ into ``p.grad``, the table updated."""
         release = self.next_release()
         if self.per_sample is None or release is None or self.table is None:
             raise RuntimeError("PrivSGPVRNode.privatize called before attach() and private_dataloader()")
@@ -391,7 +390,6 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
             else:
                 p.grad = value.to(p.dtype).clone()
         self.per_sample.clear()
-        self.ledger.record(release)
         zero = torch.zeros((), device=fresh.device)
         self.last_step = DPStepStats(
             batch_size=len(indices), mean_norm=norms.mean() if size else zero, max_norm=norms.max() if size else zero,

@@ -1,8 +1,9 @@
 """The private step shared by every private strategy: local DP-SGD on each node, then the algorithm's gossip.
 
 Each node Poisson-samples its own shard at q = B / J, clips per-sample gradients to C, adds its OWN Gaussian noise
-N(0, sigma^2 C^2 I), divides by qJ, and records the step in its own ledger (:class:`~lightning_privdec.algorithms.base.PrivateNodeAlgorithm`). The gossip
-that follows only sees privatized updates, so it is post-processing: compression costs no privacy.
+N(0, sigma^2 C^2 I), divides by qJ, and records the step in its own ledger: the node's step of
+:mod:`lightning_privdec.algorithms.node`, with this node's write-ahead ledger. The gossip that follows only sees
+privatized updates, so it is post-processing: compression costs no privacy.
 """
 
 from __future__ import annotations
@@ -538,12 +539,13 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         per_sample.set_mean_loss_multiplier(multiplier)
         return loss * multiplier if multiplier != 1.0 else loss
 
-    def transform_gradients(self) -> None:
+    def step_options(self) -> dict[str, Any]:
+        """The node's write-ahead ledger, and under "16-mixed" the rescaling of the privatized gradient."""
         assert self.privacy is not None
-        self.privacy.privatize()
-        self.write_ahead_step()
-        if self._loss_scaler() is not None:
-            self._rescale_for_unscaling(self.privacy.loss_scale)  # the scale the step's backward passes were told
+        options: dict[str, Any] = {"write_ahead": self._write_ahead_ledger()}
+        if self._loss_scaler() is not None:  # the scale the step's backward passes were told
+            options["after_privatize"] = lambda: self._rescale_for_unscaling(self.privacy.loss_scale)
+        return options
 
     def closure_result(self, loss: Any) -> Any:
         """Under "16-mixed" never None (a step whose batch was empty): Lightning's precision plugin would then skip
@@ -626,11 +628,3 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         if self._checkpoint_saved:
             return Path(trainer.default_root_dir) / "privacy_ledger"
         return None
-
-    def write_ahead_step(self) -> None:
-        """Write this node's accounting state to its write-ahead ledger; runs after the private step is recorded
-        and before its message leaves the node."""
-        ledger = self._write_ahead_ledger()
-        if ledger is not None:
-            assert self.privacy is not None
-            ledger.write(self.privacy)
