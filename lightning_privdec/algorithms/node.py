@@ -14,8 +14,11 @@ Per step, on the node's flat parameters (:class:`~.flat_parameters.FlatParameter
     gossip.step(x)                 the round's messages (the bytes sent) and the mixing
     gossip.debias_into(z)          the node's model for the next forward
 
-A non-private node (SGP, D-PSGD) runs the same step without the four privacy lines. The budget check
-(:meth:`NodeRunner.next_step_exceeds_budget`) is asked after each step; the caller decides with the other nodes.
+A non-private node (SGP, D-PSGD) runs the same step without the four privacy lines. Around the steps the runner
+holds the privacy policy, Lightning-free: the checks of a plan before training (:meth:`NodeRunner.check_plan`: a
+resumed run's new noise under ``resume_noise``, delta against the shard, a budget that pays for one step), the
+re-plan for a run cut short by a time limit (:meth:`NodeRunner.replan`) and the budget check after each step
+(:meth:`NodeRunner.next_step_exceeds_budget`; the caller decides with the other nodes).
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ from torch import nn
 from lightning_privdec.algorithms.base import Gossip, PrivateNodeAlgorithm
 from lightning_privdec.algorithms.flat_parameters import FlatParameters
 from lightning_privdec.privacy.dp_step import DPStepStats
+from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.write_ahead import WriteAheadLedger
+
+
+#: the choices of ``resume_noise=``: what a resumed run does when its new plan needs more noise
+#: (:meth:`NodeRunner.check_plan`)
+RESUME_NOISE = ("auto", "recalibrate", "keep")
 
 
 class NonFiniteStepError(FloatingPointError):
@@ -152,6 +161,73 @@ class NodeRunner:
             after_gossip(output)
         self.gossip.debias_into(self.flat.buffer)  # the module holds z = x / y for the next forward
         return output
+
+    # ---- the privacy policy around the steps ------------------------------------------------------------------------
+    def check_plan(self, *, shard_size: int, resumed_sigma: float | None = None, resume_noise: str = "auto") -> None:
+        """Before training, once the noise is planned (``private_dataloader``): a resumed run's new sigma against
+        ``resumed_sigma``, the checkpoint's (:meth:`check_resumed_noise`); delta against the shard of
+        ``shard_size`` examples; a budget that pays for the first step. Raises PrivacyConfigError."""
+        node = self.node
+        if node is None:
+            return
+        if resumed_sigma:
+            self.check_resumed_noise(resumed_sigma, resume_noise)
+        if node.delta > 0:  # (CPGT is pure epsilon-DP: no delta to check)
+            node.parameters.check_delta(shard_size, self.rank)
+        if node.steps == 0 and node.next_step_exceeds_budget():
+            raise PrivacyConfigError(
+                f"target_epsilon={node.target_epsilon} cannot pay for a single step with "
+                f"noise_multiplier={node.noise_multiplier:.4g} at sample rate {node.sample_rate:.4g}; raise the "
+                "noise multiplier or the budget"
+            )
+
+    def check_resumed_noise(self, old_sigma: float, resume_noise: str) -> None:
+        """A resumed run whose new plan re-calibrated sigma: refuse a sigma over twice the old one (``"auto"``), or
+        keep the old one (``"keep"``: the budget check then stops training when the target is reached)."""
+        node = self.node
+        assert node is not None and node.noise_multiplier is not None
+        new_sigma = node.noise_multiplier
+        if new_sigma <= old_sigma or resume_noise == "recalibrate":
+            return
+        fixed_sigma = node.fixed_noise_multiplier
+        if resume_noise == "keep":
+            if not fixed_sigma:
+                raise PrivacyConfigError(
+                    f"resume_noise='keep' needs a fixed noise multiplier; {type(node).__name__}'s noise follows its "
+                    "own plan. Use resume_noise='recalibrate', or resume with the checkpoint's plan"
+                )
+            node.noise_multiplier = old_sigma
+            return
+        if new_sigma <= 2.0 * old_sigma:
+            return
+        keep = (
+            f"resume_noise='keep' keeps sigma = {old_sigma:.4g} and stops training when target_epsilon is reached; "
+            if fixed_sigma else ""
+        )
+        assert node.planned_steps is not None
+        raise PrivacyConfigError(
+            f"node {self.rank}: this resumed run plans {node.planned_steps} steps in all, but the checkpoint's plan "
+            f"was calibrated for fewer: {node.steps} steps have spent epsilon = {node.epsilon():.4g} of "
+            f"target_epsilon = {node.target_epsilon}, and the {node.planned_steps - node.steps} remaining steps would "
+            f"need sigma = {new_sigma:.4g} instead of {old_sigma:.4g} ({new_sigma / old_sigma:.1f}x the noise), which "
+            "would likely destroy the model. Choose knowingly: raise target_epsilon (a larger total budget); "
+            f"{keep}resume_noise='recalibrate' accepts sigma = {new_sigma:.4g}; or start a new run "
+            "(new data, a fresh budget)"
+        )
+
+    def replan(self, total_steps: int) -> tuple[float, float] | None:
+        """Re-plan a fixed sigma so that the target is spent by step ``total_steps`` (fewer than planned: the run
+        will be cut short); returns (old sigma, new sigma), or None when nothing changes."""
+        node = self.node
+        if node is None or not node.fixed_noise_multiplier or node.planned_steps is None:
+            return None
+        if total_steps >= node.planned_steps or total_steps <= node.steps:
+            return None
+        old = node.noise_multiplier
+        assert old is not None
+        node.noise_multiplier = node.calibrate_remaining(total_steps - node.steps)  # type: ignore[attr-defined]
+        node.planned_steps, node._certified = total_steps, None
+        return old, node.noise_multiplier
 
     def next_step_exceeds_budget(self) -> bool:
         """Whether one more step would take this node past its ``target_epsilon`` (False without privacy)."""

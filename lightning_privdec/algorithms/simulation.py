@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,7 +27,6 @@ from lightning_privdec.algorithms.flat_parameters import FlatParameters
 from lightning_privdec.algorithms.node import NodeRunner
 from lightning_privdec.comm import Exchange, LoopbackNetwork
 from lightning_privdec.compression import Compressor
-from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.topology import Topology
 
 
@@ -83,6 +83,8 @@ def train_node(
     loader = node.private_dataloader(DataLoader(dataset, batch_size=batch_size), steps, exchange.world_size,
                                      node_local_data=True)
     run = NodeRun(node, model, gossip)
+    runner = NodeRunner(model, flat, gossip, node, rank=exchange.rank)
+    runner.check_plan(shard_size=len(loader.dataset))  # type: ignore[arg-type]  (as the strategies do)
 
     def backward(batch: Sequence[Tensor], probe: bool = False) -> bool:
         x, *rest = batch
@@ -103,19 +105,13 @@ def train_node(
 
     node.check_examples(lambda batch: backward(batch, probe=True))  # per-sample gradients are per example
     node.before_first_step(backward)
-    runner = NodeRunner(model, flat, gossip, node, rank=exchange.rank)
-    if node.steps == 0 and runner.next_step_exceeds_budget():
-        raise PrivacyConfigError(
-            f"node {exchange.rank}: target_epsilon={node.target_epsilon} cannot pay for a single step of this plan; "
-            "raise the noise or the budget"
-        )
     taken = 0
     while taken < steps:
         for batch in loader:
             if taken == steps:
                 break
             optimizer.zero_grad(set_to_none=True)
-            runner.step(optimizer, lambda: backward(batch), step=taken)  # the strategies' step (algorithms/node.py)
+            runner.step(optimizer, partial(backward, batch), step=taken)  # the strategies' step (algorithms/node.py)
             taken += 1
             if after_step is not None:
                 after_step(taken, run)

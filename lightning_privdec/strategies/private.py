@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_privdec.privacy import PrivacyConfigError, PrivacyParameters
 from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
 from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
+from lightning_privdec.algorithms.node import RESUME_NOISE
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES, mean_loss_multiplier
 from lightning_privdec.privacy.write_ahead import WriteAheadLedger, new_run_id
 from lightning_privdec.strategies.base import DecentralizedStrategy
@@ -35,8 +36,6 @@ from lightning_privdec.strategies.checks import gather_from_nodes, gather_tensor
 
 log = logging.getLogger("lightning.pytorch")  # Lightning's console handler; used for each node's own lines
 
-#: the choices of ``resume_noise=`` (see :class:`PrivateDecentralizedStrategy`)
-RESUME_NOISE = ("auto", "recalibrate", "keep")
 #: steps timed before sigma is re-planned for ``Trainer(max_time=...)``
 MAX_TIME_WARMUP_STEPS = 5
 
@@ -257,16 +256,9 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 dataloader, self._planned_steps(trainer, self.steps_per_epoch // k), self.world_size,
                 self.node_local_data, micro_batches=k, steps_per_epoch=self.steps_per_epoch,
             )
-            if resumed_sigma:
-                self._check_resumed_noise(resumed_sigma)
-            if self.privacy.delta > 0:  # (CPGT is pure epsilon-DP: no delta to check)
-                self.privacy_parameters.check_delta(len(private.dataset), self.global_rank)  # type: ignore[arg-type]
-            if self.privacy.steps == 0 and self.privacy.next_step_exceeds_budget():
-                raise PrivacyConfigError(
-                    f"target_epsilon={self.privacy_parameters.target_epsilon} cannot pay for a single step with "
-                    f"noise_multiplier={self.privacy.noise_multiplier:.4g} at sample rate "
-                    f"{self.privacy.sample_rate:.4g}; raise the noise multiplier or the budget"
-                )
+            assert self.runner is not None
+            self.runner.check_plan(shard_size=len(private.dataset), resumed_sigma=resumed_sigma,  # type: ignore[arg-type]
+                                   resume_noise=self.resume_noise)
             self.check_plan()
         except PrivacyConfigError as exc:
             problem = exc
@@ -316,51 +308,17 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         per_step = max(timer.time_elapsed(), 1e-9) / max(taken, 1)
         affordable = taken + int(0.95 * max(timer.time_remaining() or 0.0, 0.0) / per_step)
         affordable = int(self.reduce(torch.tensor(affordable, device=self.root_device), reduce_op=dist.ReduceOp.MIN))
-        total = self._fit_start_steps + affordable
-        if total >= engine.planned_steps or total <= engine.steps:
+        planned = engine.planned_steps - self._fit_start_steps
+        assert self.runner is not None
+        replanned = self.runner.replan(self._fit_start_steps + affordable)
+        if replanned is None:
             return
-        old, planned = engine.noise_multiplier, engine.planned_steps - self._fit_start_steps
-        engine.noise_multiplier = engine.calibrate_remaining(total - engine.steps)
-        engine.planned_steps, engine._certified = total, None
+        old, new = replanned
         rank_zero_info(
             f"{type(self).__name__}: at {per_step:.3g} s per step, max_time allows about {affordable} steps of this "
             f"fit, not the {planned} planned by max_steps/max_epochs: sigma re-planned from {old:.4g} to "
-            f"{engine.noise_multiplier:.4g} so that target_epsilon={self.privacy_parameters.target_epsilon} is spent by then"
+            f"{new:.4g} so that target_epsilon={self.privacy_parameters.target_epsilon} is spent by then"
             f"{engine.privacy_caveat}"
-        )
-
-    def _check_resumed_noise(self, old_sigma: float) -> None:
-        """A resumed run whose new plan re-calibrated sigma: refuse a sigma over twice the old one (``"auto"``), or
-        keep the old one (``"keep"``); the budget check then stops training when the target is reached."""
-        engine = self.privacy
-        assert engine is not None and engine.noise_multiplier is not None
-        new_sigma = engine.noise_multiplier
-        if new_sigma <= old_sigma or self.resume_noise == "recalibrate":
-            return
-        fixed_sigma = engine.fixed_noise_multiplier
-        if self.resume_noise == "keep":
-            if not fixed_sigma:
-                raise PrivacyConfigError(
-                    f"resume_noise='keep' needs a fixed noise multiplier; {type(self).__name__}'s noise follows its "
-                    "own plan. Use resume_noise='recalibrate', or resume with the checkpoint's plan"
-                )
-            engine.noise_multiplier = old_sigma
-            return
-        if new_sigma <= 2.0 * old_sigma:
-            return
-        target, spent = self.privacy_parameters.target_epsilon, engine.epsilon()
-        keep = (
-            f"resume_noise='keep' keeps sigma = {old_sigma:.4g} and stops training when target_epsilon is reached; "
-            if fixed_sigma else ""
-        )
-        raise PrivacyConfigError(
-            f"node {self.global_rank}: this resumed run plans {engine.planned_steps} steps in all, but the checkpoint's "
-            f"plan was calibrated for fewer: {engine.steps} steps have spent epsilon = {spent:.4g} of "
-            f"target_epsilon = {target}, and the {engine.planned_steps - engine.steps} remaining steps would need "
-            f"sigma = {new_sigma:.4g} instead of {old_sigma:.4g} ({new_sigma / old_sigma:.1f}x the noise), which "
-            "would likely destroy the model. Choose knowingly: raise target_epsilon (a larger total budget); "
-            f"{keep}resume_noise='recalibrate' accepts sigma = {new_sigma:.4g}; or start a new run "
-            "(new data, a fresh budget)"
         )
 
     def on_train_start(self) -> None:
