@@ -99,3 +99,25 @@ def test_the_trainer_and_the_simulator_take_the_same_steps_bit_for_bit(tmp_path:
             assert trained["ledger"] == simulated[rank]["ledger"], (name, rank)
             assert trained["sent"] == simulated[rank]["sent"], (name, rank)
             assert torch.equal(trained["params"], simulated[rank]["params"]), (name, rank)
+
+
+def test_the_simulated_nodes_stop_together_when_one_more_step_would_exceed_a_node_budget():
+    """A given sigma with a target: the node with the larger sampling rate reaches its target first, and every node
+    stops at that step (the strategies' shared budget stop), each within its own target."""
+    from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
+    from lightning_privdec.algorithms.simulation import train_network
+    from lightning_privdec.privacy import PrivacyParameters
+    from lightning_privdec.topology import build_topology
+
+    parameters = PrivacyParameters(max_grad_norm=1.0, noise_multiplier=3.0, target_epsilon=2.0, target_delta=1e-5)
+    datasets = [torch.utils.data.Subset(node_data(rank), range(size)) for rank, size in enumerate([32, 64])]
+    runs = train_network(
+        lambda rank: DPCSGPNode(parameters, rank=rank, device=torch.device("cpu"), noise_seed=0),
+        lambda: NodeClassifier().net, datasets, topology=build_topology("exponential", NODES, weights="push-sum"),
+        batch_size=BATCH, steps=200, lr=LR, loss=loss,
+    )
+    steps = [run.node.steps for run in runs]
+    assert steps[0] == steps[1] < 200
+    assert runs[0].node.next_step_exceeds_budget()  # the node with q = 1/2 stopped the run
+    assert not runs[1].node.next_step_exceeds_budget()  # the other (q = 1/4) had budget left, and stopped with it
+    assert all(run.node.epsilon() <= 2.0 for run in runs)
