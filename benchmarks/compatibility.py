@@ -369,6 +369,7 @@ def step_time_ratio(case: Case, steps: int = 3) -> tuple[float, float]:
 
     from lightning_privdec.privacy import PrivacyParameters
     from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
+    from lightning_privdec.algorithms.node import private_step
     from lightning_privdec.privacy.per_sample import check_private_model
 
     from torch.utils.data import default_collate
@@ -400,7 +401,7 @@ def step_time_ratio(case: Case, steps: int = 3) -> tuple[float, float]:
                                device=torch.device("cpu"), noise_seed=0)
     engine.attach(private, fix_model=case.fix_model)
     engine.noise_multiplier, engine.sample_rate, engine.expected_batch_size = 1.0, 0.1, 16.0
-    return non_private, median_ms(lambda: (private.zero_grad(), loss(private).backward(), engine.privatize()))
+    return non_private, median_ms(lambda: (private.zero_grad(), loss(private).backward(), private_step(engine)))
 
 
 #: one symbol per cell of docs/models.md's matrix

@@ -340,6 +340,7 @@ def build_step(kind, precision, net, x, y, loss_fn, device, batch):  # noqa: ANN
         return opacus_ghost_step(net, x, y, loss_fn, batch, autocast, scaler)
 
     from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
+    from lightning_privdec.algorithms.node import private_step as node_private_step
     from lightning_privdec.privacy import PrivacyParameters
 
     engine = DPCSGPNode(PrivacyParameters(max_grad_norm=CLIP, noise_multiplier=SIGMA), rank=0, device=device,
@@ -361,7 +362,7 @@ def build_step(kind, precision, net, x, y, loss_fn, device, batch):  # noqa: ANN
         else:
             loss = loss_fn(outputs, y)
             (loss if scaler is None else scaler.scale(loss)).backward()
-        engine.privatize()
+        node_private_step(engine)
         if scaler is None:
             optimizer.step()
             return

@@ -112,6 +112,7 @@ def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -
         return times[warmup:]
 
     from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
+    from lightning_privdec.algorithms.node import private_step
     from lightning_privdec.algorithms.flat_parameters import FlatParameters
     from lightning_privdec.compression import build_compressor
     from lightning_privdec.privacy.config import PrivacyParameters
@@ -135,7 +136,7 @@ def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -
             optimizer.zero_grad(set_to_none=True)
             if len(x):
                 F.cross_entropy(model(x), y).backward()
-            node.privatize()
+            private_step(node)
             flat.buffer.copy_(gossip.x)
             optimizer.step()
             gossip.step(flat.buffer)

@@ -513,6 +513,7 @@ def run_modes_child(args: argparse.Namespace) -> None:
 
     from lightning_privdec.privacy import PrivacyParameters
     from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
+    from lightning_privdec.algorithms.node import private_step as node_private_step
     from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES
 
     torch.set_num_threads(1)
@@ -566,11 +567,11 @@ def run_modes_child(args: argparse.Namespace) -> None:
 
             def step() -> None:
                 backward()
-                engine.privatize()
+                node_private_step(engine)
 
             backward()  # the clipped sum alone (noise off), for the equality check
             engine.noise_multiplier = 0.0
-            engine.privatize()
+            node_private_step(engine)
             clipped[mode] = [p.grad.detach().clone() for p in model.parameters()]
             engine.noise_multiplier = SIGMA
             return step
@@ -824,6 +825,7 @@ def run_noise(args: argparse.Namespace) -> dict[str, Any]:
 
     from lightning_privdec.privacy import PrivacyParameters
     from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
+    from lightning_privdec.algorithms.node import private_step as node_private_step
     from lightning_privdec.privacy.noise import node_noise_generator
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -864,7 +866,7 @@ def run_noise(args: argparse.Namespace) -> dict[str, Any]:
     def private_step() -> None:
         model.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(model(images), labels).backward()
-        engine.privatize()
+        node_private_step(engine)
 
     row["step_ms"] = median_ms(private_step, repeats=3)
     row["batch_size"] = args.noise_batch_size

@@ -513,7 +513,7 @@ def test_a_resumed_run_keeps_its_q_when_auto_would_now_choose_another_and_refuse
     first, optimizer = setup(0.1)
     first.private_dataloader(data, planned_steps=10)
     for _ in range(3):
-        first.ledger.record()
+        first.ledger.record(first.next_release())
     q0 = auto_noise_decay(0.1, 1.0)
     assert first.noise_decay == pytest.approx(q0)
     states = saved({"node": first.state_dict(), "gossip": first.gossip.state_dict(),
@@ -592,12 +592,12 @@ def test_the_resume_warning_prints_the_epsilon_the_ledger_holds_before_the_noise
 
     ledger = WriteAheadLedger(tmp_path, "run", rank=0)
     crashed = cpgt_engine(accounting)  # noise_x = noise_y = 1, alpha = 0.1, q = 0.9, planned for 10 rounds
-    crashed.ledger.record()
+    crashed.ledger.record(crashed.next_release())
     ledger.write(crashed)
     buffer = io.BytesIO()
     torch.save(crashed.state_dict(), buffer)  # the checkpoint, after round 1
     for _ in range(5):  # rounds 2..6 released, then the crash
-        crashed.ledger.record()
+        crashed.ledger.record(crashed.next_release())
         ledger.write(crashed)
 
     def resume(checkpoint: dict) -> tuple[str, object]:

@@ -6,6 +6,7 @@ import networkx as nx
 import pytest
 import torch
 
+from lightning_privdec.algorithms.node import private_step
 from lightning_privdec import CorrelatedNoiseStrategy, PrivacyConfigError
 from lightning_privdec.algorithms.decor import decor_perturbation
 from lightning_privdec.privacy.noise import node_noise_generator
@@ -89,7 +90,7 @@ def test_the_ldp_and_cdp_baselines_are_calibrated_from_the_same_budget():
     assert ldp.sigma_cdp > decor.sigma_cdp  # the correlated noise lets Decor's independent noise be smaller
     assert cdp.sigma_cdp == pytest.approx(ldp.sigma_cdp / 2, rel=1e-6)  # sigma_LDP / sqrt(n), n = 4
     for engine in (decor, ldp, cdp):
-        assert 2.9 < engine.ledger.epsilon_after(110, *engine.next_release()) <= 3.0
+        assert 2.9 < engine.ledger.epsilon_after(110, engine.next_release()) <= 3.0
 
 
 @pytest.mark.multiprocess
@@ -123,10 +124,10 @@ def test_the_budget_check_counts_the_steps_that_fit_and_agrees_with_the_accounta
     answers = []
     for steps in range(60):
         assert engine.steps == steps
-        direct = engine.ledger.epsilon_after(1, *engine.next_release()) > 2.0  # one more round
+        direct = engine.ledger.epsilon_after(1, engine.next_release()) > 2.0  # one more round
         assert engine.next_step_exceeds_budget() == direct, steps
         answers.append(direct)
-        engine.ledger.record(*engine.next_release())  # one more released round
+        engine.ledger.record(engine.next_release())  # one more released round
     assert not answers[0] and answers[-1]  # the boundary lies inside the range checked
 
 
@@ -155,7 +156,7 @@ def test_privatize_releases_messages_whose_average_carries_only_the_independent_
         node.attach(model)
         node.plan_noise(10)
         model.weight.grad = torch.zeros_like(model.weight)
-        node.privatize()
+        private_step(node)
         messages.append(model.weight.grad.reshape(-1).clone())
         slope = secldp_step(nx.cycle_graph(n), sigma_cdp, sigma_cor, 1.0, "eavesdropper", level="user")
         assert node.steps == 1 and node.epsilon() == pytest.approx(secldp_epsilon(slope, 1, node.delta), rel=1e-12)

@@ -16,6 +16,8 @@ from opacus.accountants.analysis.rdp import compute_rdp
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_privdec.algorithms.node import private_step
+from lightning_privdec.privacy.accounting import GaussianRelease
 from lightning_privdec import DynD2PStrategy, PrivacyConfigError
 from lightning_privdec.algorithms import PushSumGossip
 from lightning_privdec.cli.account import main
@@ -127,7 +129,7 @@ def test_ledger_equals_opacus_rdp_accountant_on_the_same_varying_history():
         checkpoint = k in (0, 17, 39)
         if checkpoint:  # the look-ahead equals recording, and both equal Opacus on the whole history
             peek = ledger.epsilon_if(schedule.noise_multiplier(k), Q)
-        ledger.record(schedule.noise_multiplier(k), Q)
+        ledger.record(GaussianRelease(schedule.noise_multiplier(k), Q))
         opacus.step(noise_multiplier=schedule.noise_multiplier(k), sample_rate=Q)
         if checkpoint:
             expected = opacus.get_epsilon(delta=1e-5, alphas=list(RDP_ORDERS))
@@ -234,7 +236,7 @@ def test_one_step_and_huge_sampling_rates(steps, q, calibration):
         expected = sum(np.asarray(RDP_ORDERS) / (2 * s**2) for s in schedule.noise_multipliers())
         ledger = ScheduleLedger("rdp", delta=1e-5)
         for s in schedule.noise_multipliers():
-            ledger.record(float(s), 1.0)
+            ledger.record(GaussianRelease(float(s), 1.0))
         assert np.allclose(ledger.rdp, expected, rtol=1e-12)
 
 
@@ -280,7 +282,7 @@ def take_step(engine, model, x, y, mode):
         engine.ghost_backward(losses)
     else:
         losses.mean().backward()
-    engine.privatize()
+    private_step(engine)
     grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     model.zero_grad(set_to_none=True)
     return grad
@@ -313,7 +315,7 @@ def test_the_noise_std_follows_sigma_k():
     sigmas = []
     for k in range(6):
         (0.0 * model(torch.randn(3, 200)).sum()).backward()  # zero per-sample gradients: p.grad is pure noise
-        e.privatize()
+        private_step(e)
         noise = torch.cat([p.grad.reshape(-1) for p in model.parameters()]) * e.expected_batch_size
         model.zero_grad(set_to_none=True)
         sigmas.append(noise.std().item())
@@ -380,7 +382,7 @@ def test_the_update_is_algorithm_1_on_a_time_varying_directed_graph():
         for k in range(steps):
             features, targets = batches[rank][k]
             (0.5 * (model(features).squeeze(1) - targets).pow(2)).mean().backward()
-            engine.privatize()                                              # lines 3-9
+            private_step(engine)                                              # lines 3-9
             x_half = gossip.x - lr * model.weight.grad.reshape(-1)          # line 10
             model.weight.grad = None
             gossip.step(x_half)                                             # lines 11-13

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_privdec.algorithms.node import private_step
 from lightning_privdec import DPCSGPStrategy, DynD2PStrategy, PrivSGPVRStrategy
 from lightning_privdec.privacy import GRAD_SAMPLE_MODES, PrivacyConfigError, PrivacyParameters
 from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
@@ -51,7 +52,7 @@ def test_micro_batches_give_the_unsplit_batchs_privatized_gradient(mode: str) ->
                 losses.mean().backward()
             if i < len(chunks) - 1:
                 engine.accumulate_micro_batch()
-        stats = engine.privatize()
+        stats = private_step(engine)
         assert stats.batch_size == 23 and engine.ledger.steps == 1  # one ledger entry for the logical batch
         return [p.grad.clone() for p in model.parameters()]
 

@@ -14,6 +14,7 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_privdec.privacy.accounting import GaussianRelease
 from lightning_privdec.privacy import (
     ACCOUNTANTS,
     PerSampleGradients,
@@ -523,7 +524,7 @@ def test_epsilon_for_equals_opacus_accountants(opacus_cls: type) -> None:
                                                                                   rel=1e-9)
     ledger = PrivacyLedger(name, delta=delta)
     for _ in range(steps):
-        ledger.record(sigma, q)
+        ledger.record(GaussianRelease(sigma, q))
     assert ledger.history == [(sigma, q, steps)] == reference.history
     assert ledger.epsilon() == pytest.approx(reference.get_epsilon(delta), rel=1e-9)
     assert type(make_accountant(name)) is opacus_cls
@@ -534,7 +535,7 @@ def test_ledger_with_a_schedule_matches_opacus_rdp() -> None:
     schedule = [(1.0, 0.01)] * 30 + [(0.8, 0.02)] * 20 + [(1.0, 0.01)] * 10
     for sigma, q in schedule:
         reference.step(noise_multiplier=sigma, sample_rate=q)
-        ledger.record(sigma, q)
+        ledger.record(GaussianRelease(sigma, q))
     assert ledger.history == reference.history and len(ledger.history) == 3 and ledger.steps == 60
     assert ledger.epsilon(1e-6) == pytest.approx(reference.get_epsilon(1e-6), rel=1e-12)
 
@@ -575,8 +576,8 @@ def test_every_private_strategy_refuses_gdp_when_built() -> None:
 def test_ledger_state_dict_round_trip_continues_the_count() -> None:
     ledger = PrivacyLedger("rdp", delta=1e-5)
     assert ledger.epsilon() == 0.0 and ledger.steps == 0
-    ledger.record(1.2, 0.01, steps=100)
-    ledger.record(1.0, 0.01, steps=50)
+    ledger.record(GaussianRelease(1.2, 0.01), steps=100)
+    ledger.record(GaussianRelease(1.0, 0.01), steps=50)
     buffer = io.BytesIO()
     torch.save(ledger.state_dict(), buffer)
     buffer.seek(0)
@@ -586,7 +587,7 @@ def test_ledger_state_dict_round_trip_continues_the_count() -> None:
     resumed.load_state_dict(state)
     assert resumed.steps == 150 and resumed.delta == 1e-5
     assert resumed.epsilon() == pytest.approx(ledger.epsilon(), rel=1e-12)
-    resumed.record(1.0, 0.01)
+    resumed.record(GaussianRelease(1.0, 0.01))
     assert resumed.steps == 151 and resumed.history[-1] == (1.0, 0.01, 51)
     with pytest.raises(PrivacyConfigError, match="accountant 'rdp'"):
         PrivacyLedger("prv").load_state_dict(state)
@@ -594,7 +595,7 @@ def test_ledger_state_dict_round_trip_continues_the_count() -> None:
 
 def test_epsilon_if_looks_ahead_without_recording() -> None:
     ledger = PrivacyLedger("rdp", delta=1e-5)
-    ledger.record(1.0, 0.01, steps=100)
+    ledger.record(GaussianRelease(1.0, 0.01), steps=100)
     now = ledger.epsilon()
     ahead = ledger.epsilon_if(1.0, 0.01, steps=10)
     assert ahead > now and ledger.steps == 100
@@ -681,3 +682,51 @@ def test_ghost_clipping_gives_the_same_private_gradient_as_per_sample_hooks() ->
     empty = ghost.backward(F.cross_entropy(ghost_model(x[:0]), y[:0], reduction="none"))
     assert empty.numel() == 0 and all(torch.count_nonzero(p.grad) == 0 for p in ghost.parameters)
     ghost.detach()
+
+
+def test_each_accountant_records_only_its_own_release_with_sound_values():
+    """A release is a frozen dataclass per mechanism: a bad value is refused when it is built, a release of another
+    mechanism (or a bare tuple) when it is recorded; neither changes the ledger."""
+    from lightning_privdec.privacy.accounting import (
+        CPGTAccountant,
+        LaplaceRelease,
+        PrivacyLedger,
+        SagaAccountant,
+        SagaRelease,
+        SecLDPAccountant,
+        SecLDPRelease,
+    )
+
+    for bad in [(-1.0, 0.1), (1.0, 0.0), (1.0, 1.5), (float("nan"), 0.1), ("1", 0.1)]:
+        with pytest.raises(ValueError, match="noise_multiplier|sample_rate"):
+            GaussianRelease(*bad)
+    with pytest.raises(ValueError, match="epsilon_step"):
+        SecLDPRelease(-0.1)
+    with pytest.raises(TypeError, match="GaussianRelease"):
+        SagaRelease(((1.0, 0.1),))
+    with pytest.raises(ValueError, match="noise_decay"):
+        LaplaceRelease(1.0, 1.0, 0.0)
+
+    gaussian, saga, secldp = PrivacyLedger("rdp", delta=1e-5), SagaAccountant("rdp", 1e-5), SecLDPAccountant(1e-5, "user")
+    for ledger, wrong in [(gaussian, (1.0, 0.1)), (gaussian, SecLDPRelease(0.1)), (saga, GaussianRelease(1.0, 0.1)),
+                          (secldp, GaussianRelease(1.0, 0.1))]:
+        with pytest.raises(TypeError, match=f"{type(ledger).__name__} accounts for one {ledger.release_type.__name__}"):
+            ledger.record(wrong)
+        with pytest.raises(TypeError, match=ledger.release_type.__name__):
+            ledger.epsilon_after(3, wrong)
+        assert ledger.steps == 0
+    gaussian.record(GaussianRelease(1.0, 0.1), steps=2)
+    saga.record(SagaRelease.of([(1.0, 0.1), (2.0, 1.0)]))
+    secldp.record(SecLDPRelease(0.01))
+    assert (gaussian.steps, saga.steps, secldp.steps) == (2, 1, 1)
+    with pytest.raises(ValueError, match="steps"):
+        gaussian.record(GaussianRelease(1.0, 0.1), steps=0)
+
+    cpgt = CPGTAccountant("sound")
+    with pytest.raises(PrivacyConfigError, match="configure first"):
+        cpgt.record(LaplaceRelease(1.0, 1.0, 0.9))
+    cpgt.configure(alpha=0.1, lipschitz=1.0, q=0.9, noise_x=1.0, noise_y=1.0, sensitivity=1.0, norm_factor=1.0)
+    with pytest.raises(PrivacyConfigError, match="differs from the noise the ledger accounts for"):
+        cpgt.record(LaplaceRelease(2.0, 1.0, 0.9))
+    cpgt.record(LaplaceRelease(1.0, 1.0, 0.9))
+    assert cpgt.steps == 1

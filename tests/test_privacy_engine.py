@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_privdec.algorithms.node import private_step
+from lightning_privdec.privacy.accounting import GaussianRelease
 from lightning_privdec import DPCSGPStrategy, PrivacyConfigError
 from lightning_privdec.privacy import PrivacyParameters, epsilon_for
 
@@ -60,7 +62,7 @@ def attached_engine(**params) -> tuple[DPCSGPNode, nn.Module]:
 
 def one_step(e: DPCSGPNode, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     F.cross_entropy(model(x), y).backward()
-    e.privatize()
+    private_step(e)
 
 
 def test_resume_continues_the_ledger_keeps_sigma_and_never_rolls_back():
@@ -121,7 +123,7 @@ def test_budget_check_counts_steps_but_agrees_with_the_accountant_at_every_step(
         assert e.next_step_exceeds_budget() == exact, step
         if exact:
             break
-        e.ledger.record(sigma, q)
+        e.ledger.record(GaussianRelease(sigma, q))
     assert exact and 10 < step < 200  # the boundary was crossed inside the loop
     assert e.epsilon() <= 2.0
     # a checkpointed ledger with fewer steps and another sigma: the count starts over

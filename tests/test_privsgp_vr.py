@@ -12,6 +12,7 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_privdec.algorithms.node import private_step
 from lightning_privdec.algorithms import PushSumGossip
 from lightning_privdec.comm import LoopbackNetwork
 from lightning_privdec.privacy import PrivacyConfigError, PrivacyParameters, epsilon_for, node_noise_generator
@@ -110,7 +111,7 @@ def test_the_private_step_and_push_sum_follow_a_transcription_of_algorithm_1_on_
                 break
             module.zero_grad(set_to_none=True)
             squared_loss(module, batch).backward()
-            engine.privatize()
+            private_step(engine)
             released = torch.cat([p.grad.reshape(-1) for p in module.parameters()]).clone()
             mean_ok = torch.allclose(engine.table.mean, engine.table.rows.double().mean(0), atol=1e-6)
             record.append((batch[2].tolist(), released, mean_ok))
@@ -167,7 +168,7 @@ def test_the_first_step_after_the_full_pass_releases_the_full_clipped_gradient_a
     assert torch.allclose(engine.table.mean, full, atol=1e-6)
     batch = next(iter(loader))  # whichever examples it holds, c = table for them at z^0
     squared_loss(module, batch).backward()
-    engine.privatize()
+    private_step(engine)
     released = torch.cat([p.grad.reshape(-1) for p in module.parameters()]).double()
     assert torch.allclose(released, full, atol=1e-5)
 
@@ -185,7 +186,7 @@ def test_every_table_entry_is_clipped_to_C_also_in_reduced_precision(dtype):
     fill(engine, module)
     for batch in loader:
         squared_loss(module, batch).backward()
-        engine.privatize()
+        private_step(engine)
         with torch.no_grad():
             for p in module.parameters():
                 p -= 0.1 * p.grad
@@ -330,7 +331,7 @@ def test_the_engine_refuses_a_step_whose_gradients_do_not_match_the_sampled_exam
     assert len(batch[2]) > 0
     squared_loss(module, (torch.cat([batch[0], batch[0][:1]]), torch.cat([batch[1], batch[1][:1]]))).backward()
     with pytest.raises(RuntimeError, match="do not match"):
-        engine.privatize()
+        private_step(engine)
 
 
 # ---- accounting ----------------------------------------------------------------------------------------------------
@@ -344,7 +345,7 @@ def test_the_engine_epsilon_is_the_opacus_composition_of_its_two_mechanisms():
     while done < steps:
         for batch in loader:
             squared_loss(module, batch).backward()
-            engine.privatize()
+            private_step(engine)
             done += 1
             if done == steps:
                 break
@@ -493,7 +494,7 @@ def test_checkpoints_hold_no_table_and_a_resumed_engine_rebuilds_it_at_the_resum
     fill(engine, module)
     for batch in loader:
         squared_loss(module, batch).backward()
-        engine.privatize()
+        private_step(engine)
         with torch.no_grad():
             for p in module.parameters():
                 p -= 0.5 * p.grad
@@ -533,7 +534,7 @@ def test_a_checkpoint_written_before_the_accountant_counted_its_steps_resumes_wi
     attach_with_data(node, nn.Linear(3, 2), *node_data(0, 8), batch_size=2, steps=8)
     assert node.noise_multiplier == OLD_STATE["noise_multiplier"]  # the plan it was calibrated for: kept
     assert node.ledger.state_dict()["steps"] == 4
-    node.ledger.record(*node.next_release())
+    node.ledger.record(node.next_release())
     with pytest.raises(PrivacyConfigError, match="has 4 steps but 5"):
         node.load_state_dict(OLD_STATE)  # never rolls back
 

@@ -27,7 +27,7 @@ def checkpoint(engine) -> dict:
 def steps_until_budget(engine) -> int:
     taken = 0
     while not engine.next_step_exceeds_budget():
-        engine.ledger.record(engine.noise_multiplier, engine.sample_rate)  # what privatize() records
+        engine.ledger.record(engine.next_release())  # what privatize() records
         taken += 1
     return taken
 
@@ -153,7 +153,7 @@ def test_cpgt_charges_every_round_a_resume_sends_again(tmp_path, accounting):
 
     def advance(engine, rounds):
         for _ in range(rounds):
-            engine.ledger.record()  # what privatize() records, then the write before the message leaves
+            engine.ledger.record(engine.next_release())  # what privatize() records, then the write before the message leaves
             ledger.write(engine)
 
     e = cpgt_engine(accounting)
@@ -243,7 +243,7 @@ def test_engines_that_count_steps_resume_at_the_released_count(tmp_path, make):
     e = make()
     saved = checkpoint(e)  # after 0 steps
     for _ in range(6):  # six released steps (what privatize() records)
-        e.ledger.record(*e.next_release())
+        e.ledger.record(e.next_release())
     WriteAheadLedger(tmp_path, "run", rank=0).write(e)
     resumed = make()
     resumed.load_state_dict(saved)

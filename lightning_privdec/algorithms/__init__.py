@@ -1,8 +1,8 @@
 """Each paper's Algorithm 1 as one node algorithm on flat tensors, with the exchange passed in (no Lightning).
 
 One file per paper: :mod:`.sgp`, :mod:`.dp_csgp` (with PrivSGP and DP^2-SGD), :mod:`.privsgp_vr`, :mod:`.cpgt`,
-:mod:`.dyn_d2p`, :mod:`.decor`; beneath them the node lifecycle (:mod:`.base`), the shared mixing (:mod:`.mixing`)
-and a loopback runner (:mod:`.simulation`).
+:mod:`.dyn_d2p`, :mod:`.decor`; beneath them the node lifecycle (:mod:`.base`), the shared mixing (:mod:`.mixing`),
+the one node step the strategies and the simulator run (:mod:`.node`) and a loopback runner (:mod:`.simulation`).
 """
 
 from lightning_privdec.algorithms.base import NodeAlgorithm, PrivateNodeAlgorithm

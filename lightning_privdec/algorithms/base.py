@@ -2,9 +2,12 @@
 
 A strategy drives one :class:`NodeAlgorithm` per node, once per optimizer step (``strategies/base.py``):
 
-    closure (forward, backward at the node's model)  ->  privatize()  (clip, noise: the paper's direction)
-    ->  accountant.record (inside privatize)  ->  write-ahead ledger  ->  the user's optimizer updates x
-    ->  gossip.step(x)  (communicate)  ->  gossip.debias_into(params)  (the node's model)
+    closure (forward, backward at the node's model)  ->  release = next_release()  ->  privatize()  (clip, noise:
+    the paper's direction)  ->  accountant.record(release)  ->  write-ahead ledger  ->  the user's optimizer
+    updates x  ->  gossip.step(x)  (communicate)  ->  gossip.debias_into(params)  (the node's model)
+
+That step is written once, in :mod:`.node` (:class:`~.node.NodeRunner`), for the Trainer's strategies and the
+simulator alike; a paper's :meth:`~PrivateNodeAlgorithm.privatize` records nothing.
 
 A paper's file (``dp_csgp.py``, ``dyn_d2p.py``, ...) supplies :meth:`NodeAlgorithm.build_gossip` (its mixing) and,
 when private, subclasses :class:`PrivateNodeAlgorithm` with :meth:`~PrivateNodeAlgorithm.make_accountant`,
@@ -105,12 +108,14 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
         """Fix the noise for a plan of ``planned_steps`` steps in all (the ledger may hold steps of earlier fits)."""
 
     @abstractmethod
-    def next_release(self) -> tuple[Any, ...] | None:
-        """What the next step will release, as :meth:`Accountant.epsilon_after` takes it (None: not planned yet)."""
+    def next_release(self) -> Any:
+        """What the next step will release: an instance of the accountant's
+        :attr:`~lightning_privdec.privacy.accounting.Accountant.release_type` (None: not planned yet)."""
 
     @abstractmethod
     def privatize(self) -> DPStepStats:
-        """The paper's private step on this node's gradients (into ``p.grad``); records it in :attr:`ledger`."""
+        """The paper's private step on this node's gradients (into ``p.grad``). It records nothing: the node's step
+        (:func:`~.node.private_step`) records :meth:`next_release`, taken before this call, in :attr:`ledger`."""
 
     @abstractmethod
     def noise_summary(self) -> str:
@@ -172,7 +177,7 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
         certified = self._certified
         if certified is None or certified[0] != release or self.ledger.steps < certified[1]:
             limit = target * (1.0 + self.budget_tolerance)
-            certified = self._certified = (release, self.ledger.steps, self.ledger.steps_within(limit, *release))
+            certified = self._certified = (release, self.ledger.steps, self.ledger.steps_within(limit, release))
         _, base, fitting = certified
         return self.ledger.steps - base + 1 > fitting
 

@@ -42,6 +42,7 @@ from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
 from lightning_privdec.privacy.accounting.cpgt import (
     ACCOUNTING,
     CPGTAccountant,
+    LaplaceRelease,
     auto_noise_decay,
     calibrate_cpgt_noise,
     check_theorem2,
@@ -261,8 +262,10 @@ class CPGTNode(PrivateNodeAlgorithm):
         if self.gossip is not None:
             self.gossip.set_noise(self.noise_x, self.noise_y)
 
-    def next_release(self) -> tuple[()] | None:
-        return () if self.ledger.terms is not None else None
+    def next_release(self) -> LaplaceRelease | None:
+        if self.ledger.terms is None or self.noise_x is None or self.noise_y is None:
+            return None
+        return LaplaceRelease(self.noise_x, self.noise_y, self.noise_decay)
 
     # ---- round k ---------------------------------------------------------------------------------------------------
     def privatize(self) -> DPStepStats:
@@ -285,7 +288,6 @@ class CPGTNode(PrivateNodeAlgorithm):
         y = gossip.track(torch.cat([p.grad.reshape(-1) for p in params]))
         for p, value in zip(params, split_like(y, params)):
             p.grad.copy_(value)
-        self.ledger.record()
         return self.last_step
 
     noise_relative_to_clip = False

@@ -33,7 +33,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_privdec.algorithms.base import Gossip, PrivateNodeAlgorithm, push_sum_gossip
-from lightning_privdec.privacy.accounting.secldp import CalibrationResult, SecLDPAccountant, calibrate_secldp
+from lightning_privdec.privacy.accounting.secldp import (
+    CalibrationResult,
+    SecLDPAccountant,
+    SecLDPRelease,
+    calibrate_secldp,
+)
 from lightning_privdec.privacy.accounting.secldp_step import secldp_sensitivity, secldp_step
 from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats, clip_factor
@@ -193,10 +198,10 @@ class DecorNode(PrivateNodeAlgorithm):
             self.graph, sigma_cdp, sigma_cor, C, self.adversary, level=self.level,  # type: ignore[arg-type]
         )
 
-    def next_release(self) -> tuple[float, float | None] | None:
+    def next_release(self) -> SecLDPRelease | None:
         if self.epsilon_step is None:
             return None
-        return (self.epsilon_step, self.sample_rate if self.level == "example" else None)
+        return SecLDPRelease(self.epsilon_step, self.sample_rate if self.level == "example" else None)
 
     # ---- round t: lines 2-5 --------------------------------------------------------------------------------------
     def privatize(self) -> DPStepStats:
@@ -234,7 +239,6 @@ class DecorNode(PrivateNodeAlgorithm):
         ).div_(scale)
         for p, chunk in zip(params, split_like(noise, params)):
             p.grad.add_(chunk)
-        self.ledger.record(*release)
         self.last_step = stats
         return stats
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
-from lightning_privdec.privacy.accounting import PrivacyLedger, smallest_noise
+from lightning_privdec.privacy.accounting import GaussianRelease, PrivacyLedger, smallest_noise
 from lightning_privdec.privacy.dp_step import DPStepStats
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
@@ -59,22 +59,21 @@ class DPCSGPNode(PrivateNodeAlgorithm):
                 "there is no budget left to train on; raise target_epsilon or start a new run on new data"
             )
         return smallest_noise(
-            lambda sigma: self.ledger.epsilon_after(remaining, sigma, self.sample_rate) <= target,
+            lambda sigma: self.ledger.epsilon_after(remaining, GaussianRelease(sigma, self.sample_rate)) <= target,
             low=1e-3, high=1.0, rtol=1e-4, most=1e6, where=f"the remaining budget of node {self.rank}",
         )
 
-    def next_release(self) -> tuple[float, float] | None:
+    def next_release(self) -> GaussianRelease | None:
         if self.noise_multiplier is None or self.sample_rate is None:
             return None
-        return (self.noise_multiplier, self.sample_rate)
+        return GaussianRelease(self.noise_multiplier, self.sample_rate)
 
     def privatize(self) -> DPStepStats:
-        """Lines 8-10: clip each example to C, sum, add N(0, sigma^2 C^2 I), divide by qJ; record (sigma, q)."""
+        """Lines 8-10: clip each example to C, sum, add N(0, sigma^2 C^2 I), divide by qJ."""
         if (self.per_sample is None and self.ghost is None) or self.noise_multiplier is None:
             raise RuntimeError("DPCSGPNode.privatize called before attach() and private_dataloader()")
         assert self.sample_rate is not None
         self.last_step = self.clip_and_noise(self.parameters.max_grad_norm, self.noise_multiplier)
-        self.ledger.record(self.noise_multiplier, self.sample_rate)
         return self.last_step
 
     def noise_summary(self) -> str:

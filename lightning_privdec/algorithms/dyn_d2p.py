@@ -40,6 +40,7 @@ from scipy import optimize
 
 from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
 from lightning_privdec.privacy.accounting.gaussian import (
+    GaussianRelease,
     History,
     _check_delta,
     _check_number,
@@ -48,6 +49,7 @@ from lightning_privdec.privacy.accounting.gaussian import (
 )
 from lightning_privdec.privacy.accounting.schedule import (
     RDP_ORDERS,
+    GaussianSchedule,
     ScheduleLedger,
     check_epsilon,
     check_rigorous_accountant,
@@ -470,7 +472,7 @@ class DynD2PNode(PrivateNodeAlgorithm):
         self._plan_key = key
         schedule = self.schedule
         self.certified_steps = spent + self.ledger.steps_within(
-            target, schedule.noise_multipliers, schedule.sample_rate, limit=schedule.steps - spent
+            target, GaussianSchedule(schedule.noise_multipliers, schedule.sample_rate), limit=schedule.steps - spent
         )
         history = list(self.ledger.history) + schedule.history(spent, planned_steps)
         self.plan_epsilon = history_epsilon(history, delta, self.parameters.accountant)
@@ -514,13 +516,13 @@ class DynD2PNode(PrivateNodeAlgorithm):
         self.ghost.max_grad_norm = self.current_clip
         super().ghost_backward(per_sample_losses)
 
-    def next_release(self) -> tuple[float, float] | None:
+    def next_release(self) -> GaussianRelease | None:
         if self.schedule is None or self.sample_rate is None:
             return None
-        return (self.schedule.noise_multiplier(self.steps), self.sample_rate)
+        return GaussianRelease(self.schedule.noise_multiplier(self.steps), self.sample_rate)
 
     def privatize(self) -> DPStepStats:
-        """Lines 5-9 at step k: clip each example to C_k, sum, add N(0, sigma_k^2 I), divide by qJ; record 1/mu_k."""
+        """Lines 5-9 at step k: clip each example to C_k, sum, add N(0, sigma_k^2 I), divide by qJ."""
         schedule = self._require_schedule()
         if self.per_sample is None and self.ghost is None:
             raise RuntimeError("DynD2PNode.privatize called before attach()")
@@ -530,7 +532,6 @@ class DynD2PNode(PrivateNodeAlgorithm):
         if self.ghost is not None and self._ghost_norms is not None and self.ghost.max_grad_norm != clip:
             raise RuntimeError(f"ghost clipping ran at C={self.ghost.max_grad_norm:g}, but step {k} needs C_k={clip:g}")
         self.last_step = self.clip_and_noise(clip, noise_multiplier)
-        self.ledger.record(noise_multiplier, self.sample_rate)
         self.noise_multiplier = schedule.noise_multiplier(k + 1)
         return self.last_step
 

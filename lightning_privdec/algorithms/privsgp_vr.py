@@ -44,6 +44,7 @@ from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
 from lightning_privdec.privacy.accounting.saga import (
     SagaAccountant,
     SagaNoise,
+    SagaRelease,
     calibrate_saga_noise,
     check_accounting,
     saga_epsilon,
@@ -353,16 +354,15 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
             self.noise_multiplier, self.split = noise.noise_multiplier, noise.split
         self._plan = plan
 
-    def next_release(self) -> tuple[tuple[float, float], ...] | None:
-        """The mechanisms one step composes, ``((sigma, q), ...)`` (:meth:`SagaNoise.entries`)."""
+    def next_release(self) -> SagaRelease | None:
+        """The mechanisms one step composes (:meth:`SagaNoise.entries`)."""
         if self.noise_multiplier is None or self.sample_rate is None:
             return None
-        return tuple(self.noise.entries(self.sample_rate))
+        return SagaRelease.of(self.noise.entries(self.sample_rate))
 
     # ---- lines 6-8 ---------------------------------------------------------------------------------------------------
     def privatize(self) -> DPStepStats:
-        """Lines 6-8 on this step's Poisson batch: the released g~ into ``p.grad``, the table updated, the step's
-        mechanisms recorded."""
+        """Lines 6-8 on this step's Poisson batch: the released g~ into ``p.grad``, the table updated."""
         release = self.next_release()
         if self.per_sample is None or release is None or self.table is None:
             raise RuntimeError("PrivSGPVRNode.privatize called before attach() and private_dataloader()")
@@ -390,7 +390,6 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
             else:
                 p.grad = value.to(p.dtype).clone()
         self.per_sample.clear()
-        self.ledger.record(*release)
         zero = torch.zeros((), device=fresh.device)
         self.last_step = DPStepStats(
             batch_size=len(indices), mean_norm=norms.mean() if size else zero, max_norm=norms.max() if size else zero,
@@ -407,8 +406,9 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
     def report(self) -> dict[str, Any]:
         """The noise, its split and the epsilon of this node's steps under each accounting (for comparison)."""
         q, m, steps = self.sample_rate, self.noise_multiplier, self.steps
+        entries = tuple(self.noise.entries(q)) if q is not None and m is not None else None
         out: dict[str, Any] = {"accounting": self.accounting, "noise_multiplier": m, "split": self.split,
-                               "entries_per_step": self.next_release(), "steps": steps, "epsilon": self.epsilon()}
+                               "entries_per_step": entries, "steps": steps, "epsilon": self.epsilon()}
         if q is not None and m and steps:
             for name in ("sound", "paper"):
                 out[f"epsilon_{name}_formula"] = saga_epsilon(

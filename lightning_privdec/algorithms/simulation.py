@@ -1,8 +1,9 @@
 """Run a paper's node algorithm without Lightning: n simulated nodes on the loopback network, one thread each.
 
-The loop is the strategies' private step (``strategies/base.py``), on plain PyTorch: forward and backward at the
-node's model, :meth:`~.base.PrivateNodeAlgorithm.privatize`, the optimizer on the numerator x, the gossip round and
-the de-biased model. The papers' toy experiments (``examples/toy_*.py``) and the privacy audit use it::
+Each step is the node step the strategies run (:class:`~.node.NodeRunner`: forward and backward at the node's
+model, the release privatized, recorded and checked, the optimizer on the numerator x, the gossip round and the
+de-biased model), with plain SGD instead of the Trainer. The papers' toy experiments (``examples/toy_*.py``) and the
+privacy audit use it::
 
     runs = train_network(make_node, make_model, datasets, topology=topology, batch_size=32, steps=100, lr=0.1,
                          loss=loss_fn)
@@ -11,8 +12,10 @@ the de-biased model. The papers' toy experiments (``examples/toy_*.py``) and the
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_privdec.algorithms.base import Gossip, PrivateNodeAlgorithm
 from lightning_privdec.algorithms.flat_parameters import FlatParameters
+from lightning_privdec.algorithms.node import NodeRunner
 from lightning_privdec.comm import Exchange, LoopbackNetwork
 from lightning_privdec.compression import Compressor
 from lightning_privdec.topology import Topology
@@ -57,13 +61,16 @@ def train_node(
     consensus_step: float | str = "auto",
     seed: int = 0,
     after_step: Callable[[int, NodeRun], None] | None = None,
+    agree: Callable[[bool], bool] = bool,
 ) -> NodeRun:
     """``steps`` private steps of one node (plain SGD at ``lr``) on Poisson batches of its ``dataset``.
 
     ``loss(model(x), *rest)`` gives per-example or mean losses of a batch ``(x, *rest)`` (per-example losses for a
     node in ghost-clipping mode); ``after_step(t, run)`` sees the node after every step. Before the first step the
     node's per-example probe runs (:meth:`~lightning_privdec.privacy.local_dp.LocalDPSGD.check_examples`). Every node
-    must start from the same parameters (build ``model`` under a fixed seed).
+    must start from the same parameters (build ``model`` under a fixed seed). After each step the node stops early
+    when ``agree(one more step would exceed this node's target_epsilon)`` says so: it must give every node the same
+    answer (:func:`train_network` passes "any node's"; the default, the node's own, suits nodes with one plan).
     """
     node.attach(model)
     flat = FlatParameters(model)
@@ -76,6 +83,8 @@ def train_node(
     loader = node.private_dataloader(DataLoader(dataset, batch_size=batch_size), steps, exchange.world_size,
                                      node_local_data=True)
     run = NodeRun(node, model, gossip)
+    runner = NodeRunner(model, flat, gossip, node, rank=exchange.rank)
+    runner.check_plan(shard_size=len(loader.dataset))  # type: ignore[arg-type]  (as the strategies do)
 
     def backward(batch: Sequence[Tensor], probe: bool = False) -> bool:
         x, *rest = batch
@@ -102,15 +111,12 @@ def train_node(
             if taken == steps:
                 break
             optimizer.zero_grad(set_to_none=True)
-            backward(batch)
-            node.privatize()  # clip, noise, record: the paper's private step
-            flat.buffer.copy_(gossip.x)  # the optimizer updates the numerator x
-            optimizer.step()
-            gossip.step(flat.buffer)  # communicate
-            gossip.debias_into(flat.buffer)  # the node's model
+            runner.step(optimizer, partial(backward, batch), step=taken)  # the strategies' step (algorithms/node.py)
             taken += 1
             if after_step is not None:
                 after_step(taken, run)
+            if taken < steps and agree(runner.next_step_exceeds_budget()):
+                return run  # one more step would take some node past its target: every node stops here
     return run
 
 
@@ -126,12 +132,29 @@ def train_network(
     torch.set_num_threads(1)
     try:
         network = LoopbackNetwork(len(datasets), timeout=600.0)
+        agree = any_node(len(datasets))
         return network.run(
             lambda rank, exchange: train_node(make_node(rank), make_model(), datasets[rank], exchange=exchange,
-                                              **options)
+                                              agree=lambda vote: agree(rank, vote), **options)
         )
     finally:
         torch.set_num_threads(threads)
+
+
+def any_node(world_size: int) -> Callable[[int, bool], bool]:
+    """``agree(rank, vote)``, called by every node's thread at the same point: whether any node voted True (the
+    one-bit all-reduce of the strategies' budget stop, between threads)."""
+    votes = [False] * world_size
+    barrier = threading.Barrier(world_size)
+
+    def agree(rank: int, vote: bool) -> bool:
+        votes[rank] = vote
+        barrier.wait()
+        decision = any(votes)
+        barrier.wait()  # every node has read the votes before the next round overwrites them
+        return decision
+
+    return agree
 
 
 def consensus_distance(runs: Sequence[NodeRun]) -> float:

@@ -2,8 +2,9 @@
 
 The run uses the library's own pieces, so whatever they do wrong the audit sees: each strategy object builds its
 node algorithm (``make_node_algorithm``: Poisson sampling, per-sample clipping, noise, accountant, gossip), and
-:func:`~lightning_privdec.algorithms.simulation.train_node` repeats the strategies' private step on it (forward and
-backward on the Poisson batch, ``privatize``, the SGD update of the numerator, the gossip round) over a
+:func:`~lightning_privdec.algorithms.simulation.train_node` runs the strategies' own node step on it
+(:class:`~lightning_privdec.algorithms.node.NodeRunner`: forward and backward on the Poisson batch, the release
+privatized and recorded, the SGD update of the numerator, the gossip round) over a
 :class:`~lightning_privdec.comm.LoopbackNetwork`. Only Lightning's loop around that step is left out.
 
 Node 0's shard holds ordinary examples plus each of m Dirac canaries with probability 1/2
@@ -90,7 +91,7 @@ def _planned_epsilon(node: PrivateNodeAlgorithm, steps: int) -> float:
     """The accountant's epsilon of ``steps`` steps of the node's planned release (nothing recorded)."""
     release = node.next_release()
     assert release is not None
-    return node.ledger.epsilon_after(steps, *release)
+    return node.ledger.epsilon_after(steps, release)
 
 
 def _broken_configuration(

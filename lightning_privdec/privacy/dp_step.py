@@ -17,7 +17,7 @@ Typical use inside a strategy's ``optimizer_step``, between backward and the opt
     stats = privatize_gradients(psg.parameters, psg.per_sample_grads(), max_grad_norm=C, noise_multiplier=sigma,
                                 expected_batch_size=q * J, generator=generator)
     psg.clear()
-    ledger.record(sigma, q)
+    ledger.record(GaussianRelease(sigma, q))
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 
 A :class:`DecentralizedStrategy` launches like DDP (Lightning's launchers and cluster environments: subprocess,
 spawn, torchrun, SLURM) but never wraps the model in ``DistributedDataParallel`` and never all-reduces gradients.
-Per optimizer step it
-
-1. runs the closure: forward and backward at the de-biased parameters z held by the module;
-2. hands the gradients to :meth:`DecentralizedStrategy.transform_gradients` (private strategies clip and noise here);
-3. loads the push-sum numerator x into the parameters and lets the user's optimizer update it;
-4. gossips the updated numerator with the round's neighbours and writes z = x / y back into the module.
+Per optimizer step it runs the node's step of :mod:`lightning_privdec.algorithms.node` (the one the simulator and
+the audit run too): forward and backward at the de-biased parameters z held by the module (Lightning's closure);
+private strategies' clipping, noise, accounting and write-ahead; the finite check; the user's optimizer on the
+push-sum numerator x (through Lightning's precision plugin); the gossip round and z = x / y back into the module.
 
 Global collectives (``reduce``, ``barrier``, ``broadcast``, ``all_gather``) keep working for logging, metrics and
 checkpointing; training itself only talks to graph neighbours. No object a node receives from another is unpickled:
@@ -47,7 +45,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
-from lightning_privdec.algorithms.base import Gossip, NodeAlgorithm
+from lightning_privdec.algorithms.base import Gossip, NodeAlgorithm, PrivateNodeAlgorithm
+from lightning_privdec.algorithms.node import NodeRunner
 from lightning_privdec.algorithms.sgp import SGPNode
 from lightning_privdec.algorithms.consensus_step import check_consensus_step, choose_consensus_step
 from lightning_privdec.comm import Exchange, TorchDistributedExchange
@@ -69,7 +68,6 @@ from lightning_privdec.comm.sealed import SealedExchange
 from lightning_privdec.compression import Compressor, build_compressor
 from lightning_privdec.data.cycled import CycledLoader
 from lightning_privdec.strategies.checks import (
-    NonFiniteStepError,
     check_same_configuration,
     common_steps_per_epoch,
     describe,
@@ -78,7 +76,6 @@ from lightning_privdec.strategies.checks import (
     gather_tensors,
     check_peer_timeout,
     model_difference,
-    nonfinite_parameters,
 )
 from lightning_privdec.tensors import split_like
 from lightning_privdec.strategies.divergence import DivergenceError, DivergenceGuard, Verdict
@@ -218,6 +215,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.topology: Topology | None = None
         self.flat: FlatParameters | None = None
         self.gossip: Gossip | None = None
+        self.runner: NodeRunner | None = None  # the node's step (algorithms/node.py), built with the gossip
         self.steps_per_epoch: int | None = None  # common to every node, fixed when training starts
         if isinstance(topology, Topology):  # a user-built graph can be checked now, before any process starts
             self.make_topology(topology.num_nodes)
@@ -425,6 +423,11 @@ class DecentralizedStrategy(DDPStrategy):
         sync_module_states(self.model)  # every node starts from rank 0's parameters (the public x^0)
         self.flat = FlatParameters(self.model)
         self.gossip = self.build_gossip(self.flat.buffer, self.make_exchange())
+        node = self.node_algorithm()
+        self.runner = NodeRunner(
+            self.model, self.flat, self.gossip, node if isinstance(node, PrivateNodeAlgorithm) else None,
+            rank=self.global_rank, check_loss=self.stop_on_nonfinite_loss,
+        )
         self._agreement_key = self._seal_keys = None  # the exchange (and Decor's secrets) hold what they need
         if getattr(self.gossip, "staleness", 0) != self.staleness:
             raise RuntimeError(f"{type(self).__name__}'s gossip does not implement overlap=True; use overlap=False")
@@ -520,31 +523,14 @@ class DecentralizedStrategy(DDPStrategy):
     #: loss of an empty Poisson batch is NaN by construction)
     stop_on_nonfinite_loss: bool = True
 
-    def _check_finite(self, loss: Any) -> None:
-        """Stop, on this node, at the first NaN or infinite loss or gradient, before the update or the gossip."""
-        assert self.lightning_module is not None
-        bad = nonfinite_parameters(list(self.lightning_module.named_parameters()))
-        bad_loss = self.stop_on_nonfinite_loss and isinstance(loss, torch.Tensor) and not torch.isfinite(loss).all()
-        if not bad and not bad_loss:
-            return
-        problems = [f"loss ({loss.detach().reshape(-1)[0].item()})"] if bad_loss else []
-        if bad:
-            problems.append(f"gradient of {', '.join(bad[:3])}" + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
-        what = " and ".join(problems)
-        step = self.lightning_module.trainer.global_step
-        raise NonFiniteStepError(
-            f"node {self.global_rank}, step {step}: non-finite {what}. Training stops here; nothing from this step "
-            "left the node (no update, no gossip), and the other nodes stop when they miss its messages. Usual causes: "
-            "a learning rate too large, NaN/inf in the input data, log(0) or division by zero in the loss. Fix it and "
-            "resume every node from the last checkpoint (trainer.fit(..., ckpt_path=...))."
-        )
-
-    def transform_gradients(self) -> None:
-        """Hook between backward and the optimizer update (per-sample clipping and noise in private strategies)."""
-
     def closure_result(self, loss: Any) -> Any:
         """What the step's closure returns to the precision plugin and optimizer (the loss by default)."""
         return loss
+
+    def step_options(self) -> dict[str, Any]:
+        """What a strategy adds to the node's step (:meth:`NodeRunner.step`): the write-ahead ledger, the
+        GradScaler's rescaling (private strategies)."""
+        return {}
 
     def optimizer_step(
         self,
@@ -553,33 +539,24 @@ class DecentralizedStrategy(DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        flat, gossip = self.flat, self.gossip
-        if flat is None or gossip is None:
+        runner = self.runner
+        if runner is None:
             raise RuntimeError(f"{type(self).__name__}.optimizer_step called before setup")
 
-        calls = 0
+        def update(numerator_closure: Callable[[], Any]) -> Any:  # the user's optimizer, through the precision plugin
+            return ParallelStrategy.optimizer_step(
+                self, optimizer, lambda: self.closure_result(numerator_closure()), model, **kwargs
+            )
 
-        def gradients_then_numerator() -> Any:
-            nonlocal calls
-            calls += 1
-            if calls > 1:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} evaluated the closure twice in one step (LBFGS-style line search): "
-                    f"{type(self).__name__} needs one forward/backward per step (one private release, one gossip "
-                    "round). Use a first-order optimizer such as SGD or Adam."
-                )
-            loss = closure()  # forward + backward at z = x / y
-            self.transform_gradients()
-            self._check_finite(loss)  # nothing non-finite ever reaches the numerator or a neighbour
-            flat.buffer.copy_(gossip.x)  # the optimizer updates the numerator x
-            return self.closure_result(loss)
+        def look_for_divergence(output: Any) -> None:
+            gossip, flat = runner.gossip, runner.flat
+            if self._guard is not None and self._guard.due(gossip.round):
+                self._check_divergence(output, torch.dist(gossip.x, flat.buffer).item(), flat.buffer.norm().item())
 
-        output = ParallelStrategy.optimizer_step(self, optimizer, gradients_then_numerator, model, **kwargs)
-        gossip.step(flat.buffer)  # x^{t+1/2} -> neighbours -> x^{t+1}, y^{t+1}
-        if self._guard is not None and self._guard.due(gossip.round):
-            self._check_divergence(output, torch.dist(gossip.x, flat.buffer).item(), flat.buffer.norm().item())
-        gossip.debias_into(flat.buffer)  # the module holds z = x / y for the next forward
-        return output
+        return runner.step(
+            optimizer, closure, step=self.lightning_module.trainer.global_step, update=update,
+            after_gossip=look_for_divergence, **self.step_options(),
+        )
 
     def _check_divergence(self, loss: Any, correction: float, model_norm: float) -> None:
         """The divergence guard's check step: every node's verdict, one all-gather; all raise if one node fired."""

@@ -1,4 +1,5 @@
-"""Checks that every node runs the same training, made before the first step, and the non-finite guard of a step.
+"""Checks that every node runs the same training, made before the first step (the non-finite guard of a step is
+:mod:`lightning_privdec.algorithms.node`'s, re-exported here).
 
 Gossip only works if all nodes take the same number of steps with the same algorithm: a node that disagrees would
 leave its neighbours waiting for messages that never come. So at setup the nodes exchange a description of their
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_privdec.algorithms.node import NonFiniteStepError, nonfinite_parameters
 from lightning_privdec.comm.objects import all_gather_objects
 
 __all__ = [
@@ -42,10 +44,6 @@ _MAX_TEXT = 80
 
 class NodeMismatchError(ValueError):
     """The nodes were started with configurations or data that cannot train together (raised on every node)."""
-
-
-class NonFiniteStepError(FloatingPointError):
-    """A node's loss or gradient is NaN or infinite; raised before anything from that step leaves the node."""
 
 
 def raised_on_every_node(error: BaseException, rank: int) -> BaseException:
@@ -216,18 +214,3 @@ def common_steps_per_epoch(batches: Sequence[int | None], rank: int, max_steps: 
     return known[0], None
 
 
-def nonfinite_parameters(named_parameters: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
-    """Names of the parameters whose gradient holds a NaN or an infinity (one host sync when all are finite).
-
-    A NaN or infinity in any entry makes its tensor's sum non-finite, so finite sums (one fast reduction each)
-    clear the step; only then, or when a huge finite sum overflowed, is every entry checked.
-    """
-    with_grad = [(name, p.grad) for name, p in named_parameters if p.grad is not None]
-    if not with_grad:
-        return []
-    if bool(torch.isfinite(torch.stack([g.sum() for _, g in with_grad])).all()):
-        return []
-    finite = torch.stack([torch.isfinite(g).all() for _, g in with_grad])
-    if bool(finite.all()):
-        return []
-    return [name for (name, _), ok in zip(with_grad, finite.tolist()) if not ok]

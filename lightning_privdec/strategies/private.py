@@ -1,8 +1,9 @@
 """The private step shared by every private strategy: local DP-SGD on each node, then the algorithm's gossip.
 
 Each node Poisson-samples its own shard at q = B / J, clips per-sample gradients to C, adds its OWN Gaussian noise
-N(0, sigma^2 C^2 I), divides by qJ, and records the step in its own ledger (:class:`~lightning_privdec.algorithms.base.PrivateNodeAlgorithm`). The gossip
-that follows only sees privatized updates, so it is post-processing: compression costs no privacy.
+N(0, sigma^2 C^2 I), divides by qJ, and records the step in its own ledger: the node's step of
+:mod:`lightning_privdec.algorithms.node`, with this node's write-ahead ledger. The gossip that follows only sees
+privatized updates, so it is post-processing: compression costs no privacy.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_privdec.privacy import PrivacyConfigError, PrivacyParameters
 from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
 from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
+from lightning_privdec.algorithms.node import RESUME_NOISE
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE, GRAD_SAMPLE_MODES, mean_loss_multiplier
 from lightning_privdec.privacy.write_ahead import WriteAheadLedger, new_run_id
 from lightning_privdec.strategies.base import DecentralizedStrategy
@@ -34,8 +36,6 @@ from lightning_privdec.strategies.checks import gather_from_nodes, gather_tensor
 
 log = logging.getLogger("lightning.pytorch")  # Lightning's console handler; used for each node's own lines
 
-#: the choices of ``resume_noise=`` (see :class:`PrivateDecentralizedStrategy`)
-RESUME_NOISE = ("auto", "recalibrate", "keep")
 #: steps timed before sigma is re-planned for ``Trainer(max_time=...)``
 MAX_TIME_WARMUP_STEPS = 5
 
@@ -273,16 +273,9 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 dataloader, self._planned_steps(trainer, self.steps_per_epoch // k), self.world_size,
                 self.node_local_data, micro_batches=k, steps_per_epoch=self.steps_per_epoch,
             )
-            if resumed_sigma:
-                self._check_resumed_noise(resumed_sigma)
-            if self.privacy.delta > 0:  # (CPGT is pure epsilon-DP: no delta to check)
-                self.privacy_parameters.check_delta(len(private.dataset), self.global_rank)  # type: ignore[arg-type]
-            if self.privacy.steps == 0 and self.privacy.next_step_exceeds_budget():
-                raise PrivacyConfigError(
-                    f"target_epsilon={self.privacy_parameters.target_epsilon} cannot pay for a single step with "
-                    f"noise_multiplier={self.privacy.noise_multiplier:.4g} at sample rate "
-                    f"{self.privacy.sample_rate:.4g}; raise the noise multiplier or the budget"
-                )
+            assert self.runner is not None
+            self.runner.check_plan(shard_size=len(private.dataset), resumed_sigma=resumed_sigma,  # type: ignore[arg-type]
+                                   resume_noise=self.resume_noise)
             self.check_plan()
         except PrivacyConfigError as exc:
             problem = exc
@@ -335,12 +328,12 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         per_step = max(timer.time_elapsed(), 1e-9) / max(taken, 1)
         affordable = taken + int(0.95 * max(timer.time_remaining() or 0.0, 0.0) / per_step)
         affordable = int(self.reduce(torch.tensor(affordable, device=self.root_device), reduce_op=dist.ReduceOp.MIN))
-        total = self._fit_start_steps + affordable
-        if total >= engine.planned_steps or total <= engine.steps:
+        planned = engine.planned_steps - self._fit_start_steps
+        assert self.runner is not None
+        replanned = self.runner.replan(self._fit_start_steps + affordable)
+        if replanned is None:
             return
-        old, planned = engine.noise_multiplier, engine.planned_steps - self._fit_start_steps
-        engine.noise_multiplier = engine.calibrate_remaining(total - engine.steps)
-        engine.planned_steps, engine._certified = total, None
+        old, _ = replanned
         self._noise_changed(old, f"at {per_step:.3g} s per step, max_time allows about {affordable} steps of this "
                                  f"fit, not the {planned} planned by max_steps/max_epochs")
 
@@ -355,40 +348,6 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         self.say_once(
             f"{type(self).__name__}: {why}: {change}, so that target_epsilon={self.privacy_parameters.target_epsilon} "
             f"is spent by the end of the plan{engine.privacy_caveat}"
-        )
-
-    def _check_resumed_noise(self, old_sigma: float) -> None:
-        """A resumed run whose new plan re-calibrated sigma: refuse a sigma over twice the old one (``"auto"``), or
-        keep the old one (``"keep"``); the budget check then stops training when the target is reached."""
-        engine = self.privacy
-        assert engine is not None and engine.noise_multiplier is not None
-        new_sigma = engine.noise_multiplier
-        if new_sigma <= old_sigma or self.resume_noise == "recalibrate":
-            return
-        fixed_sigma = engine.fixed_noise_multiplier
-        if self.resume_noise == "keep":
-            if not fixed_sigma:
-                raise PrivacyConfigError(
-                    f"resume_noise='keep' needs a fixed noise multiplier; {type(self).__name__}'s noise follows its "
-                    "own plan. Use resume_noise='recalibrate', or resume with the checkpoint's plan"
-                )
-            engine.noise_multiplier = old_sigma
-            return
-        if new_sigma <= 2.0 * old_sigma:
-            return
-        target, spent = self.privacy_parameters.target_epsilon, engine.epsilon()
-        keep = (
-            f"resume_noise='keep' keeps sigma = {old_sigma:.4g} and stops training when target_epsilon is reached; "
-            if fixed_sigma else ""
-        )
-        raise PrivacyConfigError(
-            f"node {self.global_rank}: this resumed run plans {engine.planned_steps} steps in all, but the checkpoint's "
-            f"plan was calibrated for fewer: {engine.steps} steps have spent epsilon = {spent:.4g} of "
-            f"target_epsilon = {target}, and the {engine.planned_steps - engine.steps} remaining steps would need "
-            f"sigma = {new_sigma:.4g} instead of {old_sigma:.4g} ({new_sigma / old_sigma:.1f}x the noise), which "
-            "would likely destroy the model. Choose knowingly: raise target_epsilon (a larger total budget); "
-            f"{keep}resume_noise='recalibrate' accepts sigma = {new_sigma:.4g}; or start a new run "
-            "(new data, a fresh budget)"
         )
 
     def on_train_start(self) -> None:
@@ -569,12 +528,13 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         per_sample.set_mean_loss_multiplier(multiplier)
         return loss * multiplier if multiplier != 1.0 else loss
 
-    def transform_gradients(self) -> None:
+    def step_options(self) -> dict[str, Any]:
+        """The node's write-ahead ledger, and under "16-mixed" the rescaling of the privatized gradient."""
         assert self.privacy is not None
-        self.privacy.privatize()
-        self.write_ahead_step()
-        if self._loss_scaler() is not None:
-            self._rescale_for_unscaling(self.privacy.loss_scale)  # the scale the step's backward passes were told
+        options: dict[str, Any] = {"write_ahead": self._write_ahead_ledger()}
+        if self._loss_scaler() is not None:  # the scale the step's backward passes were told
+            options["after_privatize"] = lambda: self._rescale_for_unscaling(self.privacy.loss_scale)
+        return options
 
     def closure_result(self, loss: Any) -> Any:
         """Under "16-mixed" never None (a step whose batch was empty): Lightning's precision plugin would then skip
@@ -663,11 +623,3 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         if self._checkpoint_saved:
             return Path(trainer.default_root_dir) / "privacy_ledger"
         return None
-
-    def write_ahead_step(self) -> None:
-        """Write this node's accounting state to its write-ahead ledger; runs after the private step is recorded
-        and before its message leaves the node."""
-        ledger = self._write_ahead_ledger()
-        if ledger is not None:
-            assert self.privacy is not None
-            ledger.write(self.privacy)

@@ -6,13 +6,17 @@
 * :mod:`.saga` - PrivSGP-VR's release, a subsampled and an always-present Gaussian per step (sound), or the paper's
   Theorem 2 for comparison;
 * :mod:`.secldp` - Decor's correlated noise, SecLDP per round (:mod:`.secldp_step`) composed over rounds;
+
+each states the release it records as a frozen dataclass (:class:`GaussianRelease`, :class:`LaplaceRelease`,
+:class:`SagaRelease`, :class:`SecLDPRelease`), checked when recorded.
 """
 
 from lightning_privdec.privacy.accounting.base import Accountant, largest_count, smallest_noise
-from lightning_privdec.privacy.accounting.cpgt import CPGTAccountant
+from lightning_privdec.privacy.accounting.cpgt import CPGTAccountant, LaplaceRelease
 from lightning_privdec.privacy.accounting.gaussian import (
     ACCOUNTANTS,
     GDP_REFUSAL,
+    GaussianRelease,
     PrivacyLedger,
     calibrate_noise_multiplier,
     check_accountant,
@@ -20,18 +24,28 @@ from lightning_privdec.privacy.accounting.gaussian import (
     gdp_epsilon_approximation,
     make_accountant,
 )
-from lightning_privdec.privacy.accounting.saga import SagaAccountant, SagaNoise, calibrate_saga_noise, saga_epsilon
-from lightning_privdec.privacy.accounting.secldp import SecLDPAccountant
+from lightning_privdec.privacy.accounting.saga import (
+    SagaAccountant,
+    SagaNoise,
+    SagaRelease,
+    calibrate_saga_noise,
+    saga_epsilon,
+)
+from lightning_privdec.privacy.accounting.secldp import SecLDPAccountant, SecLDPRelease
 
 __all__ = [
     "ACCOUNTANTS",
     "Accountant",
     "CPGTAccountant",
     "GDP_REFUSAL",
+    "GaussianRelease",
+    "LaplaceRelease",
     "PrivacyLedger",
     "SagaAccountant",
     "SagaNoise",
+    "SagaRelease",
     "SecLDPAccountant",
+    "SecLDPRelease",
     "calibrate_noise_multiplier",
     "calibrate_saga_noise",
     "check_accountant",

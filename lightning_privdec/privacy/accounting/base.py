@@ -11,9 +11,12 @@ each private step's release and answers, at its ``delta``:
 * :meth:`Accountant.state_dict` / :meth:`Accountant.load_state_dict` - checkpoints, with the never-roll-back guard
   written once here: a saved state with fewer steps than this accountant has recorded is refused.
 
-What a release is depends on the mechanism: ``(sigma, q)`` for the subsampled Gaussian (:mod:`.gaussian`, and
-Dyn-D2P's varying multipliers in :mod:`.schedule`), a list of such pairs for PrivSGP-VR's split (:mod:`.saga`), one
-round of correlated noise for Decor (:mod:`.secldp`), one round of decaying Laplace noise for CPGT (:mod:`.cpgt`).
+What a release is depends on the mechanism; each accountant states it as a small frozen dataclass, its
+:attr:`Accountant.release_type`, which checks its values when built and which :meth:`Accountant.record` checks the
+type of: :class:`~.gaussian.GaussianRelease` ``(sigma, q)`` for the subsampled Gaussian (:mod:`.gaussian`, and
+Dyn-D2P's varying multipliers in :mod:`.schedule`), :class:`~.saga.SagaRelease` (several such mechanisms) for
+PrivSGP-VR's split, :class:`~.secldp.SecLDPRelease` (one round of correlated noise) for Decor,
+:class:`~.cpgt.LaplaceRelease` (one round of decaying Laplace noise) for CPGT.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
@@ -50,24 +53,49 @@ UNLIMITED_STEPS = 1 << 40
 
 
 class Accountant(ABC):
-    """One node's ledger of one mechanism. Subclasses implement :meth:`record`, :attr:`steps`, :meth:`epsilon_after`,
-    :meth:`state_dict`, :meth:`saved_steps` and :meth:`_load_state`; the rest is shared."""
+    """One node's ledger of one mechanism. Subclasses set :attr:`release_type` and implement :meth:`_record`,
+    :attr:`steps`, :meth:`_epsilon_after`, :meth:`state_dict`, :meth:`saved_steps` and :meth:`_load_state`; the
+    rest is shared."""
 
     #: the delta at which epsilon is reported (0 for pure epsilon-DP)
     delta: float | None = None
+    #: what one private step releases, as this accountant takes it (a frozen dataclass that checks its own values)
+    release_type: ClassVar[type]
+
+    def check_release(self, release: Any) -> Any:
+        """``release`` if it is a :attr:`release_type`; else a TypeError naming what this accountant takes."""
+        if not isinstance(release, self.release_type):
+            raise TypeError(
+                f"{type(self).__name__} accounts for one {self.release_type.__name__} per private step "
+                f"(fields: {', '.join(self.release_type.__dataclass_fields__)}), got {release!r}"
+            )
+        return release
+
+    def record(self, release: Any, steps: int = 1) -> None:
+        """Account for ``steps`` private steps that released ``release`` each (checked: :meth:`check_release`)."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+        self._record(self.check_release(release), steps)
 
     @abstractmethod
-    def record(self, *release: Any) -> None:
-        """Account for one private step that released ``release``."""
+    def _record(self, release: Any, steps: int) -> None:
+        """Account for ``steps`` steps releasing ``release`` (a checked :attr:`release_type`)."""
 
     @property
     @abstractmethod
     def steps(self) -> int:
         """Private steps recorded so far."""
 
+    def epsilon_after(self, steps: int, release: Any = None) -> float:
+        """Epsilon after ``steps`` more hypothetical steps releasing ``release`` each (``steps = 0``: spent so far,
+        no release needed)."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
+        return self._epsilon_after(steps, self.check_release(release) if steps else None)
+
     @abstractmethod
-    def epsilon_after(self, steps: int, *release: Any) -> float:
-        """Epsilon after ``steps`` more hypothetical steps releasing ``release`` each (``steps = 0``: spent so far)."""
+    def _epsilon_after(self, steps: int, release: Any) -> float:
+        """:meth:`epsilon_after` with a checked release (None when ``steps`` is 0)."""
 
     def epsilon(self) -> float:
         """Epsilon spent so far, at :attr:`delta`."""
@@ -77,9 +105,9 @@ class Accountant(ABC):
         """What the budget callback logs for this node (``privacy/<key>``); mechanisms may add their own keys."""
         return {"epsilon": self.epsilon()}
 
-    def steps_within(self, target: float, *release: Any, limit: int | None = None) -> int:
+    def steps_within(self, target: float, release: Any, limit: int | None = None) -> int:
         """The largest n (at most ``limit``) such that n more steps releasing ``release`` keep epsilon <= target."""
-        return largest_count(lambda n: self.epsilon_after(n, *release) <= target, limit)
+        return largest_count(lambda n: self.epsilon_after(n, release) <= target, limit)
 
     # ---- checkpoints -------------------------------------------------------------------------------------------------
     @abstractmethod

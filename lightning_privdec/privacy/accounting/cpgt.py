@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_privdec.privacy.accounting.base import Accountant, golden_section_min
@@ -44,6 +45,7 @@ from lightning_privdec.privacy.errors import PrivacyConfigError
 __all__ = [
     "ACCOUNTING",
     "CPGTAccountant",
+    "LaplaceRelease",
     "calibrate_cpgt_noise",
     "auto_noise_decay",
     "check_theorem2",
@@ -301,13 +303,31 @@ def calibrate_cpgt_noise(
     return at_one / target
 
 
+@dataclass(frozen=True)
+class LaplaceRelease:
+    """One CPGT round: Laplace noise of scales d_x, d_y on the tracked variables, decaying by q per round (the terms
+    the accountant was configured with: a round released at other scales is refused when recorded)."""
+
+    noise_x: float
+    noise_y: float
+    noise_decay: float
+
+    def __post_init__(self) -> None:
+        for name in ("noise_x", "noise_y"):
+            object.__setattr__(self, name, _positive(getattr(self, name), name))
+        q = self.noise_decay
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < float(q) <= 1.0:
+            raise PrivacyConfigError(f"noise_decay (CPGT's q) must lie in (0, 1], got {q!r}")
+        object.__setattr__(self, "noise_decay", float(q))
+
+
 class CPGTAccountant(Accountant):
     """One CPGT node's pure epsilon-DP ledger (delta = 0): the rounds it released and the rounds a resume released
     again.
 
     Epsilon: 0 before the first message; then the whole-run bound (``"sound"``, ``"theorem2"``: it covers every
     round of the trajectory, past and future), or the coupling of the rounds taken so far (``"finite"``); plus, by
-    composition, the terms of every replayed round. A release is one round (no arguments). The bound's terms (alpha,
+    composition, the terms of every replayed round. A release is one round (:class:`LaplaceRelease`). The bound's terms (alpha,
     L, q, the Laplace scales, the sensitivity, the norm factor) are set by :meth:`configure` once the noise is planned,
     and kept in the ledger's state: a checkpoint's ledger tells its epsilon before the resumed run plans its noise
     (the write-ahead ledger's resume warning is printed then).
@@ -351,15 +371,29 @@ class CPGTAccountant(Accountant):
         """What the rounds released twice add by composition: their terms, once more per replay."""
         return sum(self._rounds_epsilon(end) - self._rounds_epsilon(start) for start, end in self.replayed)
 
-    def record(self) -> None:
-        self.rounds += 1
+    release_type = LaplaceRelease
+
+    def check_release(self, release: Any) -> LaplaceRelease:
+        """A :class:`LaplaceRelease` at the scales and decay the bound's terms hold (:meth:`configure`)."""
+        release = super().check_release(release)
+        if self.terms is None:
+            raise PrivacyConfigError("CPGT: a round was released before the ledger knew its noise (configure first)")
+        priced = (self.terms["noise_x"], self.terms["noise_y"], self.terms["q"])
+        if (release.noise_x, release.noise_y, release.noise_decay) != priced:
+            raise PrivacyConfigError(
+                f"CPGT: {release} differs from the noise the ledger accounts for (noise_x, noise_y, q) = {priced}"
+            )
+        return release
+
+    def _record(self, release: LaplaceRelease, steps: int) -> None:
+        self.rounds += steps
 
     @property
     def steps(self) -> int:
         """Rounds released in all: the current trajectory's and every replayed one."""
         return self.rounds + sum(end - start for start, end in self.replayed)
 
-    def epsilon_after(self, steps: int) -> float:
+    def _epsilon_after(self, steps: int, release: LaplaceRelease | None) -> float:
         """0 before the first round; NaN (unknown, never 0) for rounds whose bound's terms are not known yet: a
         checkpoint written before the ledger kept them, read before the noise is planned."""
         if self.steps + steps == 0:

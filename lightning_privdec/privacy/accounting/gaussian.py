@@ -23,6 +23,7 @@ import contextvars
 import math
 import warnings
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from opacus.accountants import (
@@ -43,6 +44,7 @@ from lightning_privdec.privacy.errors import PrivacyConfigError
 __all__ = [
     "ACCOUNTANTS",
     "GDP_REFUSAL",
+    "GaussianRelease",
     "PrivacyLedger",
     "calibrate_noise_multiplier",
     "check_accountant",
@@ -130,6 +132,18 @@ def _check_steps(steps: Any, *, minimum: int = 0) -> int:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < minimum:
         raise PrivacyConfigError(f"steps must be an integer >= {minimum}, got {steps!r}")
     return steps
+
+
+@dataclass(frozen=True)
+class GaussianRelease:
+    """One Poisson-subsampled Gaussian step: noise multiplier sigma (std in units of the clip bound) at rate q."""
+
+    noise_multiplier: float
+    sample_rate: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_multiplier", _check_noise_multiplier(self.noise_multiplier))
+        object.__setattr__(self, "sample_rate", _check_sample_rate(self.sample_rate))
 
 
 # ---- epsilon of a history ---------------------------------------------------------------------------------------
@@ -382,9 +396,11 @@ class PrivacyLedger(Accountant):
         steps = _check_steps(steps, minimum=1)
         return self._append(self.history, noise_multiplier, sample_rate, steps)
 
-    def record(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
+    release_type = GaussianRelease
+
+    def _record(self, release: GaussianRelease, steps: int) -> None:
         """Account for ``steps`` more steps with noise multiplier sigma and Poisson sampling rate q."""
-        self.history = self._extended(noise_multiplier, sample_rate, steps)
+        self.history = self._extended(release.noise_multiplier, release.sample_rate, steps)
 
     # -- queries
     @property
@@ -417,9 +433,11 @@ class PrivacyLedger(Accountant):
         """Epsilon after ``steps`` more hypothetical steps; lets a caller stop *before* exceeding its budget."""
         return self._epsilon(self._extended(noise_multiplier, sample_rate, steps), self._delta(delta))
 
-    def epsilon_after(self, steps: int, noise_multiplier: float = 0.0, sample_rate: float = 1.0) -> float:
+    def _epsilon_after(self, steps: int, release: GaussianRelease | None) -> float:
         """:class:`Accountant`'s query: epsilon after ``steps`` more steps at (sigma, q)."""
-        return self.epsilon() if steps == 0 else self.epsilon_if(noise_multiplier, sample_rate, steps)
+        if release is None:
+            return self.epsilon()
+        return self.epsilon_if(release.noise_multiplier, release.sample_rate, steps)
 
     # -- checkpointing
     def state_dict(self) -> dict[str, Any]:

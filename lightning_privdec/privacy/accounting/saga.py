@@ -54,6 +54,7 @@ from scipy.optimize import minimize_scalar
 
 from lightning_privdec.privacy.accounting.base import golden_section_min
 from lightning_privdec.privacy.accounting.gaussian import (
+    GaussianRelease,
     PrivacyLedger,
     _check_delta,
     _check_noise_multiplier,
@@ -69,6 +70,7 @@ __all__ = [
     "ACCOUNTINGS",
     "SagaAccountant",
     "SagaNoise",
+    "SagaRelease",
     "c2_for_optimal_steps",
     "calibrate_saga_noise",
     "optimal_split",
@@ -265,6 +267,24 @@ def saga_epsilon(
         return _epsilon_of_history(_entries_history(history, noise, sample_rate, steps), delta, accountant)
 
 
+@dataclass(frozen=True)
+class SagaRelease:
+    """One PrivSGP-VR step: the Gaussian mechanisms it composes (:meth:`SagaNoise.entries`)."""
+
+    mechanisms: tuple[GaussianRelease, ...]
+
+    def __post_init__(self) -> None:
+        mechanisms = tuple(self.mechanisms)
+        if not mechanisms or not all(isinstance(m, GaussianRelease) for m in mechanisms):
+            raise TypeError(f"a SagaRelease is one or more GaussianRelease(sigma, q), got {self.mechanisms!r}")
+        object.__setattr__(self, "mechanisms", mechanisms)
+
+    @classmethod
+    def of(cls, entries: Sequence[tuple[float, float]]) -> SagaRelease:
+        """From ``((sigma, q), ...)`` pairs (:meth:`SagaNoise.entries`)."""
+        return cls(tuple(GaussianRelease(sigma, q) for sigma, q in entries))
+
+
 class SagaAccountant(PrivacyLedger):
     """One PrivSGP-VR node's accountant: a release is one step's mechanisms ``((sigma, q), ...)``
     (:meth:`SagaNoise.entries`), composed with everything recorded before by Opacus's RDP or PRV accountant.
@@ -288,10 +308,10 @@ class SagaAccountant(PrivacyLedger):
         history.append((noise_multiplier, sample_rate, steps))
         return history
 
-    def _composed(self, entries: Sequence[tuple[float, float]], steps: int) -> list[tuple[float, float, int]]:
+    def _composed(self, mechanisms: Sequence[GaussianRelease], steps: int) -> list[tuple[float, float, int]]:
         history = self.history
-        for sigma, q in entries:
-            history = self._append(history, _check_noise_multiplier(sigma), _check_sample_rate(q), steps)
+        for mechanism in mechanisms:
+            history = self._append(history, mechanism.noise_multiplier, mechanism.sample_rate, steps)
         return history
 
     def _epsilon(self, history: History, delta: float) -> float:
@@ -299,19 +319,21 @@ class SagaAccountant(PrivacyLedger):
             warnings.filterwarnings("ignore", message="Optimal order is the")
             return super()._epsilon(history, delta)
 
-    def record(self, *entries: tuple[float, float]) -> None:  # type: ignore[override]
-        """Account for one step that released every mechanism of ``entries``."""
-        self.history = self._composed(entries, 1)
-        self._steps += 1
+    release_type = SagaRelease  # type: ignore[assignment]
+
+    def _record(self, release: SagaRelease, steps: int) -> None:  # type: ignore[override]
+        """Account for ``steps`` steps that released every mechanism of ``release``."""
+        self.history = self._composed(release.mechanisms, steps)
+        self._steps += steps
 
     @property
     def steps(self) -> int:
         return self._steps
 
-    def epsilon_after(self, steps: int, *entries: tuple[float, float]) -> float:  # type: ignore[override]
-        if steps == 0:
+    def _epsilon_after(self, steps: int, release: SagaRelease | None) -> float:  # type: ignore[override]
+        if release is None:
             return self.epsilon()
-        return self._epsilon(self._composed(entries, _check_steps(steps, minimum=1)), self._delta(None))
+        return self._epsilon(self._composed(release.mechanisms, steps), self._delta(None))
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "steps": self._steps}

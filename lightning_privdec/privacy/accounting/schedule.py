@@ -19,6 +19,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from scipy import optimize, special
 
 from lightning_privdec.privacy.accounting.gaussian import (
     ACCOUNTANTS,
+    GaussianRelease,
     History,
     PrivacyLedger,
     _check_delta,
@@ -218,6 +220,20 @@ def history_clt_epsilon(history: History, delta: float) -> float:
 
 
 # ---- the ledger ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GaussianSchedule:
+    """Steps whose noise multiplier follows a schedule, at one Poisson rate: what a plan asks
+    :meth:`ScheduleLedger.epsilon_after` about (each step taken is recorded as its own :class:`GaussianRelease`)."""
+
+    noise_multipliers: Callable[[int, int], np.ndarray]  # (start, stop) -> sigma_start .. sigma_{stop-1}
+    sample_rate: float
+
+    def __post_init__(self) -> None:
+        if not callable(self.noise_multipliers):
+            raise TypeError(f"noise_multipliers must be a callable (start, stop) -> array, got {self.noise_multipliers!r}")
+        object.__setattr__(self, "sample_rate", _check_sample_rate(self.sample_rate))
+
+
 class ScheduleLedger(PrivacyLedger):
     """A :class:`PrivacyLedger` for a noise multiplier that changes every step, with O(1) updates and queries.
 
@@ -249,10 +265,8 @@ class ScheduleLedger(PrivacyLedger):
         except OverflowError:
             return math.inf
 
-    def record(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
-        noise_multiplier = _check_noise_multiplier(noise_multiplier)
-        sample_rate = _check_sample_rate(sample_rate)
-        steps = _check_steps(steps, minimum=1)
+    def _record(self, release: GaussianRelease, steps: int) -> None:
+        noise_multiplier, sample_rate = release.noise_multiplier, release.sample_rate
         if self.history and self.history[-1][:2] == (noise_multiplier, sample_rate):
             self.history[-1] = (noise_multiplier, sample_rate, self.history[-1][2] + steps)
         else:
@@ -293,15 +307,13 @@ class ScheduleLedger(PrivacyLedger):
         """Paper (CLT approximation): eq. (6) of the history so far, converted with eq. (4). Not a guarantee."""
         return dp_epsilon_from_gdp(self.clt_mu(), self._delta(delta)) if self._steps else 0.0
 
-    def epsilon_after(
-        self, steps: int, noise_multiplier: float | Callable[[int, int], np.ndarray] = 0.0, sample_rate: float = 1.0
-    ) -> float:
-        """:class:`Accountant`'s query; ``noise_multiplier`` may be a schedule's ``noise_multipliers(start, stop)``:
-        then the next ``steps`` steps follow it from this ledger's step on."""
-        if steps == 0 or not callable(noise_multiplier):
-            return super().epsilon_after(steps, noise_multiplier, sample_rate)
-        start, delta = self._steps, self._delta(None)
-        multipliers = noise_multiplier(start, start + steps)
+    def epsilon_after(self, steps: int, release: GaussianRelease | GaussianSchedule | None = None) -> float:
+        """:class:`Accountant`'s query; ``release`` may also be a :class:`GaussianSchedule` (planning only): then
+        the next ``steps`` steps follow it from this ledger's step on."""
+        if steps == 0 or not isinstance(release, GaussianSchedule):
+            return super().epsilon_after(steps, release)
+        start, delta, sample_rate = self._steps, self._delta(None), release.sample_rate
+        multipliers = release.noise_multipliers(start, start + steps)
         if self.accountant == "prv":
             return history_epsilon([*self.history, *((float(m), sample_rate, 1) for m in multipliers)], delta, "prv")
         rows = subsampled_gaussian_rdp(sample_rate, multipliers, self.orders)

@@ -294,11 +294,29 @@ def calibrate_secldp(
 
 
 # ---- the ledger -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SecLDPRelease:
+    """One Decor round: its SecRDP slope eps_step (:func:`~.secldp_step.secldp_step`; inf: no privacy) and, at the
+    example level, the Poisson rate q (``None`` at the user level)."""
+
+    epsilon_step: float
+    sample_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        e = self.epsilon_step
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not float(e) >= 0:
+            raise PrivacyConfigError(f"epsilon_step (a round's SecRDP slope) must be a number >= 0, got {e!r}")
+        q = self.sample_rate
+        if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < float(q) <= 1.0):
+            raise PrivacyConfigError(f"sample_rate must be None (user level) or lie in (0, 1], got {q!r}")
+        object.__setattr__(self, "epsilon_step", float(e))
+        object.__setattr__(self, "sample_rate", None if q is None else float(q))
+
+
 class SecLDPAccountant(Accountant):
     """One Decor node's SecLDP ledger: the rounds it released, each ``(alpha, alpha eps_step)``-SecRDP.
 
-    A release is ``(eps_step, q)``: the round's slope (:func:`~.secldp_step.secldp_step`) and, at the example level,
-    the Poisson rate (``None`` at the user level). User level: epsilon of the summed slopes (Lemmas 10-11, as
+    A release is a :class:`SecLDPRelease`: the round's slope and, at the example level, the Poisson rate. User level: epsilon of the summed slopes (Lemmas 10-11, as
     :func:`secldp_epsilon`); example level: the subsampled Gaussian RDP of every round composed, then converted (as
     :func:`secldp_epsilon_example_level`).
     """
@@ -307,8 +325,10 @@ class SecLDPAccountant(Accountant):
         self.delta, self.level = _delta(delta), level
         self.history: list[tuple[float, float | None, int]] = []
 
-    def record(self, epsilon_step: float, sample_rate: float | None = None) -> None:
-        self.history = self._extended(self.history, epsilon_step, sample_rate, 1)
+    release_type = SecLDPRelease
+
+    def _record(self, release: SecLDPRelease, steps: int) -> None:
+        self.history = self._extended(self.history, release.epsilon_step, release.sample_rate, steps)
 
     @staticmethod
     def _extended(
@@ -325,8 +345,10 @@ class SecLDPAccountant(Accountant):
     def steps(self) -> int:
         return sum(t for _, _, t in self.history)
 
-    def epsilon_after(self, steps: int, epsilon_step: float = 0.0, sample_rate: float | None = None) -> float:
-        history = self._extended(self.history, epsilon_step, sample_rate, steps)
+    def _epsilon_after(self, steps: int, release: SecLDPRelease | None) -> float:
+        history = self.history if release is None else self._extended(
+            self.history, release.epsilon_step, release.sample_rate, steps
+        )
         if not history:
             return 0.0
         if self.level == "user":

@@ -1,0 +1,234 @@
+"""One node's training step, without Lightning: the step the Trainer's strategies, the loopback simulator, the
+privacy audit and the toy examples all run.
+
+Per step, on the node's flat parameters (:class:`~.flat_parameters.FlatParameters`)::
+
+    gradients()                    forward and backward at the node's model z (Lightning's closure, or the
+                                   simulator's loss on its batch)
+    release = node.next_release()  what this step releases (its accountant's typed release)
+    node.privatize()               the paper's clipping and noise into p.grad (records nothing)
+    node.ledger.record(release)    the accountant counts the release: here, for every paper
+    write_ahead.write(node)        the accounting state on disk before anything leaves the node
+    finite check                   a NaN/inf gradient (or loss) stops the node: no update, no message
+    x <- the user's optimizer      on the push-sum numerator x (the parameters are loaded with x first)
+    gossip.step(x)                 the round's messages (the bytes sent) and the mixing
+    gossip.debias_into(z)          the node's model for the next forward
+
+A non-private node (SGP, D-PSGD) runs the same step without the four privacy lines. Around the steps the runner
+holds the privacy policy, Lightning-free: the checks of a plan before training (:meth:`NodeRunner.check_plan`: a
+resumed run's new noise under ``resume_noise``, delta against the shard, a budget that pays for one step), the
+re-plan for a run cut short by a time limit (:meth:`NodeRunner.replan`) and the budget check after each step
+(:meth:`NodeRunner.next_step_exceeds_budget`; the caller decides with the other nodes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_privdec.algorithms.base import Gossip, PrivateNodeAlgorithm
+from lightning_privdec.algorithms.flat_parameters import FlatParameters
+from lightning_privdec.privacy.dp_step import DPStepStats
+from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.write_ahead import WriteAheadLedger
+
+
+#: the choices of ``resume_noise=``: what a resumed run does when its new plan needs more noise
+#: (:meth:`NodeRunner.check_plan`)
+RESUME_NOISE = ("auto", "recalibrate", "keep")
+
+
+class NonFiniteStepError(FloatingPointError):
+    """A node's loss or gradient is NaN or infinite; raised before anything from that step leaves the node."""
+
+
+def nonfinite_parameters(named_parameters: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the parameters whose gradient holds a NaN or an infinity (one host sync when all are finite).
+
+    A NaN or infinity in any entry makes its tensor's sum non-finite, so finite sums (one fast reduction each)
+    clear the step; only then, or when a huge finite sum overflowed, is every entry checked.
+    """
+    with_grad = [(name, p.grad) for name, p in named_parameters if p.grad is not None]
+    if not with_grad:
+        return []
+    if bool(torch.isfinite(torch.stack([g.sum() for _, g in with_grad])).all()):
+        return []
+    finite = torch.stack([torch.isfinite(g).all() for _, g in with_grad])
+    if bool(finite.all()):
+        return []
+    return [name for (name, _), ok in zip(with_grad, finite.tolist()) if not ok]
+
+
+def private_step(node: PrivateNodeAlgorithm, write_ahead: WriteAheadLedger | None = None) -> DPStepStats:
+    """The private part of a step, after backward: the node's next release, the paper's :meth:`privatize` (clip and
+    noise into ``p.grad``), the accountant records the release, the write-ahead ledger writes it."""
+    release = node.next_release()
+    if release is None:
+        raise RuntimeError(f"{type(node).__name__}: a private step before the noise was planned (private_dataloader)")
+    stats = node.privatize()
+    node.ledger.record(release)
+    if write_ahead is not None:
+        write_ahead.write(node)
+    return stats
+
+
+class NodeRunner:
+    """One node: its model, flat parameters, gossip and (private nodes) its privacy, stepped as one unit.
+
+    Args:
+        model: the module whose trainable parameters ``flat`` holds (named in error messages).
+        flat: the model's flat parameters; the optimizer must update these parameter objects.
+        gossip: the node's mixing (its ``x`` is the push-sum numerator).
+        node: the paper's private node (None: a non-private node).
+        rank: this node's id (for messages).
+        check_loss: whether a non-finite loss stops the node (private nodes check only the privatized gradient: the
+            mean loss of an empty Poisson batch is NaN by construction). Default: only non-private nodes.
+    """
+
+    def __init__(
+        self, model: nn.Module, flat: FlatParameters, gossip: Gossip, node: PrivateNodeAlgorithm | None = None, *,
+        rank: int = 0, check_loss: bool | None = None,
+    ) -> None:
+        self.model, self.flat, self.gossip, self.node, self.rank = model, flat, gossip, node, rank
+        self.check_loss = node is None if check_loss is None else check_loss
+
+
+    def check_finite(self, loss: Any, step: int) -> None:
+        """Stop at the first NaN or infinite gradient (or loss), before the update or the gossip."""
+        bad = nonfinite_parameters(list(self.model.named_parameters()))
+        bad_loss = self.check_loss and isinstance(loss, torch.Tensor) and not torch.isfinite(loss).all()
+        if not bad and not bad_loss:
+            return
+        problems = [f"loss ({loss.detach().reshape(-1)[0].item()})"] if bad_loss else []
+        if bad:
+            problems.append(f"gradient of {', '.join(bad[:3])}" + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
+        raise NonFiniteStepError(
+            f"node {self.rank}, step {step}: non-finite {' and '.join(problems)}. Training stops here; nothing from "
+            "this step left the node (no update, no gossip), and the other nodes stop when they miss its messages. "
+            "Usual causes: a learning rate too large, NaN/inf in the input data, log(0) or division by zero in the "
+            "loss. Fix it and resume every node from the last checkpoint (trainer.fit(..., ckpt_path=...))."
+        )
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradients: Callable[[], Any],
+        *,
+        step: int,
+        update: Callable[[Callable[[], Any]], Any] | None = None,
+        write_ahead: WriteAheadLedger | None = None,
+        after_privatize: Callable[[], None] | None = None,
+        after_gossip: Callable[[Any], None] | None = None,
+    ) -> Any:
+        """One training step (the module docstring's order); returns what ``update`` returned.
+
+        Args:
+            optimizer: the user's optimizer, over ``flat``'s parameters.
+            gradients: forward and backward at the node's model; returns the loss (None: no loss this step).
+            step: the step's index, for messages.
+            update: runs the optimizer with a closure (Lightning's precision plugin); default ``optimizer.step``.
+            write_ahead: this node's write-ahead ledger (None: none is written).
+            after_privatize: runs after the release is recorded and written (the GradScaler's rescaling).
+            after_gossip: sees the output between the gossip and the de-biasing (the divergence guard compares
+                ``gossip.x`` with ``flat.buffer`` = x^{t+1/2}).
+        """
+        calls = 0
+
+        def closure() -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} evaluated the closure twice in one step (LBFGS-style line search): "
+                    "a decentralized node needs one forward/backward per step (one private release, one gossip "
+                    "round). Use a first-order optimizer such as SGD or Adam."
+                )
+            loss = gradients()
+            if self.node is not None:
+                private_step(self.node, write_ahead)
+                if after_privatize is not None:
+                    after_privatize()
+            self.check_finite(loss, step)  # nothing non-finite ever reaches the numerator or a neighbour
+            self.flat.buffer.copy_(self.gossip.x)  # the optimizer updates the numerator x
+            return loss
+
+        output = update(closure) if update is not None else optimizer.step(closure)
+        self.gossip.step(self.flat.buffer)  # x^{t+1/2} -> neighbours -> x^{t+1}, y^{t+1}
+        if after_gossip is not None:
+            after_gossip(output)
+        self.gossip.debias_into(self.flat.buffer)  # the module holds z = x / y for the next forward
+        return output
+
+    # ---- the privacy policy around the steps ------------------------------------------------------------------------
+    def check_plan(self, *, shard_size: int, resumed_sigma: float | None = None, resume_noise: str = "auto") -> None:
+        """Before training, once the noise is planned (``private_dataloader``): a resumed run's new sigma against
+        ``resumed_sigma``, the checkpoint's (:meth:`check_resumed_noise`); delta against the shard of
+        ``shard_size`` examples; a budget that pays for the first step. Raises PrivacyConfigError."""
+        node = self.node
+        if node is None:
+            return
+        if resumed_sigma:
+            self.check_resumed_noise(resumed_sigma, resume_noise)
+        if node.delta > 0:  # (CPGT is pure epsilon-DP: no delta to check)
+            node.parameters.check_delta(shard_size, self.rank)
+        if node.steps == 0 and node.next_step_exceeds_budget():
+            raise PrivacyConfigError(
+                f"target_epsilon={node.target_epsilon} cannot pay for a single step with "
+                f"noise_multiplier={node.noise_multiplier:.4g} at sample rate {node.sample_rate:.4g}; raise the "
+                "noise multiplier or the budget"
+            )
+
+    def check_resumed_noise(self, old_sigma: float, resume_noise: str) -> None:
+        """A resumed run whose new plan re-calibrated sigma: refuse a sigma over twice the old one (``"auto"``), or
+        keep the old one (``"keep"``: the budget check then stops training when the target is reached)."""
+        node = self.node
+        assert node is not None and node.noise_multiplier is not None
+        new_sigma = node.noise_multiplier
+        if new_sigma <= old_sigma or resume_noise == "recalibrate":
+            return
+        fixed_sigma = node.fixed_noise_multiplier
+        if resume_noise == "keep":
+            if not fixed_sigma:
+                raise PrivacyConfigError(
+                    f"resume_noise='keep' needs a fixed noise multiplier; {type(node).__name__}'s noise follows its "
+                    "own plan. Use resume_noise='recalibrate', or resume with the checkpoint's plan"
+                )
+            node.noise_multiplier = old_sigma
+            return
+        if new_sigma <= 2.0 * old_sigma:
+            return
+        keep = (
+            f"resume_noise='keep' keeps sigma = {old_sigma:.4g} and stops training when target_epsilon is reached; "
+            if fixed_sigma else ""
+        )
+        assert node.planned_steps is not None
+        raise PrivacyConfigError(
+            f"node {self.rank}: this resumed run plans {node.planned_steps} steps in all, but the checkpoint's plan "
+            f"was calibrated for fewer: {node.steps} steps have spent epsilon = {node.epsilon():.4g} of "
+            f"target_epsilon = {node.target_epsilon}, and the {node.planned_steps - node.steps} remaining steps would "
+            f"need sigma = {new_sigma:.4g} instead of {old_sigma:.4g} ({new_sigma / old_sigma:.1f}x the noise), which "
+            "would likely destroy the model. Choose knowingly: raise target_epsilon (a larger total budget); "
+            f"{keep}resume_noise='recalibrate' accepts sigma = {new_sigma:.4g}; or start a new run "
+            "(new data, a fresh budget)"
+        )
+
+    def replan(self, total_steps: int) -> tuple[float, float] | None:
+        """Re-plan a fixed sigma so that the target is spent by step ``total_steps`` (fewer than planned: the run
+        will be cut short); returns (old sigma, new sigma), or None when nothing changes."""
+        node = self.node
+        if node is None or not node.fixed_noise_multiplier or node.planned_steps is None:
+            return None
+        if total_steps >= node.planned_steps or total_steps <= node.steps:
+            return None
+        old = node.noise_multiplier
+        assert old is not None
+        node.noise_multiplier = node.calibrate_remaining(total_steps - node.steps)  # type: ignore[attr-defined]
+        node.planned_steps, node._certified = total_steps, None
+        return old, node.noise_multiplier
+
+    def next_step_exceeds_budget(self) -> bool:
+        """Whether one more step would take this node past its ``target_epsilon`` (False without privacy)."""
+        return self.node is not None and self.node.next_step_exceeds_budget()
