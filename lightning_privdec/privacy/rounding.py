@@ -85,13 +85,13 @@ def norm_upper_bound(x: Tensor, dim: int | tuple[int, ...] | None = None) -> Ten
     dims = tuple(range(x.dim())) if dim is None else ((dim,) if isinstance(dim, int) else tuple(dim))
     dims = tuple(d % x.dim() for d in dims)
     n = math.prod(x.shape[d] for d in dims)
-    kept = [x.shape[d] for d in range(x.dim()) if d not in dims]
-    rows = x.movedim(dims, tuple(range(x.dim() - len(dims), x.dim()))).reshape(*kept, n)
-    cast = None if rows.dtype == work else work
-    if n <= NORM_BLOCK:
-        squares = torch.linalg.vector_norm(rows, dim=-1, dtype=cast).double().square()
+    cast = None if x.dtype == work else work
+    if n <= NORM_BLOCK:  # one block: reduced where it lies (no copy of a strided x)
+        squares = torch.linalg.vector_norm(x, dim=dims, dtype=cast).double().square()
         block = n
     else:
+        kept = [x.shape[d] for d in range(x.dim()) if d not in dims]
+        rows = x.movedim(dims, tuple(range(x.dim() - len(dims), x.dim()))).reshape(*kept, n)
         whole = n - n % NORM_BLOCK
         blocks = rows[..., :whole].reshape(*rows.shape[:-1], whole // NORM_BLOCK, NORM_BLOCK)
         squares = torch.linalg.vector_norm(blocks, dim=-1, dtype=cast).double().square().sum(dim=-1)

@@ -40,9 +40,22 @@ from lightning_privdec.privacy.rounding import full_precision, gamma, norm_upper
 from lightning_privdec.privacy.rounding import tiny as _tiny
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-#: examples per weight-gradient product of a clipped sum (:func:`clipped_sums`): the rounding bound of an example's
-#: terms, gamma_{SUM_BLOCK T}, then does not depend on the batch size (a batch of at most SUM_BLOCK is one product)
-SUM_BLOCK = 256
+#: examples and rows (examples x positions) per weight-gradient product of a clipped sum (:func:`clipped_sums`): an
+#: example's terms are rounded with those of the other examples of its block only, so the rounding bound of its
+#: terms, gamma_R with R = :func:`block_examples` T, depends on the layer's positions T, not on the batch size;
+#: small enough that honest examples of convolutions on large maps (T = 1024: 8 examples a product) are neither
+#: isolated nor clipped much below C by it (gamma_R = 4.9e-4 of their mass, a norm is ~ mass / sqrt(T))
+SUM_BLOCK, SUM_ROWS = 256, 8192
+
+
+def block_examples(steps: int) -> int:
+    """Examples per weight-gradient product of a layer with ``steps`` positions (tokens) per example."""
+    return max(1, min(SUM_BLOCK, SUM_ROWS // max(steps, 1)))
+
+
+def _steps(module: nn.Module, g: Tensor) -> int:
+    """Positions (tokens) per example of a layer call with output gradient ``g``."""
+    return math.prod(g.shape[1:-1]) if _is_linear(module) else math.prod(g.shape[2:])
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
@@ -122,7 +135,7 @@ def norm_bound(
         else:
             estimate, mass, loose, rows = _conv_estimates(module, a, g, method)
         u = unit_roundoff(work)
-        # the clipped sum: weight-gradient products over blocks of SUM_BLOCK examples, `rows` = SUM_BLOCK T terms per
+        # the clipped sum: weight-gradient products over blocks of examples, `rows` = block_examples(T) T terms per
         # entry, the factor's multiplication and the products' underflow (independent of the batch size)
         upper = mass * sum_rounding(rows, work) + (estimate + rows * _tiny(work) * math.sqrt(_numel(module)))
         # an example whose terms are large against its norm would round the whole batch's sum: computed apart
@@ -159,14 +172,15 @@ def clipped_sums(
         g = g.to(work)
         batch_factor = factor if exact is None else torch.where(exact, 0.0, factor)
         weighted = g * batch_factor.to(work).view(-1, *([1] * (g.dim() - 1)))
-        # blocks of SUM_BLOCK examples, their sums added in float64: an example's terms are rounded with at most
-        # SUM_BLOCK - 1 other examples' terms, whatever the batch size (the bound's gamma, hence every clip factor,
-        # does not depend on how many examples the batch holds)
-        if g.shape[0] <= SUM_BLOCK:
+        # blocks of block_examples(T) examples, their sums added in float64: an example's terms are rounded with
+        # those of its block only, whatever the batch size (the bound's gamma, hence every clip factor, does not
+        # depend on how many examples the batch holds)
+        size = block_examples(_steps(module, g))
+        if g.shape[0] <= size:
             out = _weight_gradient(module, a, weighted)
         else:
-            for start in range(0, g.shape[0], SUM_BLOCK):
-                block = slice(start, start + SUM_BLOCK)
+            for start in range(0, g.shape[0], size):
+                block = slice(start, start + size)
                 for p, value in _weight_gradient(module, a[block], weighted[block]).items():
                     out[p] = value.double() if p not in out else out[p].add_(value)
             out = {p: value.to(work) for p, value in out.items()}
@@ -278,7 +292,7 @@ def _linear_estimates(
         squared += bias_bound.square()
         loose |= bias_loose
         mass += bias_mass
-    return squared.sqrt() * (1 + 1e-12), mass, loose, SUM_BLOCK * steps
+    return squared.sqrt() * (1 + 1e-12), mass, loose, block_examples(steps) * steps
 
 
 def _bias_bound(token_norms: Tensor, summed: Tensor, u: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -483,20 +497,20 @@ def _conv_estimates(
         squared += bias_bound.square()
         loose |= bias_loose
         mass += bias_mass
-    return squared.sqrt() * (1 + 1e-12), mass, loose, SUM_BLOCK * steps
+    return squared.sqrt() * (1 + 1e-12), mass, loose, block_examples(steps) * steps
 
 
 def _patch_norms(module: nn.Module, a: Tensor, out_size: torch.Size) -> Tensor:
     """Upper bounds of ``||u_t||``, the norm of the input patch each output position t reads, per example and
-    group, shape (B, groups, T), in float64: the input's squared norm over the group's channels at each position,
-    convolved with a kernel of ones. Rounding (a sum of p squares, a square root and a square: gamma_{p+4}) and
-    underflow (p times the smallest value) included."""
+    group, shape (B, groups, T), in float64: the input's squares summed over each patch by one convolution with a
+    kernel of ones, in full float32. Rounding (p squares and their sum: gamma_p <= gamma_{p+4}) and underflow (p times
+    the smallest value) included."""
     batch, groups, dims = a.shape[0], module.groups, a.dim() - 2
     p = module.weight[0].numel()
-    squares = torch.linalg.vector_norm(a.reshape(batch * groups, -1, *a.shape[2:]), dim=1, keepdim=True).square()
     conv = (nn.functional.conv1d, nn.functional.conv2d, nn.functional.conv3d)[dims - 1]
-    ones = torch.ones((1, 1, *module.kernel_size), dtype=a.dtype, device=a.device)
-    summed = conv(squares, ones, None, module.stride, module.padding, module.dilation)
+    ones = torch.ones((groups, module.in_channels // groups, *module.kernel_size), dtype=a.dtype, device=a.device)
+    with full_precision():
+        summed = conv(a * a, ones, None, module.stride, module.padding, module.dilation, groups)  # (B, groups, *out)
     assert tuple(summed.shape[2:]) == tuple(out_size)
     bound = summed.double() * (1 + gamma(p + 4, unit_roundoff(a.dtype))) + p * _tiny(a.dtype)
     return bound.sqrt().view(batch, groups, -1)
