@@ -308,7 +308,8 @@ def test_flat_clipping_is_joint_over_all_parameters() -> None:
     samples = [torch.full((1, 3), 3.0), torch.full((1, 4), 4.0)]  # joint norm sqrt(27 + 64) > per-parameter norms
     privatize_gradients(params, samples, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=1.0,
                         generator=node_noise_generator("cpu", 0, 0))
-    assert flat_grad(params).norm().item() == pytest.approx(1.0, rel=1e-5)
+    # C less the rounding bound of a sum of SUM_BLOCK = 256 examples (gamma_256 = 1.5e-5), whatever the batch size
+    assert 1.0 - 3e-5 <= flat_grad(params).norm().item() <= 1.0
     torch.testing.assert_close(params[0].grad / params[1].grad[:3], torch.full((3,), 0.75))
 
 

@@ -32,3 +32,26 @@ def test_norm_upper_bound_of_underflowing_entries_is_not_zero() -> None:
     x = torch.full((3, 50), 1e-30, dtype=torch.float32)  # squares underflow float32
     exact = torch.linalg.vector_norm(x.double(), dim=1)
     assert bool((norm_upper_bound(x, dim=1) >= exact).all())
+
+
+def test_clip_factors_of_materialised_gradients_do_not_depend_on_the_batch_size() -> None:
+    """An example's norm bound (hence its clip factor) is the same in a batch of 3 and one of 600: removing an
+    example moves no other example's factor (aligned clipped examples would otherwise add up that move)."""
+    from lightning_privdec.privacy.dp_step import clip_and_accumulate
+
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(600, 40, generator=gen) * 5
+    _, small = clip_and_accumulate([rows[:3]], 1.0, torch.device("cpu"))
+    _, large = clip_and_accumulate([rows], 1.0, torch.device("cpu"))
+    assert torch.equal(small, large[:3])
+
+
+def test_weighted_row_sum_is_the_blockwise_sum_within_its_bound() -> None:
+    from lightning_privdec.privacy.rounding import SUM_BLOCK, sum_rounding, weighted_row_sum
+
+    gen = torch.Generator().manual_seed(2)
+    rows, weights = torch.randn(3 * SUM_BLOCK + 5, 7, generator=gen), torch.rand(3 * SUM_BLOCK + 5, generator=gen)
+    exact = (weights.double()[:, None] * rows.double()).sum(0)
+    error = (weighted_row_sum(weights, rows).double() - exact).abs()
+    mass = (weights.double()[:, None] * rows.double()).abs().sum(0)
+    assert bool((error <= sum_rounding(SUM_BLOCK, torch.float32) * mass + 1e-6 * exact.abs()).all())

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator
-from lightning_privdec.privacy.rounding import norm_upper_bound, sum_rounding
+from lightning_privdec.privacy.rounding import SUM_BLOCK, norm_upper_bound, sum_rounding, weighted_row_sum
 
 __all__ = [
     "DPStepStats", "clip_and_accumulate", "clip_factor", "clip_rows", "clip_rows_", "noise_clipped_sum",
@@ -152,15 +152,14 @@ def clip_and_accumulate(
             ],
             dim=1,
         )
-        # each example's rows are summed over the batch in float32 at least
-        norms = torch.linalg.vector_norm(per_param, ord=2, dim=1) * (1 + sum_rounding(batch_size, norm_dtype))
+        # each example's rows are summed with at most SUM_BLOCK - 1 others' in float32 at least (weighted_row_sum)
+        norms = torch.linalg.vector_norm(per_param, ord=2, dim=1) * (1 + sum_rounding(SUM_BLOCK, norm_dtype))
     else:
         norms = torch.zeros(0, dtype=torch.float64, device=device)
     factor = clip_factor(norms, max_grad_norm)
     sums = []
-    for g in grad_samples:
-        work = torch.promote_types(g.dtype, torch.float32)  # never a half-precision factor or sum
-        sums.append(torch.einsum("i,i...->...", factor.to(device=g.device, dtype=work), g.to(work)))
+    for g in grad_samples:  # never a half-precision factor or sum
+        sums.append(weighted_row_sum(factor, g))
     return sums, norms.to(norm_dtype)
 
 

@@ -71,6 +71,29 @@ def sum_rounding(rows: int, dtype: torch.dtype) -> float:
     return gamma(rows, u) + 2 * u
 
 
+#: examples per product of a clipped sum (:func:`weighted_row_sum`, book-keeping's weight-gradient products): an
+#: example's terms are rounded with those of at most SUM_BLOCK - 1 other examples, so the rounding bound of its
+#: terms, and with it every clip factor, does not depend on the batch size
+SUM_BLOCK = 256
+
+
+def weighted_row_sum(weights: Tensor, rows: Tensor) -> Tensor:
+    """``sum_i weights_i rows_i`` over dimension 0, in float32 at least: one product per block of :data:`SUM_BLOCK`
+    examples, the blocks' sums added in float64; each example's terms err by at most ``sum_rounding(SUM_BLOCK)``
+    of their norm, whatever the number of rows."""
+    work = torch.promote_types(rows.dtype, torch.float32)
+    weights = weights.to(device=rows.device, dtype=work)
+    if rows.shape[0] <= SUM_BLOCK:
+        return torch.einsum("i,i...->...", weights, rows.to(work))
+    total = None
+    for start in range(0, rows.shape[0], SUM_BLOCK):
+        block = slice(start, start + SUM_BLOCK)
+        part = torch.einsum("i,i...->...", weights[block], rows[block].to(work)).double()
+        total = part if total is None else total.add_(part)
+    assert total is not None
+    return total.to(work)
+
+
 #: vector norms are summed in float32 over blocks of this many entries, the blocks' squares in float64
 NORM_BLOCK = 1024
 

@@ -45,18 +45,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import warnings
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any, Literal, Union
 
 import networkx as nx
 import numpy as np
 import scipy.linalg as sla
 import scipy.sparse as sp
-from opacus.accountants import RDPAccountant
-from opacus.accountants.analysis import rdp as rdp_analysis
-from scipy.optimize import brentq
 from scipy.sparse.csgraph import reverse_cuthill_mckee
 
 from lightning_privdec.privacy.errors import PrivacyConfigError

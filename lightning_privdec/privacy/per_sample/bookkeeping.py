@@ -36,16 +36,17 @@ import torch
 from torch import Tensor, nn
 
 from lightning_privdec.privacy.rounding import U64 as _U64
-from lightning_privdec.privacy.rounding import full_precision, gamma, norm_upper_bound, sum_rounding, unit_roundoff
+from lightning_privdec.privacy.rounding import SUM_BLOCK, full_precision, gamma, norm_upper_bound, sum_rounding, unit_roundoff
 from lightning_privdec.privacy.rounding import tiny as _tiny
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-#: examples and rows (examples x positions) per weight-gradient product of a clipped sum (:func:`clipped_sums`): an
-#: example's terms are rounded with those of the other examples of its block only, so the rounding bound of its
-#: terms, gamma_R with R = :func:`block_examples` T, depends on the layer's positions T, not on the batch size;
-#: small enough that honest examples of convolutions on large maps (T = 1024: 8 examples a product) are neither
-#: isolated nor clipped much below C by it (gamma_R = 4.9e-4 of their mass, a norm is ~ mass / sqrt(T))
-SUM_BLOCK, SUM_ROWS = 256, 8192
+#: rows (examples x positions, at most SUM_BLOCK examples) per weight-gradient product of a clipped sum
+#: (:func:`clipped_sums`): an example's terms are rounded with those of the other examples of its block only, so the
+#: rounding bound of its terms, gamma_R with R = :func:`block_examples` T, depends on the layer's positions T, not
+#: on the batch size; small enough that honest examples of convolutions on large maps (T = 1024: 8 examples a
+#: product) are neither isolated nor clipped much below C by it (gamma_R = 4.9e-4 of their mass; a norm is about
+#: mass / sqrt(T))
+SUM_ROWS = 8192
 
 
 def block_examples(steps: int) -> int:

@@ -41,7 +41,7 @@ from lightning_privdec.privacy.per_sample.capture import (
 )
 from lightning_privdec.privacy.per_sample.checks import check_private_model
 from lightning_privdec.privacy.per_sample.probe import check_examples
-from lightning_privdec.privacy.rounding import norm_upper_bound, sum_rounding
+from lightning_privdec.privacy.rounding import SUM_BLOCK, norm_upper_bound, sum_rounding, weighted_row_sum
 
 GradSampleMode = Literal["bookkeeping", "hooks", "functorch", "ghost"]
 GRAD_SAMPLE_MODES: tuple[str, ...] = ("bookkeeping", "hooks", "functorch", "ghost")
@@ -290,7 +290,7 @@ class _PerSampleArithmetic:
             squared[: r.backprops.shape[0]] += bound.upper.square()
         for gs in materialised.values():
             rows = norm_upper_bound(gs.flatten(1), dim=1)
-            squared[: gs.shape[0]] += (rows * (1 + sum_rounding(gs.shape[0], _sum_dtype(gs)))).square()
+            squared[: gs.shape[0]] += (rows * (1 + sum_rounding(SUM_BLOCK, _sum_dtype(gs)))).square()
         norms = squared.sqrt()
         factor = clip_factor(norms, max_grad_norm)
         for r, bound in zip(bookkept, bounds):  # sum_i c_i grad_i: one weight-gradient computation per layer
@@ -299,8 +299,7 @@ class _PerSampleArithmetic:
             for p, value in summed.items():
                 _accumulate(sums, p, value)
         for p, gs in materialised.items():
-            work = _sum_dtype(gs)
-            _accumulate(sums, p, torch.einsum("i,i...->...", factor[: gs.shape[0]].to(work), gs.to(work)))
+            _accumulate(sums, p, weighted_row_sum(factor[: gs.shape[0]], gs))
         return norms.to(dtype)
 
 
