@@ -163,24 +163,3 @@ def test_privatize_releases_messages_whose_average_carries_only_the_independent_
     noise = torch.stack(messages)
     assert noise.var(dim=1).numpy() == pytest.approx([sigma_cdp**2 + 2 * sigma_cor**2] * n, rel=0.05)
     assert noise.mean(0).var().item() == pytest.approx(sigma_cdp**2 / n, rel=0.05)
-
-
-@pytest.mark.filterwarnings("ignore:Optimal order is the")
-@pytest.mark.parametrize("clipping", ["user", "per_sample"])
-def test_a_checkpoint_of_the_earlier_format_keeps_its_rounds_at_its_noise(clipping):
-    """``{"steps", "sigma_cdp", "sigma_cor"}`` (before the SecLDP ledger) loads as that many rounds at that pair,
-    priced at the node's Poisson rate at the example level, and is still never rolled back."""
-    from lightning_privdec.privacy.accounting.secldp import secldp_epsilon
-
-    node = ring_node(clipping=clipping)
-    node.load_state_dict({"steps": 7, "sigma_cdp": 20.0, "sigma_cor": 0.5})
-    assert node.steps == 7
-    node.sample_rate = 0.1 if clipping == "per_sample" else None  # known once the dataloader is sampled
-    node.plan_noise(10)
-    level = "user" if clipping == "user" else "example"
-    slope = secldp_step(nx.cycle_graph(4), 20.0, 0.5, 1.0, "eavesdropper", level=level)
-    expected = (secldp_epsilon(slope, 7, node.delta) if clipping == "user"
-                else secldp_epsilon_example_level(slope, 7, node.delta, 0.1))
-    assert node.epsilon() == pytest.approx(expected, rel=1e-12) and node.epsilon() > 0
-    with pytest.raises(PrivacyConfigError, match="forget spent privacy"):
-        node.load_state_dict({"steps": 3, "sigma_cdp": 20.0, "sigma_cor": 0.5})

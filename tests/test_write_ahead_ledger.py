@@ -207,23 +207,6 @@ def test_cpgt_refuses_to_resume_past_its_target_once_replays_are_charged(tmp_pat
     assert resumed.epsilon() > 2.0 and resumed.next_step_exceeds_budget()
 
 
-def test_cpgt_loads_the_node_states_saved_before_its_accountant_kept_its_own(tmp_path):
-    """Checkpoints and write-ahead files of the former layout (``steps`` and ``replayed`` beside the noise scales)."""
-    e = cpgt_engine("finite")
-    old = {"steps": 5, "replayed": [[1, 3]], "noise": [1.0, 1.0], "sensitivity": e.sensitivity}
-    resumed = cpgt_engine("finite")
-    resumed.load_state_dict({**old, "steps": 2, "replayed": []})
-    assert resumed.steps == resumed.ledger.rounds == 2
-    ledger = WriteAheadLedger(tmp_path, "run", rank=0)
-    ledger.path.parent.mkdir(parents=True)
-    torch.save({"format": 1, "run": "run", "rank": 0, "steps": 7, "accounting": old}, ledger.path)
-    with pytest.warns(UserWarning, match="5 private steps were released"):
-        ledger.recover(resumed)  # rounds 2..4 of the crashed trajectory are charged again
-    assert resumed.ledger.rounds == 2 and resumed.ledger.replayed == [(1, 3), (2, 5)]
-    terms = _cpgt_round_terms(e, 5)
-    assert resumed.epsilon() == pytest.approx(sum(terms[:2]) + sum(terms[k] for k in (1, 2, 2, 3, 4)), rel=1e-12)
-
-
 def decor_engine():
     import networkx as nx
 

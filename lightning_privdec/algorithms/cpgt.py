@@ -312,14 +312,11 @@ class CPGTNode(PrivateNodeAlgorithm):
     def load_plan_state(self, state: Mapping[str, Any]) -> None:
         """Continue the checkpoint's plan: its Laplace scales and its q (Algorithm 1, line 5: round k draws d q^k;
         Theorem 2's bound is for that one q). ``noise_decay="auto"`` keeps the checkpoint's q even if alpha or L
-        now give another; an explicit different q is refused. Checkpoints written before q was planned state carry
-        it in the gossip's state, restored before this."""
+        now give another; an explicit different q is refused."""
         noise_x, noise_y = state["noise"]
         if noise_x is not None:  # a calibrated scale is kept: the run goes on with the noise it has used
             self.noise_x, self.noise_y = float(noise_x), float(noise_y)
         saved = state.get("noise_decay")
-        if saved is None and self.gossip is not None:
-            saved = self.gossip.noise_decay
         if saved is None:
             return
         saved, given = float(saved), self.options.noise_decay
@@ -338,15 +335,10 @@ class CPGTNode(PrivateNodeAlgorithm):
         (replayed rounds are in the ledger)."""
         return {**super().state_dict(), "steps": self.ledger.rounds}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if "ledger" not in state:  # written before the accountant had its own state: the rounds at the top level
-            state = {**state, "ledger": {"steps": state["steps"], "replayed": state.get("replayed", [])}}
-        super().load_state_dict(state)
-
     def load_accounting_state(self, state: Mapping[str, Any]) -> None:
         """The write-ahead ledger's later state: the trajectory restarts at the checkpoint's round k0 and the rounds
         k0..k1-1 the crashed run released are charged again (:meth:`CPGTAccountant.charge_replay`)."""
-        self.ledger.charge_replay(state["ledger"] if "ledger" in state else state)
+        self.ledger.charge_replay(state["ledger"])
         self._certified = None
 
 

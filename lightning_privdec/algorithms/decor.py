@@ -260,10 +260,3 @@ class DecorNode(PrivateNodeAlgorithm):
     def load_plan_state(self, state: Mapping[str, Any]) -> None:
         self.sigma_cdp, self.sigma_cor = state["sigma_cdp"], state["sigma_cor"]
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Also the earlier format ``{"steps", "sigma_cdp", "sigma_cor", ...}``: its rounds at its noise pair."""
-        if "ledger" not in state:
-            rounds, slope = int(state["steps"]), self.round_slope(state["sigma_cdp"], state["sigma_cor"] or 0.0)
-            history = [[slope, self.sample_rate if self.level == "example" else None, rounds]] if rounds else []
-            state = {**state, "ledger": {"level": self.level, "delta": self.delta, "history": history}}
-        super().load_state_dict(state)

@@ -175,11 +175,6 @@ def _conversion(delta: float) -> np.ndarray:
     return -(math.log(delta) + np.log(_ORDERS)) / (_ORDERS - 1.0) + np.log((_ORDERS - 1.0) / _ORDERS)
 
 
-def _rdp_epsilon(rdp: np.ndarray, delta: float) -> float:
-    eps = rdp + _conversion(delta)
-    return float(np.nanmin(eps)) if not np.isnan(eps).all() else math.inf
-
-
 def _entries_history(
     history: History, noise: SagaNoise, sample_rate: float, steps: int
 ) -> list[tuple[float, float, int]]:
