@@ -12,7 +12,6 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch import nn
 from torch.utils.data import (
@@ -21,7 +20,6 @@ from torch.utils.data import (
     RandomSampler,
     SequentialSampler,
     SubsetRandomSampler,
-    TensorDataset,
     WeightedRandomSampler,
 )
 
@@ -42,6 +40,7 @@ from lightning_privdec.strategies.checks import (
     model_difference,
     raised_on_every_node,
 )
+from tests.small_classifier import Classifier, dataset
 from tests.multiprocess import run_group
 
 pytestmark = [
@@ -50,24 +49,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The number of training batches"),
     pytest.mark.filterwarnings("ignore:Total length of `DataLoader`"),
 ]
-
-
-class Classifier(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def dataset(n: int = 128) -> TensorDataset:
-    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
-    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
 
 
 def fit(strategy: object, loader: DataLoader | None = None, **kwargs: object) -> pl.Trainer:

@@ -12,7 +12,6 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
@@ -28,6 +27,7 @@ from lightning_privdec import (
 )
 from lightning_privdec.privacy import PrivacyParameters
 from lightning_privdec.strategies import STRATEGIES, DecentralizedStrategy
+from tests.small_classifier import Classifier, dataset
 from lightning_privdec.strategies.checks import (
     NodeMismatchError,
     NonFiniteStepError,
@@ -45,32 +45,8 @@ pytestmark = [
 ]
 
 
-class Classifier(pl.LightningModule):
-    """A small MLP; ``nan_at_step`` turns that step's inputs into NaN, ``batch_norm`` adds a BatchNorm1d."""
-
-    def __init__(self, batch_norm: bool = False, manual: bool = False, nan_at_step: int | None = None) -> None:
-        super().__init__()
-        layers: list[nn.Module] = [nn.Linear(8, 16)] + ([nn.BatchNorm1d(16)] if batch_norm else [])
-        self.net = nn.Sequential(*layers, nn.Tanh(), nn.Linear(16, 3))
-        self.automatic_optimization = not manual
-        self.nan_at_step = nan_at_step
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        if self.trainer.global_step == self.nan_at_step:
-            x = x * float("nan")
-        loss = F.cross_entropy(self.net(x), y)
-        self.log("loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def data(n: int = 256, batch_size: int = 16) -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 8, generator=g)
-    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()), batch_size=batch_size)
+    return DataLoader(dataset(n), batch_size=batch_size)
 
 
 def trainer(tmp_path: Path, strategy: object, checkpoints: bool = True, **kwargs: object) -> pl.Trainer:

@@ -6,12 +6,14 @@ matrix products run in float32 (docs/privacy.md, "What clipping guarantees")."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
+K = TypeVar("K")
 U64 = torch.finfo(torch.float64).eps / 2  # float64's unit roundoff
 
 
@@ -77,21 +79,30 @@ def sum_rounding(rows: int, dtype: torch.dtype) -> float:
 SUM_BLOCK = 256
 
 
+def sum_by_blocks(examples: int, size: int, part: Callable[[slice], dict[K, Tensor]]) -> dict[K, Tensor]:
+    """``part(block)`` (a sum over the examples of ``block``, per key) summed over blocks of ``size`` examples, the
+    blocks' sums added in float64 and returned in ``part``'s dtype: an example's terms are rounded with those of its
+    block only, whatever the number of examples (one call when they fit in one block)."""
+    if examples <= size:
+        return part(slice(0, examples))
+    total: dict[K, Tensor] = {}
+    dtypes: dict[K, torch.dtype] = {}
+    for start in range(0, examples, size):
+        for key, value in part(slice(start, start + size)).items():
+            dtypes[key] = value.dtype
+            total[key] = value.double() if key not in total else total[key].add_(value)
+    return {key: value.to(dtypes[key]) for key, value in total.items()}
+
+
 def weighted_row_sum(weights: Tensor, rows: Tensor) -> Tensor:
-    """``sum_i weights_i rows_i`` over dimension 0, in float32 at least: one product per block of :data:`SUM_BLOCK`
-    examples, the blocks' sums added in float64; each example's terms err by at most ``sum_rounding(SUM_BLOCK)``
-    of their norm, whatever the number of rows."""
+    """``sum_i weights_i rows_i`` over dimension 0, in float32 at least, by :func:`sum_by_blocks` of
+    :data:`SUM_BLOCK` examples: each example's terms err by at most ``sum_rounding(SUM_BLOCK)`` of their norm,
+    whatever the number of rows."""
     work = torch.promote_types(rows.dtype, torch.float32)
     weights = weights.to(device=rows.device, dtype=work)
-    if rows.shape[0] <= SUM_BLOCK:
-        return torch.einsum("i,i...->...", weights, rows.to(work))
-    total = None
-    for start in range(0, rows.shape[0], SUM_BLOCK):
-        block = slice(start, start + SUM_BLOCK)
-        part = torch.einsum("i,i...->...", weights[block], rows[block].to(work)).double()
-        total = part if total is None else total.add_(part)
-    assert total is not None
-    return total.to(work)
+    return sum_by_blocks(
+        rows.shape[0], SUM_BLOCK, lambda block: {0: torch.einsum("i,i...->...", weights[block], rows[block].to(work))}
+    )[0]
 
 
 #: vector norms are summed in float32 over blocks of this many entries, the blocks' squares in float64

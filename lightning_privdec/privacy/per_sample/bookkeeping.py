@@ -36,7 +36,15 @@ import torch
 from torch import Tensor, nn
 
 from lightning_privdec.privacy.rounding import U64 as _U64
-from lightning_privdec.privacy.rounding import SUM_BLOCK, full_precision, gamma, norm_upper_bound, sum_rounding, unit_roundoff
+from lightning_privdec.privacy.rounding import (
+    SUM_BLOCK,
+    full_precision,
+    gamma,
+    norm_upper_bound,
+    sum_by_blocks,
+    sum_rounding,
+    unit_roundoff,
+)
 from lightning_privdec.privacy.rounding import tiny as _tiny
 
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -167,24 +175,15 @@ def clipped_sums(
     work = _work_dtype(module, g)
     factor = factor.to(g.device, torch.float64)
     exact = bound.exact if bound is not None and bound.exact_grads else None
-    out: dict[nn.Parameter, Tensor] = {}
     with full_precision():
         a = a.to(work) if a.is_floating_point() else a
         g = g.to(work)
         batch_factor = factor if exact is None else torch.where(exact, 0.0, factor)
         weighted = g * batch_factor.to(work).view(-1, *([1] * (g.dim() - 1)))
-        # blocks of block_examples(T) examples, their sums added in float64: an example's terms are rounded with
-        # those of its block only, whatever the batch size (the bound's gamma, hence every clip factor, does not
-        # depend on how many examples the batch holds)
-        size = block_examples(_steps(module, g))
-        if g.shape[0] <= size:
-            out = _weight_gradient(module, a, weighted)
-        else:
-            for start in range(0, g.shape[0], size):
-                block = slice(start, start + size)
-                for p, value in _weight_gradient(module, a[block], weighted[block]).items():
-                    out[p] = value.double() if p not in out else out[p].add_(value)
-            out = {p: value.to(work) for p, value in out.items()}
+        # blocks of block_examples(T) examples: the bound's gamma, hence every clip factor, does not depend on how
+        # many examples the batch holds
+        out = sum_by_blocks(g.shape[0], block_examples(_steps(module, g)),
+                            lambda block: _weight_gradient(module, a[block], weighted[block]))
     if exact is not None:
         for p, grads in bound.exact_grads.items():
             out[p] = out[p] + torch.einsum("k,k...->...", factor[exact], grads).to(out[p].dtype)
