@@ -141,11 +141,12 @@ def train_network(
         torch.set_num_threads(threads)
 
 
-def any_node(world_size: int) -> Callable[[int, bool], bool]:
+def any_node(world_size: int, timeout: float = 600.0) -> Callable[[int, bool], bool]:
     """``agree(rank, vote)``, called by every node's thread at the same point: whether any node voted True (the
-    one-bit all-reduce of the strategies' budget stop, between threads)."""
+    one-bit all-reduce of the strategies' budget stop, between threads). A node that never comes (its thread
+    failed) breaks the wait after ``timeout`` seconds, as a missing message does on the loopback network."""
     votes = [False] * world_size
-    barrier = threading.Barrier(world_size)
+    barrier = threading.Barrier(world_size, timeout=timeout)
 
     def agree(rank: int, vote: bool) -> bool:
         votes[rank] = vote
