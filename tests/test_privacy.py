@@ -28,8 +28,8 @@ from lightning_privdec.privacy import (
     make_accountant,
     node_noise_generator,
     node_shard_indices,
+    noise_clipped_sum,
     poisson_dataloader,
-    privatize_gradients,
 )
 from lightning_privdec import (
     CorrelatedNoiseStrategy,
@@ -41,6 +41,7 @@ from lightning_privdec import (
     PrivSGPVRStrategy,
 )
 from lightning_privdec.privacy.accounting.gaussian import gdp_epsilon_approximation
+from lightning_privdec.privacy.dp_step import DPStepStats, clip_and_accumulate
 from lightning_privdec.privacy.noise import NoiseGenerator
 
 pytestmark = [
@@ -243,6 +244,19 @@ def fixed_grad_samples(batch_size: int, seed: int = 0) -> tuple[list[nn.Paramete
     return params, samples
 
 
+def privatize_gradients(
+    params: list[nn.Parameter], grad_samples: list[torch.Tensor], *, max_grad_norm: float, noise_multiplier: float,
+    expected_batch_size: float, generator: NoiseGenerator,
+) -> DPStepStats:
+    """The library's DP step on given per-sample gradients: clip and sum into ``p.grad`` (``clip_and_accumulate``, as
+    ``PerSampleGradients.clip_and_sum`` does), then the node's noise and the division by q J (``noise_clipped_sum``)."""
+    sums, norms = clip_and_accumulate(grad_samples, max_grad_norm, params[0].device)
+    for p, summed in zip(params, sums):
+        p.grad = summed.to(device=p.device, dtype=p.dtype)
+    return noise_clipped_sum(params, norms, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+                             expected_batch_size=expected_batch_size, generator=generator)
+
+
 def flat_grad(params: list[nn.Parameter]) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in params])
 
@@ -345,17 +359,13 @@ def test_empty_batch_through_a_lightning_module() -> None:
     psg.detach()
 
 
-def test_privatize_gradients_rejects_inconsistent_inputs() -> None:
+def test_the_noise_step_rejects_bad_values() -> None:
     params = [nn.Parameter(torch.zeros(3))]
     kwargs = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2.0, generator=node_noise_generator("cpu", 0, 0))
-    with pytest.raises(PrivacyConfigError, match="shape"):
-        privatize_gradients(params, [torch.zeros(2, 4)], **kwargs)
-    with pytest.raises(PrivacyConfigError, match="1 parameters but 2"):
-        privatize_gradients(params, [torch.zeros(2, 3)] * 2, **kwargs)
-    with pytest.raises(PrivacyConfigError, match="max_grad_norm"):
-        privatize_gradients(params, [torch.zeros(2, 3)], **{**kwargs, "max_grad_norm": 0.0})
-    with pytest.raises(PrivacyConfigError, match="expected_batch_size"):
-        privatize_gradients(params, [torch.zeros(2, 3)], **{**kwargs, "expected_batch_size": 0})
+    for bad in ({"max_grad_norm": 0.0}, {"expected_batch_size": 0}, {"noise_multiplier": -1.0},
+                {"noise_multiplier": float("nan")}, {"max_grad_norm": True}):
+        with pytest.raises(PrivacyConfigError, match=next(iter(bad))):
+            noise_clipped_sum(params, torch.zeros(2), **{**kwargs, **bad})
 
 
 def test_node_noise_generators_are_per_node() -> None:
@@ -657,7 +667,7 @@ def test_privacy_parameters_resolve() -> None:
 
 def test_ghost_clipping_gives_the_same_private_gradient_as_per_sample_hooks() -> None:
     """Ghost clipping never materialises per-sample gradients, yet its noisy clipped mean is the same."""
-    from lightning_privdec.privacy import GhostClipping, noise_clipped_sum
+    from lightning_privdec.privacy import GhostClipping
 
     x, y = batch(10)
     x[3] *= 50.0  # one example far beyond the clipping bound

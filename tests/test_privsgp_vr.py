@@ -30,10 +30,9 @@ from lightning_privdec.algorithms.privsgp_vr import (
     REFRESH_PASSES,
     PrivSGPVRNode,
     SagaTable,
-    saga_gradient_sum,
     saga_step,
 )
-from lightning_privdec.privacy.dp_step import clip_rows
+from lightning_privdec.privacy.dp_step import clip_rows_
 from lightning_privdec.privacy.sampling import PoissonBatchSampler
 from lightning_privdec.strategies import PRIVATE_STRATEGIES, PrivSGPVRStrategy
 from lightning_privdec.topology import build_topology
@@ -56,6 +55,19 @@ def per_example_gradient(z: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> t
 
 def clip(v: torch.Tensor, C: float) -> torch.Tensor:
     return v * min(1.0, C / (float(v.norm()) + 1e-6))
+
+
+def clip_rows(rows: torch.Tensor, C: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A clipped copy of ``rows`` by the library's per-row clipping (``clip_rows_``), and the norms before it."""
+    clipped = rows.clone()
+    return clipped, clip_rows_(clipped, C)
+
+
+def saga_gradient_sum(table: SagaTable, indices: list[int] | torch.Tensor, fresh: torch.Tensor, q: float) -> torch.Tensor:
+    """Line 6 times qJ, reading the table only: sum_{xi in S} (c_xi - table[xi]) + q sum_j table[j]."""
+    index = torch.as_tensor(indices, dtype=torch.long)
+    correction = (fresh - table.rows[index].to(fresh.dtype)).sum(0) if index.numel() else fresh.new_zeros(table.dim)
+    return correction + (q * table.total).to(fresh.dtype)
 
 
 def squared_loss(module: nn.Module, batch) -> torch.Tensor:  # noqa: ANN001

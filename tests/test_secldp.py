@@ -16,7 +16,6 @@ from lightning_privdec.privacy import PrivacyConfigError, epsilon_for
 from lightning_privdec.privacy.accounting.secldp_step import MAX_COLLUDING_SUBSETS, secldp_step, secldp_step_bound
 from lightning_privdec.privacy.accounting.secldp import (
     calibrate_secldp,
-    cdp_sigma,
     eps_step_for,
     ldp_sigma,
     secldp_epsilon,
@@ -273,8 +272,7 @@ def test_baselines() -> None:
     assert ldp_sigma(clip, eps_step) == pytest.approx(clip * math.sqrt(2) / math.sqrt(eps_step))
     assert secldp_step(ring(n), ldp_sigma(clip, eps_step), 0.0, clip) == pytest.approx(eps_step, rel=1e-12)
     complete = build_topology("complete", n).graph(0)
-    sigma = cdp_sigma(clip, eps_step, n)
-    assert sigma == pytest.approx(ldp_sigma(clip, eps_step) / 4)
+    sigma = ldp_sigma(clip, eps_step) / math.sqrt(n)  # the CDP baseline (Decor Sec. 6), for the complete graph
     assert secldp_step(complete, sigma, 1e4 * sigma, clip) == pytest.approx(eps_step, rel=1e-6)
     assert ldp_sigma(clip, eps_step, level="example") == pytest.approx(ldp_sigma(clip, eps_step) / 2)
 

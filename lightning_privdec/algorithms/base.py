@@ -84,8 +84,6 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
     #: whether sigma is one planned number (then a strategy may keep it, or re-plan it for the steps a time limit
     #: allows, with :meth:`calibrate_remaining`)
     fixed_noise_multiplier: bool = False
-    #: whether the strategy arguments of :meth:`planned_noise` are in units of the clip bound C (else absolute stds)
-    noise_relative_to_clip: bool = True
     #: relative slack of the budget check (a scale calibrated in closed form spends the target up to float rounding)
     budget_tolerance: float = 0.0
 
@@ -180,10 +178,6 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
             certified = self._certified = (release, self.ledger.steps, self.ledger.steps_within(limit, release))
         _, base, fitting = certified
         return self.ledger.steps - base + 1 > fitting
-
-    def planned_noise(self) -> dict[str, float]:
-        """The strategy arguments that give the noise planned now (a calibrated level, as if passed by hand)."""
-        return {"noise_multiplier": float(self.noise_multiplier or 0.0)}
 
     def step_metrics(self) -> dict[str, float]:
         """This node's noise and sampling now (logged by the budget callback as ``privacy/<key>``)."""

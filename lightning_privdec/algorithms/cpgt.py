@@ -290,11 +290,6 @@ class CPGTNode(PrivateNodeAlgorithm):
             p.grad.copy_(value)
         return self.last_step
 
-    noise_relative_to_clip = False
-
-    def planned_noise(self) -> dict[str, float]:
-        return {"noise_x": float(self.noise_x or 0.0), "noise_y": float(self.noise_y or 0.0)}
-
     def noise_summary(self) -> str:
         replayed = self.ledger.steps - self.ledger.rounds
         return (

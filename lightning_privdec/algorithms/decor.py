@@ -242,11 +242,6 @@ class DecorNode(PrivateNodeAlgorithm):
         self.last_step = stats
         return stats
 
-    noise_relative_to_clip = False
-
-    def planned_noise(self) -> dict[str, float]:
-        return {"sigma_cdp": float(self.sigma_cdp or 0.0), "sigma_cor": float(self.sigma_cor or 0.0)}
-
     def noise_summary(self) -> str:
         return (
             f"Decor ({self.level} level, adversary {self.adversary!r}): independent noise sigma_cdp = "

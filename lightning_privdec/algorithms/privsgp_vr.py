@@ -10,7 +10,7 @@ the expected batch size qJ. With one example and q = 1/J it is the paper's algor
     5      S ~ Poisson(q) over the shard                            :meth:`PrivSGPVRNode.private_dataloader` (the
                                                                     ids of S: the sampler's FIFO)
     6      g = (1/(qJ)) [sum_{xi in S} (c_xi(z^k) - table[xi]) + qJ g_bar], table BEFORE line 7   (eq. 6)
-                                                                    :func:`saga_gradient_sum`, :func:`saga_step`
+                                                                    :func:`saga_step`
     7      g_bar += (1/J) sum_{xi in S} (c_xi - table[xi]); table[xi] = c_xi(z^k)                 (eq. 5)
                                                                     :meth:`SagaTable.store`
     8      g~ = g + N / (qJ), N ~ N(0, s^2 I) this node's own draw  :meth:`PrivSGPVRNode.privatize`
@@ -195,15 +195,6 @@ class SagaTable:
         for row in self.rows:
             self.total.add_(row)
         self._rows_since_refresh = 0
-
-
-def saga_gradient_sum(table: SagaTable, indices: Tensor | Sequence[int], fresh: Tensor, sample_rate: float) -> Tensor:
-    """Line 6 times qJ: sum_{xi in S} (c_xi - table[xi]) + q sum_j table[j], reading the table only."""
-    index = torch.as_tensor(indices, dtype=torch.long, device=table.rows.device)
-    if fresh.shape[0] != index.numel():
-        raise RuntimeError(f"{fresh.shape[0]} per-sample gradients for {index.numel()} sampled examples")
-    correction = (fresh - table.rows[index].to(fresh.dtype)).sum(0) if index.numel() else fresh.new_zeros(table.dim)
-    return correction + (sample_rate * table.total).to(fresh.dtype)
 
 
 def saga_step(table: SagaTable, indices: Tensor | Sequence[int], fresh: Tensor, sample_rate: float,

@@ -48,10 +48,20 @@ AUDITED_STRATEGIES: dict[str, dict[str, Any]] = {
     "decor": {"topology": "ring", "adversary": "eavesdropper"},
 }
 
-#: deliberately broken configurations (strategies whose noise can be given explicitly; Dyn-D2P derives it from the
-#: budget): "noise" switches the noise off, "clipping" raises C 1000-fold at the same noise std (canaries unclipped)
+#: deliberately broken configurations: "noise" switches the noise off, "clipping" raises C 1000-fold at the same noise
+#: std (canaries unclipped)
 BREAKS = ("noise", "clipping")
-BREAKABLE = ("dp_csgp", "privsgp", "dp2sgd", "privsgp_vr", "decor", "cpgt")
+#: the strategies whose noise can be given explicitly (Dyn-D2P derives it from the budget): the strategy arguments that
+#: set it, each also the node attribute that holds the level planned, and whether they are in units of the clip bound
+#: C (else absolute stds)
+BREAKABLE: dict[str, tuple[tuple[str, ...], bool]] = {
+    "dp_csgp": (("noise_multiplier",), True),
+    "privsgp": (("noise_multiplier",), True),
+    "dp2sgd": (("noise_multiplier",), True),
+    "privsgp_vr": (("noise_multiplier",), True),
+    "decor": (("sigma_cdp", "sigma_cor"), False),
+    "cpgt": (("noise_x", "noise_y"), False),
+}
 CLIP_BREAK_FACTOR = 1000.0
 #: Decor and CPGT refuse a zero noise scale: "noise" scales theirs by this factor instead
 NOISE_BREAK_FACTOR = 1e-9
@@ -105,15 +115,17 @@ def _broken_configuration(
     node.configure_optimizer(torch.optim.SGD(model.parameters(), lr=lr), dimension)
     node.private_dataloader(loader, steps, nodes, node_local_data=True)  # plans the honest noise
     claimed = _planned_epsilon(node, steps)
-    update: dict[str, Any] = {"target_epsilon": None, **node.planned_noise()}
+    arguments, relative_to_clip = BREAKABLE[name]
+    planned = {k: float(getattr(node, k)) for k in arguments}  # the calibrated levels, as if passed by hand
+    update: dict[str, Any] = {"target_epsilon": None, **planned}
     if broken == "clipping":  # C raised, the noise std unchanged
         update["max_grad_norm"] = float(kwargs["max_grad_norm"]) * CLIP_BREAK_FACTOR
-        if node.noise_relative_to_clip:
-            update.update({k: v / CLIP_BREAK_FACTOR for k, v in node.planned_noise().items()})
-    elif node.noise_relative_to_clip:  # no noise at all
-        update.update({k: 0.0 for k in node.planned_noise()})
+        if relative_to_clip:
+            update.update({k: v / CLIP_BREAK_FACTOR for k, v in planned.items()})
+    elif relative_to_clip:  # no noise at all
+        update.update({k: 0.0 for k in planned})
     else:  # absolute scales that must stay positive: a billionth of the honest ones
-        update.update({k: v * NOISE_BREAK_FACTOR for k, v in node.planned_noise().items()})
+        update.update({k: v * NOISE_BREAK_FACTOR for k, v in planned.items()})
     return update, claimed
 
 

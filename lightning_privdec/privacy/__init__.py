@@ -9,7 +9,8 @@ Building blocks, in the order a strategy calls them:
 
 * :func:`check_private_model` / :class:`PerSampleGradients` - validate the model, attach per-sample gradient hooks;
 * :func:`poisson_dataloader` - Poisson batches of the node's shard (empty batches included);
-* :func:`privatize_gradients` with :func:`node_noise_generator` - clip, sum, noise, scale into ``p.grad``;
+* :meth:`PerSampleGradients.clip_and_sum`, then :func:`noise_clipped_sum` with :func:`node_noise_generator` - clip,
+  sum, noise, scale into ``p.grad``;
 * :class:`PrivacyLedger`, :func:`epsilon_for`, :func:`calibrate_noise_multiplier` - accounting;
 * :func:`causal_lm_loss`, :func:`seq2seq_loss` - sequence losses averaged within each example (per-example
   gradients that depend on their own example only);
@@ -25,7 +26,7 @@ from lightning_privdec.privacy.accounting import (
     make_accountant,
 )
 from lightning_privdec.privacy.config import DEFAULT_DELTA, PrivacyParameters
-from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum, privatize_gradients
+from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum
 from lightning_privdec.privacy.local_dp import LocalDPSGD
 from lightning_privdec.privacy.losses import causal_lm_loss, seq2seq_loss
 from lightning_privdec.privacy.errors import PrivacyConfigError
@@ -48,7 +49,6 @@ from lightning_privdec.privacy.sampling import PoissonBatchSampler, node_shard_i
 from lightning_privdec.privacy.accounting.secldp import (
     CalibrationResult,
     calibrate_secldp,
-    cdp_sigma,
     eps_step_for,
     ldp_sigma,
     secldp_epsilon,
@@ -61,7 +61,6 @@ __all__ = [
     "CorrelatedNoise",
     "PairwiseSecrets",
     "calibrate_secldp",
-    "cdp_sigma",
     "eps_step_for",
     "exchange_public_keys",
     "ldp_sigma",
@@ -93,6 +92,5 @@ __all__ = [
     "node_noise_generator",
     "node_shard_indices",
     "poisson_dataloader",
-    "privatize_gradients",
     "seq2seq_loss",
 ]

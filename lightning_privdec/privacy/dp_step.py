@@ -12,12 +12,10 @@ In decentralized learning every node runs this with its *own* generator (:mod:`.
 DP: each node's released update is private by itself. (Opacus's distributed optimizer instead adds noise on rank 0
 only, which is central DP for an all-reduced sum and is not private here.)
 
-Typical use inside a strategy's ``optimizer_step``, between backward and the optimizer update::
-
-    stats = privatize_gradients(psg.parameters, psg.per_sample_grads(), max_grad_norm=C, noise_multiplier=sigma,
-                                expected_batch_size=q * J, generator=generator)
-    psg.clear()
-    ledger.record(GaussianRelease(sigma, q))
+A node's step (:meth:`~lightning_privdec.privacy.local_dp.LocalDPSGD.clip_and_noise`) runs it in two parts, between
+backward and the optimizer update: the per-sample mode clips and sums into ``p.grad``
+(:func:`clip_and_accumulate`, or book-keeping and ghost clipping without materialised per-sample gradients), then
+:func:`noise_clipped_sum` adds the noise and divides by q J; the node's runner records the release.
 """
 
 from __future__ import annotations
@@ -32,10 +30,7 @@ from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator
 from lightning_privdec.privacy.rounding import SUM_BLOCK, norm_upper_bound, sum_rounding, weighted_row_sum
 
-__all__ = [
-    "DPStepStats", "clip_and_accumulate", "clip_factor", "clip_rows", "clip_rows_", "noise_clipped_sum",
-    "privatize_gradients",
-]
+__all__ = ["DPStepStats", "clip_and_accumulate", "clip_factor", "clip_rows_", "noise_clipped_sum"]
 
 
 @dataclass(frozen=True)
@@ -123,14 +118,9 @@ def clip_factor(norms: Tensor, max_grad_norm: float) -> Tensor:
     return (max_grad_norm / (norms * (1 + CLIP_MARGIN) + 1e-6)).clamp(max=1.0)
 
 
-def clip_rows(rows: Tensor, max_norm: float) -> tuple[Tensor, Tensor]:
-    """Each row (one flat per-sample gradient) clipped to C by :func:`clip_factor`; returns (clipped rows, norms)."""
-    clipped = rows.clone()
-    return clipped, clip_rows_(clipped, max_norm)
-
-
 def clip_rows_(rows: Tensor, max_norm: float) -> Tensor:
-    """:func:`clip_rows` in place (no B x d temporary); returns the norms before clipping."""
+    """Each row (one flat per-sample gradient) clipped to C by :func:`clip_factor`, in place (no B x d temporary);
+    returns the norms before clipping."""
     norms = norm_upper_bound(rows, dim=1)  # never below the true norm
     rows.mul_(clip_factor(norms, max_norm).to(rows.dtype).unsqueeze(1))
     return norms.to(torch.promote_types(rows.dtype, torch.float32))
@@ -173,10 +163,16 @@ def noise_clipped_sum(
     expected_batch_size: float,
     generator: NoiseGenerator,
 ) -> DPStepStats:
-    """Finish a DP-SGD step whose ``p.grad`` already holds the sum of clipped per-sample gradients (ghost clipping).
+    """Finish a DP-SGD step whose ``p.grad`` already holds the sum of clipped per-sample gradients (Abadi et al. 2016,
+    Algorithm 1, lines 5-6).
 
-    Adds this node's N(0, sigma^2 C^2 I) and divides by q J, exactly as :func:`privatize_gradients` does after its
-    own clipping; ``per_sample_norms`` (the unclipped norms) only feed the statistics.
+    Args:
+        params: the trainable parameters; ``p.grad`` holds the clipped sum (None: no example reached it).
+        per_sample_norms: the unclipped norms ||g_i|| (B of them; B may be 0); they only feed the statistics.
+        max_grad_norm: C. noise_multiplier: sigma; ``N(0, sigma^2 C^2 I)`` is added to the sum (0 adds nothing).
+        expected_batch_size: ``q J``; the noisy sum is divided by it, not by the realised batch size ``B``.
+        generator: THIS node's generator (:func:`~lightning_privdec.privacy.noise.node_noise_generator`: ChaCha20
+            under a 256-bit key).
     """
     max_grad_norm = _check_positive(max_grad_norm, "max_grad_norm")
     noise_multiplier = _check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
@@ -188,57 +184,4 @@ def noise_clipped_sum(
     return DPStepStats(
         batch_size=int(per_sample_norms.numel()), mean_norm=mean_norm, max_norm=max_norm, clipped_fraction=clipped,
         noise_std=std,
-    )
-
-
-@torch.no_grad()
-def privatize_gradients(
-    params: Sequence[Tensor],
-    grad_samples: Sequence[Tensor],
-    *,
-    max_grad_norm: float,
-    noise_multiplier: float,
-    expected_batch_size: float,
-    generator: NoiseGenerator,
-) -> DPStepStats:
-    """Write this node's DP-SGD gradient into every ``p.grad`` (Abadi et al. 2016, Algorithm 1, lines 4-6).
-
-    Args:
-        params: the trainable parameters, in the same order as ``grad_samples``.
-        grad_samples: per-sample gradients, ``grad_samples[k].shape == (B, *params[k].shape)``; ``B`` may be 0.
-        max_grad_norm: C; each example's gradient, flattened over ALL parameters jointly, is scaled by
-            ``min(1, C / (||g_i|| + 1e-6))`` (Opacus's flat clipping).
-        noise_multiplier: sigma; ``N(0, sigma^2 C^2 I)`` is added to the clipped sum (0 adds nothing).
-        expected_batch_size: ``q J``; the noisy sum is divided by it, not by the realised batch size ``B``.
-        generator: THIS node's generator (:func:`~lightning_privdec.privacy.noise.node_noise_generator`: ChaCha20
-            under a 256-bit key). Noise is computed on its device and moved to the parameters' device if they differ.
-
-    Whatever ``p.grad`` held before (e.g. NaN from the mean loss of an empty batch) is overwritten.
-    """
-    max_grad_norm = _check_positive(max_grad_norm, "max_grad_norm")
-    noise_multiplier = _check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
-    expected_batch_size = _check_positive(expected_batch_size, "expected_batch_size")
-    params, grad_samples = list(params), list(grad_samples)
-    if len(params) != len(grad_samples):
-        raise PrivacyConfigError(
-            f"got {len(params)} parameters but {len(grad_samples)} per-sample gradients; pass them in the same order"
-        )
-    if not params:
-        raise PrivacyConfigError("no parameters to privatize")
-    batch_sizes = {int(g.shape[0]) for g in grad_samples}
-    if len(batch_sizes) != 1:
-        raise PrivacyConfigError(f"per-sample gradients disagree on the batch size: {sorted(batch_sizes)}")
-    (batch_size,) = batch_sizes
-    for k, (p, g) in enumerate(zip(params, grad_samples)):
-        if tuple(g.shape[1:]) != tuple(p.shape):
-            raise PrivacyConfigError(
-                f"per-sample gradient {k} has shape {tuple(g.shape)}, expected ({batch_size}, *{tuple(p.shape)})"
-            )
-
-    summed, norms = clip_and_accumulate(grad_samples, max_grad_norm, params[0].device)
-    mean_norm, max_norm, clipped = _norm_stats(norms, max_grad_norm, params[0].device)
-    summed = [s.to(device=p.device, dtype=p.dtype) for p, s in zip(params, summed)]
-    std = _noise_and_scale_into_grads(params, summed, max_grad_norm, noise_multiplier, expected_batch_size, generator)
-    return DPStepStats(
-        batch_size=batch_size, mean_norm=mean_norm, max_norm=max_norm, clipped_fraction=clipped, noise_std=std
     )

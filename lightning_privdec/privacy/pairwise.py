@@ -442,22 +442,6 @@ class CorrelatedNoise:
         """z_ij^(round) ~ N(0, I_numel) in float64 on ``device``, the same at both ends of the edge."""
         return keyed_standard_normal(self._stream_key(j, round), numel, device, self._buffers)
 
-    def edge_noise(
-        self,
-        j: int,
-        round: int,
-        numel: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> Tensor:
-        """v_ij^(round) of one edge: ``+sigma_cor z_ij`` if this rank < j else ``-sigma_cor z_ij`` (audits, tests)."""
-        numel, device = self._check_request(numel, dtype, device)
-        sign = 1.0 if self.rank < j else -1.0
-        if self.sigma_cor == 0:
-            self.secrets.secret(j)  # still validates j
-            return torch.zeros(numel, dtype=dtype, device=device)
-        return self._standard_normal(j, round, numel, device).mul_(sign * self.sigma_cor).to(dtype)
-
     def sum_for_round(
         self,
         round: int,

@@ -143,12 +143,6 @@ def ldp_sigma(clip: float, eps_step: float, *, level: Level = "user") -> float:
     return secldp_sensitivity(clip, level) / math.sqrt(2.0 * eps_step)
 
 
-def cdp_sigma(clip: float, eps_step: float, n: int, *, level: Level = "user") -> float:
-    """CDP baseline noise ``sigma_LDP / sqrt(n)`` (Decor Sec. 6; meant for the complete graph)."""
-    n = _steps(n, minimum=1)
-    return ldp_sigma(clip, eps_step, level=level) / math.sqrt(n)
-
-
 # ---- calibration --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SecLDPCandidate:

@@ -22,8 +22,8 @@ Sensitivity convention (``level=``):
   proof, eq. (17)), so ``Delta = 2C`` and ``eps_step = 2 C^2 max_i [...]_ii`` exactly as in Alg. 2. With
   ``sigma_cor = 0`` this is the LDP baseline ``eps_step = 2 C^2 / sigma^2``, i.e. ``sigma_LDP = C sqrt(2/eps_step)``.
 * ``"example"``: one example of the node's shard is added or removed under Poisson sampling, and the noise is
-  added to the *sum* of per-example clipped gradients (the DP-SGD convention of :mod:`.accountants` and
-  ``privatize_gradients``; dividing by the expected batch size afterwards is post-processing). Then
+  added to the *sum* of per-example clipped gradients (the DP-SGD convention of :mod:`.gaussian` and
+  :func:`~lightning_privdec.privacy.dp_step.noise_clipped_sum`; dividing by the expected batch size afterwards is post-processing). Then
   ``Delta = C``: the paper's "sensitivity C/b" in units of the batch mean. Add/remove adjacency is what Opacus's
   Poisson subsampled-Gaussian RDP (Mironov, Talwar, Zhang 2019) assumes.
 

@@ -509,7 +509,7 @@ class PerSampleGradients:
 
     def clip_and_sum(self, max_grad_norm: float) -> Tensor:
         """``p.grad <- sum_i min(1, C / (||g_i|| + 1e-6)) g_i`` (flat clipping: ||g_i|| over ALL parameters jointly,
-        as in :func:`~lightning_privdec.privacy.dp_step.privatize_gradients`); returns the norms ``||g_i||``.
+        as in :func:`~lightning_privdec.privacy.dp_step.clip_and_accumulate`); returns the norms ``||g_i||``.
 
         Book-keeping never materialises the g_i of nn.Linear layers (module docstring); the other modes clip
         materialised per-sample gradients. An empty batch, or a step without backward, leaves zeros.
