@@ -28,7 +28,7 @@ from lightning_privdec.privacy.accounting.schedule import (
     PRV_SEGMENTS,
     RDP_ORDERS,
     OptimisticAccountingWarning,
-    ScheduleLedger,
+    GaussianScheduleAccountant,
     _coarsened,
     dp_epsilon_from_gdp,
     gdp_delta,
@@ -124,7 +124,7 @@ def test_vectorised_rdp_is_opacus_compute_rdp(sigma, q):
 
 def test_ledger_equals_opacus_rdp_accountant_on_the_same_varying_history():
     schedule = DynD2PSchedule(steps=40, sample_rate=Q, max_grad_norm=1.0, mu0=0.4, rho_c=2.0, rho_mu=4.0)
-    ledger, opacus = ScheduleLedger("rdp", delta=1e-5), RDPAccountant()
+    ledger, opacus = GaussianScheduleAccountant("rdp", delta=1e-5), RDPAccountant()
     for k in range(40):
         checkpoint = k in (0, 17, 39)
         if checkpoint:  # the look-ahead equals recording, and both equal Opacus on the whole history
@@ -141,11 +141,11 @@ def test_ledger_equals_opacus_rdp_accountant_on_the_same_varying_history():
     # the integer orders are never below Opacus's default (fractional) orders, and close to them
     default = opacus.get_epsilon(delta=1e-5)
     assert default * (1 - 1e-12) <= ledger.epsilon() <= 1.02 * default
-    # the checkpoint format is PrivacyLedger's; reloading rebuilds the RDP curve
+    # the checkpoint format is SubsampledGaussianAccountant's; reloading rebuilds the RDP curve
     buffer = io.BytesIO()
     torch.save(ledger.state_dict(), buffer)
     buffer.seek(0)
-    reloaded = ScheduleLedger("rdp", delta=1e-5)
+    reloaded = GaussianScheduleAccountant("rdp", delta=1e-5)
     reloaded.load_state_dict(torch.load(buffer, weights_only=True))
     assert reloaded.steps == 40 and np.allclose(reloaded.rdp, ledger.rdp, rtol=1e-12)
     assert reloaded.clt_epsilon() == pytest.approx(ledger.clt_epsilon(), rel=1e-12)
@@ -234,7 +234,7 @@ def test_one_step_and_huge_sampling_rates(steps, q, calibration):
         assert schedule.clt_epsilon(1e-5) == pytest.approx(2.0, rel=1e-8)
     if q == 1.0:  # no subsampling: RDP is the Gaussian's alpha / (2 sigma^2) per step
         expected = sum(np.asarray(RDP_ORDERS) / (2 * s**2) for s in schedule.noise_multipliers())
-        ledger = ScheduleLedger("rdp", delta=1e-5)
+        ledger = GaussianScheduleAccountant("rdp", delta=1e-5)
         for s in schedule.noise_multipliers():
             ledger.record(GaussianRelease(float(s), 1.0))
         assert np.allclose(ledger.rdp, expected, rtol=1e-12)

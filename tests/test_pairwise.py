@@ -50,7 +50,9 @@ def noises(graph: dict[int, list[int]], sigma: float) -> dict[int, CorrelatedNoi
     return {i: CorrelatedNoise(s, sigma) for i, s in simulate_key_agreement(graph).items()}
 
 
-def edge_noise(node: CorrelatedNoise, j: int, round: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def edge_noise(
+    node: CorrelatedNoise, j: int, round: int, numel: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """v_ij^(round) of one edge (Decor Alg. 1, step 3): +sigma_cor z_ij if i < j else -sigma_cor z_ij, z_ij the edge's
     keystream normals, one term of the node's ``sum_for_round``."""
     sign = 1.0 if node.rank < j else -1.0

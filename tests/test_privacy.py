@@ -20,7 +20,7 @@ from lightning_privdec.privacy import (
     PerSampleGradients,
     PoissonBatchSampler,
     PrivacyConfigError,
-    PrivacyLedger,
+    SubsampledGaussianAccountant,
     PrivacyParameters,
     calibrate_noise_multiplier,
     check_private_model,
@@ -533,7 +533,7 @@ def test_epsilon_for_equals_opacus_accountants(opacus_cls: type) -> None:
     name = reference.mechanism()
     assert epsilon_for(sigma, q, steps, delta, accountant=name) == pytest.approx(reference.get_epsilon(delta),
                                                                                   rel=1e-9)
-    ledger = PrivacyLedger(name, delta=delta)
+    ledger = SubsampledGaussianAccountant(name, delta=delta)
     for _ in range(steps):
         ledger.record(GaussianRelease(sigma, q))
     assert ledger.history == [(sigma, q, steps)] == reference.history
@@ -542,7 +542,7 @@ def test_epsilon_for_equals_opacus_accountants(opacus_cls: type) -> None:
 
 
 def test_ledger_with_a_schedule_matches_opacus_rdp() -> None:
-    reference, ledger = RDPAccountant(), PrivacyLedger("rdp")
+    reference, ledger = RDPAccountant(), SubsampledGaussianAccountant("rdp")
     schedule = [(1.0, 0.01)] * 30 + [(0.8, 0.02)] * 20 + [(1.0, 0.01)] * 10
     for sigma, q in schedule:
         reference.step(noise_multiplier=sigma, sample_rate=q)
@@ -559,7 +559,7 @@ def test_gdp_is_shown_as_an_approximation_and_never_decides(sigma, q, steps, gdp
     sound = epsilon_for(sigma, q, steps, 1e-5, accountant="prv")
     assert sound >= tight_epsilon * 0.99  # the sound accountant does not under-estimate
     for refused in (
-        lambda: PrivacyLedger("gdp", delta=1e-5),
+        lambda: SubsampledGaussianAccountant("gdp", delta=1e-5),
         lambda: epsilon_for(sigma, q, steps, 1e-5, accountant="gdp"),
         lambda: calibrate_noise_multiplier(2.0, 1e-5, q, steps, accountant="gdp"),
         lambda: PrivacyParameters(max_grad_norm=1.0, target_epsilon=2.0, target_delta=1e-5, accountant="gdp").validate(),
@@ -585,7 +585,7 @@ def test_every_private_strategy_refuses_gdp_when_built() -> None:
 
 
 def test_ledger_state_dict_round_trip_continues_the_count() -> None:
-    ledger = PrivacyLedger("rdp", delta=1e-5)
+    ledger = SubsampledGaussianAccountant("rdp", delta=1e-5)
     assert ledger.epsilon() == 0.0 and ledger.steps == 0
     ledger.record(GaussianRelease(1.2, 0.01), steps=100)
     ledger.record(GaussianRelease(1.0, 0.01), steps=50)
@@ -594,18 +594,18 @@ def test_ledger_state_dict_round_trip_continues_the_count() -> None:
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
 
-    resumed = PrivacyLedger("rdp")
+    resumed = SubsampledGaussianAccountant("rdp")
     resumed.load_state_dict(state)
     assert resumed.steps == 150 and resumed.delta == 1e-5
     assert resumed.epsilon() == pytest.approx(ledger.epsilon(), rel=1e-12)
     resumed.record(GaussianRelease(1.0, 0.01))
     assert resumed.steps == 151 and resumed.history[-1] == (1.0, 0.01, 51)
     with pytest.raises(PrivacyConfigError, match="accountant 'rdp'"):
-        PrivacyLedger("prv").load_state_dict(state)
+        SubsampledGaussianAccountant("prv").load_state_dict(state)
 
 
 def test_epsilon_if_looks_ahead_without_recording() -> None:
-    ledger = PrivacyLedger("rdp", delta=1e-5)
+    ledger = SubsampledGaussianAccountant("rdp", delta=1e-5)
     ledger.record(GaussianRelease(1.0, 0.01), steps=100)
     now = ledger.epsilon()
     ahead = ledger.epsilon_if(1.0, 0.01, steps=10)
@@ -613,7 +613,7 @@ def test_epsilon_if_looks_ahead_without_recording() -> None:
     assert ahead == pytest.approx(epsilon_for(1.0, 0.01, 110, 1e-5))
     assert ledger.epsilon_if(1.0, 0.01) < ahead
     with pytest.raises(PrivacyConfigError, match="no delta"):
-        PrivacyLedger("rdp").epsilon()
+        SubsampledGaussianAccountant("rdp").epsilon()
 
 
 def test_zero_noise_has_infinite_epsilon() -> None:
@@ -701,7 +701,7 @@ def test_each_accountant_records_only_its_own_release_with_sound_values():
     from lightning_privdec.privacy.accounting import (
         CPGTAccountant,
         LaplaceRelease,
-        PrivacyLedger,
+        SubsampledGaussianAccountant,
         SagaAccountant,
         SagaRelease,
         SecLDPAccountant,
@@ -718,7 +718,8 @@ def test_each_accountant_records_only_its_own_release_with_sound_values():
     with pytest.raises(ValueError, match="noise_decay"):
         LaplaceRelease(1.0, 1.0, 0.0)
 
-    gaussian, saga, secldp = PrivacyLedger("rdp", delta=1e-5), SagaAccountant("rdp", 1e-5), SecLDPAccountant(1e-5, "user")
+    gaussian = SubsampledGaussianAccountant("rdp", delta=1e-5)
+    saga, secldp = SagaAccountant("rdp", 1e-5), SecLDPAccountant(1e-5, "user")
     for ledger, wrong in [(gaussian, (1.0, 0.1)), (gaussian, SecLDPRelease(0.1)), (saga, GaussianRelease(1.0, 0.1)),
                           (secldp, GaussianRelease(1.0, 0.1))]:
         with pytest.raises(TypeError, match=f"{type(ledger).__name__} accounts for one {ledger.release_type.__name__}"):

@@ -63,7 +63,9 @@ def clip_rows(rows: torch.Tensor, C: float) -> tuple[torch.Tensor, torch.Tensor]
     return clipped, clip_rows_(clipped, C)
 
 
-def saga_gradient_sum(table: SagaTable, indices: list[int] | torch.Tensor, fresh: torch.Tensor, q: float) -> torch.Tensor:
+def saga_gradient_sum(
+    table: SagaTable, indices: list[int] | torch.Tensor, fresh: torch.Tensor, q: float
+) -> torch.Tensor:
     """Line 6 times qJ, reading the table only: sum_{xi in S} (c_xi - table[xi]) + q sum_j table[j]."""
     index = torch.as_tensor(indices, dtype=torch.long)
     correction = (fresh - table.rows[index].to(fresh.dtype)).sum(0) if index.numel() else fresh.new_zeros(table.dim)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
-from lightning_privdec.privacy.accounting import GaussianRelease, PrivacyLedger, smallest_noise
+from lightning_privdec.privacy.accounting import GaussianRelease, SubsampledGaussianAccountant, smallest_noise
 from lightning_privdec.privacy.dp_step import DPStepStats
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
@@ -35,8 +35,8 @@ class DPCSGPNode(PrivateNodeAlgorithm):
         super().__init__(*args, **kwargs)
         self._plan: tuple[int, float] | None = None  # (planned steps, q) that noise_multiplier was set for
 
-    def make_accountant(self) -> PrivacyLedger:
-        return PrivacyLedger(self.parameters.accountant, delta=self.parameters.delta_for_reporting)
+    def make_accountant(self) -> SubsampledGaussianAccountant:
+        return SubsampledGaussianAccountant(self.parameters.accountant, delta=self.parameters.delta_for_reporting)
 
     def plan_noise(self, planned_steps: int) -> None:
         """Fix sigma for ``planned_steps`` steps in all. A fresh run calibrates to the target over the whole plan; a

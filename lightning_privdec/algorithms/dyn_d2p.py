@@ -13,7 +13,7 @@ Per step k = 0..K-1 (the paper's line numbers; the strategy calls the pieces in 
     3-4   Poisson-sample a batch at q = B / J, per-sample gradients at z_i^k      (LocalDPSGD, the user's training_step)
     5-6   clip each to C_k                                                                  :meth:`DynD2PNode.privatize`
     7-9   add this node's own N(0, sigma_k^2 I) to the clipped sum, divide by qJ; record noise multiplier 1/mu_k
-          (:class:`~lightning_privdec.privacy.accounting.schedule.ScheduleLedger`)          :meth:`DynD2PNode.privatize`
+          (:class:`~lightning_privdec.privacy.accounting.GaussianScheduleAccountant`)   :meth:`DynD2PNode.privatize`
     10    x_i^{k+1/2} = x_i^k - gamma (g_i^k + N_i^k)                         the user's optimizer, on the numerator x
     11-14 push-sum over the time-varying directed graph: x_i^{k+1} = sum_j P^k_ij x_j^{k+1/2}, w_i^{k+1} likewise,
           z_i^{k+1} = x_i^{k+1} / w_i^{k+1}                              :func:`~.base.push_sum_gossip` (``mixing.py``)
@@ -50,7 +50,7 @@ from lightning_privdec.privacy.accounting.gaussian import (
 from lightning_privdec.privacy.accounting.schedule import (
     RDP_ORDERS,
     GaussianSchedule,
-    ScheduleLedger,
+    GaussianScheduleAccountant,
     check_epsilon,
     check_rigorous_accountant,
     clt_mu,
@@ -265,7 +265,7 @@ def calibrate_schedule(
     variant: str = "dyn",
     calibration: str = "rigorous",
     accountant: str = "rdp",
-    spent: ScheduleLedger | None = None,
+    spent: GaussianScheduleAccountant | None = None,
 ) -> DynD2PSchedule:
     """The schedule of a run of ``steps`` steps (K) for the budget (target_epsilon, delta).
 
@@ -439,8 +439,8 @@ class DynD2PNode(PrivateNodeAlgorithm):
         self.plan_paper_epsilon: float | None = None
         self._plan_key: tuple[Any, ...] | None = None
 
-    def make_accountant(self) -> ScheduleLedger:
-        return ScheduleLedger(self.parameters.accountant, delta=self.parameters.delta_for_reporting)
+    def make_accountant(self) -> GaussianScheduleAccountant:
+        return GaussianScheduleAccountant(self.parameters.accountant, delta=self.parameters.delta_for_reporting)
 
     # ---- P0-P2 ---------------------------------------------------------------------------------------------------
     def _schedule_key(self, planned_steps: int) -> tuple[Any, ...]:

@@ -19,10 +19,11 @@ NOT_PRIVATE_KEY = "privacy/not_private_fixed_noise_seed"
 class PrivacyBudgetCallback(Callback):
     """Logs the privacy each node's data has spent, from the node's accountant.
 
-    Every value comes from the node's :class:`~lightning_privdec.privacy.PrivacyLedger`, which is part of the
-    strategy's checkpointed node state: a resumed run continues the count, never resets it. The budget itself is
-    enforced by the private strategy (privacy must not depend on an optional callback): when the next step would take
-    any node past ``target_epsilon``, every node stops at the same step with a message; this callback reports it.
+    Every value comes from the node's accountant (:class:`~lightning_privdec.privacy.accounting.Accountant`), which is
+    part of the strategy's checkpointed node state: a resumed run continues the count, never resets it. The budget
+    itself is enforced by the private strategy (privacy must not depend on an optional callback): when the next step
+    would take any node past ``target_epsilon``, every node stops at the same step with a message; this callback
+    reports it.
 
     Logged keys (every ``log_every_n_steps`` optimizer steps and at the end of training):
     ``privacy/epsilon/node_<i>`` for every node, ``privacy/epsilon_max``, ``privacy/epsilon_min``, ``privacy/delta``,

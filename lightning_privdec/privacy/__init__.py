@@ -11,7 +11,7 @@ Building blocks, in the order a strategy calls them:
 * :func:`poisson_dataloader` - Poisson batches of the node's shard (empty batches included);
 * :meth:`PerSampleGradients.clip_and_sum`, then :func:`noise_clipped_sum` with :func:`node_noise_generator` - clip,
   sum, noise, scale into ``p.grad``;
-* :class:`PrivacyLedger`, :func:`epsilon_for`, :func:`calibrate_noise_multiplier` - accounting;
+* :class:`SubsampledGaussianAccountant`, :func:`epsilon_for`, :func:`calibrate_noise_multiplier` - accounting;
 * :func:`causal_lm_loss`, :func:`seq2seq_loss` - sequence losses averaged within each example (per-example
   gradients that depend on their own example only);
 * :class:`PrivacyParameters` - the user's ``max_grad_norm=``, ``noise_multiplier=``/``target_epsilon=`` ... keywords.
@@ -20,7 +20,7 @@ Building blocks, in the order a strategy calls them:
 from lightning_privdec.privacy.accounting import (
     Accountant,
     ACCOUNTANTS,
-    PrivacyLedger,
+    SubsampledGaussianAccountant,
     calibrate_noise_multiplier,
     epsilon_for,
     make_accountant,
@@ -80,8 +80,8 @@ __all__ = [
     "PerSampleGradients",
     "PoissonBatchSampler",
     "PrivacyConfigError",
-    "PrivacyLedger",
     "PrivacyParameters",
+    "SubsampledGaussianAccountant",
     "calibrate_noise_multiplier",
     "causal_lm_loss",
     "check_private_model",

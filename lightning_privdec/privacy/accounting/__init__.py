@@ -1,11 +1,15 @@
-"""Accountants: one :class:`Accountant` interface, one implementation per mechanism.
+"""Accountants: one :class:`Accountant` interface, one implementation per mechanism, named ``<Mechanism>Accountant``.
 
-* :mod:`.gaussian` - the Poisson-subsampled Gaussian of DP-SGD (Opacus's RDP and PRV accountants): DP-CSGP, PrivSGP,
-  DP2-SGD;
-* :mod:`.cpgt` - CPGT's decaying Laplace noise, pure epsilon-DP (Theorem 2 and the bound its proof gives);
-* :mod:`.saga` - PrivSGP-VR's release, a subsampled and an always-present Gaussian per step (sound), or the paper's
-  Theorem 2 for comparison;
-* :mod:`.secldp` - Decor's correlated noise, SecLDP per round (:mod:`.secldp_step`) composed over rounds;
+* :class:`SubsampledGaussianAccountant` (:mod:`.gaussian`) - the Poisson-subsampled Gaussian of DP-SGD (Opacus's RDP
+  and PRV accountants): DP-CSGP, PrivSGP, DP2-SGD;
+* :class:`GaussianScheduleAccountant` (:mod:`.schedule`) - the same with a noise multiplier that changes every step:
+  Dyn-D2P;
+* :class:`CPGTAccountant` (:mod:`.cpgt`) - CPGT's decaying Laplace noise, pure epsilon-DP (Theorem 2 and the bound its
+  proof gives);
+* :class:`SagaAccountant` (:mod:`.saga`) - PrivSGP-VR's release, a subsampled and an always-present Gaussian per step
+  (sound), or the paper's Theorem 2 for comparison;
+* :class:`SecLDPAccountant` (:mod:`.secldp`) - Decor's correlated noise, SecLDP per round (:mod:`.secldp_step`)
+  composed over rounds;
 
 each states the release it records as a frozen dataclass (:class:`GaussianRelease`, :class:`LaplaceRelease`,
 :class:`SagaRelease`, :class:`SecLDPRelease`), checked when recorded.
@@ -17,7 +21,7 @@ from lightning_privdec.privacy.accounting.gaussian import (
     ACCOUNTANTS,
     GDP_REFUSAL,
     GaussianRelease,
-    PrivacyLedger,
+    SubsampledGaussianAccountant,
     calibrate_noise_multiplier,
     check_accountant,
     epsilon_for,
@@ -31,6 +35,7 @@ from lightning_privdec.privacy.accounting.saga import (
     calibrate_saga_noise,
     saga_epsilon,
 )
+from lightning_privdec.privacy.accounting.schedule import GaussianSchedule, GaussianScheduleAccountant
 from lightning_privdec.privacy.accounting.secldp import SecLDPAccountant, SecLDPRelease
 
 __all__ = [
@@ -39,13 +44,15 @@ __all__ = [
     "CPGTAccountant",
     "GDP_REFUSAL",
     "GaussianRelease",
+    "GaussianSchedule",
+    "GaussianScheduleAccountant",
     "LaplaceRelease",
-    "PrivacyLedger",
     "SagaAccountant",
     "SagaNoise",
     "SagaRelease",
     "SecLDPAccountant",
     "SecLDPRelease",
+    "SubsampledGaussianAccountant",
     "calibrate_noise_multiplier",
     "calibrate_saga_noise",
     "check_accountant",

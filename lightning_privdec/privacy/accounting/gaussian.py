@@ -45,7 +45,7 @@ __all__ = [
     "ACCOUNTANTS",
     "GDP_REFUSAL",
     "GaussianRelease",
-    "PrivacyLedger",
+    "SubsampledGaussianAccountant",
     "calibrate_noise_multiplier",
     "check_accountant",
     "epsilon_for",
@@ -361,7 +361,7 @@ def calibrate_noise_multiplier(
 
 
 # ---- per-node ledger --------------------------------------------------------------------------------------------
-class PrivacyLedger(Accountant):
+class SubsampledGaussianAccountant(Accountant):
     """One node's privacy history ``[(sigma, q, steps), ...]`` and its epsilon, by an Opacus accountant.
 
     Consecutive identical ``(sigma, q)`` entries are merged, as in Opacus's accountants' ``history``. The epsilon of
@@ -412,7 +412,9 @@ class PrivacyLedger(Accountant):
         if delta is None:
             delta = self.delta
         if delta is None:
-            raise PrivacyConfigError("no delta given: pass delta=... here or to PrivacyLedger(delta=...)")
+            raise PrivacyConfigError(
+                "no delta given: pass delta=... here or to SubsampledGaussianAccountant(delta=...)"
+            )
         return _check_delta(delta)
 
     def _epsilon(self, history: History, delta: float) -> float:
@@ -455,20 +457,20 @@ class PrivacyLedger(Accountant):
     def _check_state(self, state: Mapping[str, Any]) -> None:
         if not isinstance(state, Mapping) or "history" not in state or "accountant" not in state:
             raise PrivacyConfigError(
-                "not a PrivacyLedger state_dict (needs keys 'accountant' and 'history'); pass what "
-                "PrivacyLedger.state_dict() returned"
+                "not a SubsampledGaussianAccountant state_dict (needs keys 'accountant' and 'history'); pass what "
+                "SubsampledGaussianAccountant.state_dict() returned"
             )
         if state["accountant"] == "gdp":
             raise PrivacyConfigError(
                 "this checkpoint's ledger was accounted with 'gdp', an approximation this library no longer uses: "
                 f"re-account its history {state['history']} soundly with "
-                "PrivacyLedger('rdp').load_state_dict({**state, 'accountant': 'rdp'}) (the same (sigma, q, steps) "
-                "entries), or start a new run"
+                "SubsampledGaussianAccountant('rdp').load_state_dict({**state, 'accountant': 'rdp'}) (the same "
+                "(sigma, q, steps) entries), or start a new run"
             )
         if state["accountant"] != self.accountant:
             raise PrivacyConfigError(
                 f"the saved ledger used accountant {state['accountant']!r} but this one uses {self.accountant!r}; "
-                f"create PrivacyLedger(accountant={state['accountant']!r}) to resume it"
+                f"create SubsampledGaussianAccountant(accountant={state['accountant']!r}) to resume it"
             )
 
     def _load_state(self, state: Mapping[str, Any]) -> None:
@@ -485,7 +487,8 @@ class PrivacyLedger(Accountant):
         self._cache.clear()
 
     def __repr__(self) -> str:
-        return f"PrivacyLedger(accountant={self.accountant!r}, delta={self.delta!r}, history={self.history!r})"
+        return (f"SubsampledGaussianAccountant(accountant={self.accountant!r}, delta={self.delta!r}, "
+                f"history={self.history!r})")
 
 
 def _as_entries(entries: Iterable[Any]) -> Iterable[tuple[float, float, int]]:

@@ -55,7 +55,7 @@ from scipy.optimize import minimize_scalar
 from lightning_privdec.privacy.accounting.base import golden_section_min
 from lightning_privdec.privacy.accounting.gaussian import (
     GaussianRelease,
-    PrivacyLedger,
+    SubsampledGaussianAccountant,
     _check_delta,
     _check_noise_multiplier,
     _check_number,
@@ -280,7 +280,7 @@ class SagaRelease:
         return cls(tuple(GaussianRelease(sigma, q) for sigma, q in entries))
 
 
-class SagaAccountant(PrivacyLedger):
+class SagaAccountant(SubsampledGaussianAccountant):
     """One PrivSGP-VR node's accountant: a release is one step's mechanisms ``((sigma, q), ...)``
     (:meth:`SagaNoise.entries`), composed with everything recorded before by Opacus's RDP or PRV accountant.
 

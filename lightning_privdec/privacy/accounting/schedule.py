@@ -6,8 +6,8 @@ multiplier 1/mu_k at rate q. Two accountings of the same schedule:
 * **rigorous** (reported and enforced): the varying multipliers composed by a sound accountant, ``"rdp"`` (Renyi DP
   of the subsampled Gaussian at integer orders, Mironov, Talwar, Zhang 2019, Sec. 3.3; converted with Balle et al.
   2020 via Opacus's ``get_privacy_spent``; default) or ``"prv"`` (Opacus's PRV accountant, Gopi et al. 2021, on a
-  dominating coarsening of the schedule). :class:`ScheduleLedger` accumulates the RDP vector step by step, so the
-  per-step update and the epsilon query are O(1) in the number of steps taken.
+  dominating coarsening of the schedule). :class:`GaussianScheduleAccountant` accumulates the RDP vector step by
+  step, so the per-step update and the epsilon query are O(1) in the number of steps taken.
 * **paper (CLT approximation)**: mu = q sqrt(sum_k (e^{mu_k^2} - 1)) (Prop. 3, eq. 6; Dong, Roth, Su 2019 /
   Bu et al. 2020), converted with eq. 4. A central-limit approximation: for few steps or a large sampling rate it can
   be optimistic (below the true epsilon). Shown, labelled; never used to decide sigma or when to stop.
@@ -30,7 +30,7 @@ from lightning_privdec.privacy.accounting.gaussian import (
     ACCOUNTANTS,
     GaussianRelease,
     History,
-    PrivacyLedger,
+    SubsampledGaussianAccountant,
     _check_delta,
     _check_noise_multiplier,
     _check_number,
@@ -223,7 +223,8 @@ def history_clt_epsilon(history: History, delta: float) -> float:
 @dataclass(frozen=True)
 class GaussianSchedule:
     """Steps whose noise multiplier follows a schedule, at one Poisson rate: what a plan asks
-    :meth:`ScheduleLedger.epsilon_after` about (each step taken is recorded as its own :class:`GaussianRelease`)."""
+    :meth:`GaussianScheduleAccountant.epsilon_after` about (each step taken is recorded as its own
+    :class:`GaussianRelease`)."""
 
     noise_multipliers: Callable[[int, int], np.ndarray]  # (start, stop) -> sigma_start .. sigma_{stop-1}
     sample_rate: float
@@ -234,15 +235,16 @@ class GaussianSchedule:
         object.__setattr__(self, "sample_rate", _check_sample_rate(self.sample_rate))
 
 
-class ScheduleLedger(PrivacyLedger):
-    """A :class:`PrivacyLedger` for a noise multiplier that changes every step, with O(1) updates and queries.
+class GaussianScheduleAccountant(SubsampledGaussianAccountant):
+    """A :class:`SubsampledGaussianAccountant` for a noise multiplier that changes every step, with O(1) updates and
+    queries.
 
     The RDP curve of the history (one row per integer order of :data:`RDP_ORDERS`) is accumulated step by step, so
     :meth:`record`, :meth:`epsilon` and :meth:`epsilon_if` cost one step's RDP each, whatever the history's length.
     It equals Opacus's ``RDPAccountant`` on the same history at the same orders. With ``accountant="prv"`` the
     epsilon is Opacus's PRV accountant on the history coarsened to :data:`PRV_SEGMENTS` dominating segments (sound,
     slower; cached per step count). The paper's CLT value (eq. 6) is kept alongside in O(1) too
-    (:meth:`clt_epsilon`). The checkpoint format is :class:`PrivacyLedger`'s.
+    (:meth:`clt_epsilon`). The checkpoint format is :class:`SubsampledGaussianAccountant`'s.
     """
 
     def __init__(self, accountant: str = "rdp", delta: float | None = None) -> None:
@@ -336,7 +338,8 @@ class ScheduleLedger(PrivacyLedger):
         self._prv_cache = {}
 
     def __repr__(self) -> str:
-        return f"ScheduleLedger(accountant={self.accountant!r}, delta={self.delta!r}, steps={self._steps})"
+        return (f"GaussianScheduleAccountant(accountant={self.accountant!r}, delta={self.delta!r}, "
+                f"steps={self._steps})")
 
 
 def warn_if_clt_optimistic(clt_epsilon: float, rigorous_epsilon: float, where: str, accountant: str = "rdp") -> bool:
