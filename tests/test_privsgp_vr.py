@@ -18,7 +18,6 @@ from lightning_privdec.comm import LoopbackNetwork
 from lightning_privdec.privacy import PrivacyConfigError, PrivacyParameters, epsilon_for, node_noise_generator
 from lightning_privdec.privacy.accounting.saga import (
     c2_for_optimal_steps,
-    calibrate_saga_noise,
     optimal_split,
     optimal_steps,
     paper_noise_std,
@@ -26,6 +25,7 @@ from lightning_privdec.privacy.accounting.saga import (
     sound_split,
     theorem1_bound,
 )
+from lightning_privdec.privacy.accounting.saga_calibration import calibrate_saga_noise
 from lightning_privdec.algorithms.privsgp_vr import (
     REFRESH_PASSES,
     PrivSGPVRNode,

@@ -67,7 +67,7 @@ def test_the_digits_quick_starts_defaults_train_privsgp_vr_above_80_percent_at_e
     import sys
     from pathlib import Path
 
-    from lightning_privdec.privacy.accounting.saga import calibrate_saga_noise
+    from lightning_privdec.privacy.accounting.saga_calibration import calibrate_saga_noise
 
     root = Path(__file__).resolve().parents[1]
     command = [sys.executable, str(root / "examples" / "digits.py"), "--strategy", "privsgp_vr", "--epsilon", "3",

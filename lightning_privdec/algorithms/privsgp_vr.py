@@ -45,11 +45,11 @@ from lightning_privdec.privacy.accounting.saga import (
     SagaAccountant,
     SagaNoise,
     SagaRelease,
-    calibrate_saga_noise,
     check_accounting,
     saga_epsilon,
     sound_split,
 )
+from lightning_privdec.privacy.accounting.saga_calibration import calibrate_saga_noise
 from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats, clip_rows_
 from lightning_privdec.privacy.errors import PrivacyConfigError

@@ -18,10 +18,10 @@ from lightning_privdec.cli.arguments import Subcommand, add_accountant, add_nois
 from lightning_privdec.privacy.accounting.saga import (
     ACCOUNTINGS,
     SAGA_ACCOUNTANTS,
-    calibrate_saga_noise,
     saga_epsilon,
     sound_split,
 )
+from lightning_privdec.privacy.accounting.saga_calibration import calibrate_saga_noise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

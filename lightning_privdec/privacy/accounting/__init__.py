@@ -32,9 +32,9 @@ from lightning_privdec.privacy.accounting.saga import (
     SagaAccountant,
     SagaNoise,
     SagaRelease,
-    calibrate_saga_noise,
     saga_epsilon,
 )
+from lightning_privdec.privacy.accounting.saga_calibration import calibrate_saga_noise
 from lightning_privdec.privacy.accounting.schedule import GaussianSchedule, GaussianScheduleAccountant
 from lightning_privdec.privacy.accounting.secldp import SecLDPAccountant, SecLDPRelease
 

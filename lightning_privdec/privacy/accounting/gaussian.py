@@ -412,9 +412,7 @@ class SubsampledGaussianAccountant(Accountant):
         if delta is None:
             delta = self.delta
         if delta is None:
-            raise PrivacyConfigError(
-                "no delta given: pass delta=... here or to SubsampledGaussianAccountant(delta=...)"
-            )
+            raise PrivacyConfigError(f"no delta given: pass delta=... here or to {type(self).__name__}(delta=...)")
         return _check_delta(delta)
 
     def _epsilon(self, history: History, delta: float) -> float:

@@ -35,15 +35,17 @@ is smaller elsewhere.
 ``accounting="no_amplification"``: always the joint analysis (one Gaussian at rate 1, sensitivity (2 - q) C). Sound
 and simple; far looser than the split for small q.
 
-One node's ledger is :class:`SagaAccountant`: a release is one step's mechanisms (:meth:`SagaNoise.entries`). The K*
-helpers transcribe the paper's Theorem 1 (eq. 10), Theorem 2 (eq. 11) and Corollary 1 (eq. 12).
+Here: one step's mechanisms (:class:`SagaNoise`), the epsilon of a noise level (:func:`saga_epsilon`), one node's
+ledger (:class:`SagaAccountant`: a release is one step's mechanisms, :meth:`SagaNoise.entries`), and the paper's
+Theorem 1 (eq. 10), Theorem 2 (eq. 11) and Corollary 1 (eq. 12) transcribed for K*. The inverse problem, the noise
+for a target epsilon, is :mod:`.saga_calibration`.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,17 +54,14 @@ from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp
 from scipy.optimize import minimize_scalar
 
-from lightning_privdec.privacy.accounting.base import golden_section_min
 from lightning_privdec.privacy.accounting.gaussian import (
     GaussianRelease,
     SubsampledGaussianAccountant,
     _check_delta,
     _check_noise_multiplier,
-    _check_number,
     _check_sample_rate,
     _check_steps,
     _epsilon_of_history,
-    calibrate_noise_multiplier,
 )
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
@@ -72,7 +71,6 @@ __all__ = [
     "SagaNoise",
     "SagaRelease",
     "c2_for_optimal_steps",
-    "calibrate_saga_noise",
     "optimal_split",
     "optimal_steps",
     "paper_noise_std",
@@ -88,11 +86,10 @@ ACCOUNTINGS: tuple[str, ...] = ("sound", "paper", "no_amplification")
 #: accountants that can compose PrivSGP-VR's steps ("gdp" needs one constant (sigma, q))
 SAGA_ACCOUNTANTS: tuple[str, ...] = ("rdp", "prv")
 
-#: the RDP orders Opacus's RDPAccountant uses; the fast searches below use the same ones
-_ORDERS = np.asarray(RDPAccountant.DEFAULT_ALPHAS, dtype=float)
+#: the RDP orders Opacus's RDPAccountant uses; the fast searches (here and in :mod:`.saga_calibration`) use the same
+OPACUS_ORDERS = np.asarray(RDPAccountant.DEFAULT_ALPHAS, dtype=float)
 
 History = Sequence[tuple[float, float, int]]
-
 
 
 def check_accounting(accounting: str, accountant: str) -> None:
@@ -153,32 +150,38 @@ def saga_step_entries(
 
 
 # ---- fast RDP: the same orders and conversion as Opacus's RDPAccountant ------------------------------------------
-def _quiet_rdp(q: float, sigma: float, steps: int) -> np.ndarray:
+def gaussian_rdp(q: float, sigma: float, steps: int) -> np.ndarray:
+    """RDP at :data:`OPACUS_ORDERS` of ``steps`` Poisson-subsampled Gaussians (multiplier sigma, rate q), quietly."""
     if steps == 0:
-        return np.zeros_like(_ORDERS)
+        return np.zeros_like(OPACUS_ORDERS)
     if sigma == 0.0:
-        return np.full_like(_ORDERS, np.inf)
+        return np.full_like(OPACUS_ORDERS, np.inf)
     if q == 1.0:
-        return steps * _ORDERS / (2.0 * sigma**2)
-    return np.asarray(compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=_ORDERS), dtype=float)
+        return steps * OPACUS_ORDERS / (2.0 * sigma**2)
+    return np.asarray(compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=OPACUS_ORDERS), dtype=float)
 
 
-def _history_rdp(history: History) -> np.ndarray:
-    total = np.zeros_like(_ORDERS)
+def history_rdp(history: History) -> np.ndarray:
+    """RDP at :data:`OPACUS_ORDERS` of a ledger history ``[(sigma, q, steps), ...]``."""
+    total = np.zeros_like(OPACUS_ORDERS)
     for sigma, q, t in history:
-        total = total + _quiet_rdp(float(q), float(sigma), int(t))
+        total = total + gaussian_rdp(float(q), float(sigma), int(t))
     return total
 
 
-def _conversion(delta: float) -> np.ndarray:
+def rdp_conversion(delta: float) -> np.ndarray:
     """Opacus's RDP -> (epsilon, delta) term (Balle et al. 2020, Thm. 21): epsilon = min over orders of rdp + this."""
-    return -(math.log(delta) + np.log(_ORDERS)) / (_ORDERS - 1.0) + np.log((_ORDERS - 1.0) / _ORDERS)
+    return -(math.log(delta) + np.log(OPACUS_ORDERS)) / (OPACUS_ORDERS - 1.0) + np.log((OPACUS_ORDERS - 1.0) / OPACUS_ORDERS)
 
 
-def _entries_history(
+def history_with(
     history: History, noise: SagaNoise, sample_rate: float, steps: int
 ) -> list[tuple[float, float, int]]:
-    return [*((float(s), float(q), int(t)) for s, q, t in history), *((s, q, steps) for s, q in noise.entries(sample_rate))]
+    """``history`` followed by ``steps`` steps of ``noise`` at ``sample_rate`` (their mechanisms as ledger entries)."""
+    return [
+        *((float(s), float(q), int(t)) for s, q, t in history),
+        *((s, q, steps) for s, q in noise.entries(sample_rate)),
+    ]
 
 
 # ---- epsilon ------------------------------------------------------------------------------------------------------
@@ -195,9 +198,9 @@ def optimal_split(
     delta = _check_delta(delta)
     if m == 0.0:
         return 0.5
-    base = _history_rdp(history)
+    base = history_rdp(history)
 
-    def eps(logit: float, orders: np.ndarray = _ORDERS, base: np.ndarray = base) -> float:
+    def eps(logit: float, orders: np.ndarray = OPACUS_ORDERS, base: np.ndarray = base) -> float:
         rho = 1.0 / (1.0 + math.exp(-logit))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -207,8 +210,8 @@ def optimal_split(
         return float(np.nanmin(eps))
 
     # coarse search on the integer orders (cheap), then a refinement on all of Opacus's orders around it
-    integer = np.asarray([a for a in _ORDERS if float(a).is_integer()])
-    coarse_base = base[np.isin(_ORDERS, integer)]
+    integer = np.asarray([a for a in OPACUS_ORDERS if float(a).is_integer()])
+    coarse_base = base[np.isin(OPACUS_ORDERS, integer)]
     coarse = minimize_scalar(lambda t: eps(t, integer, coarse_base), bounds=(-9.0, 9.0), method="bounded",
                              options={"xatol": 1e-2}).x
     logit = minimize_scalar(eps, bounds=(float(coarse) - 0.3, float(coarse) + 0.3), method="bounded",
@@ -259,7 +262,7 @@ def saga_epsilon(
     noise = SagaNoise(accounting, _check_noise_multiplier(noise_multiplier), split)  # type: ignore[arg-type]
     with warnings.catch_warnings(), np.errstate(divide="ignore"):  # PRV at rate 1 takes log(1 - q) = -inf
         warnings.filterwarnings("ignore", message="Optimal order is the")
-        return _epsilon_of_history(_entries_history(history, noise, sample_rate, steps), delta, accountant)
+        return _epsilon_of_history(history_with(history, noise, sample_rate, steps), delta, accountant)
 
 
 @dataclass(frozen=True)
@@ -340,148 +343,6 @@ class SagaAccountant(SubsampledGaussianAccountant):
     def _load_state(self, state: Mapping[str, Any]) -> None:
         super()._load_state(state)
         self._steps = int(state["steps"])
-
-
-# ---- calibration --------------------------------------------------------------------------------------------------
-def _sound_rdp_calibration(target: float, delta: float, q: float, steps: int, history: History) -> SagaNoise:
-    """Smallest s (RDP) with epsilon <= target: for each subsampled multiplier sigma_1, the always-present part's
-    smallest multiplier follows in closed form order by order; then s(sigma_1) is minimised by a 1-D search."""
-    base = _history_rdp(history) + _conversion(delta)
-    steps_orders = steps * _ORDERS
-
-    def noise_for(log_sigma1: float) -> tuple[float, float, float]:
-        sigma1 = math.exp(log_sigma1)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            slack = target - (base + _quiet_rdp(q, sigma1, steps))
-        feasible = slack > 0
-        if not feasible.any():
-            return math.inf, sigma1, math.inf
-        sigma2_sq = float(np.min(steps_orders[feasible] / (2.0 * slack[feasible])))  # sum_k alpha/(2 sigma2^2) <= slack
-        return math.sqrt(4.0 * sigma1**2 + q**2 * sigma2_sq), sigma1, math.sqrt(sigma2_sq)
-
-    # bracket the minimum on a geometric grid (infeasible, then decreasing, then increasing), then golden section
-    grid: list[float] = []
-    values: list[float] = []
-    for k in range(64):
-        grid.append(math.log(0.01) + k * math.log(2.0))
-        values.append(noise_for(grid[-1])[0])
-        if len(values) >= 2 and math.isfinite(values[-2]) and values[-1] > values[-2]:
-            break
-    if not math.isfinite(min(values)):
-        raise PrivacyConfigError(
-            f"cannot reach target_epsilon={target:g} at delta={delta:g} with PrivSGP-VR over {steps} steps at sample "
-            f"rate {q:g}: the history already spends it, or the target is below the accountant's floor; raise "
-            "target_epsilon or plan fewer steps"
-        )
-    best = int(np.argmin(values))
-    lo, hi = grid[max(0, best - 1)], grid[min(len(grid) - 1, best + 1)]
-    log_sigma1 = golden_section_min(lambda g: noise_for(g)[0], lo, hi, tol=1e-5)
-    m, sigma1, sigma2 = noise_for(log_sigma1)
-    if not math.isfinite(m):
-        raise PrivacyConfigError(f"PrivSGP-VR calibration failed for target_epsilon={target:g} (no feasible noise)")
-    return SagaNoise("sound", m, 4.0 * sigma1**2 / m**2)
-
-
-def _bisect_noise(
-    epsilon_of: Callable[[float], float], target: float, start: float, tolerance: float, where: str
-) -> float:
-    """Smallest multiplier m (within ``tolerance`` relative epsilon) with epsilon_of(m) <= target; epsilon_of decreases."""
-    lo, hi = start, start
-    while epsilon_of(hi) > target:
-        lo, hi = hi, hi * 2.0
-        if hi > 1e6:
-            raise PrivacyConfigError(f"cannot reach {where}: even a noise multiplier of 1e6 exceeds the target")
-    while epsilon_of(lo) <= target:
-        hi, lo = lo, lo / 2.0
-        if lo < 1e-3:
-            raise PrivacyConfigError(
-                f"cannot calibrate {where}: a noise multiplier below 1e-3 would do, i.e. essentially no noise; lower "
-                "target_epsilon or pass noise_multiplier directly"
-            )
-    for _ in range(100):
-        if epsilon_of(hi) >= (1.0 - tolerance) * target:
-            break
-        mid = (lo + hi) / 2.0
-        lo, hi = (mid, hi) if epsilon_of(mid) > target else (lo, mid)
-    return hi
-
-
-def calibrate_saga_noise(
-    target_epsilon: float,
-    target_delta: float,
-    sample_rate: float,
-    steps: int,
-    *,
-    accounting: str = "sound",
-    accountant: str = "rdp",
-    history: History = (),
-    epsilon_tolerance: float = 0.01,
-) -> SagaNoise:
-    """The smallest noise (and, for ``"sound"``, the split) that spends at most ``target_epsilon`` over the history
-    plus ``steps`` more steps, within ``epsilon_tolerance`` (relative): ``(1 - tol) target <= epsilon <= target``.
-
-    Sound + RDP is solved exactly (closed form per order, 1-D search over the subsampled share); with PRV the split is
-    the RDP-optimal one and s is found by bisection with PRV.
-    """
-    with warnings.catch_warnings(), np.errstate(divide="ignore"):  # Opacus's order-range note; PRV's log(1 - 1)
-        warnings.filterwarnings("ignore", message="Optimal order is the")
-        return _calibrate(
-            target_epsilon, target_delta, sample_rate, steps, accounting, accountant, history, epsilon_tolerance
-        )
-
-
-def _calibrate(
-    target_epsilon: float,
-    target_delta: float,
-    sample_rate: float,
-    steps: int,
-    accounting: str,
-    accountant: str,
-    history: History,
-    epsilon_tolerance: float,
-) -> SagaNoise:
-    check_accounting(accounting, accountant)
-    target = _check_number(target_epsilon, "target_epsilon")
-    if target <= 0:
-        raise PrivacyConfigError(f"target_epsilon must be > 0, got {target_epsilon!r}")
-    delta = _check_delta(target_delta, "target_delta")
-    q = _check_sample_rate(sample_rate)
-    steps = _check_steps(steps, minimum=1)
-    where = f"target_epsilon={target:g}, target_delta={delta:g}, sample_rate={q:g}, steps={steps}"
-
-    def epsilon(noise: SagaNoise) -> float:
-        return _epsilon_of_history(_entries_history(history, noise, q, steps), delta, accountant)
-
-    if accounting == "sound":  # the better of the split (calibrated here) and the joint analysis (below)
-        noise = _sound_rdp_calibration(target, delta, q, steps, history)
-        if accountant == "rdp":
-            for _ in range(20):  # the closed form is exact; guard against the last floating-point ulp
-                if epsilon(noise) <= target:
-                    break
-                noise = SagaNoise("sound", noise.noise_multiplier * (1.0 + 1e-9), noise.split)
-            else:
-                raise PrivacyConfigError(f"PrivSGP-VR calibration for {where} overshot the target")
-        else:
-            split = noise.split
-            noise = SagaNoise("sound", _bisect_noise(
-                lambda m: epsilon(SagaNoise("sound", m, split)), target, noise.noise_multiplier, epsilon_tolerance, where
-            ), split)
-        joint = calibrate_saga_noise(
-            target, delta, q, steps, accounting="no_amplification", accountant=accountant, history=history,
-            epsilon_tolerance=epsilon_tolerance,
-        )
-        if joint.noise_multiplier < noise.noise_multiplier:
-            return SagaNoise("sound", joint.noise_multiplier, None)
-        return noise
-    factor = 3.0 if accounting == "paper" else 2.0 - q
-    if not history:
-        rate = q if accounting == "paper" else 1.0
-        sigma = calibrate_noise_multiplier(target, delta, rate, steps, accountant, epsilon_tolerance)
-        return SagaNoise(accounting, sigma * factor)
-    start = calibrate_noise_multiplier(target, delta, q if accounting == "paper" else 1.0, steps, accountant) * factor
-    m = _bisect_noise(lambda m: epsilon(SagaNoise(accounting, m)), target, start, epsilon_tolerance, where)
-    return SagaNoise(accounting, m)
 
 
 # ---- the paper's formulas (Theorem 1 eq. 10, Theorem 2 eq. 11, Corollary 1 eq. 12) ---------------------------------
