@@ -128,7 +128,7 @@ def test_ledger_equals_opacus_rdp_accountant_on_the_same_varying_history():
     for k in range(40):
         checkpoint = k in (0, 17, 39)
         if checkpoint:  # the look-ahead equals recording, and both equal Opacus on the whole history
-            peek = ledger.epsilon_if(schedule.noise_multiplier(k), Q)
+            peek = ledger.epsilon_after(1, GaussianRelease(schedule.noise_multiplier(k), Q))
         ledger.record(GaussianRelease(schedule.noise_multiplier(k), Q))
         opacus.step(noise_multiplier=schedule.noise_multiplier(k), sample_rate=Q)
         if checkpoint:

@@ -604,14 +604,14 @@ def test_ledger_state_dict_round_trip_continues_the_count() -> None:
         SubsampledGaussianAccountant("prv").load_state_dict(state)
 
 
-def test_epsilon_if_looks_ahead_without_recording() -> None:
+def test_epsilon_after_looks_ahead_without_recording() -> None:
     ledger = SubsampledGaussianAccountant("rdp", delta=1e-5)
     ledger.record(GaussianRelease(1.0, 0.01), steps=100)
     now = ledger.epsilon()
-    ahead = ledger.epsilon_if(1.0, 0.01, steps=10)
+    ahead = ledger.epsilon_after(10, GaussianRelease(1.0, 0.01))
     assert ahead > now and ledger.steps == 100
     assert ahead == pytest.approx(epsilon_for(1.0, 0.01, 110, 1e-5))
-    assert ledger.epsilon_if(1.0, 0.01) < ahead
+    assert ledger.epsilon_after(1, GaussianRelease(1.0, 0.01)) < ahead
     with pytest.raises(PrivacyConfigError, match="no delta"):
         SubsampledGaussianAccountant("rdp").epsilon()
 

@@ -86,7 +86,7 @@ def test_resume_continues_the_ledger_keeps_sigma_and_never_rolls_back():
     longer.load_state_dict(saved)
     longer.private_dataloader(loader(), planned_steps=40, world_size=4)  # a longer plan: more noise per step
     assert longer.noise_multiplier > sigma
-    assert longer.ledger.epsilon_if(longer.noise_multiplier, longer.sample_rate, 37) <= 2.0
+    assert longer.ledger.epsilon_after(37, GaussianRelease(longer.noise_multiplier, longer.sample_rate)) <= 2.0
 
     for _ in range(2):
         one_step(e, model, torch.randn(4, 3), torch.randint(0, 2, (4,)))
@@ -119,7 +119,7 @@ def test_budget_check_counts_steps_but_agrees_with_the_accountant_at_every_step(
     e.private_dataloader(loader(n=400, batch_size=10), planned_steps=1000)  # q = 0.1: about 20 steps fit
     q, sigma = e.sample_rate, e.noise_multiplier
     for step in range(200):
-        exact = e.ledger.epsilon_if(sigma, q) > 2.0
+        exact = e.ledger.epsilon_after(1, GaussianRelease(sigma, q)) > 2.0
         assert e.next_step_exceeds_budget() == exact, step
         if exact:
             break
@@ -134,5 +134,5 @@ def test_budget_check_counts_steps_but_agrees_with_the_accountant_at_every_step(
     fresh.load_state_dict(saved)
     assert fresh.next_step_exceeds_budget()
     fresh.noise_multiplier = 20.0  # far more noise per step: more steps fit again
-    assert fresh.ledger.epsilon_if(20.0, q) <= 2.0
+    assert fresh.ledger.epsilon_after(1, GaussianRelease(20.0, q)) <= 2.0
     assert not fresh.next_step_exceeds_budget()

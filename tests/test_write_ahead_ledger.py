@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lightning_privdec.privacy import PrivacyConfigError, epsilon_for
+from lightning_privdec.privacy.accounting import GaussianRelease
 from lightning_privdec.privacy.write_ahead import GENERATOR_KEYS, WriteAheadLedger
 from tests.multiprocess import fit_digits_in_one_launch
 from tests.test_dyn_d2p import planned_engine, take_step
@@ -60,7 +61,7 @@ def test_a_resumed_engine_counts_the_steps_released_after_its_checkpoint(tmp_pat
     forgetful.load_state_dict(saved)
     forgetful.private_dataloader(loader(), planned_steps=20, world_size=4)
     assert steps_until_budget(resumed) == steps_until_budget(forgetful) - 7
-    assert resumed.epsilon() <= 2.0 < resumed.ledger.epsilon_if(sigma, q, 1)
+    assert resumed.epsilon() <= 2.0 < resumed.ledger.epsilon_after(1, GaussianRelease(sigma, q))
 
     # a file that is not as far as the checkpoint changes nothing; the checkpoint's own count never rolls back
     again, _ = attached_engine(target_epsilon=2.0, target_delta=1e-5)

@@ -370,7 +370,7 @@ class SubsampledGaussianAccountant(Accountant):
 
     Args:
         accountant: ``"rdp"`` or ``"prv"`` (``"gdp"`` is refused: see :data:`GDP_REFUSAL`).
-        delta: default delta for :meth:`epsilon` and :meth:`epsilon_if`.
+        delta: default delta for :meth:`epsilon` and :meth:`epsilon_after`.
     """
 
     def __init__(self, accountant: str = "rdp", delta: float | None = None) -> None:
@@ -427,17 +427,11 @@ class SubsampledGaussianAccountant(Accountant):
         """Epsilon spent so far at ``delta`` (default: the ledger's delta); 0.0 before any step."""
         return self._epsilon(self.history, self._delta(delta))
 
-    def epsilon_if(
-        self, noise_multiplier: float, sample_rate: float, steps: int = 1, delta: float | None = None
-    ) -> float:
-        """Epsilon after ``steps`` more hypothetical steps; lets a caller stop *before* exceeding its budget."""
-        return self._epsilon(self._extended(noise_multiplier, sample_rate, steps), self._delta(delta))
-
     def _epsilon_after(self, steps: int, release: GaussianRelease | None) -> float:
         """:class:`Accountant`'s query: epsilon after ``steps`` more steps at (sigma, q)."""
         if release is None:
             return self.epsilon()
-        return self.epsilon_if(release.noise_multiplier, release.sample_rate, steps)
+        return self._epsilon(self._extended(release.noise_multiplier, release.sample_rate, steps), self._delta(None))
 
     # -- checkpointing
     def state_dict(self) -> dict[str, Any]:

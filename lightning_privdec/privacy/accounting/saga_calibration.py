@@ -72,7 +72,7 @@ def _sound_rdp_calibration(target: float, delta: float, q: float, steps: int, hi
     best = int(np.argmin(values))
     lo, hi = grid[max(0, best - 1)], grid[min(len(grid) - 1, best + 1)]
     log_sigma1 = golden_section_min(lambda g: noise_for(g)[0], lo, hi, tol=1e-5)
-    m, sigma1, sigma2 = noise_for(log_sigma1)
+    m, sigma1, _ = noise_for(log_sigma1)
     if not math.isfinite(m):
         raise PrivacyConfigError(f"PrivSGP-VR calibration failed for target_epsilon={target:g} (no feasible noise)")
     return SagaNoise("sound", m, 4.0 * sigma1**2 / m**2)

@@ -32,10 +32,8 @@ from lightning_privdec.privacy.accounting.gaussian import (
     History,
     SubsampledGaussianAccountant,
     _check_delta,
-    _check_noise_multiplier,
     _check_number,
     _check_sample_rate,
-    _check_steps,
     _epsilon_of_history,
 )
 from lightning_privdec.privacy.errors import PrivacyConfigError
@@ -240,7 +238,7 @@ class GaussianScheduleAccountant(SubsampledGaussianAccountant):
     queries.
 
     The RDP curve of the history (one row per integer order of :data:`RDP_ORDERS`) is accumulated step by step, so
-    :meth:`record`, :meth:`epsilon` and :meth:`epsilon_if` cost one step's RDP each, whatever the history's length.
+    :meth:`record`, :meth:`epsilon` and :meth:`epsilon_after` cost one step's RDP each, whatever the history's length.
     It equals Opacus's ``RDPAccountant`` on the same history at the same orders. With ``accountant="prv"`` the
     epsilon is Opacus's PRV accountant on the history coarsened to :data:`PRV_SEGMENTS` dominating segments (sound,
     slower; cached per step count). The paper's CLT value (eq. 6) is kept alongside in O(1) too
@@ -290,16 +288,13 @@ class GaussianScheduleAccountant(SubsampledGaussianAccountant):
             return self._prv_cache[key]
         return epsilon_from_rdp(self.rdp, delta, self.orders)
 
-    def epsilon_if(
-        self, noise_multiplier: float, sample_rate: float, steps: int = 1, delta: float | None = None
-    ) -> float:
-        noise_multiplier = _check_noise_multiplier(noise_multiplier)
-        sample_rate = _check_sample_rate(sample_rate)
-        steps = _check_steps(steps, minimum=1)
-        delta = self._delta(delta)
+    def _epsilon_after(self, steps: int, release: GaussianRelease | None) -> float:
+        if release is None:
+            return self.epsilon()
+        sigma, q, delta = release.noise_multiplier, release.sample_rate, self._delta(None)
         if self.accountant == "prv":
-            return history_epsilon([*self.history, (noise_multiplier, sample_rate, steps)], delta, "prv")
-        return epsilon_from_rdp(self.rdp + steps * self._row(noise_multiplier, sample_rate), delta, self.orders)
+            return history_epsilon([*self.history, (sigma, q, steps)], delta, "prv")
+        return epsilon_from_rdp(self.rdp + steps * self._row(sigma, q), delta, self.orders)
 
     def clt_mu(self) -> float:
         """The paper's CLT mu of the history (eq. 6, with q_k inside the sum when the rate changes)."""

@@ -108,7 +108,7 @@ class _Inverse:
             storage = np.zeros((band + 1, n))
             storage[(permuted.row - permuted.col)[lower], permuted.col[lower]] = permuted.data[lower]
             self._chol = sla.cholesky_banded(storage, lower=True)
-            self._perm, self.bandwidth = perm, band
+            self._perm = perm
             self._diag = np.empty(n)
             with _single_threaded_blas():
                 self._diag[perm] = self._takahashi(self._chol)

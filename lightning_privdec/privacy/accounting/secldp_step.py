@@ -56,7 +56,6 @@ from lightning_privdec.privacy.errors import PrivacyConfigError
 
 __all__ = [
     "ADVERSARIES",
-    "LEVELS",
     "MAX_COLLUDING_SUBSETS",
     "Adversary",
     "collusion_level",
@@ -70,7 +69,6 @@ Level = Literal["user", "example"]
 
 #: named adversaries and their collusion level q (Decor, Sec. 2: I = eavesdropper, II = curious users)
 ADVERSARIES: dict[str, int] = {"eavesdropper": 0, "curious": 1}
-LEVELS: tuple[str, ...] = ("user", "example")
 
 
 # ---- validation ---------------------------------------------------------------------------------------------------
