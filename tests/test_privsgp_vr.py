@@ -530,34 +530,34 @@ def test_checkpoints_hold_no_table_and_a_resumed_engine_rebuilds_it_at_the_resum
         other.load_state_dict(state)
 
 
-#: a node's state as the engine before the accountant counted its steps wrote it (4 steps at q = 1/4, target 3)
-OLD_STATE = {
+#: a node's checkpointed state after 4 steps at q = 1/4 of a plan of 8 (target 3)
+STATE = {
     "ledger": {"accountant": "rdp", "delta": 1e-05,
-               "history": [[1.7537816414746124, 0.25, 4], [7.45024875172985, 1.0, 4]]},
+               "history": [[1.7537816414746124, 0.25, 4], [7.45024875172985, 1.0, 4]], "steps": 4},
     "noise_multiplier": 3.971415124084777, "plan": [8, 0.25], "steps": 4, "split": 0.7800464410974725,
     "accounting": "sound",
 }
 
 
-def test_a_checkpoint_written_before_the_accountant_counted_its_steps_resumes_with_its_epsilon():
+def test_a_checkpoint_resumes_with_its_epsilon_and_plan_and_never_rolls_back():
     parameters = PrivacyParameters(max_grad_norm=1.0, target_epsilon=3.0, target_delta=DELTA)
     node = PrivSGPVRNode(parameters, rank=0, device=torch.device("cpu"))
-    node.load_state_dict(OLD_STATE)
-    assert node.steps == 4 and node.epsilon() == pytest.approx(2.2140620521134196, rel=1e-12)  # the old engine's
-    assert (node.noise_multiplier, node.split) == (OLD_STATE["noise_multiplier"], OLD_STATE["split"])
+    node.load_state_dict(STATE)
+    assert node.steps == 4 and node.epsilon() == pytest.approx(2.2140620521134196, rel=1e-12)
+    assert (node.noise_multiplier, node.split) == (STATE["noise_multiplier"], STATE["split"])
     attach_with_data(node, nn.Linear(3, 2), *node_data(0, 8), batch_size=2, steps=8)
-    assert node.noise_multiplier == OLD_STATE["noise_multiplier"]  # the plan it was calibrated for: kept
+    assert node.noise_multiplier == STATE["noise_multiplier"]  # the plan it was calibrated for: kept
     assert node.ledger.state_dict()["steps"] == 4
     node.ledger.record(node.next_release())
     with pytest.raises(PrivacyConfigError, match="has 4 steps but 5"):
-        node.load_state_dict(OLD_STATE)  # never rolls back
+        node.load_state_dict(STATE)  # never rolls back
 
 
-def test_a_checkpoint_is_written_in_the_layout_earlier_ones_had():
+def test_a_checkpoint_round_trips():
     parameters = PrivacyParameters(max_grad_norm=1.0, target_epsilon=3.0, target_delta=DELTA)
     node = PrivSGPVRNode(parameters, rank=0, device=torch.device("cpu"))
-    node.load_state_dict(OLD_STATE)
-    assert node.state_dict() == OLD_STATE  # the same keys: an earlier version reads it back
+    node.load_state_dict(STATE)
+    assert node.state_dict() == STATE
     node.load_state_dict(node.state_dict())
     assert node.steps == 4 and node.epsilon() == pytest.approx(2.2140620521134196, rel=1e-12)
 

@@ -184,8 +184,6 @@ class DecorNode(PrivateNodeAlgorithm):
         self.noise_multiplier = self.sigma_cdp / C  # reported as sigma_cdp / C
         if self.secrets is not None:
             self.correlated = CorrelatedNoise(self.secrets, self.sigma_cor) if self.sigma_cor > 0 else None
-        if self.level == "example":  # rounds of an earlier checkpoint format, loaded before the rate was known
-            self.ledger.assume_sample_rate(self.sample_rate)
 
     def round_slope(self, sigma_cdp: float, sigma_cor: float) -> float:
         """eps_step of one round: (Delta^2 / 2) max_i [(sigma_cdp^2 I + sigma_cor^2 L_H)^-1]_ii (Alg. 2-3, Thm. 6);

@@ -421,19 +421,11 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
             self.table.reset()
             self.table_ready = True
 
-    def state_dict(self) -> dict[str, Any]:
-        """The layout PrivSGP-VR's checkpoints have always had: the step count beside the ledger (``steps``)."""
-        state = super().state_dict()
-        state["steps"] = state["ledger"].pop("steps")
-        return state
-
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """A state of the same accounting, its step count beside the ledger (:meth:`state_dict`) or in it."""
+        """A state of the same accounting (:meth:`PrivateNodeAlgorithm.load_state_dict`)."""
         if state.get("accounting") != self.accounting:
             raise PrivacyConfigError(
                 f"node {self.rank}: the checkpoint's ledger was kept with accounting={state.get('accounting')!r}, this "
                 f"run uses accounting={self.accounting!r}; resume with the same accounting"
             )
-        if "steps" not in state["ledger"]:
-            state = {**state, "ledger": {**state["ledger"], "steps": int(state["steps"])}}
         super().load_state_dict(state)

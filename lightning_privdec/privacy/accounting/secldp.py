@@ -362,10 +362,6 @@ class SecLDPAccountant(Accountant):
         epsilon, _ = rdp_analysis.get_privacy_spent(orders=alphas, rdp=rdp, delta=self.delta)
         return float(epsilon)
 
-    def assume_sample_rate(self, sample_rate: float | None) -> None:
-        """Give rounds loaded without their Poisson rate (an earlier checkpoint format) the node's ``sample_rate``."""
-        self.history = [(e, sample_rate if q is None else q, t) for e, q, t in self.history]
-
     def state_dict(self) -> dict[str, Any]:
         return {"level": self.level, "delta": self.delta, "history": [list(entry) for entry in self.history]}
 
