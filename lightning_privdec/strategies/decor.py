@@ -142,17 +142,17 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
 
     def process_dataloader(self, dataloader: object) -> object:
         loader = super().process_dataloader(dataloader)
-        engine = self.privacy
-        if isinstance(engine, DecorNode) and engine.calibration is not None:
-            c = engine.calibration
+        node = self.privacy
+        if isinstance(node, DecorNode) and node.calibration is not None:
+            c = node.calibration
             options = ", ".join(
                 f"({a.sigma_cdp:.3g}, {a.sigma_cor:.3g})" for a in c.alternatives if a.feasible and a.sigma_cor is not None
             )
             rank_zero_info(
                 f"Decor calibration for epsilon={c.target_epsilon} (delta={c.delta}, {c.steps} steps, "
-                f"adversary={c.adversary}): chosen sigma_cdp={engine.sigma_cdp:.4g}, sigma_cor={engine.sigma_cor:.4g}"
+                f"adversary={c.adversary}): chosen sigma_cdp={node.sigma_cdp:.4g}, sigma_cor={node.sigma_cor:.4g}"
                 f"{' (baseline ' + self.baseline + ')' if self.baseline else ''}; LDP level {c.sigma_ldp:.4g}, "
                 f"CDP level {c.sigma_cdp_floor:.4g}; other feasible (sigma_cdp, sigma_cor): {options or 'none'}"
-                f"{engine.privacy_caveat}"
+                f"{node.privacy_caveat}"
             )
         return loader

@@ -93,7 +93,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             more noise: ``"auto"`` (default) re-calibrates sigma for the remaining steps but refuses, before the first
             resumed step, when the new sigma is more than twice the old one (the remaining budget would be spent on
             a model the noise destroys); ``"recalibrate"`` accepts the new sigma whatever it is; ``"keep"`` keeps the
-            checkpoint's sigma and stops training when the budget is spent (fixed-sigma engines: DP-CSGP, PrivSGP,
+            checkpoint's sigma and stops training when the budget is spent (fixed-sigma algorithms: DP-CSGP, PrivSGP,
             DP2-SGD).
         Other arguments: see :class:`DecentralizedStrategy`.
 
@@ -160,8 +160,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         self.noise_changes: list[str] = []  # each re-plan of sigma, in words (repeated by the end-of-fit summary)
 
     def configure_ddp(self) -> None:
-        # Fix and hook the model before its parameters are broadcast, flattened and handed to the optimizer. The engine
-        # (and its ledger) lives as long as the strategy: a second fit() keeps counting.
+        # Fix and hook the model before its parameters are broadcast, flattened and handed to the optimizer. The node's
+        # privacy (and its ledger) lives as long as the strategy: a second fit() keeps counting.
         if self.privacy is None:
             self.privacy = self.make_node_algorithm()
             self.connect_node_algorithm(self.privacy)
@@ -304,31 +304,31 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         """With ``Trainer(max_time=...)`` and a budget to calibrate to, re-plan sigma once the pace is known."""
         self._time_replan_at = None
         timer = _max_time_timer(trainer)
-        engine = self.privacy
-        if timer is None or engine is None or self.privacy_parameters.noise_multiplier is not None:
+        node = self.privacy
+        if timer is None or node is None or self.privacy_parameters.noise_multiplier is not None:
             return
         if self.privacy_parameters.target_epsilon is None:
             return
-        if not engine.fixed_noise_multiplier:
+        if not node.fixed_noise_multiplier:
             rank_zero_info(
-                f"{type(self).__name__}: the noise is planned for {engine.planned_steps} steps (max_steps/max_epochs); "
+                f"{type(self).__name__}: the noise is planned for {node.planned_steps} steps (max_steps/max_epochs); "
                 "max_time may end the run sooner, with budget left"
             )
             return
-        self._fit_start_steps = engine.steps
-        self._time_replan_at = engine.steps + MAX_TIME_WARMUP_STEPS
+        self._fit_start_steps = node.steps
+        self._time_replan_at = node.steps + MAX_TIME_WARMUP_STEPS
 
     def _replan_for_max_time(self, trainer: pl.Trainer) -> None:
         """After the warm-up: the steps max_time allows at the slowest node's pace (fewer than planned) get sigma
         calibrated so that the budget is spent by then, instead of ending with most of it unspent."""
         self._time_replan_at = None
-        engine, timer = self.privacy, _max_time_timer(trainer)
-        assert engine is not None and timer is not None and engine.planned_steps is not None
-        taken = engine.steps - self._fit_start_steps
+        node, timer = self.privacy, _max_time_timer(trainer)
+        assert node is not None and timer is not None and node.planned_steps is not None
+        taken = node.steps - self._fit_start_steps
         per_step = max(timer.time_elapsed(), 1e-9) / max(taken, 1)
         affordable = taken + int(0.95 * max(timer.time_remaining() or 0.0, 0.0) / per_step)
         affordable = int(self.reduce(torch.tensor(affordable, device=self.root_device), reduce_op=dist.ReduceOp.MIN))
-        planned = engine.planned_steps - self._fit_start_steps
+        planned = node.planned_steps - self._fit_start_steps
         assert self.runner is not None
         replanned = self.runner.replan(self._fit_start_steps + affordable)
         if replanned is None:
@@ -340,14 +340,14 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
     def _noise_changed(self, old: float, why: str) -> None:
         """Say once that sigma changed from ``old`` for the steps from now on, and why; the end-of-fit summary
         repeats it (the steps before used ``old``)."""
-        engine = self.privacy
-        assert engine is not None and engine.noise_multiplier is not None
-        new, step = engine.noise_multiplier, engine.steps
+        node = self.privacy
+        assert node is not None and node.noise_multiplier is not None
+        new, step = node.noise_multiplier, node.steps
         change = f"sigma = {old:.4g} up to step {step}, {new:.4g} from step {step + 1}"
         self.noise_changes.append(change)
         self.say_once(
             f"{type(self).__name__}: {why}: {change}, so that target_epsilon={self.privacy_parameters.target_epsilon} "
-            f"is spent by the end of the plan{engine.privacy_caveat}"
+            f"is spent by the end of the plan{node.privacy_caveat}"
         )
 
     def on_train_start(self) -> None:
