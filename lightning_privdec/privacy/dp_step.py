@@ -30,6 +30,7 @@ from torch import Tensor
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator
+from lightning_privdec.privacy.validation import check_noise_multiplier, check_positive
 from lightning_privdec.privacy.rounding import SUM_BLOCK, norm_upper_bound, sum_rounding, weighted_row_sum
 
 __all__ = [
@@ -52,6 +53,13 @@ class DPStepStats:
     clipped_fraction: Tensor
     noise_std: float
 
+    @classmethod
+    def of(cls, norms: Tensor, max_grad_norm: float, noise_std: float) -> DPStepStats:
+        """The statistics of a step from its examples' unclipped norms (none: an empty Poisson batch)."""
+        mean_norm, max_norm, clipped = _norm_stats(norms, max_grad_norm, norms.device)
+        return cls(batch_size=int(norms.numel()), mean_norm=mean_norm, max_norm=max_norm, clipped_fraction=clipped,
+                   noise_std=noise_std)
+
     def to_dict(self) -> dict[str, float]:
         return {
             "batch_size": float(self.batch_size),
@@ -60,16 +68,6 @@ class DPStepStats:
             "clipped_fraction": float(self.clipped_fraction),
             "noise_std": float(self.noise_std),
         }
-
-
-def _check_positive(value: float, name: str, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise PrivacyConfigError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    if not (value >= 0 if allow_zero else value > 0) or value != value or value == float("inf"):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise PrivacyConfigError(f"{name} must be finite and {bound}, got {value!r}")
-    return value
 
 
 def _noise_and_scale_into_grads(
@@ -178,9 +176,9 @@ def noise_clipped_sum(
     Adds this node's N(0, sigma^2 C^2 I) and divides by q J, exactly as :func:`privatize_gradients` does after its
     own clipping; ``per_sample_norms`` (the unclipped norms) only feed the statistics.
     """
-    max_grad_norm = _check_positive(max_grad_norm, "max_grad_norm")
-    noise_multiplier = _check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
-    expected_batch_size = _check_positive(expected_batch_size, "expected_batch_size")
+    max_grad_norm = check_positive(max_grad_norm, "max_grad_norm")
+    noise_multiplier = check_noise_multiplier(noise_multiplier)
+    expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
     params = list(params)
     sums = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     std = _noise_and_scale_into_grads(params, sums, max_grad_norm, noise_multiplier, expected_batch_size, generator)
@@ -215,9 +213,9 @@ def privatize_gradients(
 
     Whatever ``p.grad`` held before (e.g. NaN from the mean loss of an empty batch) is overwritten.
     """
-    max_grad_norm = _check_positive(max_grad_norm, "max_grad_norm")
-    noise_multiplier = _check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
-    expected_batch_size = _check_positive(expected_batch_size, "expected_batch_size")
+    max_grad_norm = check_positive(max_grad_norm, "max_grad_norm")
+    noise_multiplier = check_noise_multiplier(noise_multiplier)
+    expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
     params, grad_samples = list(params), list(grad_samples)
     if len(params) != len(grad_samples):
         raise PrivacyConfigError(

@@ -18,7 +18,6 @@ networks.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,14 +26,11 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
-from lightning_privdec.privacy import DEFAULT_DELTA, PrivacyConfigError
+from lightning_privdec.privacy import PrivacyConfigError, PrivacyParameters
 from lightning_privdec.privacy.accounting.cpgt import tracker_noise_offset
 from lightning_privdec.privacy.accounting.gaussian import check_accountant
 from lightning_privdec.tensors import split_like
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
-
-_NO_GAUSSIAN_NOISE = "noise_multiplier=0 adds no noise"
-
 
 class CPGTStrategy(PrivateDecentralizedStrategy):
     """CPGT (DiaDSP with ``compressor=None``, ``consensus_step=1``) with per-sample clipping and Laplace noise.
@@ -65,8 +61,9 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             paper's eq. (23) verbatim, smaller than its proof supports) or ``"finite"`` (the same coupling over the
             steps taken, without the linear-difference Assumption 4: grows with every step; training stops before
             ``target_epsilon``).
-        target_epsilon: calibrate the noise to it (without noise_x/noise_y), or refuse a run whose epsilon exceeds it.
-        target_delta: accepted for a uniform command line; CPGT is pure DP (delta = 0).
+        target_epsilon: calibrate the noise to it (without noise_x/noise_y), or refuse a run whose epsilon exceeds it
+            (kept in :class:`~lightning_privdec.algorithms.cpgt.CPGTOptions` with the Laplace scales).
+        target_delta: accepted for a uniform command line and unused: CPGT is pure DP (delta = 0).
         noise_multiplier: must be ``None`` or 0: CPGT adds no Gaussian noise.
         accountant: accepted for a uniform command line and unused (CPGT's epsilon is a closed-form bound);
             ``"gdp"`` is refused as in every strategy.
@@ -113,19 +110,13 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             noise_decay=noise_decay, lipschitz=lipschitz, noise_x=noise_x, noise_y=noise_y, sensitivity=sensitivity,
             sensitivity_norm=sensitivity_norm, accounting=accounting, target_epsilon=target_epsilon,
         )
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NO_GAUSSIAN_NOISE)
-            super().__init__(
-                topology,
-                compressor,
-                max_grad_norm=max_grad_norm,
-                noise_multiplier=0.0,
-                # the base strategy checks the budget after every step and at a resume (rounds replayed after a crash
-                # are charged in every accounting); delta is unused (pure epsilon-DP)
-                target_epsilon=target_epsilon,
-                target_delta=(target_delta or DEFAULT_DELTA) if target_epsilon is not None else None,
-                **kwargs,
-            )
+        # the base strategy checks the node's budget (the options' target_epsilon) after every step and at a resume
+        # (rounds replayed after a crash are charged in every accounting)
+        super().__init__(topology, compressor, max_grad_norm=max_grad_norm, **kwargs)
+
+    def privacy_config(self, *, max_grad_norm: float, **_: Any) -> PrivacyParameters:  # type: ignore[override]
+        """Only the clip bound C: CPGT's budget (pure epsilon-DP, no delta) and its noise are in :attr:`options`."""
+        return PrivacyParameters(max_grad_norm=max_grad_norm).validate(level_required=False)
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def make_topology(self, world_size: int):  # type: ignore[no-untyped-def]
@@ -138,11 +129,6 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
         return topology
 
     node_algorithm_class = CPGTNode
-
-    def make_node_algorithm(self) -> CPGTNode:
-        with warnings.catch_warnings():  # CPGT's parameters carry noise_multiplier=0: its noise is Laplace
-            warnings.filterwarnings("ignore", message=_NO_GAUSSIAN_NOISE)
-            return super().make_node_algorithm()  # type: ignore[return-value]
 
     def _check_optimization(self, trainer: pl.Trainer) -> None:
         super()._check_optimization(trainer)

@@ -62,14 +62,17 @@ class DynD2PStrategy(PrivateDecentralizedStrategy):
         **kwargs: Any,
     ) -> None:
         self.options = DynD2POptions(rho_c=rho_c, rho_mu=rho_mu, variant=variant, calibration=calibration)
-        DynD2POptions.check_parameters(PrivacyParameters(
-            max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
-            target_delta=target_delta, accountant=accountant,
-        ))
         super().__init__(
-            topology, compressor, max_grad_norm=max_grad_norm, target_epsilon=target_epsilon,
-            target_delta=target_delta, accountant=accountant, **kwargs,
+            topology, compressor, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon, target_delta=target_delta, accountant=accountant, **kwargs,
         )
+
+    def privacy_config(self, **arguments: Any) -> PrivacyParameters:
+        """The budget, required (the whole schedule derives from it); a noise multiplier is refused. Built and
+        checked once, here."""
+        parameters = PrivacyParameters(**arguments)
+        DynD2POptions.check_parameters(parameters)
+        return parameters.validate()
 
     @property
     def calibration(self) -> str:
