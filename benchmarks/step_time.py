@@ -870,7 +870,7 @@ def run_noise(args: argparse.Namespace) -> dict[str, Any]:
 
     row["step_ms"] = median_ms(private_step, repeats=3)
     row["batch_size"] = args.noise_batch_size
-    engine.detach()
+    engine.clipping.detach()
     return row
 
 

@@ -286,7 +286,8 @@ def run_audit(
             weights = _decor_weights(algorithm, graph, 0)
             scores = np.einsum("k,ktm->m", weights, canary_releases)
             observer = "every message of every node (eavesdropper); generalised least squares across nodes"
-            noise = {"sigma_cdp": algorithm.sigma_cdp, "sigma_cor": algorithm.sigma_cor, "adversary": algorithm.adversary}
+            noise = {"sigma_cdp": algorithm.sigma_cdp, "sigma_cor": algorithm.sigma_cor,
+                     "adversary": algorithm.adversary}
         elif strategy == "dyn_d2p":
             schedule = algorithm.schedule
             assert schedule is not None
@@ -298,7 +299,8 @@ def run_audit(
         else:
             scores = canary_releases[0].sum(0)
             observer = "every message; node 0's released gradients summed over the rounds"
-            noise = {"noise_multiplier": algorithm.noise_multiplier, "max_grad_norm": algorithm.parameters.max_grad_norm}
+            noise = {"noise_multiplier": algorithm.noise_multiplier,
+                     "max_grad_norm": algorithm.parameters.max_grad_norm}
             if strategy == "privsgp_vr":
                 noise["split"] = algorithm.split
     outcome = score_audit(scores, included, delta=algorithm.delta, confidence=confidence, guess_counts=guess_counts,

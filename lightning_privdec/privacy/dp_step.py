@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator
-from lightning_privdec.privacy.validation import check_noise_multiplier, check_positive
+from lightning_privdec.privacy.validation import check_max_grad_norm, check_noise_multiplier, check_positive
 from lightning_privdec.privacy.rounding import SUM_BLOCK, norm_upper_bound, sum_rounding, weighted_row_sum
 
 __all__ = [
@@ -176,7 +176,7 @@ def noise_clipped_sum(
     Adds this node's N(0, sigma^2 C^2 I) and divides by q J, exactly as :func:`privatize_gradients` does after its
     own clipping; ``per_sample_norms`` (the unclipped norms) only feed the statistics.
     """
-    max_grad_norm = check_positive(max_grad_norm, "max_grad_norm")
+    max_grad_norm = check_max_grad_norm(max_grad_norm)
     noise_multiplier = check_noise_multiplier(noise_multiplier)
     expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
     params = list(params)
@@ -213,7 +213,7 @@ def privatize_gradients(
 
     Whatever ``p.grad`` held before (e.g. NaN from the mean loss of an empty batch) is overwritten.
     """
-    max_grad_norm = check_positive(max_grad_norm, "max_grad_norm")
+    max_grad_norm = check_max_grad_norm(max_grad_norm)
     noise_multiplier = check_noise_multiplier(noise_multiplier)
     expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
     params, grad_samples = list(params), list(grad_samples)
