@@ -43,7 +43,6 @@ import argparse
 import json
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,10 +137,8 @@ def run_once(variant: Variant, A: torch.Tensor, b: torch.Tensor, rounds: int, ru
             states.append(run.gossip.x.clone())
             noise_y_sum = noise_y_sum + run.gossip.last_noise[1]  # type: ignore[attr-defined]
 
-        with warnings.catch_warnings():  # the Gaussian-noise warning of noise_multiplier=0: CPGT's noise is Laplace
-            warnings.filterwarnings("ignore", message="noise_multiplier=0 adds no noise")
-            node = CPGTNode(PrivacyParameters(max_grad_norm=1e9, noise_multiplier=0.0), options=options, rank=rank,
-                            device=torch.device("cpu"), noise_seed=run_seed)
+        node = CPGTNode(PrivacyParameters(max_grad_norm=1e9), options=options, rank=rank,  # C only: Laplace noise
+                        device=torch.device("cpu"), noise_seed=run_seed)
         train_node(node, model, TensorDataset(A[rank], b[rank]), exchange=exchange, topology=topology,
                    batch_size=ROWS, steps=rounds, lr=variant.alpha, loss=squared_error,
                    compressor=variant.compressor, consensus_step=variant.gamma, seed=run_seed, after_step=record)

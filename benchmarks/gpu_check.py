@@ -353,12 +353,12 @@ def build_step(kind, precision, net, x, y, loss_fn, device, batch):  # noqa: ANN
         optimizer.zero_grad(set_to_none=True)
         scale = None if scaler is None else scaler.get_scale()
         if scale is not None:  # as PrivateDecentralizedStrategy under "16-mixed": clipping sees unscaled gradients
-            engine.set_loss_scale(scale)
+            engine.clipping.set_loss_scale(scale)
         with autocast():
             outputs = net(x)
         if kind == "ghost":
             losses = loss_fn(outputs, y, reduction="none")
-            engine.ghost_backward(losses if scaler is None else scaler.scale(losses))
+            engine.clipping.ghost_backward(losses if scaler is None else scaler.scale(losses))
         else:
             loss = loss_fn(outputs, y)
             (loss if scaler is None else scaler.scale(loss)).backward()

@@ -55,7 +55,7 @@ else:
     def step():
         model.zero_grad(set_to_none=True)
         if mode == "ghost":
-            node.ghost_backward(loss_fn(model(inputs), targets, reduction="none"))
+            getattr(node, "clipping", node).ghost_backward(loss_fn(model(inputs), targets, reduction="none"))
         else:
             loss_fn(model(inputs), targets).backward()
         private_step(node)

@@ -561,7 +561,7 @@ def run_modes_child(args: argparse.Namespace) -> None:
             def backward() -> None:
                 model.zero_grad(set_to_none=True)
                 if mode == "ghost":
-                    engine.ghost_backward(loss_fn(model(inputs), targets, reduction="none"))
+                    engine.clipping.ghost_backward(loss_fn(model(inputs), targets, reduction="none"))
                 else:
                     loss_fn(model(inputs), targets).backward()
 
@@ -870,7 +870,7 @@ def run_noise(args: argparse.Namespace) -> dict[str, Any]:
 
     row["step_ms"] = median_ms(private_step, repeats=3)
     row["batch_size"] = args.noise_batch_size
-    engine.detach()
+    engine.clipping.detach()
     return row
 
 

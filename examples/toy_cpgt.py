@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--noise-decay", type=float, default=0.5, help="q")
     args = p.parse_args(argv)  # --lr is alpha: Theorem 2 needs alpha L < 1/2
     shards, test = digits_shards(args.nodes)
-    parameters = PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0)  # C; no Gaussian noise
+    parameters = PrivacyParameters(max_grad_norm=1.0)  # C only: the budget and the Laplace noise are CPGT's options
     options = CPGTOptions(noise_decay=args.noise_decay, lipschitz=args.lipschitz, target_epsilon=args.epsilon)
     runs = train_network(
         lambda rank: CPGTNode(parameters, options=options, rank=rank, device=torch.device("cpu")),

@@ -165,7 +165,7 @@ def test_the_same_model_fed_batch_first_trains(tmp_path):
     torch.manual_seed(0)
     trainer = _fit(LM(SequenceModel(16, sequence_first=False)), _tokens(64, 16), 16, tmp_path)
     assert trainer.global_step == 2
-    assert trainer.strategy.privacy.examples_checked == (
+    assert trainer.strategy.privacy.clipping.examples_checked == (
         "batch dimension and per-example independence checked on 16 examples"
     )
 
@@ -258,7 +258,7 @@ def test_under_bf16_mixed_and_micro_batches_the_token_mean_is_refused_and_the_pe
     _refused_before_the_first_update(CausalLM(per_example_loss=False), "the examples' gradients depend on each other",
                                      _sequences(LENGTHS * 2), 6, tmp_path, **options)
     trainer = _fit(CausalLM(per_example_loss=True), _sequences(LENGTHS * 2), 6, tmp_path, **options)
-    assert trainer.strategy.privacy.ledger.steps == 2 and trainer.strategy.privacy.examples_checked == (
+    assert trainer.strategy.privacy.ledger.steps == 2 and trainer.strategy.privacy.clipping.examples_checked == (
         "batch dimension and per-example independence checked on 6 examples"  # the micro-batch's expected size
     )
 
@@ -266,7 +266,7 @@ def test_under_bf16_mixed_and_micro_batches_the_token_mean_is_refused_and_the_pe
 def test_the_per_example_causal_lm_loss_trains(tmp_path):
     trainer = _fit(CausalLM(per_example_loss=True), _sequences(), 6, tmp_path, collate_fn=pad_collate)
     assert trainer.global_step == 2
-    assert trainer.strategy.privacy.examples_checked.startswith("batch dimension and per-example independence checked")
+    assert trainer.strategy.privacy.clipping.examples_checked.startswith("batch dimension and per-example independence checked")
 
 
 @pytest.mark.parametrize("mode", ["bookkeeping", "hooks", "functorch"])
@@ -329,7 +329,7 @@ def test_the_simulator_refuses_a_sequence_first_model_too():
         train_network(node, BatchFirstOutside, [TensorDataset(tokens, tokens)], **options)
     runs = train_network(node, lambda: SequenceModel(16, sequence_first=False), [TensorDataset(tokens, tokens)],
                          **options)
-    assert runs[0].node.steps == 1 and runs[0].node.examples_checked.startswith("batch dimension and per-example")
+    assert runs[0].node.steps == 1 and runs[0].node.clipping.examples_checked.startswith("batch dimension and per-example")
 
 
 def test_the_probe_restores_gradients_generators_and_train_modes():

@@ -23,17 +23,24 @@ from lightning_privdec.algorithms import PushSumGossip
 from lightning_privdec.cli.account import main
 from lightning_privdec.comm import LoopbackNetwork
 from lightning_privdec.privacy import PrivacyParameters, node_noise_generator
-from lightning_privdec.algorithms.dyn_d2p import VARIANTS, DynD2PNode, DynD2POptions, DynD2PSchedule, calibrate_schedule, mu_bar, solve_mu0
-from lightning_privdec.privacy.accounting.schedule import (
+from lightning_privdec.algorithms.dyn_d2p import DynD2PNode, DynD2POptions
+from lightning_privdec.privacy.accounting.composition import (
     PRV_SEGMENTS,
     RDP_ORDERS,
     OptimisticAccountingWarning,
-    GaussianScheduleAccountant,
     _coarsened,
     dp_epsilon_from_gdp,
     gdp_delta,
     gdp_mu_from_dp,
     subsampled_gaussian_rdp,
+)
+from lightning_privdec.privacy.accounting.schedule import (
+    VARIANTS,
+    DynD2PSchedule,
+    GaussianScheduleAccountant,
+    calibrate_schedule,
+    mu_bar,
+    solve_mu0,
 )
 from lightning_privdec.strategies import PRIVATE_STRATEGIES
 from lightning_privdec.topology import build_topology
@@ -279,7 +286,7 @@ def planned_engine(*, planned_steps=10, batch_size=5, rank=1, seed=3, mode="hook
 def take_step(engine, model, x, y, mode):
     losses = 0.5 * (model(x) - y).pow(2).sum(1)
     if mode == "ghost":
-        engine.ghost_backward(losses)
+        engine.clipping.ghost_backward(losses)
     else:
         losses.mean().backward()
     private_step(engine)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from lightning_privdec.algorithms.dyn_d2p import calibrate_schedule
+from lightning_privdec.privacy.accounting.schedule import calibrate_schedule
 from tests.multiprocess import fit_digits_in_one_launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.filterwarnings("ignore:Optimal order is the")]

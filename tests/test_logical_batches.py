@@ -47,11 +47,11 @@ def test_micro_batches_give_the_unsplit_batchs_privatized_gradient(mode: str) ->
         for i, chunk in enumerate(chunks):
             losses = F.cross_entropy(model(x[chunk]), y[chunk], reduction="none")
             if mode == "ghost":
-                engine.ghost_backward(losses)
+                engine.clipping.ghost_backward(losses)
             else:
                 losses.mean().backward()
             if i < len(chunks) - 1:
-                engine.accumulate_micro_batch()
+                engine.clipping.accumulate_micro_batch()
         stats = private_step(engine)
         assert stats.batch_size == 23 and engine.ledger.steps == 1  # one ledger entry for the logical batch
         return [p.grad.clone() for p in model.parameters()]
@@ -112,7 +112,7 @@ def test_accumulate_grad_batches_trains_exactly_like_the_unsplit_batch(make, tmp
     assert split_trainer.global_step == whole_trainer.global_step == 8  # 4 logical steps per epoch, 2 epochs
     assert split.sample_rate == whole.sample_rate == 32 / 128
     assert split.ledger.history == whole.ledger.history and split.epsilon() == whole.epsilon()
-    assert split.noise_generator.draws == whole.noise_generator.draws == 8  # one noise draw per logical step
+    assert split.gaussian.generator.draws == whole.gaussian.generator.draws == 8  # one noise draw per logical step
     for a, b in zip(split_model.parameters(), whole_model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 

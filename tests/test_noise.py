@@ -175,11 +175,11 @@ def test_poisson_sampling_is_secret_per_node_and_reproducible_with_a_seed() -> N
 
 def test_every_private_strategy_draws_its_noise_from_chacha20_keys() -> None:
     engine = DPCSGPNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0, device=torch.device("cpu"))
-    for generator in (engine.noise_generator, engine.sampling_generator):
+    for generator in (engine.gaussian.generator, engine.sampler.generator):
         assert isinstance(generator, NoiseGenerator) and not generator.seeded and len(generator._key) == 32
     secure = DPCSGPNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0,
                                device=torch.device("cpu"), secure_mode=True)
-    assert secure.noise_generator.secure_mode and not secure.sampling_generator.secure_mode
+    assert secure.gaussian.generator.secure_mode and not secure.sampler.generator.secure_mode
     budget = dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, secure_mode=True)
     for strategy in (DPCSGPStrategy(**budget), DynD2PStrategy(**budget), PrivSGPVRStrategy(**budget),
                      CorrelatedNoiseStrategy(**budget)):

@@ -182,7 +182,7 @@ def test_the_engine_defaults_to_bookkeeping_and_releases_what_hooks_release(devi
         engine = DPCSGPNode(PrivacyParameters(max_grad_norm=0.5, noise_multiplier=1.0), rank=3,
                                    device=device, noise_seed=7, **kwargs)
         engine.attach(model)
-        assert engine.per_sample is not None and engine.per_sample.mode == mode
+        assert engine.clipping.per_sample is not None and engine.clipping.per_sample.mode == mode
         engine.noise_multiplier, engine.sample_rate, engine.expected_batch_size = 1.0, 0.1, 4.0
         F.cross_entropy(model(x), y).backward()
         stats = private_step(engine)  # same noise stream (seed, rank): the released gradients must agree

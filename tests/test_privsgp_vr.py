@@ -515,7 +515,7 @@ def test_checkpoints_hold_no_table_and_a_resumed_engine_rebuilds_it_at_the_resum
     state = engine.state_dict()
     assert "table" not in state and not any(t.is_floating_point() for t in tensors_in(state))
 
-    engine.detach()
+    engine.clipping.detach()
     resumed = make_engine(0, 1.0, 1.5)
     resumed.load_state_dict(state)
     assert resumed.steps == engine.steps == 4 and resumed.epsilon() == pytest.approx(engine.epsilon(), rel=1e-12)

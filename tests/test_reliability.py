@@ -271,7 +271,7 @@ class KeepPerSampleGradients(pl.Callback):
         if trainer.global_step == 2 and self.live is None:
             table = getattr(engine, "table", None)
             self.live = {"table": table.rows.clone()} if table is not None else {
-                "grads": [g.clone() for g in engine.per_sample.per_sample_grads()]}
+                "grads": [g.clone() for g in engine.clipping.per_sample.per_sample_grads()]}
 
 
 @pytest.mark.parametrize("strategy", [lambda: private(grad_sample_mode="hooks"),

@@ -182,8 +182,8 @@ def _fit(argv: list[str]) -> None:
                 "stream_keys": {(j, t): correlated._stream_key(j, t)
                                 for j in secrets.neighbours for t in range(STEPS + 1)},
                 "private_key": None if key_file is None else key_file.read_bytes()[-32:],
-                "noise_key": engine.noise_generator._key,
-                "sampling_key": engine.sampling_generator._key,
+                "noise_key": engine.gaussian.generator._key,
+                "sampling_key": engine.sampler.generator._key,
                 "reprs": {
                     "strategy": repr(strategy), "str(strategy)": str(strategy), "engine": repr(engine),
                     "vars(strategy)": repr(vars(strategy)), "vars(engine)": repr(vars(engine)),

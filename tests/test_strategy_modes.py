@@ -60,7 +60,7 @@ class ModeProbe(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         engine = trainer.strategy.privacy
-        self.used.add("ghost" if engine.ghost is not None else engine.per_sample.mode)
+        self.used.add("ghost" if engine.clipping.ghost is not None else engine.clipping.per_sample.mode)
 
 
 def _loader() -> DataLoader:

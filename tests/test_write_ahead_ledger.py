@@ -80,7 +80,7 @@ def test_the_file_holds_accounting_only_never_generator_states_and_is_replaced_a
     record = torch.load(ledger.path, weights_only=True)  # plain types only
     assert record["steps"] == 1 and set(record["accounting"]) == {"steps", "ledger", "noise_multiplier", "plan"}
     assert not set(GENERATOR_KEYS) & set(record["accounting"])
-    for generator in (e.noise_generator, e.sampling_generator):
+    for generator in (e.gaussian.generator, e.sampler.generator):
         assert generator._key not in ledger.path.read_bytes()
     # a crash while writing leaves the previous complete file: the new state only appears by os.replace
     inode = os.stat(ledger.path).st_ino

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_privdec.algorithms.mixing import PushSumGossip
@@ -32,7 +32,13 @@ from lightning_privdec.compression import Compressor
 from lightning_privdec.privacy.accounting import Accountant
 from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats
-from lightning_privdec.privacy.local_dp import LocalDPSGD
+from lightning_privdec.privacy.local_dp import (
+    GaussianMechanism,
+    PerSampleClipping,
+    ShardSampler,
+)
+from lightning_privdec.privacy.noise import seed_caveat
+from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.privacy.write_ahead import strip_generators
 from lightning_privdec.topology import Topology
 
@@ -72,13 +78,22 @@ def push_sum_gossip(
     )
 
 
-class PrivateNodeAlgorithm(LocalDPSGD, ABC):
-    """A private node: local DP-SGD mechanics (:class:`LocalDPSGD`), one accountant, and the lifecycle.
+class PrivateNodeAlgorithm(ABC):
+    """A private node: the local DP-SGD pieces its paper uses, one accountant, and the lifecycle.
+
+    Every node holds a :class:`~lightning_privdec.privacy.local_dp.ShardSampler` (:attr:`sampler`) and a
+    :class:`~lightning_privdec.privacy.local_dp.PerSampleClipping` (:attr:`clipping`); a paper whose noise is
+    Gaussian makes its :class:`~lightning_privdec.privacy.local_dp.GaussianMechanism` (:attr:`gaussian`) itself.
 
     Args:
-        parameters: the user's privacy parameters (validated here).
-        mechanics: ``rank``, ``device``, ``grad_sample_mode``, ``noise_seed``, ``secure_mode``: see
-            :class:`LocalDPSGD`.
+        parameters: the user's privacy parameters (validated when the strategy was built).
+        rank: this node's id (keys its own noise and sampling streams).
+        device: where the noise is drawn (the model's device).
+        grad_sample_mode: how per-sample gradients are computed (:class:`~lightning_privdec.privacy.local_dp.
+            PerSampleClipping`).
+        noise_seed: ``None`` (default) keys noise and sampling with 256 bits of OS entropy each; an int makes them
+            reproducible (tests only, NOT private: whoever knows the seed knows the noise).
+        secure_mode: Gaussian noise with Opacus's floating-point mitigation.
     """
 
     #: whether sigma is one planned number (then a strategy may keep it, or re-plan it for the steps a time limit
@@ -87,12 +102,26 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
     #: relative slack of the budget check (a scale calibrated in closed form spends the target up to float rounding)
     budget_tolerance: float = 0.0
 
-    def __init__(self, parameters: PrivacyParameters, **mechanics: Any) -> None:
-        super().__init__(parameters, **mechanics)
+    def __init__(
+        self, parameters: PrivacyParameters, *, rank: int, device: torch.device | str = "cpu",
+        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE, noise_seed: int | None = None, secure_mode: bool = False,
+    ) -> None:
+        self.parameters = parameters
+        self.rank, self.device, self.noise_seed, self.secure_mode = rank, device, noise_seed, secure_mode
+        self.sampler = ShardSampler(rank=rank, noise_seed=noise_seed)
+        self.clipping = PerSampleClipping(parameters.max_grad_norm, grad_sample_mode)
+        self.gaussian: GaussianMechanism | None = None
+        self.noise_multiplier: float | None = None
+        self.last_step: DPStepStats | None = None
         self.ledger: Accountant = self.make_accountant()
         self.planned_steps: int | None = None
         # (release, ledger steps when counted, further steps with that release that fit the target)
         self._certified: tuple[Any, int, int] | None = None
+
+    def gaussian_mechanism(self) -> GaussianMechanism:
+        """This node's Gaussian noise stream (for the papers whose noise is Gaussian)."""
+        return GaussianMechanism(rank=self.rank, device=self.device, noise_seed=self.noise_seed,
+                                 secure_mode=self.secure_mode)
 
     build_gossip = staticmethod(push_sum_gossip)
 
@@ -137,12 +166,50 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
         micro_batches: int = 1,
         steps_per_epoch: int | None = None,
     ) -> DataLoader:
-        """Poisson sampling of this node's shard (:meth:`LocalDPSGD.sample_shard`), then the noise plan."""
-        private = self.sample_shard(dataloader, world_size, node_local_data, micro_batches, steps_per_epoch)
+        """Poisson sampling of this node's shard (:meth:`ShardSampler.sample`), then the noise plan."""
+        private = self.sampler.sample(dataloader, world_size, node_local_data, micro_batches, steps_per_epoch)
         self.plan_noise(planned_steps)
         self.planned_steps = planned_steps
         self._certified = None
         return private
+
+    def attach(self, module: nn.Module, fix_model: bool = False) -> None:
+        """The node's model: validated (or fixed) for per-sample clipping, which hooks into it."""
+        self.clipping.attach(module, fix_model)
+
+    def check_examples(self, backward: Callable[[Any], Any]) -> str | None:
+        """Before the first step (once): the probe that per-sample gradients are per example
+        (:meth:`PerSampleClipping.check_examples`), on 2 to 64 examples of the shard (the expected micro-batch
+        size). None: no per-example clipping to check (Decor's user level)."""
+        sampler = self.sampler
+        if sampler.examples is None:
+            return self.clipping.examples_checked
+        size = round((sampler.expected_batch_size or 2) / sampler.micro_batches)
+        return self.clipping.check_examples(backward, sampler.examples, min(64, max(2, size)))
+
+    @property
+    def sample_rate(self) -> float | None:
+        """q, the Poisson rate of this node's shard (None before :meth:`private_dataloader`; set by hand only for a
+        node stepped without a loader, as in benchmarks)."""
+        return self.sampler.sample_rate
+
+    @sample_rate.setter
+    def sample_rate(self, value: float) -> None:
+        self.sampler.sample_rate = value
+
+    @property
+    def expected_batch_size(self) -> float | None:
+        """qJ, the expected batch size that a step's clipped sum is divided by."""
+        return self.sampler.expected_batch_size
+
+    @expected_batch_size.setter
+    def expected_batch_size(self, value: float) -> None:
+        self.sampler.expected_batch_size = value
+
+    @property
+    def privacy_caveat(self) -> str:
+        """What every line stating this node's privacy ends with: the fixed-seed caveat, or nothing."""
+        return seed_caveat(self.noise_seed)
 
     @property
     def delta(self) -> float:
@@ -212,6 +279,23 @@ class PrivateNodeAlgorithm(LocalDPSGD, ABC):
         """:meth:`state_dict` without generator states: what the write-ahead ledger writes before each release
         (:mod:`lightning_privdec.privacy.write_ahead`)."""
         return strip_generators(self.state_dict())
+
+    def generator_state(self) -> dict[str, Any]:
+        """The noise and sampling streams' states, only with a fixed ``noise_seed`` (tests)."""
+        if self.noise_seed is None:
+            return {}
+        state = {"sampling_generator": self.sampler.generator.get_state()}
+        if self.gaussian is not None:
+            state["noise_generator"] = self.gaussian.generator.get_state()
+        return state
+
+    def load_generator_state(self, state: Mapping[str, Any]) -> None:
+        if self.noise_seed is None:
+            return
+        if "sampling_generator" in state:
+            self.sampler.generator.set_state(state["sampling_generator"])
+        if self.gaussian is not None and "noise_generator" in state:
+            self.gaussian.generator.set_state(state["noise_generator"])
 
     def load_accounting_state(self, state: Mapping[str, Any]) -> None:
         """Take a later accounting state of the same run (the write-ahead ledger's): ledger and plan. The model, the

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,8 +39,8 @@ from lightning_privdec.comm import Exchange, TensorSpec
 from lightning_privdec.compression import Compressor, Identity
 from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
 from lightning_privdec.privacy.accounting.cpgt import (
-    ACCOUNTING,
     CPGTAccountant,
+    CPGTOptions,
     LaplaceRelease,
     auto_noise_decay,
     calibrate_cpgt_noise,
@@ -85,68 +84,6 @@ def plain_sgd_step_size(optimizer: torch.optim.Optimizer) -> float:
     return rates.pop()
 
 
-def _positive(value: Any, name: str) -> None:
-    if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
-        raise PrivacyConfigError(f"CPGT: {name} must be a finite number > 0, got {value!r}")
-
-
-@dataclass(frozen=True)
-class CPGTOptions:
-    """CPGT's own arguments, validated once (by the strategy when it is built): the Laplace scales d_x, d_y (or
-    ``None`` to calibrate d_x = d_y to the budget), the decay q (``"auto"``: chosen once alpha is known,
-    :func:`~lightning_privdec.privacy.accounting.cpgt.auto_noise_decay`), the assumed smoothness L (required: the
-    guarantee rests on it), the adjacency distance (or ``None``: 2 C / (q J) from clipping), its norm, the accounting
-    and the budget."""
-
-    noise_decay: float | str = "auto"
-    lipschitz: float | None = None
-    noise_x: float | None = None
-    noise_y: float | None = None
-    sensitivity: float | None = None
-    sensitivity_norm: str = "l2"
-    accounting: str = "sound"
-    target_epsilon: float | None = None
-
-    def __post_init__(self) -> None:
-        if (self.noise_x is None) != (self.noise_y is None):
-            raise PrivacyConfigError("give both noise_x and noise_y (the Laplace scales d_x, d_y), or neither")
-        if self.noise_x is None and self.target_epsilon is None:
-            raise PrivacyConfigError(
-                "CPGT needs its Laplace noise scales: pass noise_x=... and noise_y=..., or target_epsilon=... to "
-                "calibrate them (d_x = d_y)"
-            )
-        for name in ("noise_x", "noise_y", "target_epsilon", "sensitivity"):
-            _positive(getattr(self, name), name)
-        if self.lipschitz is None:
-            raise PrivacyConfigError(
-                "CPGT's guarantee (Theorem 2) assumes every node's clipped loss gradient is L-smooth, ||grad f(x) - "
-                "grad f(y)|| <= L ||x - y||, with an L that you state: the library cannot check it for your model, so "
-                "it has no default. Pass lipschitz=L (e.g. CPGTStrategy(..., lipschitz=0.1)); Theorem 2 then needs "
-                "the learning rate alpha < 1/(2L)"
-            )
-        if isinstance(self.lipschitz, bool) or not (
-            isinstance(self.lipschitz, (int, float)) and 0 < self.lipschitz < float("inf")
-        ):
-            raise PrivacyConfigError(
-                f"CPGT: lipschitz (L, the smoothness constant assumed for each node's gradient) must be a finite "
-                f"number > 0, got {self.lipschitz!r}"
-            )
-        if self.noise_decay != "auto" and (
-            isinstance(self.noise_decay, bool) or not isinstance(self.noise_decay, (int, float))
-            or not 0 < self.noise_decay < 1
-        ):
-            raise PrivacyConfigError(f"CPGT: noise_decay (q) must be 'auto' or lie in (0, 1), got {self.noise_decay!r}")
-        if self.accounting not in ACCOUNTING:
-            raise PrivacyConfigError(f"CPGT: accounting must be one of {ACCOUNTING}, got {self.accounting!r}")
-        if self.sensitivity_norm not in ("l2", "l1"):
-            raise PrivacyConfigError(f"CPGT: sensitivity_norm must be 'l2' or 'l1', got {self.sensitivity_norm!r}")
-        if self.sensitivity_norm == "l1" and self.sensitivity is None:
-            raise PrivacyConfigError(
-                "CPGT: sensitivity_norm='l1' needs an explicit l1 sensitivity=...: the distance derived from "
-                "per-sample clipping, 2C/(qJ), is an l2 bound (keep sensitivity_norm='l2' to use it)"
-            )
-
-
 class CPGTNode(PrivateNodeAlgorithm):
     """One CPGT node: clipping without Gaussian noise, gradient tracking, decaying Laplace noise in the gossip."""
 
@@ -155,6 +92,7 @@ class CPGTNode(PrivateNodeAlgorithm):
     def __init__(self, parameters: PrivacyParameters, *, options: CPGTOptions, **kwargs: Any) -> None:
         self.options = options
         super().__init__(parameters, **kwargs)
+        self.sampler.batch_size_for_shard = self._batch_size_for_shard
         self.noise_x, self.noise_y = options.noise_x, options.noise_y
         self.lipschitz, self.accounting = float(options.lipschitz), options.accounting  # type: ignore[arg-type]
         # q: given, or "auto" (chosen by configure_optimizer once alpha is known; 1 until then, no noise is drawn)
@@ -271,7 +209,7 @@ class CPGTNode(PrivateNodeAlgorithm):
     def privatize(self) -> DPStepStats:
         """g_k = clipped per-sample gradients at x_i(k) summed over qJ, then p.grad <- y_i(k) = u_i(k) + g_k."""
         gossip = self.gossip
-        if (self.per_sample is None and self.ghost is None) or gossip is None or self.next_release() is None:
+        if self.clipping.hooks is None or gossip is None or self.next_release() is None:
             raise RuntimeError("CPGTNode.privatize called before attach(), build_gossip() and private_dataloader()")
         if (gossip.noise_x, gossip.noise_y) != (self.noise_x, self.noise_y):
             raise RuntimeError("CPGT: the Laplace noise was not planned before the first step")
@@ -283,8 +221,9 @@ class CPGTNode(PrivateNodeAlgorithm):
                 f"CPGT: the learning rate changed from alpha = {self.alpha} during training; the privacy bound "
                 "assumes a constant step size"
             )
-        self.last_step = self.clip_and_noise(self.parameters.max_grad_norm, noise_multiplier=0.0)
-        params = self._trainable
+        assert self.expected_batch_size is not None
+        self.last_step = self.clipping.clipped_mean(self.expected_batch_size)  # g_k; the noise is line 5's Laplace
+        params = self.clipping.parameters
         y = gossip.track(torch.cat([p.grad.reshape(-1) for p in params]))
         for p, value in zip(params, split_like(y, params)):
             p.grad.copy_(value)

@@ -44,6 +44,7 @@ from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats, clip_factor
 from lightning_privdec.privacy.rounding import norm_upper_bound
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.local_dp import GaussianMechanism
 from lightning_privdec.privacy.noise import NoiseGenerator
 from lightning_privdec.privacy.pairwise import CorrelatedNoise, PairwiseSecrets
 from lightning_privdec.tensors import split_like
@@ -120,11 +121,19 @@ class DecorOptions:
 class DecorNode(PrivateNodeAlgorithm):
     """One Decor node on the undirected ``graph``; ``secrets`` (its pairwise keys) are set before the first step."""
 
+    gaussian: GaussianMechanism  # this node's Gaussian noise (made in __init__)
     ledger: SecLDPAccountant
 
     def __init__(self, parameters: PrivacyParameters, *, graph: nx.Graph, options: DecorOptions, **kwargs: Any) -> None:
         self.options = options
         super().__init__(parameters, **kwargs)
+        if options.clipping == "user":
+            self.sampler.micro_batch_refusal = (
+                "Decor with clipping='user' clips the whole batch gradient of a user at once: accumulate_grad_batches "
+                "must be 1 (use clipping='per_sample' to accumulate micro-batches of one logical Poisson batch)"
+            )
+        self.gaussian = self.gaussian_mechanism()  # line 4's vbar_i
+        self.module: nn.Module | None = None
         self.graph = graph
         self.sigma_cdp, self.sigma_cor = options.sigma_cdp, options.sigma_cor
         self.secrets: PairwiseSecrets | None = None
@@ -143,20 +152,12 @@ class DecorNode(PrivateNodeAlgorithm):
     def make_accountant(self) -> SecLDPAccountant:
         return SecLDPAccountant(self.delta, self.options.level)  # type: ignore[arg-type]
 
-    @property
-    def supports_micro_batches(self) -> bool:  # type: ignore[override]
-        return self.options.clipping == "per_sample"
-
-    micro_batch_refusal = (
-        "Decor with clipping='user' clips the whole batch gradient of a user at once: accumulate_grad_batches must "
-        "be 1 (use clipping='per_sample' to accumulate micro-batches of one logical Poisson batch)"
-    )
-
     def attach(self, module: nn.Module, fix_model: bool = False) -> None:
+        """Example level: per-sample clipping hooks into the model; user level clips the batch gradient (no
+        per-sample machinery)."""
+        self.module = module
         if self.options.clipping == "per_sample":
             super().attach(module, fix_model)
-        else:  # user level clips the batch gradient: no per-sample machinery
-            self._module = module
 
     @staticmethod
     def build_gossip(x0: Tensor, *, push_sum_weight: bool = False, **mixing: Any) -> Gossip:
@@ -205,21 +206,22 @@ class DecorNode(PrivateNodeAlgorithm):
     def privatize(self) -> DPStepStats:
         """Lines 2-5: clip, then add sum_{j in N_i} v_ij^(t) + vbar_i with t = this node's round count."""
         release = self.next_release()
-        if release is None or self._module is None:
+        if release is None or self.module is None:
             raise RuntimeError("DecorNode.privatize called before attach() and private_dataloader()")
         assert self.sigma_cdp is not None
-        params = [p for p in self._module.parameters() if p.requires_grad]
+        params = [p for p in self.module.parameters() if p.requires_grad]
         C = self.parameters.max_grad_norm
         if self.options.clipping == "per_sample":
             assert self.expected_batch_size is not None
-            stats = self.clip_and_noise(C, noise_multiplier=0.0)  # p.grad = clipped sum / qJ
+            stats = self.clipping.clipped_mean(self.expected_batch_size)  # p.grad = clipped sum / qJ
             scale = self.expected_batch_size  # the noise goes on the clipped sum, before the division
         else:
             # the user's whole-batch gradient, unscaled (16-mixed's loss scale); one that overflowed float16 is 0: the
             # privacy unit here is the node's whole batch, so dropping it keeps the sensitivity at C
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            if self.loss_scale != 1.0:
-                grads = [g / self.loss_scale for g in grads]
+            loss_scale = self.clipping.loss_scale  # the strategy tells it the GradScaler's scale
+            if loss_scale != 1.0:
+                grads = [g / loss_scale for g in grads]
                 if not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
                     grads = [torch.zeros_like(p) for p in params]
             norms = [norm_upper_bound(g) for g in grads]  # never below the true norm (docs/privacy.md, clipping)
@@ -233,7 +235,7 @@ class DecorNode(PrivateNodeAlgorithm):
             scale = 1.0
         noise = decor_perturbation(
             sum(p.numel() for p in params), self.steps, correlated=self.correlated, sigma_cdp=self.sigma_cdp,
-            generator=self.noise_generator, dtype=params[0].dtype, device=params[0].device,
+            generator=self.gaussian.generator, dtype=params[0].dtype, device=params[0].device,
         ).div_(scale)
         for p, chunk in zip(params, split_like(noise, params)):
             p.grad.add_(chunk)

@@ -2,8 +2,9 @@
 
 Per step t (the paper's line numbers; the strategy calls the pieces in this order):
 
-    8-10  Poisson-sample a batch at q = B / J, per-sample gradients at z_i clipped to C, summed, plus this node's own
-          N(0, sigma^2 C^2 I), divided by qJ                                          :meth:`DPCSGPNode.privatize`
+    8-10  Poisson-sample a batch at q = B / J (the node's ``sampler``), per-sample gradients at z_i clipped to C,
+          summed (its ``clipping``), plus this node's own N(0, sigma^2 C^2 I) (its ``gaussian``), divided by qJ
+                                                                                      :meth:`DPCSGPNode.privatize`
           (accounted as one Poisson-subsampled Gaussian release (sigma, q):           :meth:`DPCSGPNode.next_release`)
     11    x_i^{t+1/2} = w_i^t - eta (g_i + N_i)                             the user's optimizer, on the numerator x
     1-7   q_i = Q(x_i - x_hat_i); send {q_i, y_i}; receive; x_hat_j += q_j; w_i = x_i - x_hat_i + sum_j a_ij x_hat_j;
@@ -24,15 +25,19 @@ from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
 from lightning_privdec.privacy.accounting import GaussianRelease, SubsampledGaussianAccountant, smallest_noise
 from lightning_privdec.privacy.dp_step import DPStepStats
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.local_dp import GaussianMechanism
 
 
 class DPCSGPNode(PrivateNodeAlgorithm):
     """One DP-CSGP / PrivSGP / DP^2-SGD node: local DP-SGD with a fixed sigma, accounted as a subsampled Gaussian."""
 
+    gaussian: GaussianMechanism  # this node's Gaussian noise (made in __init__)
+
     fixed_noise_multiplier = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.gaussian = self.gaussian_mechanism()
         self._plan: tuple[int, float] | None = None  # (planned steps, q) that noise_multiplier was set for
 
     def make_accountant(self) -> SubsampledGaussianAccountant:
@@ -70,10 +75,13 @@ class DPCSGPNode(PrivateNodeAlgorithm):
 
     def privatize(self) -> DPStepStats:
         """Lines 8-10: clip each example to C, sum, add N(0, sigma^2 C^2 I), divide by qJ."""
-        if (self.per_sample is None and self.ghost is None) or self.noise_multiplier is None:
+        if self.clipping.hooks is None or self.noise_multiplier is None or self.expected_batch_size is None:
             raise RuntimeError("DPCSGPNode.privatize called before attach() and private_dataloader()")
-        assert self.sample_rate is not None
-        self.last_step = self.clip_and_noise(self.parameters.max_grad_norm, self.noise_multiplier)
+        norms = self.clipping.clipped_sum()
+        self.last_step = self.gaussian.noise_clipped_sum(
+            self.clipping.parameters, norms, max_grad_norm=self.clipping.max_grad_norm,
+            noise_multiplier=self.noise_multiplier, expected_batch_size=self.expected_batch_size,
+        )
         return self.last_step
 
     def noise_summary(self) -> str:

@@ -53,6 +53,7 @@ from lightning_privdec.privacy.accounting.saga_calibration import calibrate_saga
 from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats, clip_rows_
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.local_dp import GaussianMechanism
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
 from lightning_privdec.privacy.sampling import PoissonBatchSampler
 from lightning_privdec.tensors import split_like
@@ -216,17 +217,18 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
         rank, device, grad_sample_mode, noise_seed, secure_mode: see :class:`PrivateNodeAlgorithm`.
     """
 
-    supports_micro_batches = False
-    micro_batch_refusal = (
-        "PrivSGP-VR stores every sampled example's clipped gradient in its table and needs the whole Poisson batch "
-        "at once: use accumulate_grad_batches=1 (a smaller batch_size, or a smaller model for the table)"
-    )
+    gaussian: GaussianMechanism  # this node's Gaussian noise (made in __init__)
 
     def __init__(self, parameters: PrivacyParameters, *, options: PrivSGPVROptions | None = None, **kwargs: Any) -> None:
         fields = {name: kwargs.pop(name) for name in PrivSGPVROptions.__dataclass_fields__ if name in kwargs}
         self.options = options or PrivSGPVROptions(**fields)
         self.options.check(parameters.accountant, kwargs.get("grad_sample_mode", DEFAULT_GRAD_SAMPLE_MODE))
         super().__init__(parameters, **kwargs)
+        self.sampler.micro_batch_refusal = (
+            "PrivSGP-VR stores every sampled example's clipped gradient in its table and needs the whole Poisson "
+            "batch at once: use accumulate_grad_batches=1 (a smaller batch_size, or a smaller model for the table)"
+        )
+        self.gaussian = self.gaussian_mechanism()  # line 8's N(0, s^2 I), drawn by the node itself
         self.split: float | None = None
         self.table: SagaTable | None = None
         self.table_ready = False
@@ -250,7 +252,7 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
     def private_dataloader(self, dataloader: DataLoader, planned_steps: int, *args: Any, **kwargs: Any) -> DataLoader:
         """The Poisson loader (line 5), the noise plan, the table (memory checked) and the FIFO of sampled ids."""
         private = super().private_dataloader(dataloader, planned_steps, *args, **kwargs)
-        params = self._trainable
+        params = self.clipping.parameters
         shard, dim = len(private.dataset), sum(p.numel() for p in params)  # type: ignore[arg-type]
         self.check_table_memory(shard, dim)
         if self.table is None or (self.table.num_rows, self.table.dim) != (shard, dim):
@@ -291,22 +293,23 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
         ``backward(batch)`` runs the user's loss and backward on one chunk of the shard and says whether there was a
         loss. Nothing is released; the noise and sampling generators are not touched.
         """
-        if self.table is None or self._shard_loader is None or self.per_sample is None:
+        per_sample = self.clipping.per_sample
+        if self.table is None or self._shard_loader is None or per_sample is None:
             raise RuntimeError("PrivSGPVRNode.fill_table called before attach() and private_dataloader()")
-        params, row = self._trainable, 0
+        params, row = self.clipping.parameters, 0
         for batch in self._shard_loader:
-            self.per_sample.clear()
-            has_loss, size = backward(batch), self.per_sample.batch_size
+            per_sample.clear()
+            has_loss, size = backward(batch), per_sample.batch_size
             if not has_loss or size == 0:
                 raise PrivacyConfigError(
                     "training_step returned no loss on a batch of the shard while PrivSGP-VR filled its gradient table "
                     "(Algorithm 1, lines 1-3); every example needs a gradient. Use table_init='zeros' to skip the pass."
                 )
-            clipped = self.per_sample.flat_per_sample_grads(self.table.workspace(size, params[0].dtype))
+            clipped = per_sample.flat_per_sample_grads(self.table.workspace(size, params[0].dtype))
             clip_rows_(clipped, self.parameters.max_grad_norm)
             self.table.store(range(row, row + size), clipped)
             row += size
-        self.per_sample.clear()
+        per_sample.clear()
         for p in params:
             p.grad = None
         if row != self.table.num_rows:
@@ -354,25 +357,25 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
     # ---- lines 6-8 ---------------------------------------------------------------------------------------------------
     def privatize(self) -> DPStepStats:
         """Lines 6-8 on this step's Poisson batch: the released g~ into ``p.grad``, the table updated."""
-        release = self.next_release()
-        if self.per_sample is None or release is None or self.table is None:
+        release, per_sample = self.next_release(), self.clipping.per_sample
+        if per_sample is None or release is None or self.table is None:
             raise RuntimeError("PrivSGPVRNode.privatize called before attach() and private_dataloader()")
         if not self.table_ready:
             raise RuntimeError("the PrivSGP-VR gradient table was not filled (fill_table) before the first step")
         if not self._sampled:
             raise RuntimeError("PrivSGP-VR does not know which examples this step used: the Poisson batch sampler "
                                "recorded no batch. Train with the loader returned by private_dataloader().")
-        indices, params, C = self._sampled.popleft(), self.per_sample.parameters, self.parameters.max_grad_norm
-        size = self.per_sample.batch_size
+        indices, params, C = self._sampled.popleft(), per_sample.parameters, self.parameters.max_grad_norm
+        size = per_sample.batch_size
         if size != len(indices):
             raise RuntimeError(
                 f"the step's per-sample gradients ({size}) do not match the {len(indices)} examples the sampler drew: "
                 "training_step must compute one loss per example of the batch, in order"
             )
-        fresh = self.per_sample.flat_per_sample_grads(self.table.workspace(size, params[0].dtype))  # c_xi(z^k)
+        fresh = per_sample.flat_per_sample_grads(self.table.workspace(size, params[0].dtype))  # c_xi(z^k)
         norms = clip_rows_(fresh, C)
         std = self.noise_multiplier * C  # type: ignore[operator]
-        noise = (self.noise_generator.normal(self.table.dim, std, fresh.dtype, fresh.device) if std > 0
+        noise = (self.gaussian.normal(self.table.dim, std, fresh.dtype, fresh.device) if std > 0
                  else fresh.new_zeros(self.table.dim))
         released = saga_step(self.table, indices, fresh, self.sample_rate, noise)  # type: ignore[arg-type]
         for p, value in zip(params, split_like(released, params)):  # into p.grad where it fits (a flat buffer's view)
@@ -380,7 +383,7 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
                 p.grad.copy_(value)
             else:
                 p.grad = value.to(p.dtype).clone()
-        self.per_sample.clear()
+        per_sample.clear()
         zero = torch.zeros((), device=fresh.device)
         self.last_step = DPStepStats(
             batch_size=len(indices), mean_norm=norms.mean() if size else zero, max_norm=norms.max() if size else zero,

@@ -67,10 +67,10 @@ def train_node(
 
     ``loss(model(x), *rest)`` gives per-example or mean losses of a batch ``(x, *rest)`` (per-example losses for a
     node in ghost-clipping mode); ``after_step(t, run)`` sees the node after every step. Before the first step the
-    node's per-example probe runs (:meth:`~lightning_privdec.privacy.local_dp.LocalDPSGD.check_examples`). Every node
-    must start from the same parameters (build ``model`` under a fixed seed). After each step the node stops early
-    when ``agree(one more step would exceed this node's target_epsilon)`` says so: it must give every node the same
-    answer (:func:`train_network` passes "any node's"; the default, the node's own, suits nodes with one plan).
+    node's per-example probe runs (:meth:`~lightning_privdec.algorithms.base.PrivateNodeAlgorithm.check_examples`).
+    Every node must start from the same parameters (build ``model`` under a fixed seed). After each step the node
+    stops early when ``agree(one more step would exceed this node's target_epsilon)`` says so: it must give every node
+    the same answer (:func:`train_network` passes "any node's"; the default, the node's own, suits nodes with one plan).
     """
     node.attach(model)
     flat = FlatParameters(model)
@@ -91,12 +91,12 @@ def train_node(
         if len(x) == 0:
             return False  # an empty Poisson batch releases pure noise
         value = loss(model(x), *rest)
-        if node.ghost is not None:  # ghost clipping: per-example losses, clipped in their own backward
-            node.ghost.check_loss_shape(value)
+        if node.clipping.ghost is not None:  # ghost clipping: per-example losses, clipped in their own backward
+            node.clipping.ghost.check_loss_shape(value)
             if probe:
                 value.sum().backward()
             else:
-                node.ghost_backward(value)
+                node.clipping.ghost_backward(value)
         else:
             (value.mean() if value.dim() > 0 else value).backward()
         if not probe:

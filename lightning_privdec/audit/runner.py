@@ -140,14 +140,14 @@ def _node(
     return tap.sent
 
 
-def _decor_weights(engine: Any, graph: nx.Graph, node: int) -> np.ndarray:
+def _decor_weights(decor: Any, graph: nx.Graph, node: int) -> np.ndarray:
     """Sigma^{-1} e_node: the eavesdropper's generalised least squares over all nodes' releases of one coordinate.
 
     Node k adds vbar_k + sum_{l in N_k} v_kl with v_kl = -v_lk, so the noise across nodes has covariance
     sigma_cdp^2 I + sigma_cor^2 L (L the graph Laplacian); the canary moves only node ``node``'s release.
     """
     laplacian = nx.laplacian_matrix(graph, nodelist=sorted(graph.nodes)).toarray()
-    covariance = engine.sigma_cdp**2 * np.eye(len(laplacian)) + engine.sigma_cor**2 * laplacian
+    covariance = decor.sigma_cdp**2 * np.eye(len(laplacian)) + decor.sigma_cor**2 * laplacian
     return np.linalg.solve(covariance, np.eye(len(laplacian))[node])
 
 
@@ -260,19 +260,19 @@ def run_audit(
     secrets, graph = None, nx.Graph(topology.union_graph())
     if strategy == "decor":
         secrets = simulate_key_agreement({k: sorted(graph.neighbors(k)) for k in range(nodes)})
-    engines = [offline_node(s, secrets) for s in strategies]
+    algorithms = [offline_node(s, secrets) for s in strategies]
     network = LoopbackNetwork(nodes, timeout=600.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # n node threads on tiny tensors: intra-op parallelism only oversubscribes the cores
     try:
         transcripts = network.run(
-            lambda rank, exchange: _node(rank, exchange, strategies[rank], engines[rank], datasets[rank],
+            lambda rank, exchange: _node(rank, exchange, strategies[rank], algorithms[rank], datasets[rank],
                                          batches[rank], dimension=design.dimension, steps=steps, lr=lr)
         )
     finally:
         torch.set_num_threads(threads)
 
-    engine = engines[0]
+    algorithm = algorithms[0]
     coords = design.canary_coordinates
     common = dict(compressor=strategies[0].compressor, consensus_step=strategies[0].consensus_step,
                   seed=strategies[0].seed)  # the public message keys (strategy_kwargs may override the seed)
@@ -280,9 +280,9 @@ def run_audit(
     if is_cpgt:
         o_y, o_x, innovations = cpgt_observations(transcripts, topology, 0, dimension=design.dimension, alpha=lr,
                                                   **common)
-        d_x, d_y, decay = engine.noise_x, engine.noise_y, engine.noise_decay  # type: ignore[attr-defined]
+        d_x, d_y, decay = algorithm.noise_x, algorithm.noise_y, algorithm.noise_decay  # type: ignore[attr-defined]
         noise = {"noise_x": d_x, "noise_y": d_y, "noise_decay": decay}
-        if engine.sample_rate == 1.0:  # full gradients: only round 0 depends on the canary (Assumption 4)
+        if algorithm.sample_rate == 1.0:  # full gradients: only round 0 depends on the canary (Assumption 4)
             scores = (o_y[coords] / d_y + o_x[coords] / (d_x * decay / lr)).numpy()
             observer = "every message; node 0's first tracker and state messages, inverse-scale weights"
         else:  # mini-batches: each sampling of a canary moves g_k - g_(k-1), seen under noise d_y q^k
@@ -292,15 +292,16 @@ def run_audit(
     else:
         released = push_sum_released(transcripts, topology, x0=torch.zeros(design.dimension), lr=lr, **common)
         # in the units of the clipped sum (times each node's public expected batch size qJ), where the noise lives
-        batch = np.array([e.expected_batch_size for e in engines])
+        batch = np.array([e.expected_batch_size for e in algorithms])
         canary_releases = released[:, :, coords].numpy() * batch[:, None, None]  # (nodes, rounds, m)
         if strategy == "decor":
-            weights = _decor_weights(engine, graph, 0)
+            weights = _decor_weights(algorithm, graph, 0)
             scores = np.einsum("k,ktm->m", weights, canary_releases)
             observer = "every message of every node (eavesdropper); generalised least squares across nodes"
-            noise = {"sigma_cdp": engine.sigma_cdp, "sigma_cor": engine.sigma_cor, "adversary": engine.adversary}
+            noise = {"sigma_cdp": algorithm.sigma_cdp, "sigma_cor": algorithm.sigma_cor,
+                     "adversary": algorithm.adversary}
         elif strategy == "dyn_d2p":
-            schedule = engine.schedule
+            schedule = algorithm.schedule
             assert schedule is not None
             weights = np.array([1.0 / (schedule.noise_multiplier(t) ** 2 * schedule.clip(t)) for t in range(steps)])
             scores = np.einsum("t,tm->m", weights, canary_releases[0])
@@ -310,16 +311,17 @@ def run_audit(
         else:
             scores = canary_releases[0].sum(0)
             observer = "every message; node 0's released gradients summed over the rounds"
-            noise = {"noise_multiplier": engine.noise_multiplier, "max_grad_norm": engine.parameters.max_grad_norm}
+            noise = {"noise_multiplier": algorithm.noise_multiplier,
+                     "max_grad_norm": algorithm.parameters.max_grad_norm}
             if strategy == "privsgp_vr":
-                noise["split"] = engine.split
-    outcome = score_audit(scores, included, delta=engine.delta, confidence=confidence, guess_counts=guess_counts,
+                noise["split"] = algorithm.split
+    outcome = score_audit(scores, included, delta=algorithm.delta, confidence=confidence, guess_counts=guess_counts,
                           seed=seed)
     return AuditReport(
         strategy=strategy,
         broken=broken,
-        claimed_epsilon=float(engine.epsilon()) if claimed is None else claimed,
-        delta=float(engine.delta),
+        claimed_epsilon=float(algorithm.epsilon()) if claimed is None else claimed,
+        delta=float(algorithm.delta),
         lower_bound=outcome.epsilon,
         confidence=confidence,
         canaries=canaries,
@@ -328,7 +330,7 @@ def run_audit(
         correct=outcome.correct,
         steps=steps,
         nodes=nodes,
-        sample_rate=float(engine.sample_rate),  # type: ignore[arg-type]
+        sample_rate=float(algorithm.sample_rate),  # type: ignore[arg-type]
         observer=observer,
         noise=noise,
         seconds=time.perf_counter() - started,

@@ -14,7 +14,6 @@ import argparse
 import sys
 from typing import Any
 
-from lightning_privdec.algorithms.dyn_d2p import CALIBRATIONS, VARIANTS, calibrate_schedule
 from lightning_privdec.cli.arguments import (
     PROG,
     Subcommand,
@@ -24,7 +23,7 @@ from lightning_privdec.cli.arguments import (
     positive_int,
     probability,
 )
-from lightning_privdec.privacy.accounting.schedule import gdp_mu_from_dp
+from lightning_privdec.privacy.accounting.schedule import CALIBRATIONS, VARIANTS, calibrate_schedule, gdp_mu_from_dp
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,7 +27,7 @@ from lightning_privdec.privacy.accounting import (
 )
 from lightning_privdec.privacy.config import DEFAULT_DELTA, PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum
-from lightning_privdec.privacy.local_dp import LocalDPSGD
+from lightning_privdec.privacy.local_dp import GaussianMechanism, PerSampleClipping, ShardSampler
 from lightning_privdec.privacy.losses import causal_lm_loss, seq2seq_loss
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator, node_noise_generator
@@ -75,7 +75,9 @@ __all__ = [
     "DEFAULT_DELTA",
     "GRAD_SAMPLE_MODES",
     "GhostClipping",
-    "LocalDPSGD",
+    "GaussianMechanism",
+    "PerSampleClipping",
+    "ShardSampler",
     "DPStepStats",
     "PerSampleGradients",
     "PoissonBatchSampler",

@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from lightning_privdec.privacy.accounting.gaussian import (
-    _check_sample_rate,
-    _check_steps,
     calibrate_noise_multiplier,
     check_accountant,
 )
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.validation import (
+    check_delta,
+    check_max_grad_norm,
+    check_noise_multiplier,
+    check_sample_rate,
+    check_steps,
+    check_target_epsilon,
+)
 
 __all__ = ["DEFAULT_DELTA", "PrivacyParameters"]
 
 #: delta used to *report* epsilon when only a noise multiplier is given (see PrivacyParameters.delta_for_reporting)
 DEFAULT_DELTA = 1e-5
-
-
-def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(float(value))
 
 
 @dataclass
@@ -52,44 +53,31 @@ class PrivacyParameters:
 
     DEFAULT_DELTA: ClassVar[float] = DEFAULT_DELTA
 
-    def validate(self) -> PrivacyParameters:
-        """Check the parameters; raise :class:`PrivacyConfigError` saying what is wrong and how to fix it."""
-        if not _is_number(self.max_grad_norm) or self.max_grad_norm <= 0:
-            raise PrivacyConfigError(
-                f"max_grad_norm must be a positive number, got {self.max_grad_norm!r}; it is the per-sample "
-                "clipping bound C (DP-CSGP uses 1.5 for ResNet-18/CIFAR-10, 0.5 for an MLP on MNIST)"
-            )
+    def validate(self, *, level_required: bool = True) -> PrivacyParameters:
+        """Check the parameters; raise :class:`PrivacyConfigError` saying what is wrong and how to fix it.
+
+        ``level_required=False``: a paper whose noise is set in its own options (CPGT's Laplace scales, Decor's
+        noise pair) needs neither a noise multiplier nor a budget here."""
+        check_max_grad_norm(self.max_grad_norm)
         check_accountant(self.accountant)  # "gdp" is refused: an approximation never decides sigma or when to stop
         has_sigma = self.noise_multiplier is not None
         has_eps = self.target_epsilon is not None
-        if not has_sigma and not has_eps:
+        if level_required and not has_sigma and not has_eps:
             raise PrivacyConfigError(
                 "no privacy level given: pass noise_multiplier=..., or target_epsilon=... and target_delta=... "
                 "(e.g. target_epsilon=3.0, target_delta=1e-5)"
             )
-        if self.target_delta is not None and (
-            not _is_number(self.target_delta) or not 0.0 < float(self.target_delta) < 1.0
-        ):
-            raise PrivacyConfigError(
-                f"target_delta must lie strictly between 0 and 1, got {self.target_delta!r}; choose it below 1/J "
-                "for a shard of J examples (e.g. 1e-5)"
-            )
+        if self.target_delta is not None:
+            check_delta(self.target_delta, "target_delta")
         if has_eps:
-            if not _is_number(self.target_epsilon) or self.target_epsilon <= 0:
-                raise PrivacyConfigError(
-                    f"target_epsilon must be a positive number, got {self.target_epsilon!r} (e.g. 1.0, 3.0 or 8.0)"
-                )
+            check_target_epsilon(self.target_epsilon)
             if self.target_delta is None:
                 raise PrivacyConfigError(
                     f"target_epsilon={self.target_epsilon!r} needs target_delta: pass target_delta=... "
                     "(below 1/J for a shard of J examples, e.g. 1e-5)"
                 )
         if has_sigma:
-            if not _is_number(self.noise_multiplier) or self.noise_multiplier < 0:
-                raise PrivacyConfigError(
-                    f"noise_multiplier must be a number >= 0, got {self.noise_multiplier!r}; it is sigma, the "
-                    "noise standard deviation in units of max_grad_norm (typically 0.5 to 2)"
-                )
+            check_noise_multiplier(self.noise_multiplier)
             if self.noise_multiplier == 0:
                 warnings.warn(
                     "noise_multiplier=0 adds no noise: training clips gradients but is NOT differentially private "
@@ -138,8 +126,8 @@ class PrivacyParameters:
         with :func:`calibrate_noise_multiplier`.
         """
         self.validate()
-        sample_rate = _check_sample_rate(sample_rate)
-        steps = _check_steps(steps, minimum=1)
+        sample_rate = check_sample_rate(sample_rate)
+        steps = check_steps(steps, minimum=1)
         if self.noise_multiplier is not None:
             return float(self.noise_multiplier)
         assert self.target_epsilon is not None and self.target_delta is not None

@@ -12,7 +12,8 @@ In decentralized learning every node runs this with its *own* generator (:mod:`.
 DP: each node's released update is private by itself. (Opacus's distributed optimizer instead adds noise on rank 0
 only, which is central DP for an all-reduced sum and is not private here.)
 
-A node's step (:meth:`~lightning_privdec.privacy.local_dp.LocalDPSGD.clip_and_noise`) runs it in two parts, between
+A node's step (:class:`~lightning_privdec.privacy.local_dp.PerSampleClipping`, then
+:class:`~lightning_privdec.privacy.local_dp.GaussianMechanism`) runs it in two parts, between
 backward and the optimizer update: the per-sample mode clips and sums into ``p.grad``
 (:func:`clip_and_accumulate`, or book-keeping and ghost clipping without materialised per-sample gradients), then
 :func:`noise_clipped_sum` adds the noise and divides by q J; the node's runner records the release.
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator
+from lightning_privdec.privacy.validation import check_max_grad_norm, check_noise_multiplier, check_positive
 from lightning_privdec.privacy.rounding import SUM_BLOCK, norm_upper_bound, sum_rounding, weighted_row_sum
 
 __all__ = ["DPStepStats", "clip_and_accumulate", "clip_factor", "clip_rows_", "noise_clipped_sum"]
@@ -47,6 +48,13 @@ class DPStepStats:
     clipped_fraction: Tensor
     noise_std: float
 
+    @classmethod
+    def of(cls, norms: Tensor, max_grad_norm: float, noise_std: float) -> DPStepStats:
+        """The statistics of a step from its examples' unclipped norms (none: an empty Poisson batch)."""
+        mean_norm, max_norm, clipped = _norm_stats(norms, max_grad_norm, norms.device)
+        return cls(batch_size=int(norms.numel()), mean_norm=mean_norm, max_norm=max_norm, clipped_fraction=clipped,
+                   noise_std=noise_std)
+
     def to_dict(self) -> dict[str, float]:
         return {
             "batch_size": float(self.batch_size),
@@ -55,16 +63,6 @@ class DPStepStats:
             "clipped_fraction": float(self.clipped_fraction),
             "noise_std": float(self.noise_std),
         }
-
-
-def _check_positive(value: float, name: str, *, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise PrivacyConfigError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    if not (value >= 0 if allow_zero else value > 0) or value != value or value == float("inf"):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise PrivacyConfigError(f"{name} must be finite and {bound}, got {value!r}")
-    return value
 
 
 def _noise_and_scale_into_grads(
@@ -174,9 +172,9 @@ def noise_clipped_sum(
         generator: THIS node's generator (:func:`~lightning_privdec.privacy.noise.node_noise_generator`: ChaCha20
             under a 256-bit key).
     """
-    max_grad_norm = _check_positive(max_grad_norm, "max_grad_norm")
-    noise_multiplier = _check_positive(noise_multiplier, "noise_multiplier", allow_zero=True)
-    expected_batch_size = _check_positive(expected_batch_size, "expected_batch_size")
+    max_grad_norm = check_max_grad_norm(max_grad_norm)
+    noise_multiplier = check_noise_multiplier(noise_multiplier)
+    expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
     params = list(params)
     sums = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     std = _noise_and_scale_into_grads(params, sums, max_grad_norm, noise_multiplier, expected_batch_size, generator)

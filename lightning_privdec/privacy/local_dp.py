@@ -1,26 +1,28 @@
-"""One node's local DP-SGD mechanics: Poisson sampling, per-sample clipping and its own Gaussian noise.
+"""One node's local DP-SGD pieces, each held by the papers that use it (:mod:`lightning_privdec.algorithms`):
 
-Per step (Abadi et al. 2016, Alg. 1, on this node's shard only): Poisson-sample a batch at rate q = B / J, compute
-per-sample gradients, clip each to C, sum, add this node's own N(0, sigma^2 C^2 I) and divide by the expected batch
-size qJ. Every node draws its own noise: it never comes from a shared or central source.
+* :class:`ShardSampler` - Poisson sampling of the node's shard at q = B / J (every paper);
+* :class:`PerSampleClipping` - per-sample gradients of the node's model clipped to C and summed, in any per-sample
+  mode, micro-batches of one logical batch accumulated (every paper but Decor's user level);
+* :class:`GaussianMechanism` - this node's own N(0, sigma^2 C^2 I) on the clipped sum, divided by qJ (DP-CSGP,
+  Dyn-D2P; PrivSGP-VR and Decor draw from its generator for their own noise).
 
-This module holds the mechanics only; which C and sigma a step uses, and what it costs, are each paper's algorithm
-(:mod:`lightning_privdec.algorithms`) and its accountant (:mod:`.accounting`).
+Together they are Abadi et al. 2016, Alg. 1, on this node's shard only. Every node draws its own noise: it never
+comes from a shared or central source. Which C and sigma a step uses, and what it costs, are each paper's algorithm
+and its accountant (:mod:`.accounting`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
-from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.noise import node_noise_generator, seed_caveat
+from lightning_privdec.privacy.noise import NoiseGenerator, node_noise_generator
 from lightning_privdec.privacy.per_sample import (
     DEFAULT_GRAD_SAMPLE_MODE,
     GhostClipping,
@@ -56,102 +58,30 @@ def check_sampler_is_replaceable(sampler: Sampler, num_examples: int) -> None:
     )
 
 
-class LocalDPSGD:
-    """Per-sample clipping, per-node noise and Poisson sampling of one node.
+class ShardSampler:
+    """Poisson sampling of one node's shard, from the node's own sampling stream.
 
     Args:
-        parameters: the user's privacy parameters (validated here).
-        rank: this node's id (keys its own noise and sampling streams).
-        device: where the noise is drawn (the model's device).
-        grad_sample_mode: ``"bookkeeping"`` (default: one backward pass, per-sample norms and the clipped sum
-            without per-sample gradients in memory), ``"hooks"`` (Opacus's per-layer rules, per-sample gradients
-            materialised), ``"functorch"`` (``training_step`` returns the batch mean of per-example losses in these
-            three), or ``"ghost"`` (ghost clipping: two backward passes; ``training_step`` must return per-sample
-            losses).
-        noise_seed: ``None`` (default) keys noise and sampling with 256 bits of OS entropy each; an int makes them
-            reproducible (tests only, NOT private: whoever knows the seed knows the noise).
-        secure_mode: Gaussian noise with Opacus's floating-point mitigation (:mod:`.noise`; 4x the noise cost).
+        rank: this node's id (keys its sampling stream and names it in messages).
+        noise_seed: ``None``: the stream is keyed with 256 bits of OS entropy; an int: reproducible (tests only).
+        micro_batch_refusal: why a logical batch may not arrive as several micro-batches (None: it may).
+        batch_size_for_shard: the expected batch size B sampled from a shard of J for a requested B (default: B).
     """
 
     def __init__(
-        self,
-        parameters: PrivacyParameters,
-        *,
-        rank: int,
-        device: torch.device,
-        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
-        noise_seed: int | None = None,
-        secure_mode: bool = False,
+        self, *, rank: int, noise_seed: int | None = None, micro_batch_refusal: str | None = None,
+        batch_size_for_shard: Callable[[int, int], int] | None = None,
     ) -> None:
-        self.parameters = parameters.validate()
         self.rank = rank
-        self.grad_sample_mode = grad_sample_mode
-        self.noise_seed = noise_seed
-        self.secure_mode = secure_mode
-        self.noise_generator = node_noise_generator(device, noise_seed, rank, stream="noise", secure_mode=secure_mode)
-        self.sampling_generator = node_noise_generator("cpu", noise_seed, rank, stream="sampling")
-        self.per_sample: PerSampleGradients | None = None
-        self.ghost: GhostClipping | None = None
-        self.loss_scale = 1.0  # precision="16-mixed": the GradScaler's scale of the current step's loss
-        self._module: nn.Module | None = None
-        self._ghost_norms: torch.Tensor | None = None
-        self.noise_multiplier: float | None = None
+        self.generator = node_noise_generator("cpu", noise_seed, rank, stream="sampling")
+        self.micro_batch_refusal = micro_batch_refusal
+        self.batch_size_for_shard = batch_size_for_shard or (lambda batch_size, shard_size: batch_size)
         self.sample_rate: float | None = None
         self.expected_batch_size: float | None = None
-        self.last_step: DPStepStats | None = None
         self.micro_batches = 1  # physical micro-batches per Poisson-sampled logical batch (accumulate_grad_batches)
-        self._accumulated: list[torch.Tensor] | None = None  # clipped sums of this logical step's earlier micro-batches
-        self._accumulated_norms: list[torch.Tensor] = []
-        self._examples: tuple[Any, Any] | None = None  # (the shard, the loader's collate_fn): the probe's batches
-        self.examples_checked: str | None = None  # what check_examples found for the attached model
+        self.examples: tuple[Any, Any] | None = None  # (the shard, the loader's collate_fn): the probe's batches
 
-    # ---- setup ---------------------------------------------------------------------------------------------------
-    @property
-    def privacy_caveat(self) -> str:
-        """What every line stating this node's privacy ends with: the fixed-seed caveat, or nothing."""
-        return seed_caveat(self.noise_seed)
-
-    def attach(self, module: nn.Module, fix_model: bool = False) -> None:
-        """Validate (or fix) the model for per-sample DP and attach per-sample gradient hooks to it in place."""
-        if self._module is module:
-            return  # a second fit of the same model: the hooks carry on
-        self.detach()
-        check_private_model(module, fix=fix_model)
-        self._module = module
-        self.examples_checked = None
-        if self.grad_sample_mode == "ghost":
-            self.ghost = GhostClipping(module, self.parameters.max_grad_norm)
-        else:
-            self.per_sample = PerSampleGradients(module, mode=self.grad_sample_mode)
-
-    def detach(self) -> None:
-        """Remove the per-sample hooks from the model they are attached to."""
-        for hooks in (self.per_sample, self.ghost):
-            if hooks is not None:
-                hooks.detach()
-        self.per_sample = self.ghost = None
-        self._module = None
-
-    def set_loss_scale(self, scale: float) -> None:
-        """``precision="16-mixed"``: the next backward pass's loss (ghost clipping's per-sample losses) is multiplied
-        by ``scale``; per-example gradients are unscaled before clipping and an example's overflowed (non-finite) rows
-        are zeroed rather than skipping the step (:meth:`PerSampleGradients.set_loss_scale`)."""
-        self.loss_scale = float(scale)
-        for hooks in (self.per_sample, self.ghost):
-            if hooks is not None:
-                hooks.set_loss_scale(scale)
-
-    def take_nonfinite_examples(self) -> int:
-        """Examples with an overflowed (zeroed) per-example gradient part since the last call (16-mixed only)."""
-        hooks = self.per_sample if self.per_sample is not None else self.ghost
-        return hooks.take_nonfinite_examples() if hooks is not None else 0
-
-    def ghost_backward(self, per_sample_losses: torch.Tensor) -> None:
-        """Ghost clipping's two backward passes; ``p.grad`` then holds the sum of clipped per-sample gradients."""
-        assert self.ghost is not None
-        self._ghost_norms = self.ghost.backward(per_sample_losses)
-
-    def sample_shard(
+    def sample(
         self,
         dataloader: DataLoader,
         world_size: int = 1,
@@ -188,10 +118,10 @@ class LocalDPSGD:
                 "data, pass node_local_data=True to the strategy"
             )
         shard_size = len(shard)
-        if micro_batches > 1 and not self.supports_micro_batches:
+        if micro_batches > 1 and self.micro_batch_refusal is not None:
             raise PrivacyConfigError(self.micro_batch_refusal)
         self.micro_batches = micro_batches
-        batch_size = self._batch_size_for_shard(batch_size * micro_batches, shard_size)
+        batch_size = self.batch_size_for_shard(batch_size * micro_batches, shard_size)
         if not 0 < batch_size <= shard_size:
             raise PrivacyConfigError(
                 f"batch_size={batch_size} does not fit node {self.rank}'s shard of {shard_size} examples; "
@@ -199,50 +129,119 @@ class LocalDPSGD:
             )
         self.sample_rate = batch_size / shard_size
         private = poisson_dataloader(
-            dataloader, shard, self.sample_rate, generator=self.sampling_generator,
+            dataloader, shard, self.sample_rate, generator=self.generator,
             steps_per_epoch=max(1, (steps_per_epoch or len(dataloader)) // micro_batches), micro_batches=micro_batches,
         )
         self.expected_batch_size = self.sample_rate * shard_size
-        self._examples = (private.dataset, private.collate_fn)
+        self.examples = (private.dataset, private.collate_fn)
         return private
 
-    def check_examples(self, backward: Callable[[Any], Any]) -> str | None:
+
+class PerSampleClipping:
+    """Per-sample gradients of the node's model, each clipped to C, summed into ``p.grad``.
+
+    Args:
+        max_grad_norm: C (Dyn-D2P sets each step's C_k here before its backward pass).
+        grad_sample_mode: ``"bookkeeping"`` (default: one backward pass, per-sample norms and the clipped sum
+            without per-sample gradients in memory), ``"hooks"`` (Opacus's per-layer rules, per-sample gradients
+            materialised), ``"functorch"`` (``training_step`` returns the batch mean of per-example losses in these
+            three), or ``"ghost"`` (ghost clipping: two backward passes; ``training_step`` must return per-sample
+            losses).
+    """
+
+    def __init__(self, max_grad_norm: float, grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE) -> None:
+        self._max_grad_norm = float(max_grad_norm)
+        self.grad_sample_mode = grad_sample_mode
+        self.per_sample: PerSampleGradients | None = None
+        self.ghost: GhostClipping | None = None
+        self.loss_scale = 1.0  # precision="16-mixed": the GradScaler's scale of the current step's loss
+        self.module: nn.Module | None = None
+        self.examples_checked: str | None = None  # what check_examples found for the attached model
+        self._ghost_norms: torch.Tensor | None = None
+        self._accumulated: list[torch.Tensor] | None = None  # clipped sums of this logical step's earlier micro-batches
+        self._accumulated_norms: list[torch.Tensor] = []
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C of the step being taken."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        self._max_grad_norm = float(value)
+        if self.ghost is not None:
+            self.ghost.max_grad_norm = self._max_grad_norm
+
+    def attach(self, module: nn.Module, fix_model: bool = False) -> None:
+        """Validate (or fix) the model for per-sample DP and attach per-sample gradient hooks to it in place."""
+        if self.module is module:
+            return  # a second fit of the same model: the hooks carry on
+        self.detach()
+        check_private_model(module, fix=fix_model)
+        self.module = module
+        self.examples_checked = None
+        if self.grad_sample_mode == "ghost":
+            self.ghost = GhostClipping(module, self.max_grad_norm)
+        else:
+            self.per_sample = PerSampleGradients(module, mode=self.grad_sample_mode)
+
+    def detach(self) -> None:
+        """Remove the per-sample hooks from the model they are attached to."""
+        for hooks in (self.per_sample, self.ghost):
+            if hooks is not None:
+                hooks.detach()
+        self.per_sample = self.ghost = None
+        self.module = None
+
+    @property
+    def hooks(self) -> PerSampleGradients | GhostClipping | None:
+        return self.per_sample if self.per_sample is not None else self.ghost
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The attached model's trainable parameters, in the order of the clipped sum."""
+        hooks = self.hooks
+        if hooks is None:
+            raise RuntimeError("per-sample clipping used before attach()")
+        return hooks.parameters
+
+    def set_loss_scale(self, scale: float) -> None:
+        """``precision="16-mixed"``: the next backward pass's loss (ghost clipping's per-sample losses) is multiplied
+        by ``scale``; per-example gradients are unscaled before clipping and an example's overflowed (non-finite) rows
+        are zeroed rather than skipping the step (:meth:`PerSampleGradients.set_loss_scale`)."""
+        self.loss_scale = float(scale)
+        for hooks in (self.per_sample, self.ghost):
+            if hooks is not None:
+                hooks.set_loss_scale(scale)
+
+    def take_nonfinite_examples(self) -> int:
+        """Examples with an overflowed (zeroed) per-example gradient part since the last call (16-mixed only)."""
+        hooks = self.hooks
+        return hooks.take_nonfinite_examples() if hooks is not None else 0
+
+    def ghost_backward(self, per_sample_losses: torch.Tensor) -> None:
+        """Ghost clipping's two backward passes at C; ``p.grad`` then holds the sum of clipped per-sample gradients."""
+        assert self.ghost is not None
+        self._ghost_norms = self.ghost.backward(per_sample_losses)
+
+    def check_examples(self, backward: Callable[[Any], Any], examples: tuple[Any, Any], size: int) -> str | None:
         """Before the first step on the attached model (once): refuse, naming the layer or the loss and the fix,
         per-sample gradients that are not per example (:meth:`PerSampleGradients.check_examples`). The probe's
-        batches are the first m examples of the shard (m the expected (micro-)batch size, 2 to 64), collated with
-        the training loader's ``collate_fn`` and passed to ``backward(batch)``, which runs the user's forward and
-        backward without changing the model's train/eval mode and says whether there was a loss. The sampling and
-        noise generators are not touched. Returns the probe's summary (None: no per-example clipping to check, as
-        Decor's user-level clipping)."""
-        hooks = self.per_sample if self.per_sample is not None else self.ghost
-        if hooks is None or self._examples is None or self.examples_checked is not None:
+        batch is the first ``size`` examples of the shard, ``examples`` = (shard, collate_fn), passed to
+        ``backward(batch)``, which runs the user's forward and backward without changing the model's train/eval mode
+        and says whether there was a loss. Returns the probe's summary."""
+        hooks = self.hooks
+        if hooks is None or self.examples_checked is not None:
             return self.examples_checked
-        shard, collate = self._examples
-        size = round((self.expected_batch_size or 2) / self.micro_batches)
-        examples = min(len(shard), 64, max(2, size))
+        shard, collate = examples
         self.examples_checked = hooks.check_examples(
-            lambda indices: backward(collate([shard[i] for i in indices])), examples
+            lambda indices: backward(collate([shard[i] for i in indices])), min(len(shard), size)
         )
         return self.examples_checked
 
-    def _batch_size_for_shard(self, batch_size: int, shard_size: int) -> int:
-        """The expected batch size B this node samples with (q = B / J); engines with other sampling rules override."""
-        return batch_size
-
-    # ---- the step ------------------------------------------------------------------------------------------------
-    #: whether a logical batch may arrive as several micro-batches (engines that must see the whole batch at once
-    #: override this with the reason in :attr:`micro_batch_refusal`)
-    supports_micro_batches = True
-    micro_batch_refusal = ""
-
-    @property
-    def step_max_grad_norm(self) -> float:
-        """The clip bound C of the step being taken (Dyn-D2P's follows its schedule)."""
-        return self.parameters.max_grad_norm
-
-    def _clipped_sum_into_grads(self, max_grad_norm: float) -> torch.Tensor:
-        """p.grad <- the sum of this (micro-)batch's per-sample gradients clipped to C, in any per-sample mode;
-        returns the unclipped norms. The per-sample state is cleared for the next batch."""
+    def _micro_batch_into_grads(self) -> torch.Tensor:
+        """p.grad <- the sum of this micro-batch's per-sample gradients clipped to C; returns the unclipped norms.
+        The per-sample state is cleared for the next batch."""
         if self.ghost is not None:
             norms = self._ghost_norms
             if norms is None:  # training_step returned None: no backward, nothing to clip
@@ -252,21 +251,15 @@ class LocalDPSGD:
             self._ghost_norms = None
             return norms
         assert self.per_sample is not None
-        norms = self.per_sample.clip_and_sum(max_grad_norm)  # book-keeping never materialises per-sample gradients
+        norms = self.per_sample.clip_and_sum(self.max_grad_norm)  # book-keeping never materialises them
         self.per_sample.clear()
         return norms
 
-    @property
-    def _trainable(self) -> list[nn.Parameter]:
-        hooks = self.ghost if self.ghost is not None else self.per_sample
-        assert hooks is not None
-        return hooks.parameters
-
     def accumulate_micro_batch(self) -> None:
-        """Clip one micro-batch of a logical Poisson batch and keep its clipped sum for the step's single noise draw
-        (Opacus's BatchMemoryManager, with Lightning's ``accumulate_grad_batches``); ``p.grad`` is freed."""
-        norms = self._clipped_sum_into_grads(self.step_max_grad_norm)
-        params = self._trainable
+        """Clip one micro-batch of a logical Poisson batch and keep its clipped sum for the step (Opacus's
+        BatchMemoryManager, with Lightning's ``accumulate_grad_batches``); ``p.grad`` is freed."""
+        norms = self._micro_batch_into_grads()
+        params = self.parameters
         if self._accumulated is None:
             self._accumulated = [p.grad.detach().clone() for p in params]
         else:
@@ -276,33 +269,51 @@ class LocalDPSGD:
         for p in params:
             p.grad = None
 
-    def clip_and_noise(self, max_grad_norm: float, noise_multiplier: float) -> DPStepStats:
-        """p.grad <- (sum of per-sample gradients clipped to C + N(0, sigma^2 C^2 I)) / qJ over the whole logical
-        batch (its micro-batches included), in any per-sample mode. Records nothing: the caller accounts for the
-        step."""
-        assert self.expected_batch_size is not None
-        norms = self._clipped_sum_into_grads(max_grad_norm)
-        params = self._trainable
+    def clipped_sum(self) -> torch.Tensor:
+        """p.grad <- the sum of per-sample gradients clipped to C over the whole logical batch (its micro-batches
+        included); returns the unclipped norms (for the step's statistics only)."""
+        norms = self._micro_batch_into_grads()
         if self._accumulated is not None:  # the earlier micro-batches of this logical batch
-            for p, total in zip(params, self._accumulated):
+            for p, total in zip(self.parameters, self._accumulated):
                 p.grad.add_(total)
             norms = torch.cat([*self._accumulated_norms, norms.to(self._accumulated_norms[0].device)])
             self._accumulated, self._accumulated_norms = None, []
-        return noise_clipped_sum(
-            params, norms, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-            expected_batch_size=self.expected_batch_size, generator=self.noise_generator,
+        return norms
+
+    @torch.no_grad()
+    def clipped_mean(self, expected_batch_size: float) -> DPStepStats:
+        """p.grad <- the clipped sum divided by the expected batch size qJ, without noise (CPGT's and Decor's noise
+        is their own)."""
+        norms = self.clipped_sum()
+        for p in self.parameters:
+            p.grad.mul_(1.0 / expected_batch_size)
+        return DPStepStats.of(norms, self.max_grad_norm, noise_std=0.0)
+
+
+class GaussianMechanism:
+    """This node's own Gaussian noise (never from a shared or central source).
+
+    Args:
+        rank: this node's id (keys its noise stream).
+        device: where the noise is drawn (the model's device).
+        noise_seed: ``None``: keyed with 256 bits of OS entropy; an int: reproducible (tests only, NOT private).
+        secure_mode: Gaussian noise with Opacus's floating-point mitigation (:mod:`.noise`; 4x the noise cost).
+    """
+
+    def __init__(self, *, rank: int, device: torch.device | str, noise_seed: int | None = None,
+                 secure_mode: bool = False) -> None:
+        self.generator: NoiseGenerator = node_noise_generator(
+            device, noise_seed, rank, stream="noise", secure_mode=secure_mode
         )
 
-    # ---- checkpoints ---------------------------------------------------------------------------------------------
-    def generator_state(self) -> dict[str, Any]:
-        if self.noise_seed is None:
-            return {}
-        return {
-            "noise_generator": self.noise_generator.get_state(),
-            "sampling_generator": self.sampling_generator.get_state(),
-        }
+    def noise_clipped_sum(self, params: list[nn.Parameter], norms: torch.Tensor, *, max_grad_norm: float,
+                          noise_multiplier: float, expected_batch_size: float) -> DPStepStats:
+        """p.grad (the clipped sum) <- (p.grad + N(0, sigma^2 C^2 I)) / qJ (:func:`~.dp_step.noise_clipped_sum`)."""
+        return noise_clipped_sum(
+            params, norms, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size, generator=self.generator,
+        )
 
-    def load_generator_state(self, state: Mapping[str, Any]) -> None:
-        if self.noise_seed is not None and "noise_generator" in state:
-            self.noise_generator.set_state(state["noise_generator"])
-            self.sampling_generator.set_state(state["sampling_generator"])
+    def normal(self, numel: int, std: float, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """``numel`` draws of N(0, std^2) from this node's stream (a paper's own noise on its own sum)."""
+        return self.generator.normal(numel, std, dtype, device)

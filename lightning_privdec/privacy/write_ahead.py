@@ -2,10 +2,10 @@
 
 A checkpoint holds the ledger as of the checkpoint. A run that crashes later has already sent the messages of the
 steps in between; a resumed secure run draws fresh noise (generator states are never checkpointed) and sends NEW
-messages about the same data for those steps. So each node writes its engine's accounting state (ledger history,
+messages about the same data for those steps. So each node writes its accounting state (ledger history,
 step count, plan, noise levels: never generator states, secrets or gradients) to ``<dir>/<run>/node_<rank>.pt``
 after the private step and before the gossip, atomically (a temporary file, then ``os.replace``). On resume the
-node reads the file of the checkpoint's run: when it records more steps than the checkpoint, the engine takes the
+node reads the file of the checkpoint's run: when it records more steps than the checkpoint, the node takes the
 file's accounting state, so epsilon and the budget checks count the lost steps too.
 
 Files are keyed by a run id kept in the checkpoint: a fresh run gets a new id (and never merges with another run's
@@ -27,7 +27,7 @@ import torch
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 FORMAT = 1
-#: engine state keys that must never reach a write-ahead file (a generator's state reveals its seed)
+#: privacy state keys that must never reach a write-ahead file (a generator's state reveals its seed)
 GENERATOR_KEYS = ("noise_generator", "sampling_generator")
 
 
@@ -51,12 +51,12 @@ class WriteAheadLedger:
         self.path = self.directory / run_id / f"node_{rank}.pt"
         self._tmp = self.path.with_name(f".node_{rank}.pt.tmp")
 
-    def write(self, engine: Any) -> None:
-        """Atomically replace the file by ``engine``'s accounting state (call before the step's message leaves)."""
-        state = engine.accounting_state()
+    def write(self, node: Any) -> None:
+        """Atomically replace the file by ``node``'s accounting state (call before the step's message leaves)."""
+        state = node.accounting_state()
         if any(key in state for key in GENERATOR_KEYS):
             raise RuntimeError("accounting_state() returned generator states; they must never leave the checkpoint")
-        record = {"format": FORMAT, "run": self.run_id, "rank": self.rank, "steps": int(engine.steps),
+        record = {"format": FORMAT, "run": self.run_id, "rank": self.rank, "steps": int(node.steps),
                   "accounting": state}
         if not self._tmp.parent.is_dir():
             self._tmp.parent.mkdir(parents=True, exist_ok=True)
@@ -78,24 +78,24 @@ class WriteAheadLedger:
             )
         return record
 
-    def recover(self, engine: Any) -> int:
-        """After ``engine`` loaded a checkpoint: adopt the file's accounting state if it records more steps.
+    def recover(self, node: Any) -> int:
+        """After ``node`` loaded a checkpoint: adopt the file's accounting state if it records more steps.
 
         Returns the number of released steps past the checkpoint (0 if none) and warns on this node when positive.
         """
         record = self.read()
-        checkpointed = int(engine.steps)
+        checkpointed = int(node.steps)
         if record is None or int(record["steps"]) <= checkpointed:
             return 0
-        engine.load_accounting_state(record["accounting"])
-        lost, spent = int(engine.steps) - checkpointed, engine.epsilon()
+        node.load_accounting_state(record["accounting"])
+        lost, spent = int(node.steps) - checkpointed, node.epsilon()
         # NaN: an accountant that cannot tell its epsilon before the noise is planned (a CPGT checkpoint written
         # before its ledger kept the bound's terms); never printed as a number
-        said = (f"epsilon spent so far is {spent:.4f} (delta={engine.delta})" if not math.isnan(spent)
+        said = (f"epsilon spent so far is {spent:.4f} (delta={node.delta})" if not math.isnan(spent)
                 else "the epsilon they spent is printed at the end of training, once the noise is planned")
         warnings.warn(
             f"node {self.rank}: {lost} private steps were released after the checkpoint (its ledger has "
-            f"{checkpointed} steps, the write-ahead ledger {self.path} has {engine.steps}); they stay counted: "
+            f"{checkpointed} steps, the write-ahead ledger {self.path} has {node.steps}); they stay counted: "
             f"{said}, and the budget checks include them, so training may stop earlier than the uninterrupted run",
             UserWarning,
             stacklevel=2,

@@ -18,7 +18,6 @@ networks.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,14 +26,11 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
-from lightning_privdec.privacy import DEFAULT_DELTA, PrivacyConfigError
+from lightning_privdec.privacy import PrivacyConfigError, PrivacyParameters
 from lightning_privdec.privacy.accounting.cpgt import tracker_noise_offset
 from lightning_privdec.privacy.accounting.gaussian import check_accountant
 from lightning_privdec.tensors import split_like
 from lightning_privdec.strategies.private import PrivateDecentralizedStrategy
-
-_NO_GAUSSIAN_NOISE = "noise_multiplier=0 adds no noise"
-
 
 class CPGTStrategy(PrivateDecentralizedStrategy):
     """CPGT (DiaDSP with ``compressor=None``, ``consensus_step=1``) with per-sample clipping and Laplace noise.
@@ -65,8 +61,9 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             paper's eq. (23) verbatim, smaller than its proof supports) or ``"finite"`` (the same coupling over the
             steps taken, without the linear-difference Assumption 4: grows with every step; training stops before
             ``target_epsilon``).
-        target_epsilon: calibrate the noise to it (without noise_x/noise_y), or refuse a run whose epsilon exceeds it.
-        target_delta: accepted for a uniform command line; CPGT is pure DP (delta = 0).
+        target_epsilon: calibrate the noise to it (without noise_x/noise_y), or refuse a run whose epsilon exceeds it
+            (kept in :class:`~lightning_privdec.algorithms.cpgt.CPGTOptions` with the Laplace scales).
+        target_delta: accepted for a uniform command line and unused: CPGT is pure DP (delta = 0).
         noise_multiplier: must be ``None`` or 0: CPGT adds no Gaussian noise.
         accountant: accepted for a uniform command line and unused (CPGT's epsilon is a closed-form bound);
             ``"gdp"`` is refused as in every strategy.
@@ -113,19 +110,13 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
             noise_decay=noise_decay, lipschitz=lipschitz, noise_x=noise_x, noise_y=noise_y, sensitivity=sensitivity,
             sensitivity_norm=sensitivity_norm, accounting=accounting, target_epsilon=target_epsilon,
         )
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NO_GAUSSIAN_NOISE)
-            super().__init__(
-                topology,
-                compressor,
-                max_grad_norm=max_grad_norm,
-                noise_multiplier=0.0,
-                # the base strategy checks the budget after every step and at a resume (rounds replayed after a crash
-                # are charged in every accounting); delta is unused (pure epsilon-DP)
-                target_epsilon=target_epsilon,
-                target_delta=(target_delta or DEFAULT_DELTA) if target_epsilon is not None else None,
-                **kwargs,
-            )
+        # the base strategy checks the node's budget (the options' target_epsilon) after every step and at a resume
+        # (rounds replayed after a crash are charged in every accounting)
+        super().__init__(topology, compressor, max_grad_norm=max_grad_norm, **kwargs)
+
+    def privacy_config(self, *, max_grad_norm: float, **_: Any) -> PrivacyParameters:  # type: ignore[override]
+        """Only the clip bound C: CPGT's budget (pure epsilon-DP, no delta) and its noise are in :attr:`options`."""
+        return PrivacyParameters(max_grad_norm=max_grad_norm).validate(level_required=False)
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def make_topology(self, world_size: int):  # type: ignore[no-untyped-def]
@@ -138,11 +129,6 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
         return topology
 
     node_algorithm_class = CPGTNode
-
-    def make_node_algorithm(self) -> CPGTNode:
-        with warnings.catch_warnings():  # CPGT's parameters carry noise_multiplier=0: its noise is Laplace
-            warnings.filterwarnings("ignore", message=_NO_GAUSSIAN_NOISE)
-            return super().make_node_algorithm()  # type: ignore[return-value]
 
     def _check_optimization(self, trainer: pl.Trainer) -> None:
         super()._check_optimization(trainer)
@@ -159,27 +145,27 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
 
     def process_dataloader(self, dataloader: object) -> object:
         loader = super().process_dataloader(dataloader)
-        engine = self.privacy
-        if isinstance(engine, CPGTNode) and engine.noise_x is not None and loader is not dataloader:
+        node = self.privacy
+        if isinstance(node, CPGTNode) and node.noise_x is not None and loader is not dataloader:
             bound = (
-                f"epsilon = {engine.run_epsilon:.4g} for the whole run ({engine.accounting}; the paper's eq. (23): "
-                f"{engine.epsilon_theorem2:.4g})" if engine.run_epsilon is not None
+                f"epsilon = {node.run_epsilon:.4g} for the whole run ({node.accounting}; the paper's eq. (23): "
+                f"{node.epsilon_theorem2:.4g})" if node.run_epsilon is not None
                 else "epsilon growing with every step (finite accounting)"
             )
             rank_zero_warn(
                 "CPGT's epsilon covers the messages each node sends, under the paper's assumptions: every node's "
-                f"gradient map is L-smooth with L = {engine.lipschitz} (your assumption) and"
+                f"gradient map is L-smooth with L = {node.lipschitz} (your assumption) and"
                 + (" one example changes it by a constant vector (Assumption 4, false for neural networks; "
-                   "accounting='finite' drops it)" if engine.accounting != "finite" else " nothing more")
+                   "accounting='finite' drops it)" if node.accounting != "finite" else " nothing more")
                 + ". It does not cover a node's own final model x_i(K), which reveals its tracker, nor the "
                 "network average of the clean models: publish the noisy x^a the node already sent instead."
-                + engine.privacy_caveat
+                + node.privacy_caveat
             )
             auto = " (auto)" if self.options.noise_decay == "auto" else ""
             rank_zero_info(
-                f"CPGT: Laplace noise d_x = {engine.noise_x:.4g}, d_y = {engine.noise_y:.4g}, decay q = "
-                f"{engine.noise_decay:.4g}{auto}, alpha = {engine.alpha}, L = {engine.lipschitz}, adjacency distance "
-                f"{engine.sensitivity:.4g}, d = {engine.dimension}: {bound}, delta = 0{engine.privacy_caveat}"
+                f"CPGT: Laplace noise d_x = {node.noise_x:.4g}, d_y = {node.noise_y:.4g}, decay q = "
+                f"{node.noise_decay:.4g}{auto}, alpha = {node.alpha}, L = {node.lipschitz}, adjacency distance "
+                f"{node.sensitivity:.4g}, d = {node.dimension}: {bound}, delta = 0{node.privacy_caveat}"
             )
         return loader
 
@@ -187,23 +173,23 @@ class CPGTStrategy(PrivateDecentralizedStrategy):
         assert isinstance(self.privacy, CPGTNode)
         self._warn_about_the_tracker_noise(self.privacy)
 
-    def _warn_about_the_tracker_noise(self, engine: CPGTNode) -> None:
+    def _warn_about_the_tracker_noise(self, node: CPGTNode) -> None:
         """Before training: when the y-noise the trackers keep forever is larger than what the clipped gradients can
         cancel (:func:`~lightning_privdec.privacy.accounting.cpgt.tracker_noise_offset` > C) there is no fixed point
         and the models drift. Noise calibrated from ``target_epsilon`` alone (the defaults) is then refused, since
         defaults must train; noise the user set by hand gets a warning."""
         C = self.privacy_parameters.max_grad_norm
-        offset = tracker_noise_offset(engine.noise_y, engine.noise_decay, engine.dimension, self.world_size)  # type: ignore[arg-type]
+        offset = tracker_noise_offset(node.noise_y, node.noise_decay, node.dimension, self.world_size)  # type: ignore[arg-type]
         if offset <= C:
             return
         target = self.options.target_epsilon
         calibrated = self.options.noise_x is None and target is not None
         fix = (f"raise target_epsilon to about {target * offset / C:.3g} or more (the noise scales as 1/epsilon)"
-               if calibrated else f"lower noise_y to about {engine.noise_y * C / offset:.3g} or less")  # type: ignore[operator]
+               if calibrated else f"lower noise_y to about {node.noise_y * C / offset:.3g} or less")  # type: ignore[operator]
         message = (
             f"CPGT: the trackers keep every round's y-noise forever (Remark 2); its network mean has expected norm "
-            f"{offset:.3g} = noise_y sqrt(2 d / ((1 - q^2) n)) with noise_y = {engine.noise_y:.4g}, q = "
-            f"{engine.noise_decay:.4g}, d = {engine.dimension}, n = {self.world_size}, "
+            f"{offset:.3g} = noise_y sqrt(2 d / ((1 - q^2) n)) with noise_y = {node.noise_y:.4g}, q = "
+            f"{node.noise_decay:.4g}, d = {node.dimension}, n = {self.world_size}, "
             f"above C = {C:g}, the most the mean clipped gradient can cancel: there is no fixed point, and the models "
             f"drift instead of converging (near chance, or stopped by the divergence guard). To train, {fix}, or use "
             "fewer parameters; CPGT's pure epsilon-DP carries sqrt(d) (docs/privacy.md, \"CPGT\")."

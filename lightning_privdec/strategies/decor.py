@@ -15,7 +15,7 @@ import networkx as nx
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_privdec.privacy import PrivacyConfigError
+from lightning_privdec.privacy import PrivacyConfigError, PrivacyParameters
 from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
 from lightning_privdec.algorithms.decor import DecorNode, DecorOptions
 from lightning_privdec.privacy.pairwise import (
@@ -73,15 +73,8 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
         self.options = DecorOptions(sigma_cdp, sigma_cor, adversary, clipping, baseline)
         self.options.check_parameters(target_epsilon)
         self.key_file_dir = key_file_dir
-        super().__init__(
-            topology,
-            compressor,
-            max_grad_norm=max_grad_norm,
-            noise_multiplier=None if sigma_cdp is None else sigma_cdp / max_grad_norm,
-            target_epsilon=target_epsilon,
-            target_delta=target_delta,
-            **kwargs,
-        )
+        super().__init__(topology, compressor, max_grad_norm=max_grad_norm, target_epsilon=target_epsilon,
+                         target_delta=target_delta, **kwargs)
         if self.compressor is not None:
             raise PrivacyConfigError(
                 f"CorrelatedNoiseStrategy does not support compressor={self.compressor}: Decor's correlated noise "
@@ -89,6 +82,11 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
                 "paper's Algorithm 1 nor its SecLDP accounting has compression; a compressor would leave part of that "
                 "noise in the model. Use compressor=None, or DPCSGPStrategy for compressed private gossip."
             )
+
+    def privacy_config(self, **arguments: Any) -> PrivacyParameters:
+        """C and the budget (target_epsilon needs target_delta); the noise pair, or the choice to calibrate it from
+        the budget, is in :attr:`options` (checked there)."""
+        return PrivacyParameters(**arguments).validate(level_required=False)
 
     @property
     def adversary(self) -> str | int:
@@ -142,17 +140,17 @@ class CorrelatedNoiseStrategy(PrivateDecentralizedStrategy):
 
     def process_dataloader(self, dataloader: object) -> object:
         loader = super().process_dataloader(dataloader)
-        engine = self.privacy
-        if isinstance(engine, DecorNode) and engine.calibration is not None:
-            c = engine.calibration
+        node = self.privacy
+        if isinstance(node, DecorNode) and node.calibration is not None:
+            c = node.calibration
             options = ", ".join(
                 f"({a.sigma_cdp:.3g}, {a.sigma_cor:.3g})" for a in c.alternatives if a.feasible and a.sigma_cor is not None
             )
             rank_zero_info(
                 f"Decor calibration for epsilon={c.target_epsilon} (delta={c.delta}, {c.steps} steps, "
-                f"adversary={c.adversary}): chosen sigma_cdp={engine.sigma_cdp:.4g}, sigma_cor={engine.sigma_cor:.4g}"
+                f"adversary={c.adversary}): chosen sigma_cdp={node.sigma_cdp:.4g}, sigma_cor={node.sigma_cor:.4g}"
                 f"{' (baseline ' + self.baseline + ')' if self.baseline else ''}; LDP level {c.sigma_ldp:.4g}, "
                 f"CDP level {c.sigma_cdp_floor:.4g}; other feasible (sigma_cdp, sigma_cor): {options or 'none'}"
-                f"{engine.privacy_caveat}"
+                f"{node.privacy_caveat}"
             )
         return loader

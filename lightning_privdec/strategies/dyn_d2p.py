@@ -62,14 +62,17 @@ class DynD2PStrategy(PrivateDecentralizedStrategy):
         **kwargs: Any,
     ) -> None:
         self.options = DynD2POptions(rho_c=rho_c, rho_mu=rho_mu, variant=variant, calibration=calibration)
-        DynD2POptions.check_parameters(PrivacyParameters(
-            max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
-            target_delta=target_delta, accountant=accountant,
-        ))
         super().__init__(
-            topology, compressor, max_grad_norm=max_grad_norm, target_epsilon=target_epsilon,
-            target_delta=target_delta, accountant=accountant, **kwargs,
+            topology, compressor, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon, target_delta=target_delta, accountant=accountant, **kwargs,
         )
+
+    def privacy_config(self, **arguments: Any) -> PrivacyParameters:
+        """The budget, required (the whole schedule derives from it); a noise multiplier is refused. Built and
+        checked once, here."""
+        parameters = PrivacyParameters(**arguments)
+        DynD2POptions.check_parameters(parameters)
+        return parameters.validate()
 
     @property
     def calibration(self) -> str:
@@ -79,16 +82,16 @@ class DynD2PStrategy(PrivateDecentralizedStrategy):
 
     def process_dataloader(self, dataloader: object) -> object:
         loader = super().process_dataloader(dataloader)
-        engine = self.privacy
-        if isinstance(engine, DynD2PNode) and engine.schedule is not None and loader is not dataloader:
-            s, k = engine.schedule, engine.steps
+        node = self.privacy
+        if isinstance(node, DynD2PNode) and node.schedule is not None and loader is not dataloader:
+            s, k = node.schedule, node.steps
             rank_zero_info(
                 f"Dyn-D2P ({s.variant}, calibration={self.calibration}): K={s.steps} steps at q={s.sample_rate:.4g}, "
-                f"mu_tot={engine.mu_tot:.4g} (eq. 4), mu_0={s.mu0:.4g}, clip {s.clip(k):.4g} -> {s.clip(s.steps - 1):.4g}, "
+                f"mu_tot={node.mu_tot:.4g} (eq. 4), mu_0={s.mu0:.4g}, clip {s.clip(k):.4g} -> {s.clip(s.steps - 1):.4g}, "
                 f"sigma {s.sigma(k):.4g} -> {s.sigma(s.steps - 1):.4g}; epsilon of the plan: "
-                f"{engine.plan_epsilon:.4f} ({self.privacy_parameters.accountant}, enforced), "
-                f"{engine.plan_paper_epsilon:.4f} (paper, CLT approximation); "
-                f"{engine.certified_steps} steps fit into target_epsilon={self.privacy_parameters.target_epsilon}"
-                f"{engine.privacy_caveat}"
+                f"{node.plan_epsilon:.4f} ({self.privacy_parameters.accountant}, enforced), "
+                f"{node.plan_paper_epsilon:.4f} (paper, CLT approximation); "
+                f"{node.certified_steps} steps fit into target_epsilon={self.privacy_parameters.target_epsilon}"
+                f"{node.privacy_caveat}"
             )
         return loader

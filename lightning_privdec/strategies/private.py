@@ -93,7 +93,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             more noise: ``"auto"`` (default) re-calibrates sigma for the remaining steps but refuses, before the first
             resumed step, when the new sigma is more than twice the old one (the remaining budget would be spent on
             a model the noise destroys); ``"recalibrate"`` accepts the new sigma whatever it is; ``"keep"`` keeps the
-            checkpoint's sigma and stops training when the budget is spent (fixed-sigma engines: DP-CSGP, PrivSGP,
+            checkpoint's sigma and stops training when the budget is spent (fixed-sigma algorithms: DP-CSGP, PrivSGP,
             DP2-SGD).
         Other arguments: see :class:`DecentralizedStrategy`.
 
@@ -125,13 +125,10 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         **kwargs: Any,
     ) -> None:
         # the privacy parameters are checked first, before any process or graph exists
-        self.privacy_parameters = PrivacyParameters(
-            max_grad_norm=max_grad_norm,
-            noise_multiplier=noise_multiplier,
-            target_epsilon=target_epsilon,
-            target_delta=target_delta,
-            accountant=accountant,
-        ).validate()
+        self.privacy_parameters = self.privacy_config(
+            max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+            target_delta=target_delta, accountant=accountant,
+        )
         self.nonfinite_examples = 0  # "16-mixed": examples whose overflowed per-example gradient parts were zeroed
         if grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise PrivacyConfigError(
@@ -159,9 +156,15 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         self._fit_start_steps = 0
         self.noise_changes: list[str] = []  # each re-plan of sigma, in words (repeated by the end-of-fit summary)
 
+    def privacy_config(self, **arguments: Any) -> PrivacyParameters:
+        """The paper's privacy parameters from the strategy's arguments, validated once: here DP-SGD's (a noise
+        multiplier, or a budget to calibrate it to); a paper whose noise or budget has another shape overrides this
+        and keeps the rest in its options object."""
+        return PrivacyParameters(**arguments).validate()
+
     def configure_ddp(self) -> None:
-        # Fix and hook the model before its parameters are broadcast, flattened and handed to the optimizer. The engine
-        # (and its ledger) lives as long as the strategy: a second fit() keeps counting.
+        # Fix and hook the model before its parameters are broadcast, flattened and handed to the optimizer. The node's
+        # privacy (and its ledger) lives as long as the strategy: a second fit() keeps counting.
         if self.privacy is None:
             self.privacy = self.make_node_algorithm()
             self.connect_node_algorithm(self.privacy)
@@ -265,7 +268,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         super().process_dataloader(dataloader)  # every node has data; the steps per epoch common to all nodes
         problem: Exception | None = None
         try:
-            calibrated = self.privacy_parameters.noise_multiplier is None  # a sigma given by hand is never changed
+            # a noise given by hand is never changed
+            calibrated = self.privacy.target_epsilon is not None and self.privacy_parameters.noise_multiplier is None
             resumed_sigma = self.privacy.noise_multiplier if self.privacy.steps > 0 and calibrated else None
             k = trainer.accumulate_grad_batches  # one Poisson batch of k x batch_size per step, as k micro-batches
             assert self.steps_per_epoch is not None
@@ -283,7 +287,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         if resumed_sigma and self.privacy.noise_multiplier != resumed_sigma:
             self._noise_changed(resumed_sigma, f"this resumed run plans {self.privacy.planned_steps} steps in all, "
                                                "the checkpoint's plan fewer")
-        if self.privacy_parameters.target_epsilon is not None:  # a later fit may have budget left (a longer plan)
+        if self.privacy.target_epsilon is not None:  # a later fit may have budget left (a longer plan)
             spent = self.reduce_boolean_decision(self.privacy.next_step_exceeds_budget(), all=False)
             if not spent:
                 self.budget_stopped_at_step = None
@@ -291,7 +295,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 self.budget_stopped_at_step = trainer.global_step  # checkpoint count): no step is taken
                 trainer.should_stop = True
                 rank_zero_warn(
-                    f"{type(self).__name__}: target_epsilon={self.privacy_parameters.target_epsilon} is already spent "
+                    f"{type(self).__name__}: target_epsilon={self.privacy.target_epsilon} is already spent "
                     f"(epsilon = {self.privacy.epsilon():.4g}: the ledger counts every step released so far, and CPGT "
                     "also the rounds a resume must send again): no step is taken in this fit; raise target_epsilon "
                     f"above that to go on{self.privacy.privacy_caveat}"
@@ -304,31 +308,31 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         """With ``Trainer(max_time=...)`` and a budget to calibrate to, re-plan sigma once the pace is known."""
         self._time_replan_at = None
         timer = _max_time_timer(trainer)
-        engine = self.privacy
-        if timer is None or engine is None or self.privacy_parameters.noise_multiplier is not None:
+        node = self.privacy
+        if timer is None or node is None or self.privacy_parameters.noise_multiplier is not None:
             return
-        if self.privacy_parameters.target_epsilon is None:
+        if node.target_epsilon is None:
             return
-        if not engine.fixed_noise_multiplier:
+        if not node.fixed_noise_multiplier:
             rank_zero_info(
-                f"{type(self).__name__}: the noise is planned for {engine.planned_steps} steps (max_steps/max_epochs); "
+                f"{type(self).__name__}: the noise is planned for {node.planned_steps} steps (max_steps/max_epochs); "
                 "max_time may end the run sooner, with budget left"
             )
             return
-        self._fit_start_steps = engine.steps
-        self._time_replan_at = engine.steps + MAX_TIME_WARMUP_STEPS
+        self._fit_start_steps = node.steps
+        self._time_replan_at = node.steps + MAX_TIME_WARMUP_STEPS
 
     def _replan_for_max_time(self, trainer: pl.Trainer) -> None:
         """After the warm-up: the steps max_time allows at the slowest node's pace (fewer than planned) get sigma
         calibrated so that the budget is spent by then, instead of ending with most of it unspent."""
         self._time_replan_at = None
-        engine, timer = self.privacy, _max_time_timer(trainer)
-        assert engine is not None and timer is not None and engine.planned_steps is not None
-        taken = engine.steps - self._fit_start_steps
+        node, timer = self.privacy, _max_time_timer(trainer)
+        assert node is not None and timer is not None and node.planned_steps is not None
+        taken = node.steps - self._fit_start_steps
         per_step = max(timer.time_elapsed(), 1e-9) / max(taken, 1)
         affordable = taken + int(0.95 * max(timer.time_remaining() or 0.0, 0.0) / per_step)
         affordable = int(self.reduce(torch.tensor(affordable, device=self.root_device), reduce_op=dist.ReduceOp.MIN))
-        planned = engine.planned_steps - self._fit_start_steps
+        planned = node.planned_steps - self._fit_start_steps
         assert self.runner is not None
         replanned = self.runner.replan(self._fit_start_steps + affordable)
         if replanned is None:
@@ -340,14 +344,14 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
     def _noise_changed(self, old: float, why: str) -> None:
         """Say once that sigma changed from ``old`` for the steps from now on, and why; the end-of-fit summary
         repeats it (the steps before used ``old``)."""
-        engine = self.privacy
-        assert engine is not None and engine.noise_multiplier is not None
-        new, step = engine.noise_multiplier, engine.steps
+        node = self.privacy
+        assert node is not None and node.noise_multiplier is not None
+        new, step = node.noise_multiplier, node.steps
         change = f"sigma = {old:.4g} up to step {step}, {new:.4g} from step {step + 1}"
         self.noise_changes.append(change)
         self.say_once(
-            f"{type(self).__name__}: {why}: {change}, so that target_epsilon={self.privacy_parameters.target_epsilon} "
-            f"is spent by the end of the plan{engine.privacy_caveat}"
+            f"{type(self).__name__}: {why}: {change}, so that target_epsilon={node.target_epsilon} "
+            f"is spent by the end of the plan{node.privacy_caveat}"
         )
 
     def on_train_start(self) -> None:
@@ -365,8 +369,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
 
     def _check_examples(self) -> None:
         """Before the first update: every node runs the per-example probe on its shard
-        (:meth:`~lightning_privdec.privacy.local_dp.LocalDPSGD.check_examples`); one node's refusal stops every node
-        here, with its message."""
+        (:meth:`~lightning_privdec.algorithms.base.PrivateNodeAlgorithm.check_examples`); one node's refusal stops
+        every node here, with its message."""
         assert self.privacy is not None
         problem: PrivacyConfigError | None = None
         try:
@@ -392,8 +396,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
                 loss = output.get("loss") if isinstance(output, dict) else output
                 if loss is None:
                     return False
-                if self.privacy is not None and self.privacy.ghost is not None:  # per-sample losses
-                    self.privacy.ghost.check_loss_shape(loss)
+                if self.privacy is not None and self.privacy.clipping.ghost is not None:  # per-sample losses
+                    self.privacy.clipping.ghost.check_loss_shape(loss)
                     loss = loss.sum()
                 scaler = self._tell_loss_scale()  # "16-mixed": as in a training step (backward)
                 (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -450,7 +454,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         """All nodes decide together (one-bit all-reduce) whether one more step would exceed the target. A run whose
         plan ends with this step ends as planned (no budget stop is announced)."""
         assert self.privacy is not None
-        if self.privacy_parameters.target_epsilon is None:
+        if self.privacy.target_epsilon is None:
             return
         if not self.reduce_boolean_decision(self.privacy.next_step_exceeds_budget(), all=False):
             return
@@ -461,7 +465,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         self.budget_stopped_at_step = trainer.global_step + 1
         rank_zero_info(
             f"{type(self).__name__}: stopping after step {self.budget_stopped_at_step}: one more step would take a "
-            f"node past target_epsilon={self.privacy_parameters.target_epsilon} (delta={self.privacy.delta})"
+            f"node past target_epsilon={self.privacy.target_epsilon} (delta={self.privacy.delta})"
             f"{self.privacy.privacy_caveat}"
         )
 
@@ -509,21 +513,22 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         loss = closure_loss * k if k > 1 else closure_loss
         scaler = self._tell_loss_scale()
         loss = self._power_of_two_mean(loss)
-        if self.privacy.ghost is not None:  # per-sample losses: the clipped sum without per-sample gradients
-            self.privacy.ghost_backward(scaler.scale(loss) if scaler is not None else loss)
+        clipping = self.privacy.clipping
+        if clipping.ghost is not None:  # per-sample losses: the clipped sum without per-sample gradients
+            clipping.ghost_backward(scaler.scale(loss) if scaler is not None else loss)
         else:
             super().backward(loss, optimizer, *args, **kwargs)
         if k > 1:
-            self.privacy.accumulate_micro_batch()
+            clipping.accumulate_micro_batch()
         return closure_loss
 
     def _power_of_two_mean(self, loss: Tensor) -> Tensor:
         """Under "bf16-mixed" and "16-mixed": the mean loss times :func:`mean_loss_multiplier` (the per-sample
         gradients are told), so that half-precision output gradients do not depend on the batch size."""
-        per_sample = self.privacy.per_sample
+        per_sample = self.privacy.clipping.per_sample
         if per_sample is None or self.precision_plugin.precision not in ("bf16-mixed", "16-mixed"):
             return loss
-        expected = (self.privacy.expected_batch_size or 0) / self.privacy.micro_batches
+        expected = (self.privacy.expected_batch_size or 0) / self.privacy.sampler.micro_batches
         multiplier = mean_loss_multiplier(per_sample.forward_batch_size, expected or None)
         per_sample.set_mean_loss_multiplier(multiplier)
         return loss * multiplier if multiplier != 1.0 else loss
@@ -533,7 +538,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         assert self.privacy is not None
         options: dict[str, Any] = {"write_ahead": self._write_ahead_ledger()}
         if self._loss_scaler() is not None:  # the scale the step's backward passes were told
-            options["after_privatize"] = lambda: self._rescale_for_unscaling(self.privacy.loss_scale)
+            options["after_privatize"] = lambda: self._rescale_for_unscaling(self.privacy.clipping.loss_scale)
         return options
 
     def closure_result(self, loss: Any) -> Any:
@@ -553,7 +558,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         scaler = self._loss_scaler()
         if scaler is not None:
             assert self.privacy is not None
-            self.privacy.set_loss_scale(scaler.get_scale())
+            self.privacy.clipping.set_loss_scale(scaler.get_scale())
         return scaler
 
     def _rescale_for_unscaling(self, scale: float) -> None:
@@ -564,7 +569,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         node and the ledger counts every step: a skip would release, without noise, whether some example
         overflowed."""
         assert self.privacy is not None and self.lightning_module is not None
-        self.nonfinite_examples += self.privacy.take_nonfinite_examples()
+        self.nonfinite_examples += self.privacy.clipping.take_nonfinite_examples()
         for p in self.lightning_module.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)

@@ -78,17 +78,17 @@ class PrivSGPVRStrategy(PrivateDecentralizedStrategy):
 
     def process_dataloader(self, dataloader: object) -> object:
         loader = super().process_dataloader(dataloader)
-        engine = self.privacy
-        if isinstance(engine, PrivSGPVRNode) and loader is not dataloader and engine.noise_multiplier is not None:
-            entries = ", ".join(f"({s:.4g}, q={q:.4g})" for s, q in engine.noise.entries(engine.sample_rate))
+        node = self.privacy
+        if isinstance(node, PrivSGPVRNode) and loader is not dataloader and node.noise_multiplier is not None:
+            entries = ", ".join(f"({s:.4g}, q={q:.4g})" for s, q in node.noise.entries(node.sample_rate))
             rank_zero_info(
-                f"PrivSGP-VR: noise std {engine.noise_multiplier:.4g} C on the released sum "
-                f"(accounting={engine.accounting!r}"
-                + (f", split rho={engine.split:.3f}" if engine.split is not None else "")
+                f"PrivSGP-VR: noise std {node.noise_multiplier:.4g} C on the released sum "
+                f"(accounting={node.accounting!r}"
+                + (f", split rho={node.split:.3f}" if node.split is not None else "")
                 + (", joint analysis: one Gaussian, sensitivity (2 - q) C"
-                   if engine.accounting == "sound" and engine.split is None else "")
-                + f"); per step the ledger composes {entries}; table {engine.table.num_rows} x {engine.table.dim} "
-                f"({engine.table.nbytes / 1024**2:.1f} MiB, {str(self.options.table_dtype).replace('torch.', '')}, "
+                   if node.accounting == "sound" and node.split is None else "")
+                + f"); per step the ledger composes {entries}; table {node.table.num_rows} x {node.table.dim} "
+                f"({node.table.nbytes / 1024**2:.1f} MiB, {str(self.options.table_dtype).replace('torch.', '')}, "
                 f"init {self.options.table_init!r})"
             )
         return loader

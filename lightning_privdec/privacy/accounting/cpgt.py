@@ -41,10 +41,12 @@ from typing import Any, Literal
 
 from lightning_privdec.privacy.accounting.base import Accountant, golden_section_min
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.validation import check_positive
 
 __all__ = [
     "ACCOUNTING",
     "CPGTAccountant",
+    "CPGTOptions",
     "LaplaceRelease",
     "calibrate_cpgt_noise",
     "auto_noise_decay",
@@ -65,10 +67,8 @@ ACCOUNTING = ("sound", "theorem2", "finite")
 Accounting = Literal["sound", "theorem2", "finite"]
 
 
-def _positive(value: float, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise PrivacyConfigError(f"CPGT: {name} must be a finite number > 0, got {value!r}")
-    return float(value)
+def _positive(value: Any, name: str) -> float:
+    return check_positive(value, name, where="CPGT: ")
 
 
 def min_noise_decay(alpha: float, lipschitz: float) -> float:
@@ -423,3 +423,58 @@ class CPGTAccountant(Accountant):
         self.replayed = [(int(start), int(end)) for start, end in state.get("replayed", [])]
         if state.get("terms") is not None:  # the bound the saved rounds were released under (until the plan's own)
             self.configure(**{key: float(value) for key, value in state["terms"].items()})
+
+
+# ---- CPGT's privacy configuration --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CPGTOptions:
+    """CPGT's own arguments, its budget included (pure epsilon-DP: no delta, no noise multiplier), validated once
+    (by the strategy when it is built): the Laplace scales d_x, d_y (or
+    ``None`` to calibrate d_x = d_y to the budget), the decay q (``"auto"``: chosen once alpha is known,
+    :func:`~lightning_privdec.privacy.accounting.cpgt.auto_noise_decay`), the assumed smoothness L (required: the
+    guarantee rests on it), the adjacency distance (or ``None``: 2 C / (q J) from clipping), its norm, the accounting
+    and the budget."""
+
+    noise_decay: float | str = "auto"
+    lipschitz: float | None = None
+    noise_x: float | None = None
+    noise_y: float | None = None
+    sensitivity: float | None = None
+    sensitivity_norm: str = "l2"
+    accounting: str = "sound"
+    target_epsilon: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.noise_x is None) != (self.noise_y is None):
+            raise PrivacyConfigError("give both noise_x and noise_y (the Laplace scales d_x, d_y), or neither")
+        if self.noise_x is None and self.target_epsilon is None:
+            raise PrivacyConfigError(
+                "CPGT needs its Laplace noise scales: pass noise_x=... and noise_y=..., or target_epsilon=... to "
+                "calibrate them (d_x = d_y)"
+            )
+        for name in ("noise_x", "noise_y", "target_epsilon", "sensitivity"):
+            if getattr(self, name) is not None:
+                check_positive(getattr(self, name), name, where="CPGT: ")
+        if self.lipschitz is None:
+            raise PrivacyConfigError(
+                "CPGT's guarantee (Theorem 2) assumes every node's clipped loss gradient is L-smooth, ||grad f(x) - "
+                "grad f(y)|| <= L ||x - y||, with an L that you state: the library cannot check it for your model, so "
+                "it has no default. Pass lipschitz=L (e.g. CPGTStrategy(..., lipschitz=0.1)); Theorem 2 then needs "
+                "the learning rate alpha < 1/(2L)"
+            )
+        check_positive(self.lipschitz, "lipschitz (L, the smoothness constant assumed for each node's gradient)",
+                       where="CPGT: ")
+        if self.noise_decay != "auto" and (
+            isinstance(self.noise_decay, bool) or not isinstance(self.noise_decay, (int, float))
+            or not 0 < self.noise_decay < 1
+        ):
+            raise PrivacyConfigError(f"CPGT: noise_decay (q) must be 'auto' or lie in (0, 1), got {self.noise_decay!r}")
+        if self.accounting not in ACCOUNTING:
+            raise PrivacyConfigError(f"CPGT: accounting must be one of {ACCOUNTING}, got {self.accounting!r}")
+        if self.sensitivity_norm not in ("l2", "l1"):
+            raise PrivacyConfigError(f"CPGT: sensitivity_norm must be 'l2' or 'l1', got {self.sensitivity_norm!r}")
+        if self.sensitivity_norm == "l1" and self.sensitivity is None:
+            raise PrivacyConfigError(
+                "CPGT: sensitivity_norm='l1' needs an explicit l1 sensitivity=...: the distance derived from "
+                "per-sample clipping, 2C/(qJ), is an l2 bound (keep sensitivity_norm='l2' to use it)"
+            )

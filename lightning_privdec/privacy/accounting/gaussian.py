@@ -40,6 +40,13 @@ from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 
 from lightning_privdec.privacy.accounting.base import Accountant
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.validation import (
+    check_delta,
+    check_noise_multiplier,
+    check_number,
+    check_sample_rate,
+    check_steps,
+)
 
 __all__ = [
     "ACCOUNTANTS",
@@ -92,48 +99,6 @@ def check_accountant(name: str) -> str:
 
 
 
-def _check_number(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-        raise PrivacyConfigError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _check_delta(delta: Any, name: str = "delta") -> float:
-    delta = _check_number(delta, name)
-    if not 0.0 < delta < 1.0:
-        raise PrivacyConfigError(
-            f"{name} must lie strictly between 0 and 1, got {delta!r}; a common choice is below 1/J for a shard "
-            "of J examples (e.g. 1e-5)"
-        )
-    return delta
-
-
-def _check_sample_rate(sample_rate: Any) -> float:
-    sample_rate = _check_number(sample_rate, "sample_rate")
-    if not 0.0 < sample_rate <= 1.0:
-        raise PrivacyConfigError(
-            f"sample_rate must lie in (0, 1], got {sample_rate!r}; it is q = B / J, the expected batch size over "
-            "this node's shard size"
-        )
-    return sample_rate
-
-
-def _check_noise_multiplier(noise_multiplier: Any) -> float:
-    noise_multiplier = _check_number(noise_multiplier, "noise_multiplier")
-    if noise_multiplier < 0:
-        raise PrivacyConfigError(
-            f"noise_multiplier must be >= 0, got {noise_multiplier!r}; it is sigma, the noise standard deviation "
-            "in units of max_grad_norm"
-        )
-    return noise_multiplier
-
-
-def _check_steps(steps: Any, *, minimum: int = 0) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < minimum:
-        raise PrivacyConfigError(f"steps must be an integer >= {minimum}, got {steps!r}")
-    return steps
-
-
 @dataclass(frozen=True)
 class GaussianRelease:
     """One Poisson-subsampled Gaussian step: noise multiplier sigma (std in units of the clip bound) at rate q."""
@@ -142,8 +107,8 @@ class GaussianRelease:
     sample_rate: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "noise_multiplier", _check_noise_multiplier(self.noise_multiplier))
-        object.__setattr__(self, "sample_rate", _check_sample_rate(self.sample_rate))
+        object.__setattr__(self, "noise_multiplier", check_noise_multiplier(self.noise_multiplier))
+        object.__setattr__(self, "sample_rate", check_sample_rate(self.sample_rate))
 
 
 # ---- epsilon of a history ---------------------------------------------------------------------------------------
@@ -169,8 +134,8 @@ def gdp_epsilon_approximation(noise_multiplier: float, sample_rate: float, steps
     Opacus searches epsilon in [0, 500] and raises when the root is outside: at ``epsilon = 0`` the mechanism is
     already (0, delta)-DP (returned as 0.0), or epsilon exceeds 500 (returned as ``inf``).
     """
-    sigma = _check_noise_multiplier(noise_multiplier)
-    q, steps, delta = _check_sample_rate(sample_rate), _check_steps(steps, minimum=1), _check_delta(delta)
+    sigma = check_noise_multiplier(noise_multiplier)
+    q, steps, delta = check_sample_rate(sample_rate), check_steps(steps, minimum=1), check_delta(delta)
     if sigma == 0.0:
         return math.inf
     with warnings.catch_warnings():
@@ -222,9 +187,9 @@ def epsilon_for(
     """
     accountant = check_accountant(accountant)
     history = [
-        (_check_noise_multiplier(noise_multiplier), _check_sample_rate(sample_rate), _check_steps(steps))
+        (check_noise_multiplier(noise_multiplier), check_sample_rate(sample_rate), check_steps(steps))
     ]
-    return _epsilon_of_history(history, _check_delta(delta), accountant)
+    return _epsilon_of_history(history, check_delta(delta), accountant)
 
 
 # ---- calibration ------------------------------------------------------------------------------------------------
@@ -300,13 +265,13 @@ def calibrate_noise_multiplier(
             multiplier of ~1e6 exceeds it, or so large that essentially no noise is needed).
     """
     accountant = check_accountant(accountant)
-    target_epsilon = _check_number(target_epsilon, "target_epsilon")
+    target_epsilon = check_number(target_epsilon, "target_epsilon")
     if target_epsilon <= 0:
         raise PrivacyConfigError(f"target_epsilon must be > 0, got {target_epsilon!r}")
-    target_delta = _check_delta(target_delta, "target_delta")
-    sample_rate = _check_sample_rate(sample_rate)
-    steps = _check_steps(steps, minimum=1)
-    epsilon_tolerance = _check_number(epsilon_tolerance, "epsilon_tolerance")
+    target_delta = check_delta(target_delta, "target_delta")
+    sample_rate = check_sample_rate(sample_rate)
+    steps = check_steps(steps, minimum=1)
+    epsilon_tolerance = check_number(epsilon_tolerance, "epsilon_tolerance")
     if not 0.0 < epsilon_tolerance < 1.0:
         raise PrivacyConfigError(
             f"epsilon_tolerance is relative and must lie in (0, 1), got {epsilon_tolerance!r} (0.01 = 1%)"
@@ -375,7 +340,7 @@ class SubsampledGaussianAccountant(Accountant):
 
     def __init__(self, accountant: str = "rdp", delta: float | None = None) -> None:
         self.accountant = check_accountant(accountant)
-        self.delta = None if delta is None else _check_delta(delta)
+        self.delta = None if delta is None else check_delta(delta)
         self.history: History = []
         self._cache: dict[tuple[Any, ...], float] = {}
 
@@ -391,9 +356,9 @@ class SubsampledGaussianAccountant(Accountant):
         return history
 
     def _extended(self, noise_multiplier: float, sample_rate: float, steps: int) -> History:
-        noise_multiplier = _check_noise_multiplier(noise_multiplier)
-        sample_rate = _check_sample_rate(sample_rate)
-        steps = _check_steps(steps, minimum=1)
+        noise_multiplier = check_noise_multiplier(noise_multiplier)
+        sample_rate = check_sample_rate(sample_rate)
+        steps = check_steps(steps, minimum=1)
         return self._append(self.history, noise_multiplier, sample_rate, steps)
 
     release_type = GaussianRelease
@@ -413,7 +378,7 @@ class SubsampledGaussianAccountant(Accountant):
             delta = self.delta
         if delta is None:
             raise PrivacyConfigError(f"no delta given: pass delta=... here or to {type(self).__name__}(delta=...)")
-        return _check_delta(delta)
+        return check_delta(delta)
 
     def _epsilon(self, history: History, delta: float) -> float:
         key = (tuple(history), delta)
@@ -471,11 +436,11 @@ class SubsampledGaussianAccountant(Accountant):
         history: History = []
         for sigma, q, t in _as_entries(state["history"]):
             history = self._append(
-                history, _check_noise_multiplier(sigma), _check_sample_rate(q), _check_steps(int(t), minimum=1)
+                history, check_noise_multiplier(sigma), check_sample_rate(q), check_steps(int(t), minimum=1)
             )
         self.history = history
         if state.get("delta") is not None:
-            self.delta = _check_delta(state["delta"])
+            self.delta = check_delta(state["delta"])
         self._cache.clear()
 
     def __repr__(self) -> str:

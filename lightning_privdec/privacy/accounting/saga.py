@@ -57,13 +57,15 @@ from scipy.optimize import minimize_scalar
 from lightning_privdec.privacy.accounting.gaussian import (
     GaussianRelease,
     SubsampledGaussianAccountant,
-    _check_delta,
-    _check_noise_multiplier,
-    _check_sample_rate,
-    _check_steps,
     _epsilon_of_history,
 )
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.validation import (
+    check_delta,
+    check_noise_multiplier,
+    check_sample_rate,
+    check_steps,
+)
 
 __all__ = [
     "ACCOUNTINGS",
@@ -136,8 +138,8 @@ def saga_step_entries(
     ``split=None``, the joint ``[(s / (2 - q)C, 1)]``); ``"paper"``: ``[(s / 3C, q)]``; ``"no_amplification"``:
     ``[(s / (2 - q)C, 1)]``.
     """
-    m = _check_noise_multiplier(noise_multiplier)
-    q = _check_sample_rate(sample_rate)
+    m = check_noise_multiplier(noise_multiplier)
+    q = check_sample_rate(sample_rate)
     if accounting == "paper":
         return [(m / 3.0, q)]
     if accounting != "sound":
@@ -192,10 +194,10 @@ def optimal_split(
 
     Any split gives a valid bound; this one gives the smallest (RDP) epsilon, and is used with the PRV accountant too.
     """
-    m = _check_noise_multiplier(noise_multiplier)
-    q = _check_sample_rate(sample_rate)
-    steps = _check_steps(steps, minimum=1)
-    delta = _check_delta(delta)
+    m = check_noise_multiplier(noise_multiplier)
+    q = check_sample_rate(sample_rate)
+    steps = check_steps(steps, minimum=1)
+    delta = check_delta(delta)
     if m == 0.0:
         return 0.5
     base = history_rdp(history)
@@ -255,11 +257,11 @@ def saga_epsilon(
     joint analysis. ``history`` holds earlier ledger entries.
     """
     check_accounting(accounting, accountant)
-    steps = _check_steps(steps)
-    delta = _check_delta(delta)
+    steps = check_steps(steps)
+    delta = check_delta(delta)
     if accounting == "sound" and split == "best":
         split = sound_split(noise_multiplier, sample_rate, max(1, steps), delta, history, accountant)
-    noise = SagaNoise(accounting, _check_noise_multiplier(noise_multiplier), split)  # type: ignore[arg-type]
+    noise = SagaNoise(accounting, check_noise_multiplier(noise_multiplier), split)  # type: ignore[arg-type]
     with warnings.catch_warnings(), np.errstate(divide="ignore"):  # PRV at rate 1 takes log(1 - q) = -inf
         warnings.filterwarnings("ignore", message="Optimal order is the")
         return _epsilon_of_history(history_with(history, noise, sample_rate, steps), delta, accountant)

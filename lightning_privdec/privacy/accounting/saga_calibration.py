@@ -16,10 +16,6 @@ import numpy as np
 
 from lightning_privdec.privacy.accounting.base import golden_section_min
 from lightning_privdec.privacy.accounting.gaussian import (
-    _check_delta,
-    _check_number,
-    _check_sample_rate,
-    _check_steps,
     _epsilon_of_history,
     calibrate_noise_multiplier,
 )
@@ -34,6 +30,7 @@ from lightning_privdec.privacy.accounting.saga import (
     rdp_conversion,
 )
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.validation import check_delta, check_number, check_sample_rate, check_steps
 
 __all__ = ["calibrate_saga_noise"]
 
@@ -137,12 +134,12 @@ def _calibrate(
     epsilon_tolerance: float,
 ) -> SagaNoise:
     check_accounting(accounting, accountant)
-    target = _check_number(target_epsilon, "target_epsilon")
+    target = check_number(target_epsilon, "target_epsilon")
     if target <= 0:
         raise PrivacyConfigError(f"target_epsilon must be > 0, got {target_epsilon!r}")
-    delta = _check_delta(target_delta, "target_delta")
-    q = _check_sample_rate(sample_rate)
-    steps = _check_steps(steps, minimum=1)
+    delta = check_delta(target_delta, "target_delta")
+    q = check_sample_rate(sample_rate)
+    steps = check_steps(steps, minimum=1)
     where = f"target_epsilon={target:g}, target_delta={delta:g}, sample_rate={q:g}, steps={steps}"
 
     def epsilon(noise: SagaNoise) -> float:
