@@ -128,7 +128,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         self.budget_stopped_at_step: int | None = None
         self.noise_changes: list[str] = []  # each re-plan of sigma, in words (repeated by the end-of-fit summary)
 
-    def configure_ddp(self) -> None:
+    def configure_node(self) -> None:
         # Fix and hook the model before its parameters are broadcast, flattened and handed to the optimizer.
         if self.privacy is None:
             self.privacy = self.make_node_algorithm()
@@ -142,7 +142,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         except PrivacyConfigError as exc:  # e.g. BatchNorm: refused on every node, said once
             problem = exc
         stop_every_node_on(problem)
-        super().configure_ddp()
+        super().configure_node()
 
     def configuration(self) -> dict[str, Any]:
         configuration = super().configuration()
@@ -153,7 +153,7 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         return configuration
 
     def node_algorithm(self) -> PrivateNodeAlgorithm:
-        assert self.privacy is not None, "the node algorithm is made in configure_ddp"
+        assert self.privacy is not None, "the node algorithm is made in configure_node"
         return self.privacy
 
     def connect_node_algorithm(self, node: PrivateNodeAlgorithm) -> None:
