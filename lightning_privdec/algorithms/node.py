@@ -15,10 +15,13 @@ Per step, on the node's flat parameters (:class:`~.flat_parameters.FlatParameter
     gossip.debias_into(z)          the node's model for the next forward
 
 A non-private node (SGP, D-PSGD) runs the same step without the four privacy lines. Around the steps the runner
-holds the privacy policy, Lightning-free: the checks of a plan before training (:meth:`NodeRunner.check_plan`: a
-resumed run's new noise under ``resume_noise``, delta against the shard, a budget that pays for one step), the
-re-plan for a run cut short by a time limit (:meth:`NodeRunner.replan`) and the budget check after each step
-(:meth:`NodeRunner.next_step_exceeds_budget`; the caller decides with the other nodes).
+holds the privacy policy, Lightning-free: a fit's noise plan and its checks (:meth:`NodeRunner.plan`,
+:meth:`NodeRunner.check_plan`: a resumed run's new noise under ``resume_noise``, delta against the shard, a budget
+that pays for one step; :func:`planned_steps` from the run's limits), the re-plan for a run cut short by a time
+limit (:meth:`NodeRunner.plan_time_limit`, :meth:`NodeRunner.replan_for_time_limit`), the budget check after each
+step (:meth:`NodeRunner.next_step_exceeds_budget`; the caller decides with the other nodes), the end-of-fit summary,
+and where the write-ahead ledger goes (:class:`WriteAheadPlace`). What only the caller knows (the clock, the
+directories, an agreement across nodes) is passed in.
 """
 
 from __future__ import annotations
@@ -168,17 +171,19 @@ class NodeRunner:
     # ---- the privacy policy around the steps ------------------------------------------------------------------------
     def plan(
         self, loader: Any, planned_steps: int, world_size: int, *, node_local_data: bool, micro_batches: int,
-        steps_per_epoch: int, calibrated: bool, resume_noise: str = "auto",
+        steps_per_epoch: int, calibrated: bool, resume_noise: str = "auto", check: Callable[[], None] = lambda: None,
     ) -> tuple[Any, float | None]:
         """A fit's noise plan: the node's Poisson-sampled loader of its shard and sigma for ``planned_steps``
-        (``private_dataloader``), then :meth:`check_plan`. Returns the private loader and, when a resumed run's
-        calibrated sigma (``calibrated``: not given by hand) changed with the new plan, the checkpoint's sigma."""
+        (``private_dataloader``), then :meth:`check_plan` and the paper's own ``check``. Returns the private loader
+        and, when a resumed run's calibrated sigma (``calibrated``: not given by hand) changed with the new plan, the
+        checkpoint's sigma."""
         node = self.node
         assert node is not None
         resumed_sigma = node.noise_multiplier if node.steps > 0 and calibrated else None
         private = node.private_dataloader(loader, planned_steps, world_size, node_local_data,
                                           micro_batches=micro_batches, steps_per_epoch=steps_per_epoch)
         self.check_plan(shard_size=len(private.dataset), resumed_sigma=resumed_sigma, resume_noise=resume_noise)
+        check()
         return private, resumed_sigma if resumed_sigma and node.noise_multiplier != resumed_sigma else None
 
     def check_plan(self, *, shard_size: int, resumed_sigma: float | None = None, resume_noise: str = "auto") -> None:
@@ -290,11 +295,29 @@ class NodeRunner:
                               f"not the {planned} planned by max_steps/max_epochs")
 
     # ---- what the user is told --------------------------------------------------------------------------------------
-    def noise_change(self, old: float) -> str:
-        """sigma's change from ``old`` at this step, in words (the steps before used ``old``)."""
+    def noise_change(self, name: str, old: float, why: str) -> tuple[str, str]:
+        """sigma's change from ``old`` at this step (the steps before used ``old``), in words, and what the user is
+        told: why, and that the budget is now spent by the end of the plan."""
         node = self.node
         assert node is not None and node.noise_multiplier is not None
-        return f"sigma = {old:.4g} up to step {node.steps}, {node.noise_multiplier:.4g} from step {node.steps + 1}"
+        change = f"sigma = {old:.4g} up to step {node.steps}, {node.noise_multiplier:.4g} from step {node.steps + 1}"
+        return change, (f"{name}: {why}: {change}, so that target_epsilon={node.target_epsilon} is spent by the end "
+                        f"of the plan{node.privacy_caveat}")
+
+    def budget_stop_note(self, name: str, step: int) -> str:
+        """Why every node stops after ``step``: one more step would take a node past ``target_epsilon``."""
+        node = self.node
+        assert node is not None
+        return (f"{name}: stopping after step {step}: one more step would take a node past "
+                f"target_epsilon={node.target_epsilon} (delta={node.delta}){node.privacy_caveat}")
+
+    def budget_spent_note(self, name: str) -> str:
+        """Why a fit takes no step: the budget was spent before it began (a resumed run's ledger counts every step)."""
+        node = self.node
+        assert node is not None
+        return (f"{name}: target_epsilon={node.target_epsilon} is already spent (epsilon = {node.epsilon():.4g}: the "
+                "ledger counts every step released so far, and CPGT also the rounds a resume must send again): no "
+                f"step is taken in this fit; raise target_epsilon above that to go on{node.privacy_caveat}")
 
     def final_summary(self, name: str, per_node: Sequence[tuple[float, float]], noise_changes: Sequence[str]) -> str:
         """The end-of-fit lines: the noise (and each change of it), then every node's (epsilon, steps)."""

@@ -46,8 +46,8 @@ from lightning_privdec.comm.objects import gather_objects
 from lightning_privdec.compression import Compressor, build_compressor
 from lightning_privdec.data.cycled import CycledLoader
 from lightning_privdec.strategies.checks import (
-    batches_per_epoch, check_overlap, check_peer_timeout, check_robust, check_same_configuration, common_steps_per_epoch, describe,
-    differing_fields, gather_from_nodes, model_difference,
+    batches_per_epoch, check_overlap, check_peer_timeout, check_robust, check_same_configuration,
+    common_steps_per_epoch, describe, differing_fields, gather_from_nodes, model_difference,
 )
 from lightning_privdec.strategies.divergence import DivergenceGuard, likely_cause
 from lightning_privdec.strategies.membership import authenticate, make_exchange, output_directories
@@ -106,8 +106,8 @@ class DecentralizedStrategy(ProcessGroupStrategy):
             or validation pass (the others wait that long). ``None`` keeps ``timeout`` (Lightning's, 30 minutes by
             default), which also bounds the start-up rendezvous; see the README, "Reliability".
         kwargs: :class:`~lightning_privdec.strategies.process_group.ProcessGroupStrategy`'s: ``start_method``,
-            ``process_group_backend``, ``timeout`` and every Lightning strategy's (``accelerator``, ``parallel_devices``,
-            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``).
+            ``process_group_backend``, ``timeout`` and every Lightning strategy's (``accelerator``,
+            ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``).
     """
 
     #: mixing-weight rule the algorithm needs by default, and the stochasticity it checks

@@ -84,7 +84,8 @@ def authenticate(
 
 
 def make_exchange(
-    device: torch.device, timeout: timedelta | None, sealing: SealKeys | None = None, robust_radius: float | None = None,
+    device: torch.device, timeout: timedelta | None, sealing: SealKeys | None = None,
+    robust_radius: float | None = None,
 ) -> Exchange:
     """The gossip's point-to-point exchange: over torch.distributed; with ``sealing`` keys sealed per edge and
     carried length-framed over TCP (so that no message size can abort the receiver; sealed and sent from the host);

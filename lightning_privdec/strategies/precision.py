@@ -18,7 +18,9 @@ whether some example overflowed. :class:`PrivatePrecision` holds the plugin and 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,6 +30,8 @@ from torch import Tensor
 from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
 from lightning_privdec.privacy import PrivacyConfigError
 from lightning_privdec.privacy.per_sample import mean_loss_multiplier
+
+log = logging.getLogger("lightning.pytorch")  # Lightning's console handler: each node's own line
 
 
 class PrivatePrecision:
@@ -111,7 +115,12 @@ class PrivatePrecision:
         """The loss as the plugin's backward would scale it (for a backward pass the plugin does not run)."""
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
-    def post_privatize(self, parameters: Any) -> None:
+    def after_privatize(self, parameters: Iterable[Tensor]) -> Callable[[], None] | None:
+        """What the node's step runs once the release is recorded (:meth:`post_privatize` on ``parameters``), or
+        None without a GradScaler."""
+        return None if self.scaler is None else partial(self.post_privatize, list(parameters))
+
+    def post_privatize(self, parameters: Iterable[Tensor]) -> None:
         """``precision="16-mixed"``, after the release is recorded: the privatized gradient is unscaled (clipping saw
         unscaled per-example gradients), and the plugin divides every gradient by the scale before the optimizer
         step, so it is multiplied by the scale here (exact for the power-of-two scales GradScaler uses). It is
@@ -131,13 +140,12 @@ class PrivatePrecision:
             return torch.zeros((), device=self.device)
         return loss
 
-    def overflow_note(self, name: str, rank: int) -> str | None:
-        """The end-of-fit line of a node some of whose examples overflowed float16 (each node its own: the count
-        depends on its data and is never sent), or None."""
-        if not self.nonfinite_examples:
-            return None
-        return (
-            f"{name}, node {rank}: {self.nonfinite_examples} examples overflowed float16 under precision='16-mixed' "
-            "and contributed zero where they did; float16 stops at 65504: precision='bf16-mixed' avoids it (or, for "
-            "backward overflows, a smaller GradScaler init_scale)"
-        )
+    def report_overflows(self, name: str, rank: int) -> None:
+        """At the end of a fit, on a node some of whose examples overflowed float16: how many (each node its own
+        line: the count depends on its data and is never sent)."""
+        if self.nonfinite_examples:
+            log.info(
+                f"{name}, node {rank}: {self.nonfinite_examples} examples overflowed float16 under precision='16-mixed'"
+                " and contributed zero where they did; float16 stops at 65504: precision='bf16-mixed' avoids it (or, "
+                "for backward overflows, a smaller GradScaler init_scale)"
+            )

@@ -1,17 +1,14 @@
 """The private strategies' Lightning glue: local DP-SGD on each node, then the algorithm's gossip.
 
-Each node Poisson-samples its own shard at q = B / J, clips per-sample gradients to C, adds its OWN Gaussian noise
-N(0, sigma^2 C^2 I), divides by qJ, and records the step in its own ledger: the node's step of
-:mod:`lightning_privdec.algorithms.node`, which also holds the privacy policy (the plan's checks, the re-plan for a
-time limit, the write-ahead ledger's place). This class adds what Lightning needs: the private loader, the decisions
-all nodes take together (start, stop at the budget), the backward pass (mixed precision:
-:mod:`lightning_privdec.strategies.precision`) and the checkpoint hooks. The gossip that follows only sees
-privatized updates, so it is post-processing: compression costs no privacy.
+Each node Poisson-samples its own shard, clips per-sample gradients, adds its OWN noise and records the release in
+its own ledger: the node's step of :mod:`lightning_privdec.algorithms.node`, which also holds the privacy policy.
+This class adds what Lightning needs: the private loader, the decisions all nodes take together (start, stop at the
+budget), the backward pass (:mod:`.precision`) and the checkpoint hooks. The gossip only sees privatized updates:
+it is post-processing, so compression costs no privacy.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from functools import partial
@@ -34,11 +31,9 @@ from lightning_privdec.strategies.base import DecentralizedStrategy
 from lightning_privdec.strategies.checks import gather_tensors
 from lightning_privdec.strategies.precision import PrivatePrecision
 from lightning_privdec.strategies.private_trainer import (
-    backward_outside_step, check_one_loader, check_private_loader, check_private_training, max_time_timer,
-    plan_ends_with_this_step, stop_every_node_on, trainer_planned_steps,
+    backward_outside_step, check_one_loader, check_private_loader, check_private_training,
+    ledger_directories, max_time_timer, on_every_node, plan_ends_with_this_step, time_left, trainer_planned_steps,
 )
-
-log = logging.getLogger("lightning.pytorch")  # Lightning's console handler; used for each node's own lines
 
 
 class PrivateDecentralizedStrategy(DecentralizedStrategy):
@@ -50,30 +45,24 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             training from the planned steps (``max_steps``, or ``max_epochs`` x batches per epoch) and q = B / J.
         accountant: ``"rdp"`` (default) or ``"prv"`` (Opacus's sound accountants). ``"gdp"`` is refused when the
             strategy is built: a central-limit approximation never calibrates sigma or enforces the budget.
-        grad_sample_mode: ``"bookkeeping"`` (default: one backward pass, the clipped sum without per-sample
-            gradients in memory), ``"hooks"`` or ``"functorch"`` (per-sample gradients materialised): ``training_step``
-            returns the batch mean of per-example losses; or ``"ghost"``: ghost clipping, for which ``training_step``
-            returns the per-example losses (``reduction="none"``, shape ``(batch,)``). All clip the same way. Every
-            layer must see the examples along dimension 0 and each example's loss depend on that example only; a
-            probe checks both before the first update (docs/privacy.md, "What per-example clipping requires").
+        grad_sample_mode: ``"bookkeeping"`` (default: the clipped sum in one backward pass), ``"hooks"`` or
+            ``"functorch"`` (per-sample gradients materialised): ``training_step`` returns the mean loss; ``"ghost"``:
+            it returns the per-example losses (``reduction="none"``). All clip alike; a probe checks before the first
+            update that each example's loss depends on that example only (docs/privacy.md, "What per-example
+            clipping requires").
         fix_model: replace layers incompatible with per-sample DP (BatchNorm -> GroupNorm) instead of raising.
-        noise_seed: ``None`` (default, secure): noise and Poisson sampling from ChaCha20 streams keyed with 256 bits
-            of OS entropy per node and run (:mod:`lightning_privdec.privacy.noise`); an int: reproducible streams
-            derived from (seed, rank), NOT private (whoever knows the seed knows the noise): for tests and debugging.
-        secure_mode: Gaussian noise with Opacus's floating-point mitigation (each coordinate the sum of four draws,
-            halved; Holohan and Braghin 2021): mitigates the floating-point attacks on the sampler at 4x its cost.
+        noise_seed: ``None`` (default, secure): noise and sampling from ChaCha20 streams keyed with OS entropy
+            (:mod:`lightning_privdec.privacy.noise`); an int: reproducible and NOT private, for tests and debugging.
+        secure_mode: Gaussian noise with Opacus's floating-point mitigation (Holohan and Braghin 2021), at 4x its cost.
         node_local_data: each process's training loader already holds only that node's data (no
             DistributedSampler); otherwise a missing sampler is refused, as every node would sample every example.
-        ledger_dir: the write-ahead privacy ledger (:mod:`lightning_privdec.privacy.write_ahead`): each step's
-            accounting state is on disk before its message leaves, so that a resumed run counts the steps released
-            after its checkpoint. ``True`` (default): ``privacy_ledger`` next to the checkpoints, else in the log
-            directory (:class:`~lightning_privdec.algorithms.node.WriteAheadPlace`); a path: there; ``False``/``None``:
-            off (unsafe for resumes). Runs with a fixed ``noise_seed`` write none (docs/privacy.md, "Resuming after a
-            crash").
+        ledger_dir: the write-ahead privacy ledger, on disk before each message leaves, so that a resumed run counts
+            the steps released after its checkpoint: ``True`` (default): next to the checkpoints, else in the log
+            directory (:class:`~lightning_privdec.algorithms.node.WriteAheadPlace`); a path; ``False``/``None``: off
+            (unsafe for resumes). See docs/privacy.md, "Resuming after a crash".
         resume_noise: a resumed run whose longer plan needs more noise: ``"auto"`` (default) re-calibrates sigma but
-            refuses over twice the old one; ``"recalibrate"`` accepts any; ``"keep"`` keeps the checkpoint's sigma and
-            stops at the budget (fixed-sigma papers: DP-CSGP, PrivSGP, DP2-SGD); docs/privacy.md, "Resuming with a
-            longer plan".
+            refuses over twice the old one; ``"recalibrate"`` accepts any; ``"keep"`` keeps the old sigma and stops at
+            the budget (DP-CSGP, PrivSGP, DP2-SGD). See docs/privacy.md, "Resuming with a longer plan".
         Other arguments: see :class:`DecentralizedStrategy`.
 
     A NaN or infinite privatized gradient stops training on that node before the update leaves it (see
@@ -85,23 +74,12 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
     stop_on_nonfinite_loss = False  # an empty Poisson batch has a NaN mean loss; its privatized gradient is checked
 
     def __init__(
-        self,
-        topology: Any = "exponential",
-        compressor: Any = None,
-        *,
-        max_grad_norm: float,
-        noise_multiplier: float | None = None,
-        target_epsilon: float | None = None,
-        target_delta: float | None = None,
-        accountant: str = "rdp",
-        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE,
-        fix_model: bool = False,
-        noise_seed: int | None = None,
-        secure_mode: bool = False,
-        node_local_data: bool = False,
-        ledger_dir: str | os.PathLike | bool | None = True,
-        resume_noise: str = "auto",
-        **kwargs: Any,
+        self, topology: Any = "exponential", compressor: Any = None, *,
+        max_grad_norm: float, noise_multiplier: float | None = None,
+        target_epsilon: float | None = None, target_delta: float | None = None, accountant: str = "rdp",
+        grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE, fix_model: bool = False, noise_seed: int | None = None,
+        secure_mode: bool = False, node_local_data: bool = False,
+        ledger_dir: str | os.PathLike | bool | None = True, resume_noise: str = "auto", **kwargs: Any,
     ) -> None:
         # the privacy parameters are checked first, before any process or graph exists
         self.privacy_parameters = PrivacyParameters(
@@ -136,12 +114,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             self.private_precision = PrivatePrecision(self.privacy, self.root_device)
             self.ledger_place = WriteAheadPlace(self.ledger_dir, self.global_rank, seeded=self.noise_seed is not None)
             self.ledger_place.run = self.broadcast(new_run_id())  # a new run: a new write-ahead ledger, all nodes
-        problem: PrivacyConfigError | None = None
-        try:
-            self.privacy.attach(self.model, fix_model=self.fix_model)
-        except PrivacyConfigError as exc:  # e.g. BatchNorm: refused on every node, said once
-            problem = exc
-        stop_every_node_on(problem)
+        privacy = self.privacy
+        on_every_node(lambda: privacy.attach(self.model, fix_model=self.fix_model))  # e.g. BatchNorm: said once
         super().configure_node()
 
     def configuration(self) -> dict[str, Any]:
@@ -193,19 +167,14 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         dataloader = check_private_loader(dataloader)
         super().process_dataloader(dataloader)  # every node has data; the steps per epoch common to all nodes
         calibrated = self.privacy_parameters.noise_multiplier is None  # a sigma given by hand is never changed
-        problem: Exception | None = None
-        try:
-            k = trainer.accumulate_grad_batches  # one Poisson batch of k x batch_size per step, as k micro-batches
-            assert self.steps_per_epoch is not None and self.runner is not None
-            private, resumed_sigma = self.runner.plan(
-                dataloader, trainer_planned_steps(trainer, self.steps_per_epoch // k), self.world_size,
-                node_local_data=self.node_local_data, micro_batches=k, steps_per_epoch=self.steps_per_epoch,
-                calibrated=calibrated, resume_noise=self.resume_noise,
-            )
-            self.check_plan()
-        except PrivacyConfigError as exc:
-            problem = exc
-        stop_every_node_on(problem)
+        k = trainer.accumulate_grad_batches  # one Poisson batch of k x batch_size per step, as k micro-batches
+        runner, steps_per_epoch = self.runner, self.steps_per_epoch
+        assert runner is not None and steps_per_epoch is not None
+        private, resumed_sigma = on_every_node(lambda: runner.plan(
+            dataloader, trainer_planned_steps(trainer, steps_per_epoch // k), self.world_size,
+            node_local_data=self.node_local_data, micro_batches=k, steps_per_epoch=steps_per_epoch,
+            calibrated=calibrated, resume_noise=self.resume_noise, check=self.check_plan,
+        ))
         if resumed_sigma is not None:
             self._noise_changed(resumed_sigma, f"this resumed run plans {self.privacy.planned_steps} steps in all, "
                                                "the checkpoint's plan fewer")
@@ -216,58 +185,39 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
             elif self.budget_stopped_at_step is None:  # resumed with the budget spent (steps released after the
                 self.budget_stopped_at_step = trainer.global_step  # checkpoint count): no step is taken
                 trainer.should_stop = True
-                rank_zero_warn(
-                    f"{type(self).__name__}: target_epsilon={self.privacy_parameters.target_epsilon} is already spent "
-                    f"(epsilon = {self.privacy.epsilon():.4g}: the ledger counts every step released so far, and CPGT "
-                    "also the rounds a resume must send again): no step is taken in this fit; raise target_epsilon "
-                    f"above that to go on{self.privacy.privacy_caveat}"
-                )
+                rank_zero_warn(runner.budget_spent_note(type(self).__name__))
             if calibrated and max_time_timer(trainer) is not None:  # max_time: sigma follows the time the run has
-                note = self.runner.plan_time_limit()
+                note = runner.plan_time_limit()
                 if note is not None:
                     rank_zero_info(f"{type(self).__name__}: {note}")
         return private
 
     def _noise_changed(self, old: float, why: str) -> None:
-        """Say once that sigma changed from ``old`` for the steps from now on, and why; the end-of-fit summary
-        repeats it (the steps before used ``old``)."""
-        assert self.runner is not None and self.privacy is not None
-        change = self.runner.noise_change(old)
+        """Say once that sigma changed from ``old``, and why; the end-of-fit summary repeats it."""
+        assert self.runner is not None
+        change, message = self.runner.noise_change(type(self).__name__, old, why)
         self.noise_changes.append(change)
-        self.say_once(
-            f"{type(self).__name__}: {why}: {change}, so that target_epsilon={self.privacy_parameters.target_epsilon} "
-            f"is spent by the end of the plan{self.privacy.privacy_caveat}"
-        )
+        self.say_once(message)
 
     def on_train_start(self) -> None:
         super().on_train_start()
         check_one_loader(self.lightning_module.trainer)
-        assert self.privacy is not None
-        problem: PrivacyConfigError | None = None
-        try:  # the per-example probe on every node's shard (LocalDPSGD.check_examples); one refusal stops all
-            self.privacy.check_examples(partial(self.user_backward, train=None))
-        except PrivacyConfigError as exc:
-            problem = exc
-        stop_every_node_on(problem)
-        self.privacy.before_first_step(self.user_backward)
+        privacy = self.privacy
+        assert privacy is not None  # the per-example probe on every node's shard (LocalDPSGD.check_examples)
+        on_every_node(lambda: privacy.check_examples(partial(self.user_backward, train=None)))
+        privacy.before_first_step(self.user_backward)
 
     def user_backward(self, batch: Any, train: bool | None = True) -> bool:
-        """The user's forward and backward on one batch outside a training step (nothing logged, no optimizer);
-        whether a loss was returned. For work an algorithm does at the starting parameters (PrivSGP-VR's table) and
-        for the per-example probe (``train=None``: the modules' train/eval modes as they are). Ghost clipping's
-        per-sample losses are summed."""
+        """The user's forward and backward on one batch outside a training step, for PrivSGP-VR's table and the
+        per-example probe (``train=None``): :func:`~.private_trainer.backward_outside_step`."""
         assert self.private_precision is not None
         return backward_outside_step(self, batch, self.private_precision.backward_outside_step, train)
 
     # ---- the step ------------------------------------------------------------------------------------------------
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """The private step, kept within ``target_epsilon``.
-
-        After each step all nodes decide together whether one more step would take any node past the target; if so
-        training stops there, on every node at the same step. A step that would exceed the budget anyway (Lightning's
-        ``min_epochs``/``min_steps`` keep the loop running) is refused: no data is touched and nothing is released.
-        A new ``fit`` re-checks the budget at setup (a budget that cannot pay for one step is refused there).
-        """
+        """The private step, kept within ``target_epsilon``: after each step all nodes decide together whether one
+        more step would take any node past it, and if so stop there. A step past it anyway (Lightning's
+        ``min_epochs``/``min_steps``) is refused: no data is touched and nothing is released."""
         trainer = self.lightning_module.trainer
         if self.budget_stopped_at_step is not None:  # the shared decision taken after the last step
             trainer.should_stop = True
@@ -275,10 +225,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self.runner is not None and self.privacy is not None
         if self.runner.time_replan_due():  # max_time: the steps the slowest node's pace allows
-            timer = max_time_timer(trainer)
-            assert timer is not None
-            replanned = self.runner.replan_for_time_limit(timer.time_elapsed(), timer.time_remaining() or 0.0,
-                                                          self._fewest_over_nodes)
+            replanned = self.runner.replan_for_time_limit(*time_left(trainer), slowest=lambda steps: int(self.reduce(
+                torch.tensor(steps, device=self.root_device), reduce_op=dist.ReduceOp.MIN)))
             if replanned is not None:
                 self._noise_changed(*replanned)
         # all nodes decide together (one-bit all-reduce) whether one more step would exceed the target; a run
@@ -288,24 +236,14 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         if self.reduce_boolean_decision(self.runner.next_step_exceeds_budget(), all=False):
             trainer.should_stop = True
             self.budget_stopped_at_step = trainer.global_step + 1
-            rank_zero_info(
-                f"{type(self).__name__}: stopping after step {self.budget_stopped_at_step}: one more step would take "
-                f"a node past target_epsilon={self.privacy_parameters.target_epsilon} (delta={self.privacy.delta})"
-                f"{self.privacy.privacy_caveat}"
-            )
+            rank_zero_info(self.runner.budget_stop_note(type(self).__name__, self.budget_stopped_at_step))
         return output
-
-    def _fewest_over_nodes(self, steps: int) -> int:
-        return int(self.reduce(torch.tensor(steps, device=self.root_device), reduce_op=dist.ReduceOp.MIN))
 
     def step_options(self) -> dict[str, Any]:
         """The node's write-ahead ledger, and under "16-mixed" the rescaling of the privatized gradient."""
         assert self.private_precision is not None and self.lightning_module is not None
-        options: dict[str, Any] = {"write_ahead": self._write_ahead_ledger()}
-        if self.private_precision.scaler is not None:
-            options["after_privatize"] = partial(self.private_precision.post_privatize,
-                                                 list(self.lightning_module.parameters()))
-        return options
+        return {"write_ahead": self._write_ahead_ledger(),
+                "after_privatize": self.private_precision.after_privatize(self.lightning_module.parameters())}
 
     def closure_result(self, loss: Any) -> Any:
         return loss if self.private_precision is None else self.private_precision.closure_result(loss)
@@ -326,13 +264,10 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         super().on_train_end()
         if self.privacy is None or self.runner is None or self.private_precision is None:
             return
-        local = torch.tensor([self.privacy.epsilon(), float(self.privacy.steps)], dtype=torch.float64,
-                             device=self.root_device)
-        per_node = gather_tensors(local).tolist()  # the configuration is the same on every node (checked at setup)
+        local = [self.privacy.epsilon(), float(self.privacy.steps)]
+        per_node = gather_tensors(torch.tensor(local, dtype=torch.float64, device=self.root_device)).tolist()
         rank_zero_info(self.runner.final_summary(type(self).__name__, per_node, self.noise_changes))
-        overflows = self.private_precision.overflow_note(type(self).__name__, self.global_rank)
-        if overflows is not None:
-            log.info(overflows)
+        self.private_precision.report_overflows(type(self).__name__, self.global_rank)
 
     # ---- checkpoints and the write-ahead privacy ledger ------------------------------------------------------------
     def node_state_dict(self) -> dict[str, Any]:
@@ -360,12 +295,6 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
 
     def _write_ahead_ledger(self) -> WriteAheadLedger | None:
         """This node's write-ahead ledger (``ledger_dir``), once it has a place."""
-        assert self.ledger_place is not None
-        trainer = self.lightning_module.trainer
-
-        def candidates() -> list[Any]:  # evaluated once (the log directory is broadcast)
-            saved = self.ledger_place.checkpoint_saved  # type: ignore[union-attr]
-            return [getattr(trainer.checkpoint_callback, "dirpath", None), trainer.loggers and trainer.log_dir,
-                    trainer.default_root_dir if saved else None]
-
-        return self.ledger_place.open(candidates)
+        place, trainer = self.ledger_place, self.lightning_module.trainer
+        assert place is not None  # the directories are looked up once (the log directory is broadcast)
+        return place.open(lambda: ledger_directories(trainer, place.checkpoint_saved))

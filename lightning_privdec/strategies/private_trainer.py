@@ -5,7 +5,7 @@ is the plan's last."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -19,6 +19,8 @@ from lightning_privdec.algorithms.node import planned_steps
 from lightning_privdec.privacy import PrivacyConfigError
 from lightning_privdec.strategies.checks import gather_from_nodes, raised_on_every_node
 
+T = TypeVar("T")
+
 
 def stop_every_node_on(problem: PrivacyConfigError | None) -> None:
     """One node's configuration error stops every node here, instead of leaving the others waiting for it (every
@@ -30,6 +32,18 @@ def stop_every_node_on(problem: PrivacyConfigError | None) -> None:
     if failed:
         error = PrivacyConfigError(f"node {failed[0][0]} cannot train privately, so no node starts: {failed[0][1]}")
         raise raised_on_every_node(error, rank)
+
+
+def on_every_node(action: Callable[[], T]) -> T:
+    """``action()``, run by every node at the same point; a PrivacyConfigError on any node stops every node
+    (:func:`stop_every_node_on`)."""
+    problem, result = None, None
+    try:
+        result = action()
+    except PrivacyConfigError as exc:
+        problem = exc
+    stop_every_node_on(problem)
+    return result  # type: ignore[return-value]
 
 
 def check_private_training(trainer: pl.Trainer, name: str, max_grad_norm: float) -> None:
@@ -126,3 +140,17 @@ def backward_outside_step(
         del module.log, module.log_dict  # the class's own methods again
         for m, training in modes:
             m.training = training
+
+
+def ledger_directories(trainer: pl.Trainer, checkpoint_saved: bool) -> list[Any]:
+    """Where a write-ahead ledger may go, first choice first (:class:`~lightning_privdec.algorithms.node.
+    WriteAheadPlace`): the checkpoint directory, the log directory, the root directory once a checkpoint was saved."""
+    return [getattr(trainer.checkpoint_callback, "dirpath", None), trainer.loggers and trainer.log_dir,
+            trainer.default_root_dir if checkpoint_saved else None]
+
+
+def time_left(trainer: pl.Trainer) -> tuple[float, float]:
+    """``max_time``'s (elapsed, remaining) seconds."""
+    timer = max_time_timer(trainer)
+    assert timer is not None
+    return timer.time_elapsed(), timer.time_remaining() or 0.0
