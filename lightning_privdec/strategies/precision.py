@@ -10,10 +10,11 @@ whether some example overflowed. :class:`PrivatePrecision` holds the plugin and 
     backward()         a step's per-sample backward: the node learns the loss scale, the mean loss is multiplied
                        by a power of two; ghost clipping's backward (scaled here) or the plugin's; micro-batches kept
     backward_outside_step()  the same for a backward outside a step (PrivSGP-VR's table, the per-example probe)
-    post_privatize()   the unscaled privatized gradient times the scale, so that the plugin's unscaling is exact
+    after_privatize()  the node's step then multiplies the unscaled privatized gradient by the scale, so that the
+                       plugin's unscaling is exact (post_privatize; overflowed examples counted, report_overflows)
     closure_result()   never None under "16-mixed", so that the plugin never skips an (empty-batch) step
 
-(docs/privacy.md, "Mixed precision").
+(docs/privacy.md, "precision=\"16-mixed\": loss scaling").
 """
 
 from __future__ import annotations
