@@ -28,6 +28,7 @@ from lightning_privdec import (
 from lightning_privdec.privacy import PrivacyParameters
 from lightning_privdec.strategies import STRATEGIES, DecentralizedStrategy
 from tests.small_classifier import Classifier, dataset
+from lightning_privdec.strategies.process_group import ProcessGroupStrategy
 from lightning_privdec.strategies.checks import (
     NodeMismatchError,
     NonFiniteStepError,
@@ -88,7 +89,7 @@ def test_every_strategy_argument_is_compared_across_nodes_or_declared_local(name
     cls = STRATEGIES[name]
     arguments = {
         p.name
-        for klass in cls.__mro__ if isinstance(klass, type) and issubclass(klass, DecentralizedStrategy)
+        for klass in cls.__mro__ if isinstance(klass, type) and issubclass(klass, ProcessGroupStrategy)
         for p in inspect.signature(klass.__init__).parameters.values()
         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"
     }

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_privdec.strategies import base
+from lightning_privdec.strategies import process_group as base
 
 
 def _net(seed: int) -> nn.Module:

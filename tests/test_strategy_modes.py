@@ -234,7 +234,7 @@ def test_16_mixed_unscales_before_clipping_and_skips_no_step(name: str, tmp_path
     for got, want in zip(probe.steps, reference.steps):
         assert got.dtype == torch.float32
         assert float((got - want).norm() / want.norm()) < 1e-2
-    assert strategy.nonfinite_examples == 0
+    assert strategy.private_precision.nonfinite_examples == 0
 
 
 def test_16_mixed_an_overflowing_example_adds_zero_and_no_step_is_skipped(tmp_path, device: torch.device) -> None:
@@ -248,7 +248,7 @@ def test_16_mixed_an_overflowing_example_adds_zero_and_no_step_is_skipped(tmp_pa
     trainer, strategy, model, probe = _fit_16_mixed("dp_csgp", loader, tmp_path, device)
     assert trainer.global_step == 2 and strategy.privacy.steps == 2
     assert trainer.precision_plugin.scaler.get_scale() == 2.0**16
-    assert strategy.nonfinite_examples > 0
+    assert strategy.private_precision.nonfinite_examples > 0
     assert all(torch.isfinite(step).all() for step in probe.steps)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

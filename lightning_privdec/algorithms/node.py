@@ -15,15 +15,20 @@ Per step, on the node's flat parameters (:class:`~.flat_parameters.FlatParameter
     gossip.debias_into(z)          the node's model for the next forward
 
 A non-private node (SGP, D-PSGD) runs the same step without the four privacy lines. Around the steps the runner
-holds the privacy policy, Lightning-free: the checks of a plan before training (:meth:`NodeRunner.check_plan`: a
-resumed run's new noise under ``resume_noise``, delta against the shard, a budget that pays for one step), the
-re-plan for a run cut short by a time limit (:meth:`NodeRunner.replan`) and the budget check after each step
-(:meth:`NodeRunner.next_step_exceeds_budget`; the caller decides with the other nodes).
+holds the privacy policy, Lightning-free: a fit's noise plan and its checks (:meth:`NodeRunner.plan`,
+:meth:`NodeRunner.check_plan`: a resumed run's new noise under ``resume_noise``, delta against the shard, a budget
+that pays for one step; :func:`planned_steps` from the run's limits), the re-plan for a run cut short by a time
+limit (:meth:`NodeRunner.plan_time_limit`, :meth:`NodeRunner.replan_for_time_limit`), the budget check after each
+step (:meth:`NodeRunner.next_step_exceeds_budget`; the caller decides with the other nodes), the end-of-fit summary,
+and where the write-ahead ledger goes (:class:`WriteAheadPlace`). What only the caller knows (the clock, the
+directories, an agreement across nodes) is passed in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -94,7 +99,8 @@ class NodeRunner:
     ) -> None:
         self.model, self.flat, self.gossip, self.node, self.rank = model, flat, gossip, node, rank
         self.check_loss = node is None if check_loss is None else check_loss
-
+        self._time_limit_start = 0  # the node's steps when this fit began (plan_time_limit)
+        self._time_replan_at: int | None = None  # the node's step at which sigma is re-planned for a time limit
 
     def check_finite(self, loss: Any, step: int) -> None:
         """Stop at the first NaN or infinite gradient (or loss), before the update or the gossip."""
@@ -163,6 +169,23 @@ class NodeRunner:
         return output
 
     # ---- the privacy policy around the steps ------------------------------------------------------------------------
+    def plan(
+        self, loader: Any, planned_steps: int, world_size: int, *, node_local_data: bool, micro_batches: int,
+        steps_per_epoch: int, calibrated: bool, resume_noise: str = "auto", check: Callable[[], None] = lambda: None,
+    ) -> tuple[Any, float | None]:
+        """A fit's noise plan: the node's Poisson-sampled loader of its shard and sigma for ``planned_steps``
+        (``private_dataloader``), then :meth:`check_plan` and the paper's own ``check``. Returns the private loader
+        and, when a resumed run's calibrated sigma (``calibrated``: not given by hand) changed with the new plan, the
+        checkpoint's sigma."""
+        node = self.node
+        assert node is not None
+        resumed_sigma = node.noise_multiplier if node.steps > 0 and calibrated else None
+        private = node.private_dataloader(loader, planned_steps, world_size, node_local_data,
+                                          micro_batches=micro_batches, steps_per_epoch=steps_per_epoch)
+        self.check_plan(shard_size=len(private.dataset), resumed_sigma=resumed_sigma, resume_noise=resume_noise)
+        check()
+        return private, resumed_sigma if resumed_sigma and node.noise_multiplier != resumed_sigma else None
+
     def check_plan(self, *, shard_size: int, resumed_sigma: float | None = None, resume_noise: str = "auto") -> None:
         """Before training, once the noise is planned (``private_dataloader``): a resumed run's new sigma against
         ``resumed_sigma``, the checkpoint's (:meth:`check_resumed_noise`); delta against the shard of
@@ -232,3 +255,150 @@ class NodeRunner:
     def next_step_exceeds_budget(self) -> bool:
         """Whether one more step would take this node past its ``target_epsilon`` (False without privacy)."""
         return self.node is not None and self.node.next_step_exceeds_budget()
+
+    # ---- a run cut short by a time limit ----------------------------------------------------------------------------
+    def plan_time_limit(self) -> str | None:
+        """At the start of a fit whose time limit may end it early (and whose sigma was calibrated to a budget): the
+        re-plan of :meth:`replan_for_time_limit` is due :data:`TIME_LIMIT_WARMUP_STEPS` steps from now. A node whose
+        noise follows its own plan cannot be re-planned: returns what the user should know then."""
+        node = self.node
+        if node is None:
+            return None
+        if not node.fixed_noise_multiplier:
+            return (f"the noise is planned for {node.planned_steps} steps (max_steps/max_epochs); max_time may end the "
+                    "run sooner, with budget left")
+        self._time_limit_start = node.steps
+        self._time_replan_at = node.steps + TIME_LIMIT_WARMUP_STEPS
+        return None
+
+    def time_replan_due(self) -> bool:
+        """Whether the warm-up of :meth:`plan_time_limit` has just ended (the re-plan runs once per fit)."""
+        return self.node is not None and self._time_replan_at is not None and self.node.steps >= self._time_replan_at
+
+    def replan_for_time_limit(
+        self, elapsed: float, remaining: float, slowest: Callable[[int], int] = lambda steps: steps
+    ) -> tuple[float, str] | None:
+        """After the warm-up: the steps the time left allows at this fit's pace, the fewest over the nodes
+        (``slowest``: the minimum over every node, which each node calls alike), get sigma calibrated so that the
+        budget is spent by then instead of ending with most of it unspent. Returns (old sigma, why) or None."""
+        self._time_replan_at = None
+        node = self.node
+        assert node is not None and node.planned_steps is not None
+        taken = node.steps - self._time_limit_start
+        per_step = max(elapsed, 1e-9) / max(taken, 1)
+        affordable = slowest(taken + int(0.95 * max(remaining, 0.0) / per_step))
+        planned = node.planned_steps - self._time_limit_start
+        replanned = self.replan(self._time_limit_start + affordable)
+        if replanned is None:
+            return None
+        return replanned[0], (f"at {per_step:.3g} s per step, max_time allows about {affordable} steps of this fit, "
+                              f"not the {planned} planned by max_steps/max_epochs")
+
+    # ---- what the user is told --------------------------------------------------------------------------------------
+    def noise_change(self, name: str, old: float, why: str) -> tuple[str, str]:
+        """sigma's change from ``old`` at this step (the steps before used ``old``), in words, and what the user is
+        told: why, and that the budget is now spent by the end of the plan."""
+        node = self.node
+        assert node is not None and node.noise_multiplier is not None
+        change = f"sigma = {old:.4g} up to step {node.steps}, {node.noise_multiplier:.4g} from step {node.steps + 1}"
+        return change, (f"{name}: {why}: {change}, so that target_epsilon={node.target_epsilon} is spent by the end "
+                        f"of the plan{node.privacy_caveat}")
+
+    def budget_stop_note(self, name: str, step: int) -> str:
+        """Why every node stops after ``step``: one more step would take a node past ``target_epsilon``."""
+        node = self.node
+        assert node is not None
+        return (f"{name}: stopping after step {step}: one more step would take a node past "
+                f"target_epsilon={node.target_epsilon} (delta={node.delta}){node.privacy_caveat}")
+
+    def budget_spent_note(self, name: str) -> str:
+        """Why a fit takes no step: the budget was spent before it began (a resumed run's ledger counts every step)."""
+        node = self.node
+        assert node is not None
+        return (f"{name}: target_epsilon={node.target_epsilon} is already spent (epsilon = {node.epsilon():.4g}: the "
+                "ledger counts every step released so far, and CPGT also the rounds a resume must send again): no "
+                f"step is taken in this fit; raise target_epsilon above that to go on{node.privacy_caveat}")
+
+    def final_summary(self, name: str, per_node: Sequence[tuple[float, float]], noise_changes: Sequence[str]) -> str:
+        """The end-of-fit lines: the noise (and each change of it), then every node's (epsilon, steps)."""
+        node = self.node
+        assert node is not None
+        summary = node.noise_summary() + (" (" + "; ".join(noise_changes) + ")" if noise_changes else "")
+        caveat = node.privacy_caveat
+        lines = [f"{name}: final privacy per node (delta = {node.delta:g}); {summary}{caveat}"]
+        lines += [f"  node {rank}: epsilon = {eps:.4f} after {int(steps)} private steps{caveat}"
+                  for rank, (eps, steps) in enumerate(per_node)]
+        return "\n".join(lines)
+
+
+#: steps timed before sigma is re-planned for a time limit (:meth:`NodeRunner.plan_time_limit`)
+TIME_LIMIT_WARMUP_STEPS = 5
+
+
+def planned_steps(
+    batches_per_epoch: int, *, limit_batches: int | float | None, max_epochs: int | None, max_steps: int | None,
+    time_limited: bool = False,
+) -> int:
+    """The steps a run plans (its budget is spent over them): ``max_steps``, or ``max_epochs`` x the batches per epoch
+    (after ``limit_batches``: a count, or a fraction), whichever ends first. Raises PrivacyConfigError without an
+    end (a time limit alone does not say how many steps it allows)."""
+    if isinstance(limit_batches, int):
+        batches_per_epoch = min(batches_per_epoch, limit_batches)
+    elif limit_batches is not None and limit_batches < 1.0:
+        batches_per_epoch = max(1, int(batches_per_epoch * limit_batches))
+    by_epochs = max_epochs * batches_per_epoch if max_epochs is not None and max_epochs >= 0 else None
+    if max_steps is not None and max_steps >= 0:
+        return max_steps if by_epochs is None else min(max_steps, by_epochs)
+    if by_epochs is None:
+        raise PrivacyConfigError(
+            "the privacy budget is spent over the planned number of steps, but this Trainer has no end: "
+            "set max_steps or max_epochs"
+            + (" as an upper bound (with max_time, sigma is re-planned for the steps the time allows once the "
+               "pace is known)" if time_limited else "")
+        )
+    return by_epochs
+
+
+class WriteAheadPlace:
+    """Whether and where a node writes its write-ahead ledger (:mod:`lightning_privdec.privacy.write_ahead`), over
+    every fit of one run.
+
+    Args:
+        setting: ``True``: next to the checkpoints, else in the log directory, else (once a checkpoint was saved by
+            hand) in the root directory; a path: there; ``False``/``None``: off.
+        rank: this node's id.
+        seeded: whether the noise is seeded (nothing is written: a replayed step redraws the checkpointed noise).
+    """
+
+    def __init__(self, setting: str | os.PathLike[str] | bool | None, rank: int, seeded: bool) -> None:
+        self.setting, self.rank = setting, rank
+        self.enabled = bool(setting) and not seeded
+        self.run: str | None = None  # the run id, shared by all nodes (set at the first setup)
+        self.ledger: WriteAheadLedger | None = None
+        self.checkpoint_saved = False  # from then on a resume is possible: every later step is written ahead
+
+    def open(self, candidates: Callable[[], Sequence[str | os.PathLike[str] | None]]) -> WriteAheadLedger | None:
+        """This node's ledger, opened once; None while nothing is written. With ``setting=True`` its directory is
+        ``privacy_ledger`` in the first of ``candidates()`` given (the checkpoint directory, the log directory, the
+        root directory once a checkpoint was saved: a run with none of them writes no file until a checkpoint of it
+        is saved, as only a checkpoint can resume it and it holds every earlier step)."""
+        if self.ledger is None and self.enabled and self.run is not None:
+            directory = self.setting if self.setting is not True else next(
+                (Path(folder) / "privacy_ledger" for folder in candidates() if folder), None)
+            if directory is not None:
+                self.ledger = WriteAheadLedger(directory, self.run, self.rank)  # type: ignore[arg-type]
+        return self.ledger
+
+    def checkpoint_entry(self) -> dict[str, str] | None:
+        """What a checkpoint keeps so that its resumed run continues this node's file (the ledger opened first)."""
+        return None if self.ledger is None else {"run": self.ledger.run_id, "dir": str(self.ledger.directory)}
+
+    def resume(self, saved: Mapping[str, str] | None, node: PrivateNodeAlgorithm) -> None:
+        """A resumed run continues the checkpoint's file (in ``setting`` when that is a path): the steps released
+        after the checkpoint stay counted."""
+        if saved is None or not self.enabled:
+            return
+        self.run = saved["run"]
+        self.ledger = WriteAheadLedger(saved["dir"] if self.setting is True else self.setting,  # type: ignore[arg-type]
+                                       saved["run"], self.rank)
+        self.ledger.recover(node)

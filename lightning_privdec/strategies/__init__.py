@@ -1,4 +1,5 @@
-"""Lightning strategies: one base class and one thin file per algorithm."""
+"""Lightning strategies: the base classes (process_group.py, base.py, private.py) with their helpers, and one thin file
+per algorithm."""
 
 from functools import partial
 

@@ -1,86 +1,61 @@
 """The Lightning glue shared by every decentralized strategy.
 
-A :class:`DecentralizedStrategy` launches like DDP (Lightning's launchers and cluster environments: subprocess,
-spawn, torchrun, SLURM) but never wraps the model in ``DistributedDataParallel`` and never all-reduces gradients.
-Per optimizer step it runs the node's step of :mod:`lightning_privdec.algorithms.node` (the one the simulator and
-the audit run too): forward and backward at the de-biased parameters z held by the module (Lightning's closure);
-private strategies' clipping, noise, accounting and write-ahead; the finite check; the user's optimizer on the
-push-sum numerator x (through Lightning's precision plugin); the gossip round and z = x / y back into the module.
+A :class:`DecentralizedStrategy` is a :class:`~lightning_privdec.strategies.process_group.ProcessGroupStrategy`: it
+launches like DDP (Lightning's launchers and cluster environments: subprocess, spawn, torchrun, SLURM) but never
+wraps the model in ``DistributedDataParallel`` and never all-reduces gradients. Per optimizer step it runs the node's
+step of :mod:`lightning_privdec.algorithms.node` (the one the simulator and the audit run too): forward and backward
+at the de-biased parameters z held by the module (Lightning's closure); private strategies' clipping, noise,
+accounting and write-ahead; the finite check; the user's optimizer on the push-sum numerator x (through Lightning's
+precision plugin); the gossip round and z = x / y back into the module.
 
 Global collectives (``reduce``, ``barrier``, ``broadcast``, ``all_gather``) keep working for logging, metrics and
 checkpointing; training itself only talks to graph neighbours. No object a node receives from another is unpickled:
 ``broadcast``, the setup checks and the checkpoint gathering use the typed encoding of
-:mod:`lightning_privdec.comm.objects`.
+:mod:`lightning_privdec.comm.objects`. Beside this class: the setup checks (:mod:`.checks`), the roster and the
+exchange (:mod:`.membership`), the divergence guard (:mod:`.divergence`) and the checkpoint's node states
+(:mod:`.node_state`).
 """
-
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import hashlib
-import itertools
 import logging
-import math
 import os
-import random
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import networkx as nx
-import numpy as np
 import torch
 import torch.distributed as dist
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
-from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 from lightning_privdec.algorithms.base import Gossip, NodeAlgorithm, PrivateNodeAlgorithm
+from lightning_privdec.algorithms.consensus_step import check_consensus_step, choose_consensus_step
+from lightning_privdec.algorithms.flat_parameters import FlatParameters
 from lightning_privdec.algorithms.node import NodeRunner
 from lightning_privdec.algorithms.sgp import SGPNode
-from lightning_privdec.algorithms.consensus_step import check_consensus_step, choose_consensus_step
-from lightning_privdec.comm import Exchange, TorchDistributedExchange
-from lightning_privdec.comm.identity import (
-    AuthenticatedSetup,
-    Identity,
-    Roster,
-    MembershipError,
-    authenticate_members,
-    check_key_outside,
-    check_membership,
-    identity_path,
-    seal_keys,
-)
-from lightning_privdec.comm.framed import FramedExchange
-from lightning_privdec.comm.objects import broadcast_object, encode, gather_objects
-from lightning_privdec.comm.robust import ClippedExchange
-from lightning_privdec.comm.sealed import SealedExchange
+from lightning_privdec.comm import Exchange
+from lightning_privdec.comm.identity import AuthenticatedSetup, Roster, check_membership
+from lightning_privdec.comm.objects import gather_objects
 from lightning_privdec.compression import Compressor, build_compressor
 from lightning_privdec.data.cycled import CycledLoader
 from lightning_privdec.strategies.checks import (
-    check_same_configuration,
-    common_steps_per_epoch,
-    describe,
-    differing_fields,
-    gather_from_nodes,
-    gather_tensors,
-    check_peer_timeout,
-    model_difference,
+    batches_per_epoch, check_overlap, check_peer_timeout, check_robust, check_same_configuration,
+    common_steps_per_epoch, describe, differing_fields, gather_from_nodes, model_difference,
 )
-from lightning_privdec.tensors import split_like
-from lightning_privdec.strategies.divergence import DivergenceError, DivergenceGuard, Verdict
-from lightning_privdec.algorithms.flat_parameters import FlatParameters
-from lightning_privdec.topology import Topology, TopologyError, build_topology
+from lightning_privdec.strategies.divergence import DivergenceGuard, likely_cause
+from lightning_privdec.strategies.membership import authenticate, make_exchange, output_directories
+from lightning_privdec.strategies.node_state import (
+    CHECKPOINT_KEY, load_debiased_parameters, node_entry, restore_rng_state, rng_state, to_cpu,
+)
+from lightning_privdec.strategies.process_group import ProcessGroupStrategy, sync_module_states
+from lightning_privdec.topology import Topology, build_topology
 
 # Lightning's CombinedLoader (every fit) calls a torch pytree API that this torch deprecates: nothing a user of these
 # strategies can act on, so it is not shown.
@@ -88,19 +63,10 @@ warnings.filterwarnings(
     "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", module=r"lightning\.pytorch\.utilities"
 )
 
-CHECKPOINT_KEY = "lightning_privdec"
-
 log = logging.getLogger(__name__)
 
 
-def destroy_process_group_at_exit() -> None:
-    """Destroy the process group while the interpreter is alive (Lightning does so for NCCL only): a gloo group left
-    to finalization can abort a finished run ("terminate called without an active exception", exit code -6)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-class DecentralizedStrategy(DDPStrategy):
+class DecentralizedStrategy(ProcessGroupStrategy):
     """Base class: one process per node, gossip between graph neighbours instead of gradient all-reduce.
 
     Args:
@@ -139,7 +105,9 @@ class DecentralizedStrategy(DDPStrategy):
             up, before it stops with an error: a ``timedelta`` or seconds, longer than the slowest checkpoint write
             or validation pass (the others wait that long). ``None`` keeps ``timeout`` (Lightning's, 30 minutes by
             default), which also bounds the start-up rendezvous; see the README, "Reliability".
-        Remaining arguments are Lightning's DDP ones (launcher, timeouts, process group backend).
+        kwargs: :class:`~lightning_privdec.strategies.process_group.ProcessGroupStrategy`'s: ``start_method``,
+            ``process_group_backend``, ``timeout`` and every Lightning strategy's (``accelerator``,
+            ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``).
     """
 
     #: mixing-weight rule the algorithm needs by default, and the stochasticity it checks
@@ -174,26 +142,10 @@ class DecentralizedStrategy(DDPStrategy):
         robust_radius: float | None = None,
         roster: str | os.PathLike[str] | Roster | None = None,
         identity_key: str | os.PathLike[str] | None = None,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
         peer_timeout: timedelta | float | None = None,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
+        super().__init__(**kwargs)
         self.topology_spec = topology
         self.roster, self.identity_key = check_membership(roster, identity_key)
         self.membership: AuthenticatedSetup | None = None  # what the signed setup established (with a roster)
@@ -210,8 +162,12 @@ class DecentralizedStrategy(DDPStrategy):
         self.divergence_guard = divergence_guard
         self._guard: DivergenceGuard | None = None
         self.seed = int(seed)
-        self.staleness = self._check_overlap(overlap, staleness)
-        self.robust, self.robust_radius = self._check_robust(robust, robust_radius)
+        name = type(self).__name__
+        self.staleness = check_overlap(name, overlap, staleness, push_sum=self.required_mixing == "column",
+                                       compressed=None if self.compressor is None else str(self.compressor))
+        self.robust, self.robust_radius = check_robust(
+            name, robust, robust_radius, supported=self.supports_robust_clip, compressed=self.compressor is not None,
+            overlap=bool(self.staleness))
         self.topology: Topology | None = None
         self.flat: FlatParameters | None = None
         self.gossip: Gossip | None = None
@@ -239,53 +195,6 @@ class DecentralizedStrategy(DDPStrategy):
         topology.validate(world_size, mixing=self.required_mixing, require_symmetric=self.requires_symmetric_graph)
         return topology
 
-    def _check_overlap(self, overlap: bool, staleness: int) -> int:
-        """SGP's overlap only where delayed mixing is sound: exact push-sum messages. Returns tau (0: no overlap)."""
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap must be True or False; got {overlap!r}")
-        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1:
-            raise ValueError(f"staleness (SGP's tau: steps a message is late) must be an int >= 1; got {staleness!r}")
-        if not overlap:
-            if staleness != 1:
-                raise ValueError(f"staleness={staleness} only applies with overlap=True: add overlap=True or drop it")
-            return 0
-        name = type(self).__name__
-        if self.required_mixing != "column":
-            raise ValueError(
-                f"{name} does not support overlap=True: it mixes without the push-sum weight, and while a node's "
-                "messages are in flight it holds only its own share a_ii x_i, which only that weight de-biases. Use a "
-                "push-sum strategy (DecentralizedPushSumStrategy, PrivSGPStrategy), or overlap=False."
-            )
-        if self.compressor is not None:
-            raise ValueError(
-                f"{name} with compressor={self.compressor} does not support overlap=True: the error-feedback copies "
-                "of compressed gossip assume every message is mixed in the round it was sent. Use compressor=None "
-                "(DP-CSGP without compression is PrivSGPStrategy), or overlap=False."
-            )
-        return staleness
-
-    def _check_robust(self, robust: str | None, radius: float | None) -> tuple[str | None, float | None]:
-        name = type(self).__name__
-        if robust is None:
-            if radius is not None:
-                raise ValueError(f"robust_radius={radius!r} only applies with robust='clip': add it or drop the radius")
-            return None, None
-        if robust != "clip":
-            raise ValueError(f"robust must be None or 'clip' (self-centred clipping), got {robust!r}")
-        if isinstance(radius, bool) or not isinstance(radius, (int, float)) or not math.isfinite(radius) or radius <= 0:
-            raise ValueError(
-                f"robust='clip' needs robust_radius=tau > 0 (L2, parameter units): how far one neighbour may pull a "
-                f"node per round; got {radius!r}"
-            )
-        if not self.supports_robust_clip or self.compressor is not None or self.staleness:
-            raise ValueError(
-                f"{name}{' with a compressor' if self.compressor is not None else ''}"
-                f"{' with overlap=True' if self.staleness else ''} does not support robust='clip': it clips the "
-                "neighbours' models, so it needs exact gossip whose message is the model itself (D-PSGD: "
-                "DecentralizedSGDStrategy; DP2SGDStrategy; CorrelatedNoiseStrategy) without compression or overlap."
-            )
-        return robust, float(radius)
-
     def setup_environment(self) -> None:
         # Validate the graph against the world size before the process group exists: every rank fails the same
         # way and nobody waits on a rendezvous that will never complete. Every rank prints its own error here: none
@@ -299,8 +208,6 @@ class DecentralizedStrategy(DDPStrategy):
                 "(one process per node) or num_nodes."
             )
         super().setup_environment()
-        atexit.unregister(destroy_process_group_at_exit)  # one entry however many fits this process runs
-        atexit.register(destroy_process_group_at_exit)
         if self.peer_timeout is not None:  # the rendezvous above used `timeout`; from here on nodes wait this long
             set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout  # torch < 2.10
             set_timeout(self.peer_timeout)
@@ -347,77 +254,37 @@ class DecentralizedStrategy(DDPStrategy):
         check_same_configuration(gathered, self.global_rank, details)
 
     def authenticate_members(self) -> None:
-        """With a roster: the signed setup of :mod:`lightning_privdec.comm.identity` (every node proves its roster
-        membership for this run and signs its configuration digest and ephemeral X25519 key), then the sealing keys
-        of this node's edges. Raises :class:`~lightning_privdec.comm.identity.MembershipError` naming the rank."""
+        """With a roster: the signed setup of :mod:`lightning_privdec.strategies.membership` and the sealing keys of
+        this node's edges. Raises :class:`~lightning_privdec.comm.identity.MembershipError` naming the rank."""
         self.membership, self._agreement_key, self._seal_keys = None, None, None
         if self.roster is None or self.identity_key is None:
             return
         assert self.topology is not None
-        problem, identity = None, self.identity_key
-        try:
-            identity = identity_path(self.roster, self.identity_key, rank=self.global_rank, local_rank=self.local_rank,
-                                     node_rank=self.node_rank)
-            check_key_outside(identity, self.output_directories())
-        except MembershipError as error:
-            problem = error
-        failed = [(r, m) for r, m in enumerate(gather_from_nodes(problem and str(problem))) if m is not None]
-        if problem is not None:
-            raise problem
-        if failed:
-            raise MembershipError(f"node {failed[0][0]} cannot use its identity key, so no node starts: {failed[0][1]}")
-        mine = {name: describe(value) for name, value in self.configuration().items()}
-        key = self.agreement_private_key()
-        setup = authenticate_members(
-            Identity(identity), self.roster, rank=self.global_rank, world_size=self.world_size,
-            agreement_key=key.public_key().public_bytes_raw(), configuration_digest=hashlib.sha256(encode(mine)).digest(),
+        self.membership, self._agreement_key, self._seal_keys = authenticate(
+            self.roster, self.identity_key, rank=self.global_rank, local_rank=self.local_rank,
+            node_rank=self.node_rank, world_size=self.world_size, directories=self.output_directories(),
+            configuration={name: describe(value) for name, value in self.configuration().items()},
+            agreement_key=self.agreement_private_key,
+            neighbours=nx.Graph(self.topology.union_graph()).neighbors(self.global_rank),
         )
-        neighbours = nx.Graph(self.topology.union_graph()).neighbors(self.global_rank)
-        self._seal_keys = seal_keys(key, setup, self.global_rank, neighbours)
-        self.membership, self._agreement_key = setup, key
 
     def output_directories(self) -> list[tuple[str, str | os.PathLike[str]]]:
-        """The directories this run writes checkpoints and logs to, as ``(what, path)``: the Trainer's
-        ``default_root_dir`` (when it is the working directory, Lightning's default, only the ``checkpoints`` and
-        ``lightning_logs`` folders it writes there), every ModelCheckpoint's ``dirpath`` and every logger's directory.
-        An identity key must lie outside all of them."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is None:
-            return []
-        root = Path(trainer.default_root_dir)
-        if root.resolve() == Path.cwd().resolve():
-            directories = [("the Trainer's default checkpoint directory", root / "checkpoints"),
-                           ("the Trainer's default log directory", root / "lightning_logs")]
-        else:
-            directories = [("the Trainer's default_root_dir", root)]
-        directories += [("a ModelCheckpoint's dirpath", c.dirpath) for c in trainer.checkpoint_callbacks if c.dirpath]
-        for logger in trainer.loggers:
-            folder = getattr(logger, "root_dir", None) or logger.save_dir
-            if folder:
-                directories.append((f"the {type(logger).__name__}'s directory", folder))
-        return directories
+        """The directories this run writes checkpoints and logs to, as ``(what, path)``: an identity key must lie
+        outside all of them (:func:`~lightning_privdec.strategies.membership.output_directories`)."""
+        return output_directories(getattr(self.lightning_module, "_trainer", None))
 
     def agreement_private_key(self) -> X25519PrivateKey:
         """The X25519 key this node signs at setup (fresh for every run unless a subclass keeps one in a file)."""
         return X25519PrivateKey.generate()
 
     def make_exchange(self) -> Exchange:
-        """The gossip's point-to-point exchange: over torch.distributed; with a roster sealed per edge and carried
-        length-framed over TCP (:mod:`lightning_privdec.comm.framed`); clipped around the node's own model with
-        ``robust="clip"``."""
-        timeout = self.peer_timeout or self._timeout
-        if self._seal_keys is not None:  # length-framed, so that no message size can abort the receiver
-            framed = FramedExchange(torch.device("cpu"), self._seal_keys, timeout)  # sealed and sent from the host
-            exchange: Exchange = SealedExchange(framed, self._seal_keys, device=self.root_device)
-        else:
-            exchange = TorchDistributedExchange(self.root_device, timeout=timeout)
-        if self.robust == "clip":
-            assert self.robust_radius is not None
-            exchange = ClippedExchange(exchange, self.robust_radius)
-        return exchange
+        """The gossip's point-to-point exchange (:func:`~lightning_privdec.strategies.membership.make_exchange`)."""
+        return make_exchange(self.root_device, self.peer_timeout or self._timeout, self._seal_keys,
+                             self.robust_radius if self.robust == "clip" else None)
 
-    def configure_ddp(self) -> None:
-        """Replaces DDP wrapping: common public initialisation, flat parameters, exchange and gossip state."""
+    def configure_node(self) -> None:
+        """At setup, in place of DDP's wrapping: common public initialisation, flat parameters, exchange, gossip and
+        the node's runner."""
         assert isinstance(self.model, pl.LightningModule)
         assert self.topology is not None
         sync_module_states(self.model)  # every node starts from rank 0's parameters (the public x^0)
@@ -432,8 +299,7 @@ class DecentralizedStrategy(DDPStrategy):
         if getattr(self.gossip, "staleness", 0) != self.staleness:
             raise RuntimeError(f"{type(self).__name__}'s gossip does not implement overlap=True; use overlap=False")
         self._guard = DivergenceGuard() if self.divergence_guard else None
-        self._report_consensus_step()
-        self._warn_about_unstable_compression(self.flat.numel)
+        self._describe_compression()
 
     def node_algorithm(self) -> NodeAlgorithm:
         """This node's algorithm (:mod:`lightning_privdec.algorithms`): SGP here; private strategies return their
@@ -449,21 +315,18 @@ class DecentralizedStrategy(DDPStrategy):
             staleness=self.staleness,
         )
 
-    def _report_consensus_step(self) -> None:
-        """Which gamma ``"auto"`` chose for a compressed gossip, and from what, at debug level: a default with nothing
-        to act on (a divergence error names the consensus step when it is the likely cause)."""
+    def _describe_compression(self) -> None:
+        """Which gamma ``"auto"`` chose for a compressed gossip, and from what, once at debug level (a default with
+        nothing to act on: a divergence error names the consensus step when it is the likely cause); a warning for a
+        consensus step of 1 with an aggressive compressor."""
         choice = getattr(self.gossip, "consensus_step_choice", None)
-        if choice is None or self.compressor is None or self._consensus_step_reported:
+        if self.compressor is None or self.topology is None or self.flat is None:
             return
-        assert self.topology is not None
-        log.debug(f"{type(self).__name__}: {choice.describe(self.compressor, self.topology)}")
-        self._consensus_step_reported = True
-
-    def _warn_about_unstable_compression(self, dimension: int) -> None:
-        if self.compressor is None or self._consensus_step != 1.0:
-            return
-        omega2 = self.compressor.omega2(dimension)
-        if omega2 > 0.5:
+        if choice is not None and not self._consensus_step_reported:
+            log.debug(f"{type(self).__name__}: {choice.describe(self.compressor, self.topology)}")
+            self._consensus_step_reported = True
+        omega2 = self.compressor.omega2(self.flat.numel)
+        if self._consensus_step == 1.0 and omega2 > 0.5:
             rank_zero_warn(
                 f"{self.compressor} has omega^2 = {omega2:.3f} > 0.5 on this model and consensus_step=1 (DP-CSGP's "
                 "implicit value): error-feedback gossip can diverge with aggressive compression (the divergence guard "
@@ -471,38 +334,20 @@ class DecentralizedStrategy(DDPStrategy):
             )
 
     def setup(self, trainer: pl.Trainer) -> None:
-        # DDP's setup minus the DDP wrapper, and without broadcasting rank 0's weights when only evaluating:
-        # every node keeps (and evaluates) its own model.
-        assert self.accelerator is not None and self.model is not None
         if self._layer_sync is not None:
             raise ValueError(
                 f"{type(self).__name__} does not support sync_batchnorm: it all-reduces activations every step, "
                 "which decentralized training must not do. Use GroupNorm (or LayerNorm) instead of BatchNorm."
             )
-        self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self.configure_ddp()
-            self.setup_optimizers(trainer)
-            self._check_optimization(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        super().setup(trainer)
 
     def _check_optimization(self, trainer: pl.Trainer) -> None:
+        super()._check_optimization(trainer)
         if len(self.optimizers) != 1:
             raise ValueError(
                 f"{type(self).__name__} gossips the model after each step of ONE optimizer; "
                 f"configure_optimizers returned {len(self.optimizers)}. Use a single optimizer (param groups are fine)."
             )
-
-    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model  # never DistributedDataParallel: no gradient all-reduce
-
-    def _register_ddp_hooks(self) -> None:
-        pass
 
     def process_dataloader(self, dataloader: object) -> object:
         """Before training: every node must have training data and take the same number of steps per epoch (one
@@ -511,7 +356,7 @@ class DecentralizedStrategy(DDPStrategy):
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None)
         if trainer is not None and trainer.training and trainer.limit_train_batches != 0:
-            counts = gather_from_nodes(_batches_per_epoch(dataloader))
+            counts = gather_from_nodes(batches_per_epoch(dataloader))
             self.steps_per_epoch, note = common_steps_per_epoch(counts, self.global_rank, trainer.max_steps)
             if note is not None:
                 rank_zero_info(f"{type(self).__name__}: {note}")
@@ -544,54 +389,30 @@ class DecentralizedStrategy(DDPStrategy):
             raise RuntimeError(f"{type(self).__name__}.optimizer_step called before setup")
 
         def update(numerator_closure: Callable[[], Any]) -> Any:  # the user's optimizer, through the precision plugin
-            return ParallelStrategy.optimizer_step(
-                self, optimizer, lambda: self.closure_result(numerator_closure()), model, **kwargs
+            return super(DecentralizedStrategy, self).optimizer_step(
+                optimizer, lambda: self.closure_result(numerator_closure()), model, **kwargs
             )
 
         def look_for_divergence(output: Any) -> None:
             gossip, flat = runner.gossip, runner.flat
             if self._guard is not None and self._guard.due(gossip.round):
-                self._check_divergence(output, torch.dist(gossip.x, flat.buffer).item(), flat.buffer.norm().item())
+                self._guard.check(output, torch.dist(gossip.x, flat.buffer).item(), flat.buffer.norm().item(),
+                                  step=gossip.round, device=self.root_device, cause=self.divergence_cause,
+                                  skip_nonfinite_loss=not self.stop_on_nonfinite_loss)
 
         return runner.step(
             optimizer, closure, step=self.lightning_module.trainer.global_step, update=update,
             after_gossip=look_for_divergence, **self.step_options(),
         )
 
-    def _check_divergence(self, loss: Any, correction: float, model_norm: float) -> None:
-        """The divergence guard's check step: every node's verdict, one all-gather; all raise if one node fired."""
-        assert self._guard is not None
-        value = loss.detach().reshape(-1)[0].item() if isinstance(loss, torch.Tensor) and loss.numel() else None
-        if value is not None and not math.isfinite(value) and not self.stop_on_nonfinite_loss:
-            value = None  # a private step's empty Poisson batch: no loss to judge
-        verdict = self._guard.observe(value, correction, model_norm)
-        local = torch.tensor([verdict.code, verdict.value, verdict.ratio], dtype=torch.float64, device=self.root_device)
-        verdicts = gather_tensors(local).cpu()
-        fired = [r for r in range(len(verdicts)) if verdicts[r, 0] > 0]
-        if not fired:
-            return
-        rank = fired[0]
-        code, value, ratio = int(verdicts[rank, 0]), float(verdicts[rank, 1]), float(verdicts[rank, 2])
-        assert self.gossip is not None
-        message = self._guard.message(rank, self.gossip.round, Verdict(code, value, ratio), self.divergence_cause())
-        raise DivergenceError(message)
-
     def divergence_cause(self) -> str:
         """The settings most likely behind a divergence the guard found, for its error message."""
-        lr = ", ".join(f"{float(g['lr']):g}" for g in self.optimizers[0].param_groups) if self.optimizers else "?"
-        if self.compressor is None:
-            return f"Likely cause: the learning rate (lr={lr}) is too large for this model and noise."
-        assert self.topology is not None and self.flat is not None
-        gamma, auto = self.consensus_step, choose_consensus_step(self.compressor, self.topology, self.flat.numel).gamma
-        if gamma > auto * (1 + 1e-9):
-            return (
-                f"Likely cause: consensus_step={gamma:.3g} is too large for compressor={self.compressor} on this graph "
-                f"(consensus_step='auto' chooses {auto:.3g}); otherwise the learning rate (lr={lr}) is too large."
-            )
-        return (
-            f"Likely cause: the learning rate (lr={lr}) is too large for this model and noise, or compressor="
-            f"{self.compressor} too aggressive at consensus_step={gamma:.3g}: lower one of them."
-        )
+        lrs = [float(g["lr"]) for g in self.optimizers[0].param_groups] if self.optimizers else []
+        auto = None
+        if self.compressor is not None:
+            assert self.topology is not None and self.flat is not None
+            auto = choose_consensus_step(self.compressor, self.topology, self.flat.numel).gamma
+        return likely_cause(lrs, self.compressor, float(self.consensus_step), auto)
 
     def teardown(self) -> None:
         exchange = getattr(self.gossip, "exchange", None)
@@ -605,13 +426,6 @@ class DecentralizedStrategy(DDPStrategy):
             self.gossip.flush()  # overlap: mix the last rounds still in flight, so no node's final model misses them
             self.gossip.debias_into(self.flat.buffer)
 
-    # ---- objects between nodes: never pickled ----------------------------------------------------------------------
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Lightning's broadcast (checkpoint paths, log dirs, stop decisions) in the typed encoding of
-        :mod:`lightning_privdec.comm.objects` instead of pickle: plain values only (str, int, float, bool, None,
-        bytes, lists, tuples, dicts, paths, CPU tensors); anything else raises before it is sent."""
-        return broadcast_object(obj, src, what=f"{type(self).__name__}.broadcast")
-
     # ---- checkpoints: every node's own state ---------------------------------------------------------------------
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -624,8 +438,8 @@ class DecentralizedStrategy(DDPStrategy):
             "rank": self.global_rank,
             "gossip": self.gossip.state_dict(),
             "buffers": {k: v.detach().cpu().clone() for k, v in self.lightning_module.named_buffers()},
-            "optimizers": [_to_cpu(opt.state_dict()) for opt in self.optimizers],
-            "rng": _rng_state(),
+            "optimizers": [to_cpu(opt.state_dict()) for opt in self.optimizers],
+            "rng": rng_state(),
         }
 
     def load_node_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -636,7 +450,7 @@ class DecentralizedStrategy(DDPStrategy):
         with torch.no_grad():
             for name, value in state["buffers"].items():
                 buffers[name].copy_(value)
-        _restore_rng_state(state["rng"])
+        restore_rng_state(state["rng"])
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
@@ -652,24 +466,13 @@ class DecentralizedStrategy(DDPStrategy):
                 }
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
-    def _node_state_from(self, checkpoint: Mapping[str, Any]) -> Mapping[str, Any] | None:
-        saved = checkpoint.get(CHECKPOINT_KEY)
-        if saved is None:
-            return None
-        if saved["world_size"] != self.world_size:
-            raise TopologyError(
-                f"the checkpoint holds the state of {saved['world_size']} nodes but this run has {self.world_size}; "
-                "resume with the same devices x num_nodes, or load only the weights (state_dict) into a new run"
-            )
-        return saved["nodes"][self.global_rank]
-
     def _fitting(self) -> bool:
         module = self.lightning_module
         return module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
-        node = self._node_state_from(checkpoint)
+        node = node_entry(checkpoint, self.world_size, self.global_rank)
         if node is None:
             return
         if self._fitting() and self.gossip is not None:  # resuming training: the node's whole state
@@ -679,82 +482,13 @@ class DecentralizedStrategy(DDPStrategy):
 
     def _load_debiased_parameters(self, node: Mapping[str, Any]) -> None:
         assert self.lightning_module is not None
-        gossip = node["gossip"]
-        z = gossip["x"] / gossip["y"].to(gossip["x"].dtype)
-        parameters = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        with torch.no_grad():
-            for p, value in zip(parameters, split_like(z, parameters)):
-                p.copy_(value)
+        load_debiased_parameters(self.lightning_module, node["gossip"])
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        node = self._node_state_from(checkpoint) if self._fitting() else None
+        node = node_entry(checkpoint, self.world_size, self.global_rank) if self._fitting() else None
         if node is None:
             super().load_optimizer_state_dict(checkpoint)
             return
         for optimizer, state in zip(self.optimizers, node["optimizers"]):
             optimizer.load_state_dict(state)
             _optimizer_to_device(optimizer, self.root_device)
-
-
-
-def sync_module_states(module: torch.nn.Module) -> bool:
-    """Give every node rank 0's parameters and buffers, as DDP's start-up broadcast does, but compare a SHA-256
-    digest of them first (one small all-gather): the broadcast, (N - 1) model copies through rank 0's link, runs only
-    if some node's digest differs from rank 0's. Nodes that seeded their models alike start at once. Returns whether
-    the broadcast ran (the same answer on every node)."""
-    ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
-    digest = hashlib.sha256()
-    for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
-        if name in ignore:
-            continue
-        data = tensor.detach().reshape(-1).cpu()
-        digest.update(f"{name}:{data.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(data.view(torch.uint8).numpy())
-    digests = gather_from_nodes(digest.hexdigest())
-    if all(d == digests[0] for d in digests):
-        return False
-    _sync_module_states(module)
-    return True
-
-
-def _batches_per_epoch(dataloader: object) -> int | None:
-    """Training batches in this node's loader per epoch (Lightning applies ``limit_train_batches`` to the common
-    count afterwards, alike on every node); None without a length."""
-    try:
-        return len(dataloader)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's random generators as tensors and plain values (loadable with ``weights_only=True``)."""
-    name, keys, position, has_gauss, cached = np.random.get_state()
-    version, python_state, gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached)],
-        "python": [version, torch.tensor(python_state, dtype=torch.int64), gauss],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _restore_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    name, keys, position, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
-    version, python_state, gauss = state["python"]
-    random.setstate((version, tuple(int(v) for v in python_state.tolist()), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj

@@ -25,10 +25,13 @@ from lightning_privdec.comm.objects import all_gather_objects
 
 __all__ = [
     "NodeMismatchError",
+    "batches_per_epoch",
     "common_steps_per_epoch",
     "gather_tensors",
     "NonFiniteStepError",
+    "check_overlap",
     "check_peer_timeout",
+    "check_robust",
     "check_same_configuration",
     "describe",
     "differing_fields",
@@ -178,6 +181,15 @@ def check_same_configuration(
         ), rank)
 
 
+def batches_per_epoch(dataloader: object) -> int | None:
+    """Training batches in this node's loader per epoch (Lightning applies ``limit_train_batches`` to the common
+    count afterwards, alike on every node); None without a length."""
+    try:
+        return len(dataloader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def common_steps_per_epoch(batches: Sequence[int | None], rank: int, max_steps: int) -> tuple[int, str | None]:
     """The number of steps every node takes per epoch (each step is one gossip round, so it must be common), and a
     note to print when the nodes' own loaders differ.
@@ -214,3 +226,55 @@ def common_steps_per_epoch(batches: Sequence[int | None], rank: int, max_steps: 
     return known[0], None
 
 
+
+
+def check_overlap(name: str, overlap: bool, staleness: int, *, push_sum: bool, compressed: str | None) -> int:
+    """SGP's overlap only where delayed mixing is sound: exact push-sum messages (``push_sum``: the strategy mixes
+    with the push-sum weight; ``compressed``: its compressor, if any). Returns tau (0: no overlap)."""
+    if not isinstance(overlap, bool):
+        raise ValueError(f"overlap must be True or False; got {overlap!r}")
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1:
+        raise ValueError(f"staleness (SGP's tau: steps a message is late) must be an int >= 1; got {staleness!r}")
+    if not overlap:
+        if staleness != 1:
+            raise ValueError(f"staleness={staleness} only applies with overlap=True: add overlap=True or drop it")
+        return 0
+    if not push_sum:
+        raise ValueError(
+            f"{name} does not support overlap=True: it mixes without the push-sum weight, and while a node's "
+            "messages are in flight it holds only its own share a_ii x_i, which only that weight de-biases. Use a "
+            "push-sum strategy (DecentralizedPushSumStrategy, PrivSGPStrategy), or overlap=False."
+        )
+    if compressed is not None:
+        raise ValueError(
+            f"{name} with compressor={compressed} does not support overlap=True: the error-feedback copies "
+            "of compressed gossip assume every message is mixed in the round it was sent. Use compressor=None "
+            "(DP-CSGP without compression is PrivSGPStrategy), or overlap=False."
+        )
+    return staleness
+
+
+def check_robust(
+    name: str, robust: str | None, radius: float | None, *, supported: bool, compressed: bool, overlap: bool
+) -> tuple[str | None, float | None]:
+    """``robust="clip"`` with its radius tau, for a strategy whose gossip message is the model itself (``supported``)
+    without compression or overlap; returns (robust, radius)."""
+    if robust is None:
+        if radius is not None:
+            raise ValueError(f"robust_radius={radius!r} only applies with robust='clip': add it or drop the radius")
+        return None, None
+    if robust != "clip":
+        raise ValueError(f"robust must be None or 'clip' (self-centred clipping), got {robust!r}")
+    if isinstance(radius, bool) or not isinstance(radius, (int, float)) or not math.isfinite(radius) or radius <= 0:
+        raise ValueError(
+            f"robust='clip' needs robust_radius=tau > 0 (L2, parameter units): how far one neighbour may pull a "
+            f"node per round; got {radius!r}"
+        )
+    if not supported or compressed or overlap:
+        raise ValueError(
+            f"{name}{' with a compressor' if compressed else ''}{' with overlap=True' if overlap else ''} does not "
+            "support robust='clip': it clips the neighbours' models, so it needs exact gossip whose message is the "
+            "model itself (D-PSGD: DecentralizedSGDStrategy; DP2SGDStrategy; CorrelatedNoiseStrategy) without "
+            "compression or overlap."
+        )
+    return robust, float(radius)

@@ -28,9 +28,15 @@ steps), so every node raises the same :class:`DivergenceError` at the same step.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["DivergenceError", "DivergenceGuard", "Verdict"]
+import torch
+
+from lightning_privdec.strategies.checks import gather_tensors
+
+__all__ = ["DivergenceError", "DivergenceGuard", "Verdict", "likely_cause"]
 
 LOSS, CONSENSUS = 1, 2  # verdict codes, also the order of the all-gathered numbers
 
@@ -71,7 +77,7 @@ class Verdict:
 
 
 class DivergenceGuard:
-    """Local bookkeeping of the guard (module docstring); the strategy gathers the verdicts and raises.
+    """The guard of one node (module docstring): its bookkeeping, and :meth:`check`, which every node runs alike.
 
     Args:
         every_n_steps: steps between checks.
@@ -120,3 +126,41 @@ class DivergenceGuard:
             f"training diverged: at step {step} node {rank}'s {what} {grown}. Every node stops here instead of "
             f"training on garbage. {cause} Fix it and restart (or resume from a checkpoint taken before the growth)."
         )
+
+    def check(
+        self, loss: Any, correction: float, model_norm: float, *, step: int, device: torch.device,
+        cause: Callable[[], str], skip_nonfinite_loss: bool = False,
+    ) -> None:
+        """A check step (every node at once): this node's verdict on ``loss`` (a tensor; with
+        ``skip_nonfinite_loss`` a non-finite one is not judged: a private step's empty Poisson batch), ``correction``
+        and ``model_norm``, one all-gather of every node's, and :class:`DivergenceError` on every node if one fired
+        (``cause()``: the settings most likely behind it)."""
+        value = loss.detach().reshape(-1)[0].item() if isinstance(loss, torch.Tensor) and loss.numel() else None
+        if value is not None and not math.isfinite(value) and skip_nonfinite_loss:
+            value = None
+        verdict = self.observe(value, correction, model_norm)
+        local = torch.tensor([verdict.code, verdict.value, verdict.ratio], dtype=torch.float64, device=device)
+        verdicts = gather_tensors(local).cpu()
+        fired = [r for r in range(len(verdicts)) if verdicts[r, 0] > 0]
+        if fired:
+            rank = fired[0]
+            code, value, ratio = int(verdicts[rank, 0]), float(verdicts[rank, 1]), float(verdicts[rank, 2])
+            raise DivergenceError(self.message(rank, step, Verdict(code, value, ratio), cause()))
+
+
+def likely_cause(lrs: Sequence[float], compressor: Any, gamma: float, auto_gamma: float | None) -> str:
+    """The settings most likely behind a divergence, for its error message: the learning rates ``lrs``, or with a
+    compressor its consensus step ``gamma`` when above ``auto_gamma`` (what ``consensus_step="auto"`` chooses)."""
+    lr = ", ".join(f"{lr:g}" for lr in lrs) or "?"
+    if compressor is None:
+        return f"Likely cause: the learning rate (lr={lr}) is too large for this model and noise."
+    assert auto_gamma is not None
+    if gamma > auto_gamma * (1 + 1e-9):
+        return (
+            f"Likely cause: consensus_step={gamma:.3g} is too large for compressor={compressor} on this graph "
+            f"(consensus_step='auto' chooses {auto_gamma:.3g}); otherwise the learning rate (lr={lr}) is too large."
+        )
+    return (
+        f"Likely cause: the learning rate (lr={lr}) is too large for this model and noise, or compressor="
+        f"{compressor} too aggressive at consensus_step={gamma:.3g}: lower one of them."
+    )
