@@ -28,6 +28,7 @@ from lightning_privdec import (
 from lightning_privdec.privacy import PrivacyParameters
 from lightning_privdec.strategies import STRATEGIES, DecentralizedStrategy
 from tests.small_classifier import Classifier, dataset
+from tests.strategy_arguments import STRATEGY_ARGUMENTS
 from lightning_privdec.strategies.checks import (
     NodeMismatchError,
     NonFiniteStepError,
@@ -69,20 +70,6 @@ def private(**kwargs: object) -> PrivSGPStrategy:
 
 
 # ============================================================================ the same configuration on every node
-#: small valid arguments of every strategy (CPGT with finite accounting, which accepts mini-batches)
-REPRESENTATIVE = {
-    "push_sum": dict(),
-    "dpsgd": dict(),
-    "dp_csgp": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "privsgp": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "dp2sgd": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "decor": dict(max_grad_norm=1.0, sigma_cdp=1.0, sigma_cor=1.0),
-    "dyn_d2p": dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5),
-    "privsgp_vr": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "cpgt": dict(max_grad_norm=1.0, noise_x=0.1, noise_y=0.1, noise_decay=0.9, lipschitz=0.1, accounting="finite"),
-}
-
-
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_strategy_argument_is_compared_across_nodes_or_declared_local(name: str) -> None:
     cls = STRATEGIES[name]
@@ -92,7 +79,7 @@ def test_every_strategy_argument_is_compared_across_nodes_or_declared_local(name
         for p in inspect.signature(klass.__init__).parameters.values()
         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"
     }
-    strategy = cls(**REPRESENTATIVE[name])
+    strategy = cls(**STRATEGY_ARGUMENTS[name])
     local = {n for klass in cls.__mro__ for n in vars(klass).get("local_options", ())}
     compared = set(strategy.configuration())
     assert arguments - compared - local == set(), f"{cls.__name__}: add these to shared_options or local_options"

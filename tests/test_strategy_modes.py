@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_privdec.privacy import GRAD_SAMPLE_MODES, PrivacyConfigError
 from lightning_privdec.strategies import PRIVATE_STRATEGIES
-from tests.test_reliability import REPRESENTATIVE
+from tests.strategy_arguments import PRIVATE_STRATEGY_ARGUMENTS as ARGUMENTS
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
@@ -28,7 +28,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:noise_multiplier=0 adds no noise"),
 ]
 
-ARGUMENTS = {name: REPRESENTATIVE[name] for name in PRIVATE_STRATEGIES}
 #: the modes a strategy refuses, and the words its refusal must contain
 REFUSED = {("privsgp_vr", "ghost"): "ghost"}
 
