@@ -41,6 +41,7 @@ helpers transcribe the paper's Theorem 1 (eq. 10), Theorem 2 (eq. 11) and Coroll
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -153,7 +154,16 @@ def saga_step_entries(
 
 
 # ---- fast RDP: the same orders and conversion as Opacus's RDPAccountant ------------------------------------------
+@functools.lru_cache(maxsize=4096)
 def _quiet_rdp(q: float, sigma: float, steps: int) -> np.ndarray:
+    """RDP at :data:`_ORDERS` of ``steps`` subsampled Gaussian steps, computed once per argument values (read-only:
+    the calibrations evaluate the same entries again and again)."""
+    rdp = _subsampled_gaussian_rdp(q, sigma, steps)
+    rdp.setflags(write=False)
+    return rdp
+
+
+def _subsampled_gaussian_rdp(q: float, sigma: float, steps: int) -> np.ndarray:
     if steps == 0:
         return np.zeros_like(_ORDERS)
     if sigma == 0.0:
