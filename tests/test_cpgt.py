@@ -334,6 +334,29 @@ def test_only_plain_sgd_is_accepted_and_its_learning_rate_is_alpha():
         plain_sgd_step_size(two_rates)
 
 
+def test_cpgt_refuses_a_step_size_outside_theorem_2_at_setup(tmp_path):
+    """The user's SGD learning rate is CPGT's alpha: one outside Theorem 2 stops fit before the first step."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from tests.small_classifier import Classifier, dataset
+
+    class TooLargeStep(Classifier):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=10.0)
+
+    strategy = CPGTStrategy(topology="complete", max_grad_norm=1.0, noise_seed=3, noise_x=0.01, noise_y=0.01,
+                            noise_decay=0.5, lipschitz=0.1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)
+    with pytest.raises(PrivacyConfigError) as failure:
+        trainer.fit(TooLargeStep(), DataLoader(dataset(64), batch_size=64))
+    assert "CPGT Theorem 2 needs alpha < 1/(2L): alpha = 10 and L = 0.1 give alpha L = 1 >= 0.5" in str(failure.value)
+    assert "Use a step size alpha (the SGD learning rate) below 5" in str(failure.value)
+    assert trainer.global_step == 0
+
+
 def test_qsgd_2_bits_is_the_papers_biased_quantizer_c2():
     """C2(x) = ||x|| / xi * sign(x) * 2^-(b-1) * floor(2^(b-1) |x| / ||x|| + u), xi = 1 + min(d / 2^(2(b-1)),
     sqrt(d) / 2^(b-1)), u ~ U[0, 1]^d; C2(0) = 0."""
