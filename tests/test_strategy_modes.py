@@ -105,6 +105,28 @@ def test_every_private_strategy_trains_with_every_mode_it_accepts(
     assert strategy.privacy.epsilon() > 0
 
 
+def test_ghost_clipping_follows_the_per_sample_hooks_trajectory(tmp_path) -> None:
+    """The same noise seed, so the same Poisson batches and noise: ghost clipping (per-example losses, clipped in
+    their own backward) takes the steps the per-sample hooks take, through the Trainer's step."""
+
+    def fit(mode: str) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = PerSampleLossClassifier(ghost=mode == "ghost")
+        strategy = PRIVATE_STRATEGIES["dp_csgp"](
+            grad_sample_mode=mode, max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, noise_seed=3
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=strategy, max_epochs=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path / mode,
+        )
+        trainer.fit(model, _loader())
+        assert trainer.global_step == 8 and strategy.privacy.steps == 8
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    hooks, ghost = fit("hooks"), fit("ghost")
+    assert torch.allclose(hooks, ghost, atol=1e-4), (hooks - ghost).abs().max()
+
+
 class GradientDtypes(pl.Callback):
     """The dtypes of the privatized gradient (clipped sum + noise) each step, as the optimizer sees it."""
 
