@@ -72,3 +72,21 @@ def test_the_cached_step_rdp_composes_to_opacus_rdp_accountant_exactly() -> None
     assert example_level == secldp.secldp_epsilon_example_level(
         0.05, 40, 1e-5, 0.1, orders=list(RDPAccountant.DEFAULT_ALPHAS)
     )
+
+
+def test_the_prv_accountant_with_cached_domain_bounds_gives_opacus_numbers() -> None:
+    from opacus.accountants import PRVAccountant
+    from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
+
+    history = [(1.3, 0.05, 40), (0.9, 0.05, 5)]
+    cached, opacus = gaussian.make_accountant("prv"), PRVAccountant()
+    assert isinstance(cached, gaussian.CachedPRVAccountant)
+    cached.history, opacus.history = list(history), list(history)
+    hits = gaussian.subsampled_gaussian_rdp.cache_info().hits
+    assert cached.get_epsilon(delta=1e-5) == opacus.get_epsilon(delta=1e-5)
+    assert gaussian.subsampled_gaussian_rdp.cache_info().hits > hits
+    for steps, delta_error in ((45, 1e-8), (3, 1e-10)):
+        prvs = [PoissonSubsampledGaussianPRV(0.05, 1.3)]
+        mine = cached._get_domain(prvs, [steps], 0.01, delta_error)
+        theirs = opacus._get_domain(prvs, [steps], 0.01, delta_error)
+        assert (mine.t_min, mine.t_max, mine.size) == (theirs.t_min, theirs.t_max, theirs.size)
