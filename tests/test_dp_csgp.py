@@ -3,7 +3,6 @@ in one process; on the loopback network against a transcription of Algorithm 1."
 
 from __future__ import annotations
 
-import io
 import threading
 
 import pytest
@@ -65,35 +64,6 @@ def attached_engine(**params) -> tuple[DPCSGPNode, nn.Module]:
 def one_step(e: DPCSGPNode, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     F.cross_entropy(model(x), y).backward()
     private_step(e)
-
-
-def test_resume_continues_the_ledger_keeps_sigma_and_never_rolls_back():
-    e, model = attached_engine(target_epsilon=2.0, target_delta=1e-5, seed=5)
-    e.private_dataloader(loader(), planned_steps=20, world_size=4)
-    sigma = e.noise_multiplier
-    for _ in range(3):
-        one_step(e, model, torch.randn(4, 3), torch.randint(0, 2, (4,)))
-    buffer = io.BytesIO()
-    torch.save(e.state_dict(), buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-
-    resumed, _ = attached_engine(target_epsilon=2.0, target_delta=1e-5, seed=5)
-    resumed.load_state_dict(saved)
-    resumed.private_dataloader(loader(), planned_steps=20, world_size=4)
-    assert resumed.ledger.steps == 3 and resumed.noise_multiplier == sigma  # same plan: same sigma
-    assert resumed.epsilon() == pytest.approx(e.epsilon())
-
-    longer, _ = attached_engine(target_epsilon=2.0, target_delta=1e-5, seed=5)
-    longer.load_state_dict(saved)
-    longer.private_dataloader(loader(), planned_steps=40, world_size=4)  # a longer plan: more noise per step
-    assert longer.noise_multiplier > sigma
-    assert longer.ledger.epsilon_if(longer.noise_multiplier, longer.sample_rate, 37) <= 2.0
-
-    for _ in range(2):
-        one_step(e, model, torch.randn(4, 3), torch.randint(0, 2, (4,)))
-    with pytest.raises(PrivacyConfigError, match="forget spent privacy"):
-        e.load_state_dict(saved)  # 3 < 5 steps already spent
 
 
 def test_secure_engines_never_put_their_generators_in_a_checkpoint():

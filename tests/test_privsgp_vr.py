@@ -485,37 +485,6 @@ def tensors_in(obj):  # noqa: ANN001, ANN201
             yield from tensors_in(v)
 
 
-def test_checkpoints_hold_no_table_and_a_resumed_engine_rebuilds_it_at_the_resumed_parameters():
-    J = 8
-    x, y = node_data(0, J)
-    module = nn.Linear(3, 2)
-    engine = make_engine(0, 1.0, 1.5)
-    loader = attach_with_data(engine, module, x, y, batch_size=2, steps=8)
-    fill(engine, module)
-    for batch in loader:
-        squared_loss(module, batch).backward()
-        private_step(engine)
-        with torch.no_grad():
-            for p in module.parameters():
-                p -= 0.5 * p.grad
-    state = engine.state_dict()
-    assert "table" not in state and not any(t.is_floating_point() for t in tensors_in(state))
-
-    engine.detach()
-    resumed = make_engine(0, 1.0, 1.5)
-    resumed.load_state_dict(state)
-    assert resumed.steps == engine.steps == 4 and resumed.epsilon() == pytest.approx(engine.epsilon(), rel=1e-12)
-    attach_with_data(resumed, module, x, y, batch_size=2, steps=8)
-    assert not resumed.table_ready
-    fill(resumed, module)
-    z = torch.nn.utils.parameters_to_vector(module.parameters()).detach().double()
-    expected = torch.stack([clip(per_example_gradient(z, x[j].double(), y[j].double()), 1.0) for j in range(J)])
-    assert torch.allclose(resumed.table.rows.double(), expected, atol=1e-5)
-    other = make_engine(0, 1.0, 1.5, accounting="no_amplification")
-    with pytest.raises(PrivacyConfigError, match="same accounting"):
-        other.load_state_dict(state)
-
-
 #: a node's state as the engine before the accountant counted its steps wrote it (4 steps at q = 1/4, target 3)
 OLD_STATE = {
     "ledger": {"accountant": "rdp", "delta": 1e-05,
@@ -523,20 +492,6 @@ OLD_STATE = {
     "noise_multiplier": 3.971415124084777, "plan": [8, 0.25], "steps": 4, "split": 0.7800464410974725,
     "accounting": "sound",
 }
-
-
-def test_a_checkpoint_written_before_the_accountant_counted_its_steps_resumes_with_its_epsilon():
-    parameters = PrivacyParameters(max_grad_norm=1.0, target_epsilon=3.0, target_delta=DELTA)
-    node = PrivSGPVRNode(parameters, rank=0, device=torch.device("cpu"))
-    node.load_state_dict(OLD_STATE)
-    assert node.steps == 4 and node.epsilon() == pytest.approx(2.2140620521134196, rel=1e-12)  # the old engine's
-    assert (node.noise_multiplier, node.split) == (OLD_STATE["noise_multiplier"], OLD_STATE["split"])
-    attach_with_data(node, nn.Linear(3, 2), *node_data(0, 8), batch_size=2, steps=8)
-    assert node.noise_multiplier == OLD_STATE["noise_multiplier"]  # the plan it was calibrated for: kept
-    assert node.ledger.state_dict()["steps"] == 4
-    node.ledger.record(node.next_release())
-    with pytest.raises(PrivacyConfigError, match="has 4 steps but 5"):
-        node.load_state_dict(OLD_STATE)  # never rolls back
 
 
 def test_a_checkpoint_is_written_in_the_layout_earlier_ones_had():
