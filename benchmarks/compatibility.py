@@ -37,19 +37,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 
 from machine_info import machine_line, software_line  # noqa: E402
 
-STRATEGY_ARGUMENTS: dict[str, dict[str, Any]] = {
-    "dp_csgp": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "privsgp": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "dp2sgd": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "decor": dict(max_grad_norm=1.0, sigma_cdp=1.0, sigma_cor=1.0),
-    "dyn_d2p": dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5),
-    "privsgp_vr": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "cpgt": dict(max_grad_norm=1.0, noise_x=0.1, noise_y=0.1, noise_decay=0.9, lipschitz=0.1, accounting="finite"),
-}
+from tests.strategy_arguments import PRIVATE_STRATEGY_ARGUMENTS as STRATEGY_ARGUMENTS  # noqa: E402
+
 MODES = ("bookkeeping", "hooks", "functorch", "ghost")
 #: why a model fails or is refused where the reason is not in the cell
 NOTES = {

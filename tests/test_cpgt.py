@@ -334,6 +334,29 @@ def test_only_plain_sgd_is_accepted_and_its_learning_rate_is_alpha():
         plain_sgd_step_size(two_rates)
 
 
+def test_cpgt_refuses_a_step_size_outside_theorem_2_at_setup(tmp_path):
+    """The user's SGD learning rate is CPGT's alpha: one outside Theorem 2 stops fit before the first step."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from tests.small_classifier import Classifier, dataset
+
+    class TooLargeStep(Classifier):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=10.0)
+
+    strategy = CPGTStrategy(topology="complete", max_grad_norm=1.0, noise_seed=3, noise_x=0.01, noise_y=0.01,
+                            noise_decay=0.5, lipschitz=0.1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)
+    with pytest.raises(PrivacyConfigError) as failure:
+        trainer.fit(TooLargeStep(), DataLoader(dataset(64), batch_size=64))
+    assert "CPGT Theorem 2 needs alpha < 1/(2L): alpha = 10 and L = 0.1 give alpha L = 1 >= 0.5" in str(failure.value)
+    assert "Use a step size alpha (the SGD learning rate) below 5" in str(failure.value)
+    assert trainer.global_step == 0
+
+
 def test_qsgd_2_bits_is_the_papers_biased_quantizer_c2():
     """C2(x) = ||x|| / xi * sign(x) * 2^-(b-1) * floor(2^(b-1) |x| / ||x|| + u), xi = 1 + min(d / 2^(2(b-1)),
     sqrt(d) / 2^(b-1)), u ~ U[0, 1]^d; C2(0) = 0."""
@@ -468,71 +491,6 @@ def test_the_node_chooses_q_once_alpha_is_known_and_the_gossip_decays_at_it():
         make_cpgt_node(noise_decay="auto", noise_x=1.0, noise_y=1.0, accounting="finite", lipschitz=10.0)
 
 
-@pytest.mark.filterwarnings("ignore:noise_multiplier=0 adds no noise")  # a bare node: CPGT's noise is Laplace
-def test_a_resumed_run_keeps_its_q_when_auto_would_now_choose_another_and_refuses_an_explicit_other_q():
-    """q is planned state: resumed in the strategy's order (gossip and node built, q re-chosen at setup from the new
-    lr, then the checkpoint's gossip, node and optimizer states), the run goes on with the q, alpha, noise and epsilon
-    it started with (Algorithm 1, line 5: d q^k; Theorem 2's bound holds for one q)."""
-    import io
-    import re
-
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_privdec.algorithms.cpgt import CPGTNode, CPGTOptions
-    from lightning_privdec.comm.loopback import LoopbackExchange
-    from lightning_privdec.privacy import PrivacyParameters
-    from lightning_privdec.privacy.accounting.cpgt import auto_noise_decay
-
-    data = DataLoader(TensorDataset(torch.randn(50, 3), torch.randn(50)), batch_size=50)  # full batches
-    topology = build_topology("complete", 2, weights="metropolis")
-
-    def setup(lr: float, **options):  # noqa: ANN202
-        node = CPGTNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.0), rank=0, device=torch.device("cpu"),
-                        options=CPGTOptions(**{"noise_decay": "auto", "lipschitz": 1.0, "target_epsilon": 3.0,
-                                               **options}))
-        node.build_gossip(torch.zeros(3, dtype=torch.float64), rank=0, topology=topology, compressor=None, seed=0,
-                          exchange=LoopbackExchange(LoopbackNetwork(2), 0), consensus_step=1.0)
-        optimizer = torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=lr)
-        node.configure_optimizer(optimizer, 3)
-        return node, optimizer
-
-    def saved(state: dict) -> dict:  # through torch.save, as in a checkpoint file
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        buffer.seek(0)
-        return torch.load(buffer, weights_only=True)
-
-    def resume(lr: float, node_state: dict, **options):  # noqa: ANN202
-        node, optimizer = setup(lr, **options)
-        node.gossip.load_state_dict(states["gossip"])
-        node.load_state_dict(node_state)
-        optimizer.load_state_dict(states["optimizer"])  # Lightning restores the optimizer (its lr) after the model
-        node.private_dataloader(data, planned_steps=10)
-        return node
-
-    first, optimizer = setup(0.1)
-    first.private_dataloader(data, planned_steps=10)
-    for _ in range(3):
-        first.ledger.record(first.next_release())
-    q0 = auto_noise_decay(0.1, 1.0)
-    assert first.noise_decay == pytest.approx(q0)
-    states = saved({"node": first.state_dict(), "gossip": first.gossip.state_dict(),
-                    "optimizer": optimizer.state_dict()})
-    assert states["node"]["noise_decay"] == first.noise_decay
-
-    q1 = auto_noise_decay(0.2, 1.0)
-    assert setup(0.2)[0].noise_decay == pytest.approx(q1) and abs(q1 - q0) > 0.05  # what a fresh run would choose
-    resumed = resume(0.2, states["node"])
-    assert resumed.noise_decay == resumed.gossip.noise_decay == resumed.ledger.terms["q"] == first.noise_decay
-    assert resumed.alpha == 0.1 and (resumed.noise_x, resumed.noise_y) == (first.noise_x, first.noise_y)
-    assert resumed.steps == 3 and resumed.epsilon() == first.epsilon() == pytest.approx(3.0)
-    # an explicit q: the checkpoint's is accepted, another is refused with both values
-    assert resume(0.1, states["node"], noise_decay=first.noise_decay).noise_decay == first.noise_decay
-    with pytest.raises(PrivacyConfigError, match=re.escape(f"q = {first.noise_decay!r} per round, this run passes "
-                                                           f"noise_decay=0.8;") + ".*Resume with noise_decay="):
-        resume(0.1, states["node"], noise_decay=0.8)
-
-
 def test_the_digits_quick_start_states_cpgts_lipschitz_assumption_and_trains_it_on_full_batches():
     digits = load_script(ROOT / "examples" / "digits.py", "digits_example_cpgt")
     args = digits.parse_args(["--strategy", "cpgt", "--epsilon", "3"])
@@ -573,51 +531,3 @@ def test_tracker_noise_offset_is_the_norm_of_the_mean_accumulated_y_noise_and_th
         strategy._warn_about_the_tracker_noise(engine)
 
 
-@pytest.mark.filterwarnings("ignore:noise_multiplier=0 adds no noise")  # a bare node: CPGT's noise is Laplace
-@pytest.mark.parametrize("accounting", ["sound", "finite"])
-def test_the_resume_warning_prints_the_epsilon_the_ledger_holds_before_the_noise_is_planned(tmp_path, accounting):
-    """The strategy reads the checkpoint and the write-ahead ledger before it plans the noise (the checkpoint is
-    restored with the model, the plan comes with the dataloader). The warning printed "epsilon spent so far is 0.0000"
-    there, as the bound's terms came only with the plan; the ledger's state now keeps them. A checkpoint written
-    before it did says that the value comes later, never 0."""
-    import io
-    import re
-    import warnings
-
-    from lightning_privdec.privacy.write_ahead import WriteAheadLedger
-    from tests.test_write_ahead_ledger import cpgt_engine, make_cpgt_node
-
-    ledger = WriteAheadLedger(tmp_path, "run", rank=0)
-    crashed = cpgt_engine(accounting)  # noise_x = noise_y = 1, alpha = 0.1, q = 0.9, planned for 10 rounds
-    crashed.ledger.record(crashed.next_release())
-    ledger.write(crashed)
-    buffer = io.BytesIO()
-    torch.save(crashed.state_dict(), buffer)  # the checkpoint, after round 1
-    for _ in range(5):  # rounds 2..6 released, then the crash
-        crashed.ledger.record(crashed.next_release())
-        ledger.write(crashed)
-
-    def resume(checkpoint: dict) -> tuple[str, object]:
-        node = make_cpgt_node(accounting=accounting, noise_x=1.0, noise_y=1.0)  # built, no plan yet
-        node.load_state_dict(checkpoint)
-        with warnings.catch_warnings(record=True) as warned:
-            warnings.simplefilter("always")
-            assert ledger.recover(node) == 5
-        (message,) = [str(w.message) for w in warned]
-        data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
-        batch_size = 5 if accounting == "finite" else 50
-        node.private_dataloader(torch.utils.data.DataLoader(data, batch_size=batch_size), planned_steps=10)
-        return message, node
-
-    buffer.seek(0)
-    checkpoint = torch.load(buffer, weights_only=True)
-    message, resumed = resume(checkpoint)
-    printed = float(re.search(r"epsilon spent so far is ([0-9.]+) \(delta=0.0\)", message).group(1))
-    # the trajectory goes on from round 1; rounds 1..5 are charged again as they are sent again
-    assert resumed.steps == 6 and resumed.ledger.rounds == 1 and resumed.epsilon() >= crashed.epsilon() > 0
-    assert printed == pytest.approx(resumed.epsilon(), abs=5e-5)  # the ledger's epsilon, before and after the plan
-
-    older = {**checkpoint, "ledger": {k: v for k, v in checkpoint["ledger"].items() if k != "terms"}}
-    message, resumed = resume(older)
-    assert "epsilon spent so far" not in message and "printed at the end of training" in message
-    assert resumed.epsilon() == pytest.approx(printed, abs=5e-5)

@@ -62,7 +62,7 @@ def test_a_paper_privatizes_and_the_node_step_records_the_release_it_announced_a
     """A paper's privatize() only clips and noises; private_step records next_release() as taken before the call
     (Dyn-D2P's moves on with every step) and writes the accounting state before anything could leave the node."""
     from tests.test_dyn_d2p import planned_engine, take_step
-    from tests.test_privacy_engine import attached_engine, loader
+    from tests.test_dp_csgp import attached_engine, loader
 
     e, model = attached_engine(target_epsilon=2.0, target_delta=1e-5, seed=5)
     e.private_dataloader(loader(), planned_steps=20, world_size=4)

@@ -113,23 +113,6 @@ def test_overlap_with_tau_1_is_synchronous_push_sum_one_step_behind():
         assert torch.allclose(a.z, b.z, rtol=1e-13, atol=0)
 
 
-def test_resuming_from_a_state_with_messages_in_flight_continues_the_same_trajectory():
-    n = 5
-    topology = build_topology("exponential-one-peer", n, weights="push-sum")
-    straight = run(n, topology, range(20), staleness=2, lr=LR)
-    first = run(n, topology, range(9), staleness=2, lr=LR)
-    states = [g.state_dict() for g in first]
-    assert all(len(s["in_flight"]) == 2 for s in states)
-    resumed = run(n, topology, range(9, 20), staleness=2, lr=LR, state=states)
-    for a, b in zip(straight, resumed):
-        assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y) and a.round == b.round
-    # resumed without overlap, the messages left in flight are mixed in at once: nothing is lost
-    synchronous = run(n, topology, range(9, 9), staleness=0, state=states)
-    total = sum(g.x for g in first) + sum(in_flight_mass(g)[0] for g in first)
-    assert torch.allclose(sum(g.x for g in synchronous), total, rtol=0, atol=1e-12)
-    assert sum(float(g.y) for g in synchronous) == pytest.approx(n, abs=1e-12)
-
-
 def test_overlap_is_refused_where_delayed_mixing_is_not_sound():
     private = dict(max_grad_norm=1.0, noise_multiplier=1.0)
     assert DecentralizedPushSumStrategy().staleness == 0  # the default gossips synchronously

@@ -7,7 +7,6 @@ import io
 import itertools
 import os
 import pickle
-import stat
 from pathlib import Path
 
 import pytest
@@ -163,35 +162,6 @@ def _run_with_key_files(graph, directory: Path, context: bytes = b"run-A") -> di
     for s in nodes.values():
         s.agree(keys, context)
     return nodes
-
-
-def test_key_file_resume_rederives_the_same_secrets_and_streams(tmp_path):
-    graph = ring(4)
-    first = _run_with_key_files(graph, tmp_path)
-    for i in graph:
-        assert stat.S_IMODE(os.stat(tmp_path / f"node{i}.key").st_mode) == 0o600
-    checkpoint = {i: s.state_dict() for i, s in first.items()}
-    before = CorrelatedNoise(first[0], 0.5).sum_for_round(7, 1000)
-
-    resumed = _run_with_key_files(graph, tmp_path)  # loads the same files: same keys, same secrets
-    for i, j in edges(graph):
-        assert resumed[i].secret(j) == first[i].secret(j)
-    assert all(resumed[i].load_state_dict(checkpoint[i], require_same_secrets=True) for i in graph)
-    assert torch.equal(CorrelatedNoise(resumed[0], 0.5).sum_for_round(7, 1000), before)
-
-    other_context = _run_with_key_files(graph, tmp_path, context=b"run-B")  # context is bound into the secrets
-    assert other_context[0].secret(1) != first[0].secret(1)
-
-    fresh = simulate_key_agreement(graph)  # resume without key files: a new, equally valid agreement
-    assert fresh[0].secret(1) != first[0].secret(1)
-    assert fresh[0].load_state_dict(checkpoint[0]) is False
-    with pytest.raises(PrivacyConfigError, match="differ from the checkpoint"):
-        fresh[0].load_state_dict(checkpoint[0], require_same_secrets=True)
-    with pytest.raises(PrivacyConfigError, match="checkpoint is for node 1"):
-        fresh[0].load_state_dict(checkpoint[1])
-
-    first[0].delete_key_file()
-    assert not (tmp_path / "node0.key").exists()
 
 
 def test_key_file_is_refused_when_exposed_or_corrupt(tmp_path):

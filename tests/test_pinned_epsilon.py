@@ -31,6 +31,7 @@ from lightning_privdec.callbacks.privacy_budget import NOT_PRIVATE_KEY
 from lightning_privdec.cli.account import main as account
 from lightning_privdec.privacy.noise import FIXED_SEED_CAVEAT
 from lightning_privdec.strategies import PRIVATE_STRATEGIES
+from tests.strategy_arguments import PRIVATE_STRATEGY_ARGUMENTS
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers"),
@@ -178,8 +179,8 @@ CONFIGURATIONS = {
         "dp2sgd": dict(max_grad_norm=1.0, noise_multiplier=1.3),
         "privsgp_vr": dict(max_grad_norm=1.0, noise_multiplier=1.3),
         "dyn_d2p": dict(max_grad_norm=1.0, target_epsilon=1.0, target_delta=1e-5, variant="const"),  # no sigma to give
-        "decor": dict(max_grad_norm=1.0, sigma_cdp=1.0, sigma_cor=1.0),
-        "cpgt": dict(max_grad_norm=1.0, noise_x=0.1, noise_y=0.1, noise_decay=0.9, lipschitz=0.1, accounting="finite"),
+        "decor": PRIVATE_STRATEGY_ARGUMENTS["decor"],
+        "cpgt": PRIVATE_STRATEGY_ARGUMENTS["cpgt"],
     },
 }
 

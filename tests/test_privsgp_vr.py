@@ -499,37 +499,6 @@ def tensors_in(obj):  # noqa: ANN001, ANN201
             yield from tensors_in(v)
 
 
-def test_checkpoints_hold_no_table_and_a_resumed_engine_rebuilds_it_at_the_resumed_parameters():
-    J = 8
-    x, y = node_data(0, J)
-    module = nn.Linear(3, 2)
-    engine = make_engine(0, 1.0, 1.5)
-    loader = attach_with_data(engine, module, x, y, batch_size=2, steps=8)
-    fill(engine, module)
-    for batch in loader:
-        squared_loss(module, batch).backward()
-        private_step(engine)
-        with torch.no_grad():
-            for p in module.parameters():
-                p -= 0.5 * p.grad
-    state = engine.state_dict()
-    assert "table" not in state and not any(t.is_floating_point() for t in tensors_in(state))
-
-    engine.clipping.detach()
-    resumed = make_engine(0, 1.0, 1.5)
-    resumed.load_state_dict(state)
-    assert resumed.steps == engine.steps == 4 and resumed.epsilon() == pytest.approx(engine.epsilon(), rel=1e-12)
-    attach_with_data(resumed, module, x, y, batch_size=2, steps=8)
-    assert not resumed.table_ready
-    fill(resumed, module)
-    z = torch.nn.utils.parameters_to_vector(module.parameters()).detach().double()
-    expected = torch.stack([clip(per_example_gradient(z, x[j].double(), y[j].double()), 1.0) for j in range(J)])
-    assert torch.allclose(resumed.table.rows.double(), expected, atol=1e-5)
-    other = make_engine(0, 1.0, 1.5, accounting="no_amplification")
-    with pytest.raises(PrivacyConfigError, match="same accounting"):
-        other.load_state_dict(state)
-
-
 #: a node's checkpointed state after 4 steps at q = 1/4 of a plan of 8 (target 3)
 STATE = {
     "ledger": {"accountant": "rdp", "delta": 1e-05,

@@ -124,30 +124,6 @@ def test_bytes_on_the_wire_are_the_stated_sizes(compressor):
         assert traffic.bytes_received == rounds * len(topology.in_peers(gossip.rank, 0)) * per_message
 
 
-def test_state_dict_resume_continues_the_same_trajectory():
-    n = 5
-    topology = build_topology("exponential-one-peer", n, weights="push-sum")
-    x0 = start_points(n)
-    straight, _ = run_gossip(n, topology, rounds=20, compressor=RandK(0.5), gamma=0.5, x0=x0)
-    first_half, _ = run_gossip(n, topology, rounds=10, compressor=RandK(0.5), gamma=0.5, x0=x0)
-    states = [g.state_dict() for g in first_half]
-
-    network = LoopbackNetwork(n)
-
-    def resumed(rank, exchange):
-        gossip = PushSumGossip(
-            torch.zeros(D), rank=rank, topology=topology, exchange=exchange, compressor=RandK(0.5), consensus_step=0.5
-        )
-        gossip.load_state_dict(states[rank])
-        for _ in range(10):
-            gossip.step(gossip.x)
-        return gossip
-
-    for a, b in zip(straight, network.run(resumed)):
-        assert a.round == b.round == 20
-        assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
-
-
 def test_invalid_consensus_step_is_refused():
     topology = build_topology("ring", 3, weights="metropolis")
     network = LoopbackNetwork(3)

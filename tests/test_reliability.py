@@ -5,7 +5,6 @@ checkpoints hold no per-sample gradients. One process each (the multi-process fa
 from __future__ import annotations
 
 import inspect
-import re
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from lightning_privdec.privacy import PrivacyParameters
 from lightning_privdec.strategies import STRATEGIES, DecentralizedStrategy
 from tests.small_classifier import Classifier, dataset
 from lightning_privdec.strategies.process_group import ProcessGroupStrategy
+from tests.strategy_arguments import STRATEGY_ARGUMENTS
 from lightning_privdec.strategies.checks import (
     NodeMismatchError,
     NonFiniteStepError,
@@ -70,20 +70,6 @@ def private(**kwargs: object) -> PrivSGPStrategy:
 
 
 # ============================================================================ the same configuration on every node
-#: small valid arguments of every strategy (CPGT with finite accounting, which accepts mini-batches)
-REPRESENTATIVE = {
-    "push_sum": dict(),
-    "dpsgd": dict(),
-    "dp_csgp": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "privsgp": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "dp2sgd": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "decor": dict(max_grad_norm=1.0, sigma_cdp=1.0, sigma_cor=1.0),
-    "dyn_d2p": dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5),
-    "privsgp_vr": dict(max_grad_norm=1.0, noise_multiplier=1.0),
-    "cpgt": dict(max_grad_norm=1.0, noise_x=0.1, noise_y=0.1, noise_decay=0.9, lipschitz=0.1, accounting="finite"),
-}
-
-
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_strategy_argument_is_compared_across_nodes_or_declared_local(name: str) -> None:
     cls = STRATEGIES[name]
@@ -93,7 +79,7 @@ def test_every_strategy_argument_is_compared_across_nodes_or_declared_local(name
         for p in inspect.signature(klass.__init__).parameters.values()
         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"
     }
-    strategy = cls(**REPRESENTATIVE[name])
+    strategy = cls(**STRATEGY_ARGUMENTS[name])
     local = {n for klass in cls.__mro__ for n in vars(klass).get("local_options", ())}
     compared = set(strategy.configuration())
     assert arguments - compared - local == set(), f"{cls.__name__}: add these to shared_options or local_options"
@@ -234,133 +220,7 @@ def test_a_nan_gradient_stops_a_private_node_and_its_sampled_step_stays_in_the_l
     assert strategy.privacy.ledger.steps == 4  # the failed step's batch was sampled: it is counted
 
 
-# ============================================================================ checkpoints: no per-sample gradients
-def tensors(obj: object, path: str = "") -> list[tuple[str, torch.Tensor]]:
-    """Every tensor in a nested checkpoint, with its path of keys (dict keys, list positions, attributes)."""
-    if isinstance(obj, torch.Tensor):
-        return [(path, obj)]
-    if isinstance(obj, dict):
-        return [t for k, v in obj.items() for t in tensors(v, f"{path}/{k}")]
-    if isinstance(obj, (list, tuple)):
-        return [t for i, v in enumerate(obj) for t in tensors(v, f"{path}/{i}")]
-    if hasattr(obj, "__dict__"):
-        return tensors(vars(obj), f"{path}.{type(obj).__name__}")
-    return []
-
-
-def per_sample_data(obj: object, num_params: int) -> list[str]:
-    """Paths that look like per-sample gradients: a name saying so, or a float tensor larger than the model (every
-    legitimate float tensor is at most one copy of the flat parameters: weights, optimizer state, gossip state)."""
-    found = []
-    for path, t in tensors(obj):
-        lowered = path.lower()
-        if "grad_sample" in lowered or "per_sample" in lowered or "table" in lowered:
-            found.append(path)
-        elif t.is_floating_point() and t.numel() > num_params:
-            found.append(f"{path} {tuple(t.shape)}")
-    return found
-
-
-class KeepPerSampleGradients(pl.Callback):
-    """Captures the live per-sample gradients (hooks) or SAGA table of one step, to prove the check can see them."""
-
-    def __init__(self) -> None:
-        self.live: object = None
-
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = trainer.strategy.privacy
-        if trainer.global_step == 2 and self.live is None:
-            table = getattr(engine, "table", None)
-            self.live = {"table": table.rows.clone()} if table is not None else {
-                "grads": [g.clone() for g in engine.clipping.per_sample.per_sample_grads()]}
-
-
-@pytest.mark.parametrize("strategy", [lambda: private(grad_sample_mode="hooks"),
-                                      lambda: PrivSGPVRStrategy(max_grad_norm=1.0, noise_multiplier=1.0)],
-                         ids=["per-sample gradients", "PrivSGP-VR table"])
-def test_checkpoints_of_private_runs_hold_no_per_sample_gradients(strategy, tmp_path: Path) -> None:
-    keep = KeepPerSampleGradients()
-    model = Classifier()
-    fit = trainer(tmp_path, strategy(), max_steps=4)
-    fit.callbacks.append(keep)
-    fit.fit(model, data(n=64))
-    num_params = sum(p.numel() for p in model.parameters())
-    assert per_sample_data(keep.live, num_params), "the check must recognise the run's own per-sample data"
-    checkpoints = sorted((tmp_path / "ckpt").glob("*.ckpt"))
-    assert len(checkpoints) == 4
-    for path in checkpoints:
-        checkpoint = torch.load(path, weights_only=False)
-        assert "lightning_privdec" in checkpoint  # the node's gossip, optimizer and privacy state are there ...
-        assert per_sample_data(checkpoint, num_params) == []  # ... but nothing per-sample
-
-
-# ============================================================================ resuming with a changed plan
-BUDGET = dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, noise_seed=0)
-
-
-@pytest.fixture(scope="module")
-def end_of_a_two_epoch_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
-    """DP-CSGP at epsilon 3 planned for 2 epochs, checkpointed at its end: (the checkpoint, its sigma)."""
-    tmp_path = tmp_path_factory.mktemp("two_epochs")
-    strategy = DPCSGPStrategy(**BUDGET)
-    trainer(tmp_path, strategy, checkpoints=True, max_steps=-1, max_epochs=2).fit(Classifier(), data())
-    checkpoint = sorted((tmp_path / "ckpt").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)[-1]
-    return checkpoint, strategy.privacy.noise_multiplier
-
-
-def _resume_with_max_epochs_4(tmp_path: Path, checkpoint: Path, **kwargs: object) -> tuple[pl.Trainer, DPCSGPStrategy]:
-    strategy = DPCSGPStrategy(**BUDGET, **kwargs)
-    resumed = trainer(tmp_path, strategy, checkpoints=False, max_steps=-1, max_epochs=4)
-    resumed.fit(Classifier(), data(), ckpt_path=checkpoint)
-    return resumed, strategy
-
-
-def test_a_resume_that_would_drown_the_model_in_noise_is_refused_with_the_choices(end_of_a_two_epoch_plan, tmp_path) -> None:
-    checkpoint, old_sigma = end_of_a_two_epoch_plan
-    with pytest.raises(PrivacyConfigError) as refused:
-        _resume_with_max_epochs_4(tmp_path, checkpoint)
-    message = str(refused.value)
-    assert "32 steps have spent epsilon = 2.9" in message and "of target_epsilon = 3.0" in message
-    assert "instead of" in message and "raise target_epsilon" in message and "start a new run" in message
-    assert "resume_noise='keep'" in message and "resume_noise='recalibrate'" in message
-    new, old = (float(x) for x in re.search(r"need sigma = ([\d.e+]+) instead of ([\d.e+]+)", message).groups())
-    assert old == pytest.approx(old_sigma, rel=1e-3) and new > 2 * old
-
-
-def test_a_resume_may_keep_its_noise_and_stop_at_the_budget_or_recalibrate_knowingly(end_of_a_two_epoch_plan,
-                                                                                     tmp_path) -> None:
-    checkpoint, old_sigma = end_of_a_two_epoch_plan
-    kept, strategy = _resume_with_max_epochs_4(tmp_path / "keep", checkpoint, resume_noise="keep")
-    assert strategy.privacy.noise_multiplier == old_sigma and strategy.privacy.epsilon() <= 3.0
-    assert kept.global_step < 4 * 16  # stopped when the budget was spent
-    _, strategy = _resume_with_max_epochs_4(tmp_path / "again", checkpoint, resume_noise="recalibrate")
-    assert strategy.privacy.noise_multiplier > 2 * old_sigma and strategy.privacy.epsilon() <= 3.0
-
-
-def test_a_resume_that_replans_sigma_says_so_once_and_the_summary_shows_both(end_of_a_two_epoch_plan, tmp_path,
-                                                                              caplog) -> None:
-    checkpoint, old_sigma = end_of_a_two_epoch_plan
-    with caplog.at_level("INFO"):
-        _, strategy = _resume_with_max_epochs_4(tmp_path, checkpoint, resume_noise="recalibrate")
-    new_sigma = strategy.privacy.noise_multiplier
-    change = f"sigma = {old_sigma:.4g} up to step 32, {new_sigma:.4g} from step 33"
-    messages = [r.getMessage() for r in caplog.records]
-    announced = [m for m in messages if "this resumed run plans 64 steps in all" in m]
-    assert len(announced) == 1 and change in announced[0]
-    (summary,) = [m for m in messages if "final privacy per node" in m]
-    assert f"Gaussian noise sigma = {new_sigma:.4g} x C" in summary and change in summary
-
-
-def test_a_resume_with_a_noise_multiplier_given_by_hand_uses_it(end_of_a_two_epoch_plan, tmp_path) -> None:
-    """resume_noise governs a calibrated sigma only: a sigma the user passes is never refused nor replaced."""
-    checkpoint, old_sigma = end_of_a_two_epoch_plan
-    for choice in ("auto", "keep"):
-        strategy = DPCSGPStrategy(max_grad_norm=1.0, noise_multiplier=3 * old_sigma, noise_seed=0, resume_noise=choice)
-        resumed = trainer(tmp_path / choice, strategy, checkpoints=False, max_steps=-1, max_epochs=3)
-        resumed.fit(Classifier(), data(), ckpt_path=checkpoint)
-        assert strategy.privacy.noise_multiplier == 3 * old_sigma and resumed.global_step == 3 * 16
-
-
+# ============================================================================ the write-ahead ledger, streams, max_time
 def test_the_write_ahead_ledger_lives_with_the_checkpoints_or_logs_never_in_the_working_directory(tmp_path: Path) -> None:
     budget = dict(max_grad_norm=1.0, noise_multiplier=1.0)
     bare = pl.Trainer(accelerator="cpu", devices=1, strategy=DPCSGPStrategy(**budget), max_steps=6, logger=False,

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_privdec.privacy import GRAD_SAMPLE_MODES, PrivacyConfigError
 from lightning_privdec.strategies import PRIVATE_STRATEGIES
-from tests.test_reliability import REPRESENTATIVE
+from tests.strategy_arguments import PRIVATE_STRATEGY_ARGUMENTS as ARGUMENTS
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
@@ -28,7 +28,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:noise_multiplier=0 adds no noise"),
 ]
 
-ARGUMENTS = {name: REPRESENTATIVE[name] for name in PRIVATE_STRATEGIES}
 #: the modes a strategy refuses, and the words its refusal must contain
 REFUSED = {("privsgp_vr", "ghost"): "ghost"}
 
@@ -104,6 +103,28 @@ def test_every_private_strategy_trains_with_every_mode_it_accepts(
     assert all(math.isfinite(loss) for loss in model.losses)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert strategy.privacy.epsilon() > 0
+
+
+def test_ghost_clipping_follows_the_per_sample_hooks_trajectory(tmp_path) -> None:
+    """The same noise seed, so the same Poisson batches and noise: ghost clipping (per-example losses, clipped in
+    their own backward) takes the steps the per-sample hooks take, through the Trainer's step."""
+
+    def fit(mode: str) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = PerSampleLossClassifier(ghost=mode == "ghost")
+        strategy = PRIVATE_STRATEGIES["dp_csgp"](
+            grad_sample_mode=mode, max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, noise_seed=3
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=strategy, max_epochs=2, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path / mode,
+        )
+        trainer.fit(model, _loader())
+        assert trainer.global_step == 8 and strategy.privacy.steps == 8
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    hooks, ghost = fit("hooks"), fit("ghost")
+    assert torch.allclose(hooks, ghost, atol=1e-4), (hooks - ghost).abs().max()
 
 
 class GradientDtypes(pl.Callback):

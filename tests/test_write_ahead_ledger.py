@@ -15,7 +15,7 @@ from lightning_privdec.privacy.accounting import GaussianRelease
 from lightning_privdec.privacy.write_ahead import GENERATOR_KEYS, WriteAheadLedger
 from tests.multiprocess import fit_digits_in_one_launch
 from tests.test_dyn_d2p import planned_engine, take_step
-from tests.test_privacy_engine import attached_engine, loader, one_step
+from tests.test_dp_csgp import attached_engine, loader, one_step
 
 
 def checkpoint(engine) -> dict:

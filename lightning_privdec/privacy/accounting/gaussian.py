@@ -20,12 +20,14 @@ In decentralized learning each node's guarantee is per node, for sample-level ad
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from opacus.accountants import (
     GaussianAccountant,
     IAccountant,
@@ -35,7 +37,8 @@ from opacus.accountants import (
     register_accountant,
 )
 from opacus.accountants.analysis import gdp as gdp_analysis
-from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
+from opacus.accountants.analysis import rdp as rdp_analysis
+from opacus.accountants.analysis.prv import Domain, PoissonSubsampledGaussianPRV
 from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 
 from lightning_privdec.privacy.accounting.base import Accountant
@@ -112,15 +115,57 @@ class GaussianRelease:
 
 
 # ---- epsilon of a history ---------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4096)
+def subsampled_gaussian_rdp(sample_rate: float, noise_multiplier: float) -> np.ndarray:
+    """RDP of one Poisson-subsampled Gaussian step (Mironov, Talwar, Zhang 2019) at the orders of Opacus's
+    ``RDPAccountant`` (``DEFAULT_ALPHAS``), by Opacus's ``compute_rdp``; ``steps`` steps compose to ``steps`` times it.
+
+    Computed once per (q, sigma) and returned read-only: a budget check asks the same (q, sigma) at many step counts,
+    and Opacus sums a series per order (pure Python) each time.
+    """
+    rdp = np.asarray(rdp_analysis.compute_rdp(
+        q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=RDPAccountant.DEFAULT_ALPHAS
+    ), dtype=float)
+    rdp.setflags(write=False)
+    return rdp
+
+
+def _rdp_epsilon(history: History, delta: float) -> float:
+    """Opacus's ``RDPAccountant.get_epsilon`` on ``history``, the same arithmetic with the per-step RDP cached."""
+    rdp = sum(subsampled_gaussian_rdp(q, sigma) * t for sigma, q, t in history)
+    epsilon, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
+    return float(epsilon)
+
+
+class CachedPRVAccountant(PRVAccountant):
+    """Opacus's ``PRVAccountant`` (Gopi et al. 2021), the same numbers, with the discretisation domain's RDP bounds
+    (Opacus's ``compute_safe_domain_size``, the paper's Remark 5.6) from the cached per-step RDP: every epsilon
+    evaluates them, and a budget check asks the same (q, sigma) at many step counts."""
+
+    def _get_domain(
+        self, prvs: list[PoissonSubsampledGaussianPRV], num_self_compositions: list[int], eps_error: float,
+        delta_error: float,
+    ) -> Domain:
+        total = sum(num_self_compositions)
+        history = [(prv.noise_multiplier, prv.sample_rate, t) for prv, t in zip(prvs, num_self_compositions)]
+        bound = _rdp_epsilon(history, delta_error / 4)
+        for sigma, q, _ in history:
+            bound = max(bound, _rdp_epsilon([(sigma, q, 1)], delta_error / (8 * total)))
+        half_width = max(bound, eps_error) + 3
+        mesh_size = eps_error / np.sqrt(total * np.log(12 / delta_error) / 2)
+        return Domain.create_aligned(-half_width, half_width, mesh_size)
+
+
 def make_accountant(name: str = "rdp") -> IAccountant:
-    """A fresh Opacus accountant (``opacus.accountants.create_accountant``) for ``"rdp"`` or ``"prv"``."""
-    return create_accountant(check_accountant(name))
+    """A fresh Opacus accountant for ``"rdp"`` (``opacus.accountants.create_accountant``) or ``"prv"``
+    (:class:`CachedPRVAccountant`)."""
+    return CachedPRVAccountant() if check_accountant(name) == "prv" else create_accountant(name)
 
 
 def _prv_domain_size(history: History, eps_error: float, delta_error: float) -> int:
     """Grid size the PRV accountant would allocate for ``history`` (Gopi et al. 2021, Sec. 5.1), without allocating."""
     prvs = [PoissonSubsampledGaussianPRV(q, sigma) for sigma, q, _ in history]
-    domain = PRVAccountant()._get_domain(
+    domain = CachedPRVAccountant()._get_domain(
         prvs=prvs, num_self_compositions=[t for _, _, t in history], eps_error=eps_error, delta_error=delta_error
     )
     return int(domain.size)
@@ -153,7 +198,15 @@ def gdp_epsilon_approximation(noise_multiplier: float, sample_rate: float, steps
 
 def _epsilon_of_history(history: History, delta: float, accountant: str) -> float:
     """Epsilon of a composed history of Poisson-subsampled Gaussian steps, by the named Opacus accountant."""
-    history = [(float(s), float(q), int(t)) for s, q, t in history if int(t) > 0]
+    return _composed_epsilon(tuple((float(s), float(q), int(t)) for s, q, t in history if int(t) > 0),
+                             float(delta), accountant)
+
+
+@functools.lru_cache(maxsize=4096)
+def _composed_epsilon(history: tuple[tuple[float, float, int], ...], delta: float, accountant: str) -> float:
+    """:func:`_epsilon_of_history` of a normalised history, computed once per argument values: a pure function that
+    calibrations, budget checks and every node of an in-process network evaluate again at the same points."""
+    history = list(history)
     if not history:
         return 0.0
     if any(sigma == 0.0 for sigma, _, _ in history):
@@ -168,6 +221,8 @@ def _epsilon_of_history(history: History, delta: float, accountant: str) -> floa
                 f"{PRV_MAX_DOMAIN_SIZE:,}; this means almost no noise (epsilon is huge). Use accountant='rdp', or a "
                 "larger noise_multiplier / smaller target_epsilon."
             )
+    if accountant == "rdp":
+        return _rdp_epsilon(history, delta)
     opacus_accountant = make_accountant(accountant)
     opacus_accountant.history = list(history)
     return float(opacus_accountant.get_epsilon(delta=delta))
@@ -216,7 +271,7 @@ class _Guard:
             )
 
 
-_OPACUS_CLASSES: dict[str, type[IAccountant]] = {"rdp": RDPAccountant, "prv": PRVAccountant}
+_OPACUS_CLASSES: dict[str, type[IAccountant]] = {"rdp": RDPAccountant, "prv": CachedPRVAccountant}
 _GUARDED: set[str] = set()
 _ACTIVE_GUARD: contextvars.ContextVar[_Guard | None] = contextvars.ContextVar("privdec_calibration", default=None)
 
@@ -276,7 +331,20 @@ def calibrate_noise_multiplier(
         raise PrivacyConfigError(
             f"epsilon_tolerance is relative and must lie in (0, 1), got {epsilon_tolerance!r} (0.01 = 1%)"
         )
+    return _calibrated_noise_multiplier(target_epsilon, target_delta, sample_rate, steps, accountant, epsilon_tolerance)
 
+
+@functools.lru_cache(maxsize=256)
+def _calibrated_noise_multiplier(
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str,
+    epsilon_tolerance: float,
+) -> float:
+    """:func:`calibrate_noise_multiplier` of checked arguments, searched once per argument values (every node of a
+    network, and every strategy built for the same budget, asks the same question; a refusal is not cached)."""
     where = (
         f"target_epsilon={target_epsilon:g}, target_delta={target_delta:g}, sample_rate={sample_rate:g}, "
         f"steps={steps}, accountant={accountant!r}"

@@ -43,6 +43,7 @@ for a target epsilon, is :mod:`.saga_calibration`.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -152,8 +153,16 @@ def saga_step_entries(
 
 
 # ---- fast RDP: the same orders and conversion as Opacus's RDPAccountant ------------------------------------------
+@functools.lru_cache(maxsize=4096)
 def gaussian_rdp(q: float, sigma: float, steps: int) -> np.ndarray:
-    """RDP at :data:`OPACUS_ORDERS` of ``steps`` Poisson-subsampled Gaussians (multiplier sigma, rate q), quietly."""
+    """RDP at :data:`OPACUS_ORDERS` of ``steps`` Poisson-subsampled Gaussians (multiplier sigma, rate q), quietly;
+    computed once per argument values and read-only (the calibrations evaluate the same entries again and again)."""
+    rdp = _gaussian_rdp(q, sigma, steps)
+    rdp.setflags(write=False)
+    return rdp
+
+
+def _gaussian_rdp(q: float, sigma: float, steps: int) -> np.ndarray:
     if steps == 0:
         return np.zeros_like(OPACUS_ORDERS)
     if sigma == 0.0:

@@ -9,6 +9,7 @@ rounds, and only then convert to (epsilon, delta) (not the other way round, a kn
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,7 @@ from opacus.accountants.analysis import rdp as rdp_analysis
 from scipy.optimize import brentq
 
 from lightning_privdec.privacy.accounting.base import Accountant
+from lightning_privdec.privacy.accounting.gaussian import subsampled_gaussian_rdp
 from lightning_privdec.privacy.accounting.secldp_step import (
     Adversary,
     Level,
@@ -99,17 +101,22 @@ def secldp_epsilon_example_level(
         return math.inf
     alphas = _orders(orders)
     noise_multiplier = 1.0 / math.sqrt(2.0 * eps_step)
-    rdp = rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=steps, orders=alphas)
+    if orders is None:
+        rdp = subsampled_gaussian_rdp(sample_rate, noise_multiplier) * steps
+    else:
+        rdp = rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=steps, orders=alphas)
     epsilon, _ = rdp_analysis.get_privacy_spent(orders=alphas, rdp=rdp, delta=delta)
     return float(epsilon)
 
 
+@functools.lru_cache(maxsize=256)
 def _example_eps_step_for(
-    target_epsilon: float, steps: int, delta: float, sample_rate: float, orders: Sequence[float] | None
+    target_epsilon: float, steps: int, delta: float, sample_rate: float, orders: tuple[float, ...] | None
 ) -> float:
     """The largest eps_step (relative precision 1e-10) whose example-level epsilon is <= target: a bracket by
     doubling, then Brent's method on log eps_step (epsilon grows continuously and monotonically with it), stepped
-    down until the answer is within the target."""
+    down until the answer is within the target. Searched once per argument values (every node of a network
+    calibrates the same budget)."""
 
     def epsilon(x: float) -> float:
         return secldp_epsilon_example_level(x, steps, delta, sample_rate, orders=orders)
@@ -229,7 +236,9 @@ def calibrate_secldp(
         sample_rate = _sample_rate(sample_rate)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Optimal order is the")
-            target_step = _example_eps_step_for(target_epsilon, steps, delta, sample_rate, orders)
+            target_step = _example_eps_step_for(
+                target_epsilon, steps, delta, sample_rate, None if orders is None else tuple(orders)
+            )
 
         def epsilon_of(step: float) -> float:
             with warnings.catch_warnings():
@@ -355,10 +364,7 @@ class SecLDPAccountant(Accountant):
         if any(math.isinf(e) for e, _, _ in history):
             return math.inf
         alphas = _orders(None)
-        rdp = sum(
-            rdp_analysis.compute_rdp(q=q, noise_multiplier=1.0 / math.sqrt(2.0 * e), steps=t, orders=alphas)
-            for e, q, t in history if e > 0
-        )
+        rdp = sum(subsampled_gaussian_rdp(q, 1.0 / math.sqrt(2.0 * e)) * t for e, q, t in history if e > 0)
         epsilon, _ = rdp_analysis.get_privacy_spent(orders=alphas, rdp=rdp, delta=self.delta)
         return float(epsilon)
 
