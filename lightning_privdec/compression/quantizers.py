@@ -192,20 +192,15 @@ class QSGD(Compressor):
     @staticmethod
     def _add_decoded(out: torch.Tensor, levels: torch.Tensor, negative: torch.Tensor, scale: float,
                      scratch: Workspace) -> None:
-        """``out += (level * sign) * scale`` for one chunk, with the rounding of ``out + decode(...)`` (the product
-        rounded once, the sign exact, then the sum)."""
-        n, device = out.numel(), out.device
-        signed = scratch.at_least("qsgd_sign", n, torch.int8, device)  # +1 / -1
-        decoded = scratch.at_least("qsgd_decoded", n, out.dtype, device)
-        if device.type == "cpu":
-            sign, value = signed.numpy(), decoded.numpy()
+        """``out += scale * level * sign`` for one chunk (``negative``: bool or 0/1 bytes), with the rounding of
+        ``out + decode(...)`` (``scale * level`` rounded, its sign exact, then the sum)."""
+        signed = scratch.at_least("qsgd_sign", out.numel(), torch.int8, out.device)  # +1 / -1
+        if out.device.type == "cpu":
+            sign = signed.numpy()
             np.add(np.multiply(negative.numpy().view(np.int8), np.int8(-2), out=sign), np.int8(1), out=sign)
-            np.copyto(value, levels.numpy(), casting="unsafe")
-            np.multiply(np.multiply(value, sign, out=value), scale, out=value)
-            np.add(out.numpy(), value, out=out.numpy())
         else:
             torch.mul(negative, -2, out=signed).add_(1)
-            out.add_(decoded.copy_(levels).mul_(signed).mul_(scale))
+        out.addcmul_(levels, signed, value=scale)
 
     def decode_add_(
         self, payload: Sequence[torch.Tensor], out: torch.Tensor, key: int, workspace: Workspace | None = None
@@ -228,7 +223,7 @@ class QSGD(Compressor):
                 levels = unpack_bits(packed_levels[first : first + packed_nbytes(n, self.bits)], self.bits, n,
                                      dtype=self._level_dtype)
             negative = unpack_bits(packed_signs[start // 8 : start // 8 + packed_nbytes(n, 1)], 1, n,
-                                   dtype=torch.bool)
+                                   dtype=torch.uint8)
             self._add_decoded(out[start : start + n], levels, negative, scale, scratch)
         return out
 
