@@ -435,5 +435,5 @@ def test_qsgd_dithering_does_not_depend_on_the_chunk_size(monkeypatch: pytest.Mo
 
     x = make_x("gaussian", 1001, seed=2)
     expected = QSGD(8).encode(x, 99)
-    monkeypatch.setattr(quantizers, "_DITHER_CHUNK", 6)
+    monkeypatch.setattr(quantizers, "_QUANTIZE_CHUNK", 8)
     assert all(torch.equal(a, b) for a, b in zip(QSGD(8).encode(x, 99), expected))

@@ -103,18 +103,59 @@ def test_gaussian_noise_has_the_right_mean_std_and_tails(
         assert observed == pytest.approx(expected, rel=5 / np.sqrt(expected * n))
 
 
-def test_narrow_noise_is_the_float64_draw_with_a_float32_angle(device: torch.device) -> None:
-    """float32/bfloat16 draws: the same uniforms and float64 radii r; the angle's cos/sin in float32, so each entry
-    is the float64 draw to within r * 2^-21 (the angle's float32 rounding) plus two ulps."""
-    std = 0.7
-    wide = node_noise_generator(device, 5, 0).normal(100_000, std, torch.float64)
-    radius = wide.view(-1, 2).norm(dim=1).repeat_interleave(2)  # r of each Box-Muller pair, times std
+def _narrow_reference(key: bytes, numel: int, std: float) -> tuple[np.ndarray, np.ndarray]:
+    """(the float64 values, the radius r of each entry's pair) of the first draw of a generator under ``key`` in the
+    narrow format, recomputed from the raw keystreams as the module documents it: u1 from the 64-bit words under the
+    draw's nonce, the angle a 2 pi 2^-24 from the top 24 bits of the signed 32-bit words under the nonce whose last
+    word is 1; the cosines of all pairs first, then the sines."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    pairs = (numel + 1) // 2
+    raw = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor().update(bytes(8 * pairs))
+    u1 = (np.frombuffer(raw, dtype="<u8") >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    angle_nonce = bytes(12) + (1).to_bytes(4, "little")
+    raw = Cipher(algorithms.ChaCha20(key, angle_nonce), mode=None).encryptor().update(bytes(4 * pairs))
+    theta = (np.frombuffer(raw, dtype="<i4") >> 8).astype(np.float64) * (2 * np.pi * 2.0**-24)
+    r = std * np.sqrt(-2.0 * np.log1p(-u1))
+    sines = numel - pairs
+    return (np.concatenate([r * np.cos(theta), (r * np.sin(theta))[:sines]]), np.concatenate([r, r[:sines]]))
+
+
+def test_narrow_noise_is_box_muller_of_the_documented_keystream_words(device: torch.device) -> None:
+    """float32/bfloat16 draws against a float64 re-computation of the documented format from the raw keystreams:
+    every entry within r * 2^-21 (the angle's float32 rounding) plus two ulps of the float64 value (so the tails and
+    the density near 0 are those of the float64 radius), whatever the chunk size."""
+    key, std, numel = bytes(range(32)), 0.7, 100_001  # odd: the last pair's sine is dropped
+    expected, radius = (torch.from_numpy(a) for a in _narrow_reference(key, numel, std))
     for dtype in (torch.float32, torch.bfloat16):
-        narrow = node_noise_generator(device, 5, 0).normal(100_000, std, dtype).double()
-        ulp = torch.finfo(dtype).eps * wide.abs()
-        error = (narrow - wide).abs()
+        narrow = NoiseGenerator(key, device=device, seeded=True).normal(numel, std, dtype).double().cpu()
+        ulp = torch.finfo(dtype).eps * expected.abs()
+        error = (narrow - expected).abs()
         assert bool((error <= 2 * ulp + radius * 2.0**-21).all()), dtype
         assert float((error <= ulp).float().mean()) > 0.5
+
+
+@pytest.mark.parametrize("transform", ["_box_muller_host", "_box_muller_torch"])
+@pytest.mark.parametrize("narrow", [True, False])
+def test_the_radius_has_the_tails_and_the_small_values_of_53_bit_uniforms(transform: str, narrow: bool) -> None:
+    """Crafted keystream words: u1 = 0 gives r = 0, u1 = 2^-53 gives r = 2^-26 (the density near 0 is resolved),
+    u1 = 1 - 2^-53 gives the largest draw sqrt(2 ln 2^53) ~ 8.57 (the tail); angle 0 puts all of r in the cosine."""
+    from lightning_privdec.privacy.noise import KeystreamBuffers, _KeyStream
+
+    stream = _KeyStream(bytes(32), bytes(16), KeystreamBuffers("cpu"))
+    stream._buffers.reserve(8)
+    top = (1 << 53) - 1
+    # the words as int64 (two's complement); their top 53 bits k = 0, 1, 2^53 - 1
+    radius_words = torch.tensor([0, 1 << 11, (top << 11) - (1 << 64)], dtype=torch.int64)
+    angle_words = torch.zeros(3, dtype=torch.int32 if narrow else torch.int64)
+    dtype = torch.float32 if narrow else torch.float64
+    cosines, sines = torch.empty(3, dtype=dtype), torch.empty(3, dtype=dtype)
+    getattr(stream, transform)(radius_words, angle_words, cosines, sines, 1.0)
+    largest = float(np.sqrt(2 * 53 * np.log(2)))
+    tolerance = 4 * torch.finfo(dtype).eps
+    assert cosines[0] == 0 and sines.abs().max() == 0
+    assert float(cosines[1]) == pytest.approx(2.0**-26, rel=tolerance)
+    assert float(cosines[2]) == pytest.approx(largest, rel=tolerance)
 
 
 def test_reused_output_draws_the_same_noise_without_allocating(device: torch.device) -> None:
@@ -246,8 +287,10 @@ def test_the_host_transform_and_the_accelerator_transform_give_the_same_draws() 
     key = bytes(range(32))
     for numel, dtype in ((1000, torch.float64), (1001, torch.float64), (1001, torch.float32)):
         host, device = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
-        _KeyStream(key, bytes(16), KeystreamBuffers("cpu"))._normal_chunk_host(host, 0.5)
-        _KeyStream(key, bytes(16), KeystreamBuffers("cpu"))._normal_chunk_device(device, 0.5)
+        _KeyStream(key, bytes(16), KeystreamBuffers("cpu")).standard_normal_into(host, 0.5)
+        accelerator = _KeyStream(key, bytes(16), KeystreamBuffers("cpu"))
+        accelerator._box_muller = accelerator._box_muller_torch
+        accelerator.standard_normal_into(device, 0.5)
         tolerance = 1e-12 if dtype == torch.float64 else 2e-6
         torch.testing.assert_close(host, device, rtol=tolerance, atol=tolerance)
 

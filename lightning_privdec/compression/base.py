@@ -73,6 +73,15 @@ class Workspace:
             t = self._tensors[name] = torch.empty(numel, dtype=dtype, device=device)
         return t
 
+    def at_least(self, name: str, numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """The first ``numel`` entries of a 1-D buffer kept under ``name`` that only ever grows (a chunk's scratch:
+        a shorter last chunk re-allocates nothing)."""
+        t, device = self._tensors.get(name), torch.device(device)
+        elsewhere = t is not None and (t.device.type != device.type or device.index not in (None, t.device.index))
+        if t is None or t.numel() < numel or t.dtype != dtype or elsewhere:
+            t = self._tensors[name] = torch.empty(numel, dtype=dtype, device=device)
+        return t[:numel]
+
     def lend(self, name: str, tensor: torch.Tensor | None) -> None:
         """Use the caller's ``tensor`` (free for now) as the buffer ``name``; ``None`` takes the loan back."""
         if tensor is None:
@@ -113,7 +122,7 @@ def public_words(
         raw = bytearray(8 * n)
         encryptor.update_into(bytes(8 * n), raw)  # type: ignore[attr-defined]
         return torch.frombuffer(raw, dtype=torch.int64)
-    words = workspace.get(name, n, torch.int64, "cpu")
+    words = workspace.at_least(name, n, torch.int64, "cpu")
     encryptor.update_into(workspace.zeros(8 * n), memoryview(words.numpy()).cast("B"))  # type: ignore[attr-defined]
     return words
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .base import Compressor, PayloadSpec, Workspace, _check_dim, public_stream, public_words
@@ -22,28 +23,40 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_DITHER_CHUNK = 1 << 20  # coordinates dithered per keystream read (even: whole 64-bit words), and decoded per pass
+#: coordinates quantized (and decoded) per pass, a multiple of 8 so that each chunk's packed bits start on a byte:
+#: signs, dithering, levels, packing and error feedback run chunk by chunk in reused ~1 MB buffers (no vector of the
+#: model's size). The dithering's keystream is read chunk after chunk in coordinate order: no value depends on it
+_QUANTIZE_CHUNK = 1 << 18
+_MASK_53 = (1 << 53) - 1
 
 
-def _add_dither_(scaled: torch.Tensor, key: int, workspace: Workspace | None) -> torch.Tensor:
-    """``scaled += u``, u ~ U[0, 1)^d from the message's keystream (:func:`~.base.public_stream`), chunk by chunk:
-    24-bit uniforms for float32 work (as NumPy's float32 draws), 53-bit ones for float64, each added in one pass.
-    Only the sender draws them (decoding does not need u)."""
-    d, wide = scaled.numel(), scaled.dtype == torch.float64
-    stream = public_stream(key)
-    for start in range(0, d, _DITHER_CHUNK):
-        m = min(_DITHER_CHUNK, d - start)
-        words = public_words(key, m if wide else (m + 1) // 2, workspace, stream, name="dither")
-        uniform = words.bitwise_and_((1 << 53) - 1) if wide else words.view(torch.int32)[:m].bitwise_and_(
-            (1 << 24) - 1)
-        scaled[start : start + m].add_(uniform.to(scaled.device), alpha=2.0 ** -(53 if wide else 24))  # r 2^-b: exact
-    return scaled
+def _chunks(d: int) -> range:
+    return range(0, d, max(8, _QUANTIZE_CHUNK - _QUANTIZE_CHUNK % 8))
+
+
+def _chunk_size(d: int, start: int) -> int:
+    return min(d - start, max(8, _QUANTIZE_CHUNK - _QUANTIZE_CHUNK % 8))
+
+
+def _dither(stream: object, n: int, wide: bool, workspace: Workspace | None) -> torch.Tensor:
+    """The next ``n`` dithering integers r of a message's keystream (:func:`~.base.public_stream`), on the host:
+    24-bit ones (float32 work, as NumPy's float32 draws) from its 32-bit words, or 53-bit ones (float64 work) from its
+    64-bit words; ``u = r 2^-b`` is then exact in the work dtype. Coordinate i always reads word i."""
+    words = public_words(0, n if wide else (n + 1) // 2, workspace, stream, name="dither")
+    values = words if wide else words.view(torch.int32)[:n]
+    np.bitwise_and(values.numpy(), _MASK_53 if wide else (1 << 24) - 1, out=values.numpy())
+    return values
 
 
 def _uniform(d: int, key: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The dithering u ~ U[0, 1)^d that the encoder adds for ``key`` (float64 for float64 work, else float32)."""
-    return _add_dither_(torch.zeros(d, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
-                                    device=device), key, None)
+    wide = dtype == torch.float64
+    out = torch.empty(d, dtype=torch.float64 if wide else torch.float32, device=device)
+    stream = public_stream(key)
+    for start in _chunks(d):
+        chunk = out[start : start + _chunk_size(d, start)]
+        chunk.copy_(_dither(stream, chunk.numel(), wide, None)).mul_(2.0 ** -(53 if wide else 24))
+    return out
 
 
 def _signs(packed_signs: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
@@ -96,46 +109,122 @@ class QSGD(Compressor):
         ]
 
     def encode(self, x: torch.Tensor, key: int) -> list[torch.Tensor]:
-        x = self._check_input(x)
-        return self._encode_into(x.clone() if x.dtype == _work_dtype(x.dtype) else x, key, None)
+        return self._quantize(self._check_input(x), key, None)
 
     def encode_difference(
         self, x: torch.Tensor, reference: torch.Tensor, key: int, workspace: Workspace | None = None
     ) -> list[torch.Tensor]:
         difference = workspace.get("difference", x.numel(), x.dtype, x.device) if workspace is not None else None
-        return self._encode_into(torch.sub(x, reference, out=difference), key, workspace)
+        return self._quantize(torch.sub(x, reference, out=difference), key, workspace)
 
-    def _encode_into(self, x: torch.Tensor, key: int, workspace: Workspace | None) -> list[torch.Tensor]:
-        """The payload of ``x``, computed in place in ``x`` (which it overwrites)."""
-        signs = pack_bits(x < 0, 1)
-        work = _work_dtype(x.dtype)
+    def encode_feedback_(
+        self, x: torch.Tensor, copy: torch.Tensor, key: int, workspace: Workspace | None = None
+    ) -> list[torch.Tensor]:
+        """Lines 1 and 4 at the sender: ``q = Q(x - copy)``, and ``copy += q`` added chunk by chunk while each chunk's
+        levels are in the cache (float32 and float64 copies; others through the base class)."""
+        if copy.dtype != _work_dtype(copy.dtype) or x.dtype != copy.dtype:
+            return super().encode_feedback_(x, copy, key, workspace)
+        difference = workspace.get("difference", x.numel(), x.dtype, x.device) if workspace is not None else None
+        return self._quantize(torch.sub(x, copy, out=difference), key, workspace, feedback=copy)
+
+    def _quantize(
+        self, x: torch.Tensor, key: int, workspace: Workspace | None, feedback: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """The payload of ``x`` (left unchanged), chunk by chunk: each chunk's signs, dithered levels and packed bits
+        while it is in the cache; with ``feedback`` (a copy of x's dtype), ``feedback += decode(payload)`` too."""
+        d, work, device = x.numel(), _work_dtype(x.dtype), x.device
+        wide = work == torch.float64
         xw = x.to(work)
         norm = torch.linalg.vector_norm(xw)
-        # Clamp avoids 0/0 for x = 0 (then all levels are 0) without a host sync.
-        scaled = xw.abs_().mul_(self.s / norm.clamp_min(torch.finfo(work).tiny))  # s |x| / ||x|| in [0, s]
-        # floor(s |x| / ||x|| + u), clamped: float round-off in s*ratio + u can reach s + 1 when ratio == 1. The
-        # conversion truncates, which is the floor of these non-negative values.
-        levels = _add_dither_(scaled, key, workspace).clamp_(max=self.s)
-        levels_int = levels.to(torch.uint8 if self.bits <= 8 else torch.int32)
-        return [pack_bits(levels_int, self.bits), signs, norm.to(torch.float32).reshape(1)]
+        # s |x| / ||x|| in [0, s]; x = 0 (or a norm so small that s / ||x|| overflows) gives all levels 0, without
+        # a host sync
+        factor = torch.nan_to_num(self.s / norm, nan=0.0, posinf=0.0)
+        wire_norm = norm.to(torch.float32).reshape(1)
+        levels = torch.empty(packed_nbytes(d, self.bits), dtype=torch.uint8, device=device)
+        signs = torch.empty(packed_nbytes(d, 1), dtype=torch.uint8, device=device)
+        scale = self._scale(wire_norm, d, feedback.dtype) if feedback is not None else 0.0
+        scratch = workspace if workspace is not None else Workspace()
+        stream = public_stream(key)
+        host = device.type == "cpu"
+        if host:
+            unit, signs_host = np.dtype(str(work).removeprefix("torch.")).type(factor.item()), signs.numpy()
+        for start in _chunks(d):
+            n = _chunk_size(d, start)
+            chunk = xw[start : start + n]
+            negative = scratch.at_least("qsgd_negative", n, torch.bool, device)
+            scaled = scratch.at_least("qsgd_scaled", n, work, device)
+            chunk_levels = (levels[start : start + n] if self.bits == 8
+                            else scratch.at_least("qsgd_levels", n, self._level_dtype, device))
+            dither = _dither(stream, n, wide, workspace)
+            # floor(s |x| / ||x|| + u), clamped: float round-off in s*ratio + u can reach s + 1 when ratio == 1. The
+            # conversion truncates, which is the floor of these non-negative values.
+            if host:  # NumPy: torch's bool and uint8 casts cost 5-10x more on the host
+                c, sc, u = chunk.numpy(), scaled.numpy(), scratch.at_least("qsgd_decoded", n, work, device).numpy()
+                np.less(c, 0, out=negative.numpy())
+                np.multiply(np.abs(c, out=sc), unit, out=sc)
+                np.copyto(u, dither.numpy(), casting="unsafe")  # exact: below 2^24 (2^53)
+                np.add(sc, np.multiply(u, 2.0 ** -(53 if wide else 24), out=u), out=sc)  # r 2^-b: exact
+                integers = chunk_levels.numpy()
+                np.copyto(integers, sc, casting="unsafe")  # the floor, then the clamp (s is an integer: the same)
+                np.minimum(integers, self.s, out=integers)
+                signs_host[start // 8 : start // 8 + (n + 7) // 8] = np.packbits(negative.numpy(), bitorder="little")
+            else:
+                torch.lt(chunk, 0, out=negative)
+                torch.abs(chunk, out=scaled).mul_(factor)
+                scaled.add_(dither.to(device), alpha=2.0 ** -(53 if wide else 24)).clamp_(max=self.s)
+                chunk_levels.copy_(scaled)
+                signs[start // 8 : start // 8 + packed_nbytes(n, 1)].copy_(pack_bits(negative, 1))
+            if self.bits != 8:
+                first = start * self.bits // 8
+                levels[first : first + packed_nbytes(n, self.bits)].copy_(pack_bits(chunk_levels, self.bits))
+            if feedback is not None:
+                self._add_decoded(feedback[start : start + n], chunk_levels, negative, scale, scratch)
+        return [levels, signs, wire_norm]
+
+    @property
+    def _level_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.bits <= 8 else torch.int32
+
+    def _scale(self, wire_norm: torch.Tensor, d: int, dtype: torch.dtype) -> float:
+        """A decoded level's unit ``||x|| / (tau s)`` from the norm on the wire, in ``dtype``'s precision."""
+        return float(wire_norm.to(dtype) / (self.tau(d) * self.s))
+
+    @staticmethod
+    def _add_decoded(out: torch.Tensor, levels: torch.Tensor, negative: torch.Tensor, scale: float,
+                     scratch: Workspace) -> None:
+        """``out += scale * level * sign`` for one chunk (``negative``: bool or 0/1 bytes), with the rounding of
+        ``out + decode(...)`` (``scale * level`` rounded, its sign exact, then the sum)."""
+        signed = scratch.at_least("qsgd_sign", out.numel(), torch.int8, out.device)  # +1 / -1
+        if out.device.type == "cpu":
+            sign = signed.numpy()
+            np.add(np.multiply(negative.numpy().view(np.int8), np.int8(-2), out=sign), np.int8(1), out=sign)
+        else:
+            torch.mul(negative, -2, out=signed).add_(1)
+        out.addcmul_(levels, signed, value=scale)
 
     def decode_add_(
         self, payload: Sequence[torch.Tensor], out: torch.Tensor, key: int, workspace: Workspace | None = None
     ) -> torch.Tensor:
-        """``out += scale * levels * signs`` in one pass over the unpacked bytes (no decoded vector), with the
+        """``out += scale * levels * signs`` chunk by chunk over the unpacked bytes (no decoded vector), with the
         rounding of ``out + decode(...)`` (``scale * level`` rounded, its sign exact, then the sum)."""
         d = out.numel()
         self._check_payload(payload, d, out.dtype)
         if out.dtype != _work_dtype(out.dtype):  # half precision: decode in float32, then round and add
             return out.add_(self._decode(payload, d, out.dtype))
         packed_levels, packed_signs, norm = payload
-        levels = packed_levels if self.bits == 8 else unpack_bits(
-            packed_levels, self.bits, d, dtype=torch.uint8 if self.bits <= 8 else torch.int32)
-        signs = unpack_bits(packed_signs, 1, d, dtype=torch.uint8).view(torch.int8).mul_(-2).add_(1)  # +1 / -1
-        scale = float(norm.to(out.dtype) / (self.tau(d) * self.s))
-        for start in range(0, d, _DITHER_CHUNK):  # chunks: the integer factors' casts stay small
-            end = min(d, start + _DITHER_CHUNK)
-            out[start:end].addcmul_(levels[start:end], signs[start:end], value=scale)
+        scale = self._scale(norm, d, out.dtype)
+        scratch = workspace if workspace is not None else Workspace()
+        for start in _chunks(d):
+            n = _chunk_size(d, start)
+            if self.bits == 8:
+                levels = packed_levels[start : start + n]
+            else:
+                first = start * self.bits // 8
+                levels = unpack_bits(packed_levels[first : first + packed_nbytes(n, self.bits)], self.bits, n,
+                                     dtype=self._level_dtype)
+            negative = unpack_bits(packed_signs[start // 8 : start // 8 + packed_nbytes(n, 1)], 1, n,
+                                   dtype=torch.uint8)
+            self._add_decoded(out[start : start + n], levels, negative, scale, scratch)
         return out
 
     def decode(

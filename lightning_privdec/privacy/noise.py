@@ -14,28 +14,32 @@ Draw k of a generator uses nonce k, so each draw is a function of (key, k) alone
 the number of draws (``get_state``). The keystream's 64-bit words become 53-bit uniforms ``u = (w >> 11) 2^-53`` in
 [0, 1), then
 
-* standard normals by Box-Muller: ``sqrt(-2 log(1 - u1)) (cos 2 pi u2, sin 2 pi u2)``. The radius, which sets the
-  tails (up to sqrt(2 ln 2^53) ~ 8.6 sigma) and the density near 0, is always computed in float64 up to its
-  square ``-2 log(1 - u1)``. float64 draws are computed in float64 and rounded once; for float32 and narrower ones
-  the square root, the angle and its cosine and sine are computed in float32 (a third of the time for that part):
-  each entry is then within ``r 2^-21`` (the angle's rounding) plus two float32 ulps of the float64 draw;
+* standard normals by Box-Muller: ``sqrt(-2 log(1 - u1)) (cos t, sin t)``, ``t = 2 pi u2``. The radius, which sets
+  the tails (up to sqrt(2 ln 2^53) ~ 8.6 sigma) and the density near 0, always comes from a 53-bit u1 and is
+  computed in float64 up to its square ``-2 log(1 - u1)`` (``1 - u1`` is exact). float64 draws are computed in
+  float64 and rounded once. float32 and narrower ones take their angle from a separate keystream under the same key
+  (nonce k, last word 1), 24 bits per pair: 12 keystream bytes per pair instead of 16; the square root, the angle
+  and its cosine and sine are float32, so each entry is within ``r 2^-21`` (the angle's rounding) plus two float32
+  ulps of the float64 Box-Muller value of its uniforms (:class:`_KeyStream` documents both formats);
 * Laplace(b) as ``b (E1 - E2)`` with ``E = -log(1 - u) ~ Exp(1)``;
 * Bernoulli(q) as ``u < q`` (Poisson sampling).
 
 ``secure_mode=True`` adds Opacus's mitigation of floating-point attacks on the Gaussian sampler (Holohan and Braghin
 2021, "Secure Random Sampling in Differential Privacy", Sec. 5.1, as in Opacus's ``_generate_noise``): each noise
-coordinate is the sum of four draws divided by 2, at four times the sampling cost. The keystream is produced on the
-host in chunks of 1 MiB (its buffers stay in the core's cache) and transformed there by NumPy (SIMD logarithm, sine
-and cosine, one thread: more intra-op threads never slow it down) or, for another device, by torch on that device;
-buffers are reused across chunks and draws, and a caller that draws the same size every step can reuse the output
-too (``normal(..., reuse_output=True)``; a fresh 45 MB vector costs ~15 ms of page faults per step), or add the noise
+coordinate is the sum of four float64 draws divided by 2, at four times the sampling cost. The keystream is produced
+on the host in chunks of ``_CHUNK_WORDS`` entries and transformed there by NumPy (SIMD logarithm, sine and cosine,
+one thread: more intra-op threads never slow it down) or, for another device, by torch on that device; buffers are
+reused across chunks and draws, and a caller that draws the same size every step can reuse the output too
+(``normal(..., reuse_output=True)``; a fresh 45 MB vector costs ~15 ms of page faults per step), or add the noise
 straight into its gradients (:meth:`NoiseGenerator.add_normal_`). ``benchmarks/private_step.py`` times it in ns per
 coordinate against ``torch.randn`` with 1 and 2 threads.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -63,17 +67,26 @@ def seed_caveat(seed: int | None) -> str:
 
 KEY_BYTES = 32  #: 256-bit keys
 _SEED_DOMAIN = b"lightning_privdec.privacy.noise"
-_CHUNK_WORDS = 1 << 17  # 64-bit words per keystream chunk (1 MiB): the chunk's buffers stay in the core's cache
+#: entries per chunk (even): a draw is read and transformed chunk by chunk in reused buffers (~2 MB: NumPy's calls
+#: cost a few microseconds each, so larger chunks than the core's L2 are faster); its values never depend on it
+_CHUNK_WORDS = 1 << 17
 _MASK_53 = (1 << 53) - 1
+_ANGLE_SCALE32 = 2.0 * math.pi * 2.0**-24  # a narrow draw's angle per unit of its 24-bit integer
 #: torch runs an elementwise op of fewer elements than its grain size (32768) on the calling thread: pieces this
 #: small never wait for intra-op threads that another process keeps busy
 _SERIAL = 1 << 15
 _SCRATCH = ("_buffers", "_work", "_out")  # a generator's reused buffers: never pickled nor copied
 
 
+def _angle_nonce(nonce: bytes) -> bytes:
+    """The nonce of a narrow draw's angle keystream: the draw's own nonce with its last 32-bit word XOR 1 (0 in
+    every nonce this module draws with), i.e. a second keystream under the same key that no draw reads otherwise."""
+    return nonce[:12] + (int.from_bytes(nonce[12:], "little") ^ 1).to_bytes(4, "little")
+
+
 class KeystreamBuffers:
-    """Host and device buffers for reading a keystream in chunks, kept across draws (fresh large allocations are
-    slow). They grow to the largest chunk asked for, at most ``_CHUNK_WORDS`` 64-bit words."""
+    """Host and device buffers for reading keystreams and transforming them chunk by chunk, kept across draws (fresh
+    large allocations are slow). They grow to the largest chunk asked for, at most ``_CHUNK_WORDS`` entries."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -83,109 +96,175 @@ class KeystreamBuffers:
         words = min(max(words, 1), _CHUNK_WORDS)
         if words > self.size:
             self.zeros = bytes(8 * words)
-            self.raw = bytearray(8 * words)
+            self.raw = bytearray(8 * words)  # the draw's keystream, 64-bit words
             self.words = torch.frombuffer(self.raw, dtype=torch.int64)
+            self.angle_raw = bytearray(4 * words)  # a narrow draw's angle keystream, 32-bit words
+            self.angle_words = torch.frombuffer(self.angle_raw, dtype=torch.int32)
             self.uniform = torch.empty(words, dtype=torch.float64, device=self.device)
-            self.pair_work = torch.empty(3, (words + 1) // 2, dtype=torch.float64, device=self.device)
-            self.pair_work32 = torch.empty(3, (words + 1) // 2, dtype=torch.float32, device=self.device)
-            if self.device.type == "cpu":  # half-precision draws are made in float32, then rounded
-                self.out32 = torch.empty(words, dtype=torch.float32)
+            # the transform's per-pair work (squared radius or r, angle, cosine) and a chunk of output, per width
+            widths, pairs = (torch.float64, torch.float32), (words + 1) // 2
+            self.work = {dt: torch.empty(3, pairs, dtype=dt, device=self.device) for dt in widths}
+            self.out = {dt: torch.empty(words, dtype=dt, device=self.device) for dt in widths}
+            if self.device.type == "cpu":  # the same memory as NumPy arrays, for the host transform
+                self.np_work = {dt: w.numpy() for dt, w in self.work.items()}
             self.size = words
 
 
 class _KeyStream:
-    """The ChaCha20 keystream under (key, nonce), read as 53-bit uniforms and normals in float64."""
+    """The ChaCha20 keystream under (key, nonce), read as 53-bit uniforms and as standard normals.
+
+    Box-Muller turns a pair (u1, u2) into ``r cos t, r sin t`` with ``r^2 = -2 log(1 - u1)``, u1 a 53-bit uniform
+    (``1 - u1 >= 2^-53`` sets the tails, up to ~8.6 sigma; ``1 - u1`` is exact, its logarithm and r^2 are float64),
+    in one of two formats:
+
+    * **wide** (float64 draws, and :func:`keyed_standard_normal`'s documented format): u1 and u2 are consecutive
+      64-bit words of this keystream, both 53-bit uniforms, ``t = 2 pi u2``; the draws are interleaved
+      ``r1 cos t1, r1 sin t1, r2 cos t2, ...``; all in float64.
+    * **narrow** (float32 and narrower draws): u1 is the next 64-bit word of this keystream, u2 the top 24 bits of
+      the next 32-bit word of the angle keystream (:func:`_angle_nonce`), a signed integer a, ``t = 2 pi a 2^-24``
+      in [-pi, pi): 12 keystream bytes per pair instead of 16. Of n draws (h = ceil(n / 2) pairs) entries [0, h)
+      are the cosines and [h, n) the sines of the first n - h pairs (contiguous writes); r's square root, t and its
+      cosine and sine are float32.
+
+    A draw depends on the key, the nonce and its length only, never on the chunk size. On the host the transform
+    runs in NumPy (its SIMD logarithm, sine and cosine are 2-3x torch's on one core, and it never spreads a chunk
+    over threads that may be busy); on other devices in torch.
+    """
 
     def __init__(self, key: bytes, nonce: bytes, buffers: KeystreamBuffers) -> None:
         self._encryptor = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
+        self._key, self._nonce = key, nonce
+        self._angles: Any = None  # the angle keystream's encryptor, made at the first narrow chunk
         self._buffers = buffers
+        self._box_muller = self._box_muller_host if buffers.device.type == "cpu" else self._box_muller_torch
+
+    def _read(self, n: int) -> Tensor:
+        """The next ``n <= _CHUNK_WORDS`` 64-bit words of the keystream (int64 on the host, a reused buffer)."""
+        b = self._buffers
+        b.reserve(n)
+        self._encryptor.update_into(memoryview(b.zeros)[: 8 * n], b.raw)
+        return b.words[:n]
+
+    def _read_angles(self, n: int) -> Tensor:
+        """The next ``n <= _CHUNK_WORDS`` 32-bit words of the angle keystream (int32 on the host, a reused buffer)."""
+        if self._angles is None:
+            self._angles = Cipher(algorithms.ChaCha20(self._key, _angle_nonce(self._nonce)), mode=None).encryptor()
+        b = self._buffers
+        b.reserve(n)
+        self._angles.update_into(memoryview(b.zeros)[: 4 * n], b.angle_raw)
+        return b.angle_words[:n]
 
     def uniform(self, n: int) -> Tensor:
         """The next ``n <= _CHUNK_WORDS`` uniforms in [0, 1): float64 on the buffers' device, a view of a reused
         buffer (valid until the next read)."""
-        b = self._buffers
-        b.reserve(n)
-        self._encryptor.update_into(memoryview(b.zeros)[: 8 * n], b.raw)
-        words = b.words[:n]
+        words = self._read(n)
         words.bitwise_right_shift_(11).bitwise_and_(_MASK_53)  # arithmetic shift: mask off the sign's copies
-        out = b.uniform[:n]
+        out = self._buffers.uniform[:n]
         out.copy_(words)  # exact: 53-bit integers fit float64
         return out.mul_(2.0**-53)
 
     def standard_normal_into(self, out: Tensor, scale: float = 1.0) -> Tensor:
-        """Fill the flat floating tensor ``out`` with ``scale`` times standard normals, chunk by chunk: Box-Muller,
-        pairs of uniforms give ``r cos t, r sin t``, interleaved. ``r`` in float64; ``cos t, sin t`` and the
-        products in float64 for a float64 ``out`` (rounded once), else ``t`` and its cosine and sine in float32 (the
-        module docstring). On the host the transform runs in NumPy (its SIMD logarithm, sine and cosine are 2-3x
-        torch's on one core, and it never spreads a chunk over threads that may be busy); on other devices in torch.
-        """
-        numel = out.numel()
-        for start in range(0, numel, _CHUNK_WORDS):
-            m = min(_CHUNK_WORDS, numel - start)
-            if self._buffers.device.type == "cpu":
-                self._normal_chunk_host(out[start : start + m], scale)
-            else:
-                self._normal_chunk_device(out[start : start + m], scale)
+        """Fill the flat floating tensor ``out`` with one draw of ``out.numel()`` entries ``scale`` N(0, 1)."""
+        for _ in self.normal_segments(out.numel(), scale, out.dtype, out):
+            pass
         return out
 
-    def _words(self, n: int) -> np.ndarray:
-        """The next ``n`` keystream words as 53-bit integers (int64, a view of the reused host buffer)."""
+    def normal_segments(
+        self, numel: int, scale: float, dtype: torch.dtype, out: Tensor | None = None
+    ) -> Iterator[tuple[int, Tensor]]:
+        """One draw of ``numel`` entries ``scale`` N(0, 1) of ``dtype`` (the wide format for float64, else the
+        narrow one), chunk by chunk, as ``(start, values)``: entries ``start ..`` of the draw. With ``out`` (the whole
+        flat vector, on the buffers' device) the values are written there; else they are views of a reused chunk
+        buffer (valid until the next segment but one)."""
         b = self._buffers
-        b.reserve(n)
-        self._encryptor.update_into(memoryview(b.zeros)[: 8 * n], b.raw)
-        words = b.words.numpy()[:n]
-        np.right_shift(words.view(np.uint64), 11, out=words.view(np.uint64))  # the top 53 bits, as uniform()
-        return words
+        if dtype == torch.float64:
+            for start in range(0, numel, _CHUNK_WORDS):
+                m = min(_CHUNK_WORDS, numel - start)
+                pairs = (m + 1) // 2
+                words = self._read(2 * pairs).view(pairs, 2)
+                direct = out is not None and m % 2 == 0
+                dest = (out[start : start + m] if direct else b.out[dtype][: 2 * pairs]).view(pairs, 2)
+                self._box_muller(words[:, 0], words[:, 1], dest[:, 0], dest[:, 1], scale)
+                values = dest.view(-1)[:m]  # an odd m drops the last pair's sine
+                if out is not None and not direct:
+                    values = out[start : start + m].copy_(values)
+                yield start, values
+            return
+        half = (numel + 1) // 2  # pairs: their cosines fill [0, half), the sines [half, numel)
+        step = max(1, _CHUNK_WORDS // 2)
+        for first in range(0, half, step):
+            p = min(step, half - first)
+            q = max(0, min(p, numel - half - first))  # this chunk's sines
+            b.reserve(2 * p)  # the work buffers hold a pair per two entries
+            direct = out is not None and out.dtype == torch.float32
+            if direct:
+                cosines, sines = out[first : first + p], out[half + first : half + first + q]
+            else:
+                cosines, sines = b.out[torch.float32][:p], b.out[torch.float32][p : p + q]
+            self._box_muller(self._read(p), self._read_angles(p), cosines, sines, scale)
+            if out is not None and not direct:  # bfloat16, float16: rounded from float32
+                cosines = out[first : first + p].copy_(cosines)
+                sines = out[half + first : half + first + q].copy_(sines)
+            elif dtype != torch.float32:
+                cosines, sines = cosines.to(dtype), sines.to(dtype)
+            yield first, cosines
+            if q:
+                yield half + first, sines
 
-    def _normal_chunk_host(self, out: Tensor, scale: float) -> None:
-        m = out.numel()
-        pairs = (m + 1) // 2
-        words = self._words(2 * pairs)
+    def _box_muller_host(
+        self, radius_words: Tensor, angle_words: Tensor, cosines: Tensor, sines: Tensor, scale: float
+    ) -> None:
+        """``cosines = scale r cos t`` and ``sines = scale r sin t`` (the first ``sines.numel()`` pairs) from the
+        pairs' keystream words, in NumPy, in place in the words and the buffers (the class docstring's formats: int32
+        angle words are narrow, int64 ones wide)."""
+        p, q = cosines.numel(), sines.numel()
+        narrow = angle_words.dtype == torch.int32
         b = self._buffers
-        radius = b.pair_work[0, :pairs].numpy()
-        np.multiply(words[0::2], -(2.0**-53), out=radius)  # -u1, exact
-        np.log1p(radius, out=radius)  # log(1 - u1), 1 - u1 in (0, 1]: finite, tail up to ~8.6 sigma
-        np.multiply(radius, -2.0 * scale * scale, out=radius)  # the squared radius, in float64
-        wide = out.dtype == torch.float64
-        if wide:
-            np.sqrt(radius, out=radius)
-        else:  # its square root in float32 (NumPy's float64 one costs 3x): one more float32 rounding
-            radius32 = b.pair_work32[0, :pairs].numpy()
-            radius32[...] = radius
-            radius = np.sqrt(radius32, out=radius32)
-        work = b.pair_work if wide else b.pair_work32
-        theta, cosine = work[1, :pairs].numpy(), work[2, :pairs].numpy()
-        np.multiply(words[1::2], 2.0 * math.pi * 2.0**-53, out=theta, casting="same_kind")  # u2 2 pi, rounded once
+        work64, work = b.np_work[torch.float64], b.np_work[cosines.dtype]
+        words = radius_words.numpy()
+        np.right_shift(words.view(np.uint64), 11, out=words.view(np.uint64))  # k: u1 = k 2^-53
+        np.subtract(1 << 53, words, out=words)  # 2^53 (1 - u1), an integer in [1, 2^53]
+        square = work64[0, :p]
+        np.copyto(square, words, casting="unsafe")  # exact: at most 2^53
+        np.multiply(square, 2.0**-53, out=square)  # 1 - u1, exact
+        np.log(square, out=square)
+        radius, theta, cosine = work[0, :p], work[1, :p], work[2, :p]  # narrow: float32 (radius is not square)
+        np.multiply(square, -2.0 * scale * scale, out=radius, casting="same_kind")  # r^2 scale^2, float64, rounded
+        np.sqrt(radius, out=radius)
+        angles = angle_words.numpy()
+        if narrow:
+            np.right_shift(angles, 8, out=angles)  # a: the top 24 bits, signed, exact in float32
+            np.copyto(theta, angles, casting="unsafe")
+            np.multiply(theta, np.float32(_ANGLE_SCALE32), out=theta)  # t = 2 pi a 2^-24, rounded once
+        else:
+            np.right_shift(angles.view(np.uint64), 11, out=angles.view(np.uint64))
+            np.copyto(theta, angles, casting="unsafe")
+            np.multiply(theta, 2.0 * math.pi * 2.0**-53, out=theta)  # t = 2 pi u2, rounded once
         np.cos(theta, out=cosine)
         np.sin(theta, out=theta)
-        native = out.dtype in (torch.float32, torch.float64)
-        target = out.numpy() if native else b.out32[:m].numpy()
-        np.multiply(radius, cosine, out=target[0::2])
-        np.multiply(radius[: m // 2], theta[: m // 2], out=target[1::2])  # an odd m drops the last pair's sine
-        if not native:
-            out.copy_(b.out32[:m])
+        np.multiply(radius, cosine, out=cosines.numpy())
+        np.multiply(radius[:q], theta[:q], out=sines.numpy())
 
-    def _normal_chunk_device(self, out: Tensor, scale: float) -> None:
-        m, wide = out.numel(), out.dtype == torch.float64
-        pairs = (m + 1) // 2
-        u = self.uniform(2 * pairs).view(pairs, 2)
-        radius, theta, cosine = self._buffers.pair_work[:, :pairs]  # reused: no allocation per chunk
-        torch.neg(u[:, 0], out=radius)
-        radius.log1p_().mul_(-2.0).sqrt_()
-        if scale != 1.0:
-            radius.mul_(scale)
-        if not wide:  # the angle in float32: its cosine and sine cost half as much
-            radius32, theta, cosine = self._buffers.pair_work32[:, :pairs]
-            radius = radius32.copy_(radius)
-        torch.mul(u[:, 1], 2.0 * math.pi, out=theta)
+    def _box_muller_torch(
+        self, radius_words: Tensor, angle_words: Tensor, cosines: Tensor, sines: Tensor, scale: float
+    ) -> None:
+        """:meth:`_box_muller_host` in torch on the buffers' device (the keystream words are on the host)."""
+        p, q = cosines.numel(), sines.numel()
+        narrow = angle_words.dtype == torch.int32
+        work64, work = self._buffers.work[torch.float64], self._buffers.work[cosines.dtype]
+        radius_words.bitwise_right_shift_(11).bitwise_and_(_MASK_53).neg_().add_(1 << 53)  # 2^53 (1 - u1)
+        square = work64[0, :p].copy_(radius_words)  # exact
+        square.mul_(2.0**-53).log_().mul_(-2.0 * scale * scale)
+        radius, theta, cosine = work[0, :p], work[1, :p], work[2, :p]
+        radius.copy_(square).sqrt_()
+        if narrow:
+            theta.copy_(angle_words.bitwise_right_shift_(8)).mul_(_ANGLE_SCALE32)
+        else:
+            theta.copy_(angle_words.bitwise_right_shift_(11).bitwise_and_(_MASK_53)).mul_(2.0 * math.pi * 2.0**-53)
         torch.cos(theta, out=cosine)
         theta.sin_()
-        if m % 2 == 0:
-            block = out.view(pairs, 2)
-            torch.mul(radius, cosine, out=block[:, 0])
-            torch.mul(radius, theta, out=block[:, 1])
-        else:  # the last odd entry: the pair's sine is dropped
-            out.copy_(torch.stack((radius * cosine, radius * theta), dim=1).view(-1)[:m])
+        torch.mul(radius, cosine, out=cosines)
+        torch.mul(radius[:q], theta[:q], out=sines)
 
 
 def keyed_standard_normal(
@@ -229,8 +308,8 @@ class NoiseGenerator:
         return _KeyStream(self._key, nonce, self._buffers)
 
     def _workspace(self, words: int) -> Tensor:
-        """A reused float64 buffer of at least ``min(words, chunk)`` entries (secure mode: two of them)."""
-        words = min(max(words, 1), _CHUNK_WORDS) * (2 if self.secure_mode else 1)
+        """A reused float64 buffer of two chunks of at least ``min(words, chunk)`` entries (secure mode)."""
+        words = 2 * min(max(words, 1), _CHUNK_WORDS)
         if self._work is None or self._work.numel() < words:
             self._work = torch.empty(words, dtype=torch.float64, device=self.device)
         return self._work
@@ -268,7 +347,7 @@ class NoiseGenerator:
         (z1 + z2 + z3 + z4) / 2 of four draws. ``reuse_output=True`` writes into a vector the generator keeps (valid
         until its next ``reuse_output`` draw): a DP step's noise is not re-allocated every step."""
         out = self._output(numel, dtype) if reuse_output else torch.empty(numel, dtype=dtype, device=self.device)
-        for _ in self._normal_chunks(numel, std, out):
+        for _ in self._normal_segments(numel, std, dtype, out):
             pass
         return out if device is None else out.to(device)
 
@@ -278,48 +357,40 @@ class NoiseGenerator:
         dtype) followed by ``torch.add(noise, sum, alpha=sums_scale, out=out)`` per piece gives, without the
         model-sized noise vector (each chunk is added while it is in the cache, in pieces that torch runs on this
         thread). ``outs`` are contiguous tensors of one dtype; an ``out`` may be its ``sum``."""
-        total = sum(o.numel() for o in outs)
         flat_outs = [o.view(-1) for o in outs]
         flat_sums = [t.reshape(-1) for t in sums]
-        piece, offset = 0, 0  # the piece holding chunk position `start`, and where that piece starts
-        for start, chunk in self._normal_chunks(total, std, self._chunk(outs[0].dtype)):
-            end, position = start + chunk.numel(), start
+        offsets = list(itertools.accumulate((o.numel() for o in flat_outs), initial=0))
+        for start, values in self._normal_segments(offsets[-1], std, outs[0].dtype):
+            end, position = start + values.numel(), start
+            piece = bisect.bisect_right(offsets, start) - 1
             while position < end:
-                while offset + flat_outs[piece].numel() <= position:
-                    offset += flat_outs[piece].numel()
+                while offsets[piece + 1] <= position:
                     piece += 1
-                stop = min(end, offset + flat_outs[piece].numel(), position + _SERIAL)
-                target = flat_outs[piece][position - offset : stop - offset]
-                noise = chunk[position - start : stop - start].to(target.device)
-                torch.add(noise, flat_sums[piece][position - offset : stop - offset], alpha=sums_scale, out=target)
+                stop = min(end, offsets[piece + 1], position + _SERIAL)
+                lo, hi = position - offsets[piece], stop - offsets[piece]
+                noise = values[position - start : stop - start].to(flat_outs[piece].device)
+                torch.add(noise, flat_sums[piece][lo:hi], alpha=sums_scale, out=flat_outs[piece][lo:hi])
                 position = stop
 
-    def _chunk(self, dtype: torch.dtype) -> Tensor:
-        """A reused buffer of one chunk of ``dtype`` (for :meth:`add_normal_`)."""
-        if self._out is None or self._out.dtype != dtype or self._out.numel() < _CHUNK_WORDS:
-            self._out = torch.empty(_CHUNK_WORDS, dtype=dtype, device=self.device)
-        return self._out
-
-    def _normal_chunks(self, numel: int, std: float, out: Tensor) -> Iterator[tuple[int, Tensor]]:
-        """One Gaussian draw of ``numel`` entries, chunk by chunk: yields ``(start, entries start..)`` written into
-        ``out`` (the whole vector, or one chunk's buffer that every chunk reuses)."""
+    def _normal_segments(
+        self, numel: int, std: float, dtype: torch.dtype, out: Tensor | None = None
+    ) -> Iterator[tuple[int, Tensor]]:
+        """One Gaussian draw of ``numel`` entries as ``(start, values)`` segments (:meth:`_KeyStream.
+        normal_segments`): written into ``out`` (the whole vector) when given, else views of reused buffers."""
         stream = self._stream()
-        whole = out.numel() >= numel
-        if self.secure_mode:
-            work = self._workspace(numel)
-            chunk = min(numel, _CHUNK_WORDS)
-            total, extra = work[:chunk], work[chunk : 2 * chunk]
+        if not self.secure_mode:
+            yield from stream.normal_segments(numel, std, dtype, out)
+            return
+        work = self._workspace(numel)
+        chunk = min(numel, _CHUNK_WORDS)
+        total, extra = work[:chunk], work[chunk : 2 * chunk]
         for start in range(0, numel, _CHUNK_WORDS):
             m = min(_CHUNK_WORDS, numel - start)
-            target = out[start : start + m] if whole else out[:m]
-            if not self.secure_mode:
-                stream.standard_normal_into(target, std)
-            else:
-                z = stream.standard_normal_into(total[:m])
-                for _ in range(3):
-                    z.add_(stream.standard_normal_into(extra[:m]))
-                target.copy_(z.mul_(0.5 * std))
-            yield start, target
+            z = stream.standard_normal_into(total[:m])  # four wide draws of m, summed in float64
+            for _ in range(3):
+                z.add_(stream.standard_normal_into(extra[:m]))
+            z.mul_(0.5 * std)
+            yield start, (z.to(dtype) if out is None else out[start : start + m].copy_(z))
 
     def laplace(
         self, numel: int, scale: float, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None
