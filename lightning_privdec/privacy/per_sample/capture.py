@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.per_sample import bookkeeping
+from lightning_privdec.privacy.per_sample.shared import SharedCall, SharedCapture
 
 #: Opacus's per-layer closed forms, by exact type: (layer, [input], output gradient) -> {parameter: (B, *shape)}
 RULES = GradSampleHooks.GRAD_SAMPLERS
@@ -52,6 +53,8 @@ CARRIED_STATE_ERROR = (
     "then the privacy unit"
 )
 _RECURRENT = (nn.RNNBase, nn.RNNCellBase)
+#: layers whose parameters their own code uses in products with the batch: replayed as a whole
+REPLAYED = (nn.RNNBase, nn.RNNCellBase, nn.MultiheadAttention)
 
 
 def rule_for(module: nn.Module):  # noqa: ANN201
@@ -73,8 +76,10 @@ def _trainable(module: nn.Module, recurse: bool) -> list[nn.Parameter]:
 
 def layer_units(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """``(name, layer, mechanism)`` for every layer that owns trainable parameters, top-down: a layer with a rule
-    covers its own parameters; any other covers its whole sub-tree by replay (its children may be used through
-    functional code, as nn.MultiheadAttention uses ``out_proj.weight``), and its children get no hooks."""
+    covers its own parameters; nn.MultiheadAttention and recurrent layers cover their whole sub-tree by replay
+    (their children are used through functional code, as nn.MultiheadAttention uses ``out_proj.weight``), and
+    their children get no hooks; any other layer's own parameters are ``"shared"`` (:mod:`.shared`: captured where
+    they meet the batch, the call replayed as a whole when they are used otherwise) and its children are visited."""
     units: list[tuple[str, nn.Module, str]] = []
     seen: set[int] = set()
 
@@ -85,6 +90,8 @@ def layer_units(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
         if _trainable(module, recurse=False):
             if rule_for(module) is not None:
                 units.append((name, module, "rule"))
+            elif not isinstance(module, REPLAYED):
+                units.append((name, module, "shared"))
             else:
                 units.append((name, module, "replay"))
                 return
@@ -99,7 +106,9 @@ def describe_units(units: list[tuple[str, nn.Module, str]], mode: str) -> str:
     """One line: how many layers of each type use which mechanism (the setup report)."""
     counts: dict[tuple[str, str], int] = {}
     for _, module, kind in units:
-        mechanism = {"rule": "functorch vmap" if mode == "functorch" else "closed form"}.get(kind, "replay")
+        mechanism = {"rule": "functorch vmap" if mode == "functorch" else "closed form", "shared": "broadcast"}.get(
+            kind, "replay"
+        )
         if kind == "rule" and mode in ("bookkeeping", "ghost") and bookkeeping.covers(module):
             mechanism = "book-keeping"
         key = (type(module).__name__, mechanism)
@@ -127,6 +136,7 @@ class Record:
     autocast: tuple | None = None
     grads: list[Tensor | None] | None = None
     batch_dims: list[int] = field(default_factory=list)
+    shared: SharedCall | None = None  # kind "shared": the call's captures (:mod:`.shared`)
     #: the gradient hook on the outputs; removed by :meth:`Recorder.forget`. The hook lives on the outputs' autograd
     #: nodes and holds them in its closure: a cycle through C++ that Python's collector cannot free, which kept every
     #: step's records (the layer, its inputs) alive until the hook is removed
@@ -195,7 +205,24 @@ class Recorder:
                     module.register_forward_pre_hook(partial(self._refuse_carried_state, name), with_kwargs=True)
                 )
                 self._handles.append(module.register_forward_hook(self._keep_hidden_state))
+        #: the unit owning each trainable parameter, and how many calls of each unit are running (:mod:`.shared`)
+        owners = {id(p): m for _, m, kind in units for p in m.parameters(recurse=kind == "replay") if p.requires_grad}
+        self._active: dict[int, int] = {}
+        self._shared = SharedCapture(owners, self._active, self._shared_grad)
+        self._shared_pending: dict[int, list[tuple]] = {}
+        has_shared = any(kind == "shared" for _, _, kind in units)
         for name, module, kind in units:
+            if has_shared:
+                self._handles.append(module.register_forward_pre_hook(partial(self._count_unit, 1)))
+                self._handles.append(module.register_forward_hook(partial(self._count_unit, -1), always_call=True))
+            if kind == "shared":
+                self._handles.append(
+                    module.register_forward_pre_hook(partial(self._before_shared, name), with_kwargs=True)
+                )
+                self._handles.append(
+                    module.register_forward_hook(partial(self._after_shared, name), with_kwargs=True, always_call=True)
+                )
+                continue
             if kind == "rule":
                 self._handles.append(module.register_forward_pre_hook(self._freeze_parameters))
                 # always_call: also when the forward raises, or a non-reentrant checkpoint's recompute stops early
@@ -306,14 +333,78 @@ class Recorder:
             [leaves[k] for k in positions], partial(self._after_backward, record), mode="all"
         )
 
-    def _after_backward(self, record: Record, grads: tuple) -> None:
-        if not self.enabled:
+    def _count_unit(self, delta: int, module: nn.Module, *_: Any) -> None:
+        self._active[id(module)] = self._active.get(id(module), 0) + delta
+
+    def _before_shared(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A shared unit's call (:mod:`.shared`): its operations followed, and what a replay would need kept."""
+        stack = self._shared_pending.setdefault(id(module), [])
+        if not self._recording(module):
+            stack.append(None)
             return
+        first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.dim()), None)
+        call = SharedCall(name, module, int(first.shape[0]) if first is not None else 0, _trainable(module, False))
+        if not self.batch_first or first is None:
+            call.fail("its inputs are not batch first")
+        self._before_replay_unit(module, args)  # the random-number state, for a replay
+        buffers = [(n, b, b._version) for n, b in module.named_buffers()]
+        self._shared.begin(call, args, kwargs)
+        stack.append((call, self._pending[id(module)].pop(), len(self.records), buffers))
+
+    def _after_shared(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        pending = self._shared_pending[id(module)].pop()
+        if pending is None:
+            return
+        call, state, start, buffers = pending
+        self._shared.end(call, output)
+        for buffer_name, buffer, version in buffers:
+            if buffer._version != version:
+                raise PrivacyConfigError(
+                    f"layer {name or '<root>'} ({type(module).__name__}) updates its buffer {buffer_name} in the "
+                    "forward pass (a statistic of the batch): every example's output then depends on the others, "
+                    "which per-example clipping cannot bound. Compute it per example, or keep it fixed in training"
+                )
+        if call.failure is not None:  # replayed as a whole: its sub-tree's records of this call are dropped
+            inside = {id(m) for m in module.modules()}
+            for r in self.records[start:]:
+                if id(r.module) in inside and r.grad_hook is not None:
+                    r.grad_hook.remove()
+            self.records[start:] = [r for r in self.records[start:] if id(r.module) not in inside]
+            self._pending.setdefault(id(module), []).append(state)
+            self._after_forward(name, "replay", module, args, kwargs, output)
+            return
+        if not call.captures:
+            return
+        if self._backward_seen:
+            self._forward_pass += 1
+            self._backward_seen = False
+            self._pass_batch = None
+        if self._pass_batch is None:
+            self._pass_batch = call.batch
+        call.record = Record(name, module, "shared", (), {}, [], [], self._forward_pass, batch_dims=[0], shared=call)
+        self.records.append(call.record)
+
+    def _shared_grad(self, call: SharedCall, capture: Any, grad: Tensor) -> None:
+        """A capture's gradient (:mod:`.shared`) has arrived."""
+        if not self.enabled or self.replaying or call.record is None:
+            return
+        grad = grad.detach()
+        capture.grad = grad if capture.grad is None else capture.grad + grad
+        self._backward_reached(call.record)
+        if call.record.grads is None:
+            call.record.grads = [capture.grad]
+
+    def _backward_reached(self, record: Record) -> None:
         self._backward_seen = True
         if record.forward_pass not in self._backward_passes:
             if self._backward_passes and not self.grad_accumulation_allowed:
                 raise ValueError(GRAD_ACCUMULATION_ERROR)
             self._backward_passes.add(record.forward_pass)
+
+    def _after_backward(self, record: Record, grads: tuple) -> None:
+        if not self.enabled:
+            return
+        self._backward_reached(record)
         fresh = [None if g is None else g.detach() for g in grads]
         if record.grads is None:
             record.grads = fresh
@@ -345,6 +436,7 @@ class Recorder:
                 record.grad_hook.remove()
         self.records = []
         self._pending.clear()
+        self._shared_pending.clear()
         self._forward_pass = 0
         self._backward_seen = False
         self._backward_passes.clear()

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from lightning_privdec.privacy.dp_step import clip_and_accumulate, clip_factor
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.per_sample import bookkeeping
+from lightning_privdec.privacy.per_sample import bookkeeping, shared
 from lightning_privdec.privacy.per_sample.capture import (
     Record,
     Recorder,
@@ -104,8 +104,8 @@ class _PerSampleArithmetic:
                     params = [p for p in r.module.parameters(recurse=False) if p.requires_grad]
                     calls.append(_Call(r, r.module, "rule", params, activations, backprops, int(backprops.shape[0])))
                 else:
-                    params = [p for p in r.module.parameters() if p.requires_grad]
-                    calls.append(_Call(r, r.module, "replay", params, [], None, r.batch_size))
+                    params = [p for p in r.module.parameters(recurse=r.kind == "replay") if p.requires_grad]
+                    calls.append(_Call(r, r.module, r.kind, params, [], None, r.batch_size))
             batch = max(c.batch_size for c in calls)
             for c in calls:
                 if c.batch_size != batch:
@@ -148,6 +148,8 @@ class _PerSampleArithmetic:
                     samples = rule_grad_samples(r.module, r.activations, r.backprops, self.functorch)
                     if _has_bookkeeping(r) and samples:
                         samples = bookkeeping.exact_rows(r.module, r.activations[0], r.backprops, samples)
+                elif r.kind == "shared":
+                    samples = shared.grad_samples(r.record.shared, r.scale, self.drop_nonfinite)
                 else:
                     samples = replay_grad_samples(r.record, r.scale, self.drop_nonfinite)
                 inputs = {t.untyped_storage().data_ptr() for t in (r.backprops, *r.activations) if t is not None}
