@@ -186,3 +186,24 @@ def test_the_attack_catches_the_batch_gradient_given_to_one_example(monkeypatch:
     assert 0.5 < ratio() <= 1 + sensitivity.TOLERANCE
     monkeypatch.setattr(shared, "grad_samples", one_row)
     assert ratio() > 1.2
+
+
+def test_a_table_looked_up_once_for_the_batch_is_named_in_the_refusal() -> None:
+    """An nn.Embedding looked up with ``torch.arange(T)`` (no batch dimension): the refusal names that layer, not
+    the token embedding that saw the batch, and says how to fix it."""
+
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos, self.out = nn.Embedding(20, 8), nn.Embedding(6, 8), nn.Linear(8, 3)
+
+        def forward(self, ids: Tensor) -> Tensor:
+            return self.out((self.tok(ids) + self.pos(torch.arange(ids.shape[1]))).mean(1))
+
+    model = Positions()
+    psg = PerSampleGradients(model, mode="bookkeeping")
+    F.cross_entropy(model(torch.randint(0, 20, (4, 6))), torch.randint(0, 3, (4,))).backward()
+    with pytest.raises(PrivacyConfigError, match=r"layer pos \(Embedding\) was called on 6 examples of a batch of 4 "
+                                                 r"\(the size the other layers saw\).*self\.pos_embedding"):  # fmt: skip
+        psg.clip_and_sum(1.0)
+    psg.detach()

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_privdec.privacy import GhostClipping, PerSampleGradients
-from lightning_privdec.privacy.per_sample import bookkeeping, mean_loss_multiplier
+from lightning_privdec.privacy.per_sample import bookkeeping, bookkeeping_conv, mean_loss_multiplier
 
 __all__ = ["ATTACKS", "PRECISIONS", "TOLERANCE", "AttackResult", "broken_norms", "run_attacks", "sensitivity"]
 
@@ -262,7 +262,7 @@ def broken_norms() -> Iterator[None]:
         if bookkeeping._is_linear(module) and g.dim() == 3:
             squared = bookkeeping._gram_inner_products(g.transpose(1, 2), a.transpose(1, 2))[0].clamp_min(0)
         elif not bookkeeping._is_linear(module) and g.dim() == 4:
-            squared = bookkeeping._conv_ghost_norms(module, a, g)[0].sum(dim=1).clamp_min(0)
+            squared = bookkeeping_conv._conv_ghost_norms(module, a, g)[0].sum(dim=1).clamp_min(0)
         else:
             return original(module, a, g, method, defer_exact=defer_exact)
         if module.bias is not None and module.bias.requires_grad:

@@ -151,7 +151,7 @@ class SharedCapture(TorchFunctionMode):
             self.expanded.clear()
 
     # ---- the operations --------------------------------------------------------------------------------------------
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _GETTERS or getattr(func, "__name__", "") == "__get__":
             return func(*args, **kwargs)
