@@ -434,7 +434,9 @@ def build_problem(  # noqa: ANN201
       its in-place activations made out-of-place (so that Opacus's hooks can see their inputs), the same images;
     * ``gpt2``: a GPT-2 from a config (2 layers, width 128, vocabulary 512), sequences of ``tokens`` tokens;
     * ``gpt2_small``: GPT-2 small from its config (12 layers, width 768, vocabulary 50257; 124M parameters, no
-      download), sequences of ``tokens`` tokens.
+      download), sequences of ``tokens`` tokens;
+    * ``vit``: torchvision's VisionTransformer at docs/models.md's size (patch 8, 2 layers, width 32), the same
+      images: a class token and a position embedding used once for the whole batch.
 
     The GPT-2s predict each next token; the privacy unit is a sequence (its mean token loss)."""
     import torch
@@ -492,6 +494,15 @@ def build_problem(  # noqa: ANN201
             ).view(ids.shape[0], -1)
             per_sequence = per_token.mean(1)  # the privacy unit is a sequence
             return per_sequence if reduction == "none" else per_sequence.mean()
+    elif name == "vit":
+        from torchvision.models import VisionTransformer
+
+        inputs = torch.randn(batch, 3, image_size, image_size, generator=gen)
+        targets = torch.randint(0, 10, (batch,), generator=gen)
+
+        def build():  # noqa: ANN202
+            return VisionTransformer(image_size=image_size, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
+                                     mlp_dim=64, num_classes=10)  # fmt: skip
     else:
         raise ValueError(f"unknown model {name!r}")
 

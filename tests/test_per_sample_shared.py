@@ -71,6 +71,19 @@ class RunningStatistic(nn.Module):
         return (x.flatten(1) - self.mean) * self.scale
 
 
+class HeadSizedBias(nn.Module):
+    """A (7, 3, 3) parameter plus a zero tensor made from the batch's tensor (``x.new_zeros``), then added to the
+    (B, 7, 3, 3) batch: with B = 7 the intermediate's dimension 0 has the batch's size without being the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(7, 3, 3))
+        self.out = nn.Linear(63, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(x + (self.bias + x.new_zeros(7, 3, 3))).flatten(1))
+
+
 def _relative(sdpa: bool = False) -> nn.Module:
     return nn.Sequential(RelativeBias(sdpa=sdpa), nn.Flatten(), nn.Linear(40, 10))
 
@@ -80,6 +93,7 @@ CASES = {
     "relative_bias": (_relative, (5, 8)),
     "relative_bias_sdpa": (lambda: _relative(sdpa=True), (5, 8)),
     "own_weight_product": (ProductWithOwnWeight, (8,)),
+    "head_sized_bias": (HeadSizedBias, (7, 3, 3)),  # 4 + 3 crafted examples: B = 7
 }
 
 
@@ -121,6 +135,8 @@ def test_per_example_gradients_equal_vmap_grad_on_random_and_crafted_data(name: 
         assert torch.allclose(got[n] / scale, w / scale, atol=1e-4), n
     if name == "vit":
         assert kinds[""] == "shared" and kinds["encoder"] == "shared"
+    elif name == "head_sized_bias":
+        assert kinds[""] == "shared"
     elif name.startswith("relative_bias"):
         assert kinds["0"] == "shared" and kinds["0.qkv"] == "rule"
     else:

@@ -378,7 +378,8 @@ class Recorder:
             self._pass_batch = None
         if self._pass_batch is None:
             self._pass_batch = call.batch
-        call.record = Record(name, module, "shared", (), {}, [], [], self._forward_pass, batch_dims=[0], shared=call)
+        call.record = Record(name, module, "shared", (), {}, [], [], self._forward_pass, shared=call,
+                             batch_dims=[0] * len(call.captures))
         self.records.append(call.record)
 
     def _shared_grad(self, call: SharedCall, capture: Any, grad: Tensor) -> None:
@@ -388,8 +389,7 @@ class Recorder:
         grad = grad.detach()
         capture.grad = grad if capture.grad is None else capture.grad + grad
         self._backward_reached(call.record)
-        if call.record.grads is None:
-            call.record.grads = [capture.grad]
+        call.record.grads = [c.grad for c in call.captures]  # each checked by the batch-dimension probe
 
     def _backward_reached(self, record: Record) -> None:
         self._backward_seen = True

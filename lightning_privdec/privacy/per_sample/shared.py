@@ -51,6 +51,11 @@ _RANDOM = {
     torch.bernoulli, Tensor.bernoulli, Tensor.bernoulli_, torch.rand_like, torch.randn_like, torch.randint_like,
     Tensor.uniform_, Tensor.normal_, torch.normal, torch.multinomial,
 }  # fmt: skip
+#: operations that read only the shape, dtype and device of a batch tensor: their results are constants
+_FACTORIES = {
+    Tensor.new_zeros, Tensor.new_ones, Tensor.new_full, Tensor.new_empty, Tensor.new_tensor, torch.zeros_like,
+    torch.ones_like, torch.full_like, torch.empty_like,
+}  # fmt: skip
 _GETTERS = {Tensor.size, Tensor.dim, Tensor.numel, Tensor.__len__, Tensor.is_floating_point, Tensor.data_ptr}
 
 
@@ -134,8 +139,8 @@ class SharedCapture(TorchFunctionMode):
         if not self.calls:
             self.__enter__()
         self.calls.append(call)
-        for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, Tensor):
+        for t in tree_flatten((args, kwargs))[0]:  # the batch's inputs (a mask of another size is a constant)
+            if isinstance(t, Tensor) and t.dim() and t.shape[0] == call.batch:
                 self.data[t] = True
 
     def end(self, call: SharedCall, output: Any) -> None:
@@ -168,7 +173,7 @@ class SharedCapture(TorchFunctionMode):
                     free.append(t)
                 elif not self.active.get(id(owner), 0) and self.calls:
                     self.calls[-1].fail(f"it reads a parameter of {type(owner).__name__} outside that layer's forward")
-        batch = any(t in self.data for t in tensors)
+        batch = func not in _FACTORIES and any(t in self.data for t in tensors)
         if not free:
             out = func(*args, **kwargs)
             if batch:
@@ -224,7 +229,10 @@ class SharedCapture(TorchFunctionMode):
         """A batch-free tensor meets the batch: each is replaced by a view of the batch's shape whose gradient is
         captured (module docstring)."""
         swap: dict[int, Tensor] = {}
-        if func in _ELEMENTWISE:
+        batch = [t for t in tensors if t in self.data and t.dim() and t.shape[0] == call.batch]
+        if func in _ELEMENTWISE and not any(t.dim() == max(u.dim() for u in tensors) for t in batch):
+            call.fail("a tensor computed from its parameters meets a tensor without the batch in dimension 0")
+        elif func in _ELEMENTWISE:
             if _in_place(func) and id(args[0]) in self.free:
                 call.fail("it adds the batch to a tensor computed from its parameters in place")
             else:
@@ -234,14 +242,14 @@ class SharedCapture(TorchFunctionMode):
         elif func is _F.scaled_dot_product_attention:
             q, k = args[0], args[1]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-            if any(t is not mask for t in free) or not mask.is_floating_point():
+            if any(t is not mask for t in free) or not mask.is_floating_point() or q.shape[0] != call.batch:
                 call.fail("its parameters reach the attention's queries, keys or values")
             else:
                 shape = torch.broadcast_shapes(mask.shape, (*q.shape[:-1], k.shape[-2]))
                 swap[id(mask)] = self._capture(mask, shape, call)
         elif func in _CONCATENATE:
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-            if dim % max(free[0].dim(), 1) == 0:
+            if dim % max(free[0].dim(), 1) == 0 or not batch:
                 call.fail("it concatenates its parameters along the batch dimension")
             for t in free:
                 if id(t) not in self.expanded:
