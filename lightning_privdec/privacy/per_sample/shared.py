@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakTensorKeyDictionary
+import itertools
 
 _F = nn.functional
 #: broadcasting elementwise operations: a batch-free operand may be replaced by its expansion to the result's shape
@@ -56,6 +56,7 @@ _FACTORIES = {
     Tensor.new_zeros, Tensor.new_ones, Tensor.new_full, Tensor.new_empty, Tensor.new_tensor, torch.zeros_like,
     torch.ones_like, torch.full_like, torch.empty_like,
 }  # fmt: skip
+_GENERATIONS = itertools.count(1)
 _GETTERS = {Tensor.size, Tensor.dim, Tensor.numel, Tensor.__len__, Tensor.is_floating_point, Tensor.data_ptr}
 
 
@@ -130,10 +131,11 @@ class SharedCapture(TorchFunctionMode):
         self.active = active
         self.on_grad = on_grad  # called with (call, capture) when a capture's gradient arrives
         self.calls: list[SharedCall] = []  # the running shared calls, innermost last
-        self.data = WeakTensorKeyDictionary()  # tensors that depend on the batch
+        #: tensors that depend on the batch carry ``_privdec_batch`` = this number (one per outermost call: a
+        #: mark of an earlier call means nothing)
+        self.generation = next(_GENERATIONS)
         self.free: dict[int, tuple[Tensor, SharedCall]] = {}  # batch-free tensors: id -> (tensor, owning call)
         self.expanded: dict[int, Tensor] = {}  # batch-free tensors expanded to the batch: id -> what was expanded
-        self.depth = 0
 
     def begin(self, call: SharedCall, args: tuple, kwargs: dict) -> None:
         if not self.calls:
@@ -141,7 +143,7 @@ class SharedCapture(TorchFunctionMode):
         self.calls.append(call)
         for t in tree_flatten((args, kwargs))[0]:  # the batch's inputs (a mask of another size is a constant)
             if isinstance(t, Tensor) and t.dim() and t.shape[0] == call.batch:
-                self.data[t] = True
+                t._privdec_batch = self.generation
 
     def end(self, call: SharedCall, output: Any) -> None:
         for t in tree_flatten(output)[0]:
@@ -151,7 +153,7 @@ class SharedCapture(TorchFunctionMode):
             self.calls.pop()
         if not self.calls:
             self.__exit__(None, None, None)
-            self.data = WeakTensorKeyDictionary()
+            self.generation = next(_GENERATIONS)
             self.free.clear()
             self.expanded.clear()
 
@@ -173,7 +175,8 @@ class SharedCapture(TorchFunctionMode):
                     free.append(t)
                 elif not self.active.get(id(owner), 0) and self.calls:
                     self.calls[-1].fail(f"it reads a parameter of {type(owner).__name__} outside that layer's forward")
-        batch = func not in _FACTORIES and any(t in self.data for t in tensors)
+        generation = self.generation
+        batch = func not in _FACTORIES and any(getattr(t, "_privdec_batch", 0) == generation for t in tensors)
         if not free:
             out = func(*args, **kwargs)
             if batch:
@@ -188,10 +191,16 @@ class SharedCapture(TorchFunctionMode):
             return self._batch_free(func, args, kwargs, tensors, call)
         return self._broadcast(func, args, kwargs, tensors, free, call)
 
+    def _batch(self, t: Tensor) -> bool:
+        return getattr(t, "_privdec_batch", 0) == self.generation
+
     def _mark(self, out: Any) -> None:
+        if isinstance(out, Tensor):
+            out._privdec_batch = self.generation
+            return
         for t in tree_flatten(out)[0]:
             if isinstance(t, Tensor):
-                self.data[t] = True
+                t._privdec_batch = self.generation
 
     def _plain(self, func: Any, args: tuple, kwargs: dict, batch: bool, call: SharedCall) -> Any:
         """A failed call's operation: run as it is (the call is replayed), its result marked."""
@@ -229,7 +238,7 @@ class SharedCapture(TorchFunctionMode):
         """A batch-free tensor meets the batch: each is replaced by a view of the batch's shape whose gradient is
         captured (module docstring)."""
         swap: dict[int, Tensor] = {}
-        batch = [t for t in tensors if t in self.data and t.dim() and t.shape[0] == call.batch]
+        batch = [t for t in tensors if self._batch(t) and t.dim() and t.shape[0] == call.batch]
         if func in _ELEMENTWISE and not any(t.dim() == max(u.dim() for u in tensors) for t in batch):
             call.fail("a tensor computed from its parameters meets a tensor without the batch in dimension 0")
         elif func in _ELEMENTWISE:
