@@ -517,7 +517,9 @@ def build_problem(  # noqa: ANN201
                 super().__init__()
                 self.qkv, self.proj, self.heads = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads
                 self.table = nn.Parameter(0.02 * torch.randn(2 * tokens - 1, heads))
-                self.register_buffer("index", (torch.arange(tokens)[:, None] - torch.arange(tokens) + tokens - 1))
+                # a plain tensor, not a buffer: the library before broadcast capture refused a trainable layer
+                # with buffers, and replays this one
+                self.index = torch.arange(tokens)[:, None] - torch.arange(tokens) + tokens - 1
                 self.mlp = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
                 self.head = nn.Linear(dim, 10)
 

@@ -123,9 +123,12 @@ def test_per_example_gradients_equal_vmap_grad_on_random_and_crafted_data(name: 
     want = _reference(model, x, y)
     psg = PerSampleGradients(model, mode=mode)
     psg._hooks.probing = True  # record in eval mode
-    F.cross_entropy(model(x), y).backward()
-    kinds = {r.name: r.kind for r in psg._hooks.records}
-    got = dict(zip([n for n, _ in model.named_parameters()], psg.per_sample_grads()))
+    for _ in range(2):  # the second step: rule layers' parameters frozen during their calls (after the first check)
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        kinds = {r.name: r.kind for r in psg._hooks.records}
+        got = dict(zip([n for n, _ in model.named_parameters()], psg.per_sample_grads()))
+        psg.clear()
     psg.detach()
     for n, w in want.items():
         # each example to its own magnitude, or to 1e-3 of the batch's where its true gradient is rounding noise

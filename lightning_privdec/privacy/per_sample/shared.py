@@ -57,7 +57,11 @@ _FACTORIES = {
     torch.ones_like, torch.full_like, torch.empty_like,
 }  # fmt: skip
 _GENERATIONS = itertools.count(1)
-_GETTERS = {Tensor.size, Tensor.dim, Tensor.numel, Tensor.__len__, Tensor.is_floating_point, Tensor.data_ptr}
+#: read or set a tensor's metadata (the hooks' own ``requires_grad_`` on a layer's parameters included): not followed
+_GETTERS = {
+    Tensor.size, Tensor.dim, Tensor.numel, Tensor.__len__, Tensor.is_floating_point, Tensor.data_ptr,
+    Tensor.requires_grad_,
+}  # fmt: skip
 
 
 @dataclass
@@ -160,7 +164,7 @@ class SharedCapture(TorchFunctionMode):
     # ---- the operations --------------------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _GETTERS or getattr(func, "__name__", "") == "__get__":
+        if func in _GETTERS or getattr(func, "__name__", "") in ("__get__", "__set__"):
             return func(*args, **kwargs)
         tensors = _tensors(args, kwargs)
         free = [t for t in tensors if id(t) in self.free]
