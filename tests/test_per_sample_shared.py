@@ -173,7 +173,7 @@ def test_a_refusal_without_an_automatic_fix_does_not_propose_one() -> None:
     assert "fix_model=True cannot" in str(error.value) and "pass fix_model=True" not in str(error.value)
 
 
-def test_a_private_step_clips_each_example_of_a_vit_within_c() -> None:
+def test_the_attack_on_broadcast_parameters_holds_in_every_mode_and_precision() -> None:
     """The sensitivity attack's row for these parameters: every example clipped, none moves the sum beyond C."""
     results = sensitivity.run_attacks(("shared_parameters",))
     assert {r.mode for r in results} == set(sensitivity.MODES)
