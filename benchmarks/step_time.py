@@ -434,7 +434,11 @@ def build_problem(  # noqa: ANN201
       its in-place activations made out-of-place (so that Opacus's hooks can see their inputs), the same images;
     * ``gpt2``: a GPT-2 from a config (2 layers, width 128, vocabulary 512), sequences of ``tokens`` tokens;
     * ``gpt2_small``: GPT-2 small from its config (12 layers, width 768, vocabulary 50257; 124M parameters, no
-      download), sequences of ``tokens`` tokens.
+      download), sequences of ``tokens`` tokens;
+    * ``vit``: torchvision's VisionTransformer at docs/models.md's size (patch 8, 2 layers, width 32), the same
+      images: a class token and a position embedding used once for the whole batch;
+    * ``relative_bias``: self-attention with a relative-position bias table looked up with a (T, T) index buffer
+      (width 64, 4 heads), ``tokens`` random 64-dimensional inputs per example, a 10-class head.
 
     The GPT-2s predict each next token; the privacy unit is a sequence (its mean token loss)."""
     import torch
@@ -492,6 +496,42 @@ def build_problem(  # noqa: ANN201
             ).view(ids.shape[0], -1)
             per_sequence = per_token.mean(1)  # the privacy unit is a sequence
             return per_sequence if reduction == "none" else per_sequence.mean()
+    elif name == "vit":
+        from torchvision.models import VisionTransformer
+
+        inputs = torch.randn(batch, 3, image_size, image_size, generator=gen)
+        targets = torch.randint(0, 10, (batch,), generator=gen)
+
+        def build():  # noqa: ANN202
+            return VisionTransformer(image_size=image_size, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
+                                     mlp_dim=64, num_classes=10)  # fmt: skip
+    elif name == "relative_bias":
+        inputs = torch.randn(batch, tokens, 64, generator=gen)
+        targets = torch.randint(0, 10, (batch,), generator=gen)
+
+        class RelativeBiasAttention(nn.Module):
+            """Self-attention with a relative-position bias table looked up with a (T, T) index buffer (Swin's
+            attention without windows), a residual MLP, then a classifier over the mean token."""
+
+            def __init__(self, dim: int = 64, heads: int = 4) -> None:
+                super().__init__()
+                self.qkv, self.proj, self.heads = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads
+                self.table = nn.Parameter(0.02 * torch.randn(2 * tokens - 1, heads))
+                # a plain tensor, not a buffer: the library before broadcast capture refused a trainable layer
+                # with buffers, and replays this one
+                self.index = torch.arange(tokens)[:, None] - torch.arange(tokens) + tokens - 1
+                self.mlp = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+                self.head = nn.Linear(dim, 10)
+
+            def forward(self, x):  # noqa: ANN001, ANN202
+                b, t, d = x.shape
+                q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+                bias = self.table[self.index].permute(2, 0, 1).unsqueeze(0)
+                h = x + self.proj(nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+                                  .transpose(1, 2).reshape(b, t, d))  # fmt: skip
+                return self.head((h + self.mlp(h)).mean(dim=1))
+
+        build = RelativeBiasAttention
     else:
         raise ValueError(f"unknown model {name!r}")
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_privdec.privacy import GhostClipping, PerSampleGradients
-from lightning_privdec.privacy.per_sample import bookkeeping, mean_loss_multiplier
+from lightning_privdec.privacy.per_sample import bookkeeping, bookkeeping_conv, mean_loss_multiplier
 
 __all__ = ["ATTACKS", "PRECISIONS", "TOLERANCE", "AttackResult", "broken_norms", "run_attacks", "sensitivity"]
 
@@ -181,6 +181,42 @@ def _underflow() -> tuple[nn.Module, Batch, Batch]:
     return model, (x, target), warm_up
 
 
+class _SharedParameters(nn.Module):
+    """A class token concatenated to every example, a position embedding added to every example, and a
+    relative-position bias table looked up with an index buffer as attention's additive mask: parameters used once
+    for the whole batch (privacy/per_sample/shared.py)."""
+
+    def __init__(self, steps: int = 4, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(5)
+        self.embed, self.qkv, self.heads = nn.Linear(dim, dim), nn.Linear(dim, 3 * dim), heads
+        self.class_token = nn.Parameter(torch.randn(1, 1, dim, generator=gen))
+        self.position = nn.Parameter(torch.randn(1, steps + 1, dim, generator=gen))
+        self.table = nn.Parameter(torch.randn(2 * steps + 1, heads, generator=gen))
+        self.register_buffer("index", torch.arange(steps + 1)[:, None] - torch.arange(steps + 1)[None, :] + steps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        h = torch.cat([self.class_token.expand(b, -1, -1), self.embed(x)], dim=1) + self.position
+        q, k, v = self.qkv(h).view(b, t + 1, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        bias = self.table[self.index].permute(2, 0, 1).unsqueeze(0)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return out.transpose(1, 2).reshape(b, t + 1, d)
+
+
+def _shared_parameters(batch: int = 5) -> tuple[nn.Module, Batch, Batch]:
+    """Example 0: inputs times 1e3 and output gradients of size 1e6, cancelling between the positions that share
+    a relative offset (the table's per-example sums); example 1 a near-duplicate of it."""
+    gen = torch.Generator().manual_seed(6)
+    model = _SharedParameters()
+    x = torch.randn(batch, 4, 8, generator=gen)
+    target = torch.randn(batch, 5, 8, generator=gen)
+    x[0] *= 1e3
+    target[0] = 1e6 * torch.randn(1, 8, generator=gen) * torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0]).view(5, 1)
+    x[1], target[1] = x[0] * (1 + 1e-6), target[0]
+    return model, (x, target), (x[2:], target[2:])
+
+
 #: name -> (builder of (model, crafted batch, honest warm-up batch), clip C, precisions)
 ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tuple[str, ...]]] = {
     "gram_linear": (lambda: _cancelling_linear(torch.float32, 16, 8, 2, 3e-6, 1e6), 1.0, PRECISIONS),
@@ -192,6 +228,7 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "gram_conv_per_example": (lambda: _cancelling_conv(3, 4, 8, 3, 1, 1, 1e4), 1.0, ("32-true",)),
     "half_precision": (_aligned_mlp, 1.0, PRECISIONS),
     "underflow": (_underflow, 1.0, ("32-true",)),
+    "shared_parameters": (_shared_parameters, 1.0, PRECISIONS),
 }
 
 
@@ -225,7 +262,7 @@ def broken_norms() -> Iterator[None]:
         if bookkeeping._is_linear(module) and g.dim() == 3:
             squared = bookkeeping._gram_inner_products(g.transpose(1, 2), a.transpose(1, 2))[0].clamp_min(0)
         elif not bookkeeping._is_linear(module) and g.dim() == 4:
-            squared = bookkeeping._conv_ghost_norms(module, a, g)[0].sum(dim=1).clamp_min(0)
+            squared = bookkeeping_conv._conv_ghost_norms(module, a, g)[0].sum(dim=1).clamp_min(0)
         else:
             return original(module, a, g, method, defer_exact=defer_exact)
         if module.bias is not None and module.bias.requires_grad:

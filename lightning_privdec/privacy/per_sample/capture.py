@@ -24,8 +24,6 @@ one example's data would then reach later steps' gradients, which no step's clip
 
 from __future__ import annotations
 
-import warnings
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -34,12 +32,12 @@ import torch
 from opacus.grad_sample import GradSampleHooks
 from torch import Tensor, nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.func import functional_call, grad, vmap
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.per_sample import bookkeeping
+from lightning_privdec.privacy.per_sample.shared import SharedCall, SharedCapture
 
 #: Opacus's per-layer closed forms, by exact type: (layer, [input], output gradient) -> {parameter: (B, *shape)}
 RULES = GradSampleHooks.GRAD_SAMPLERS
@@ -52,9 +50,11 @@ CARRIED_STATE_ERROR = (
     "then the privacy unit"
 )
 _RECURRENT = (nn.RNNBase, nn.RNNCellBase)
+#: layers whose parameters their own code uses in products with the batch: replayed as a whole
+REPLAYED = (nn.RNNBase, nn.RNNCellBase, nn.MultiheadAttention)
 
 
-def rule_for(module: nn.Module):  # noqa: ANN201
+def rule_for(module: nn.Module):
     """The closed-form per-example rule of ``module`` (Opacus's, or ours for Hugging Face's Conv1D), or None."""
     if bookkeeping.is_transposed_linear(module):
         return bookkeeping.transposed_linear_grad_samples
@@ -73,8 +73,10 @@ def _trainable(module: nn.Module, recurse: bool) -> list[nn.Parameter]:
 
 def layer_units(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """``(name, layer, mechanism)`` for every layer that owns trainable parameters, top-down: a layer with a rule
-    covers its own parameters; any other covers its whole sub-tree by replay (its children may be used through
-    functional code, as nn.MultiheadAttention uses ``out_proj.weight``), and its children get no hooks."""
+    covers its own parameters; nn.MultiheadAttention and recurrent layers cover their whole sub-tree by replay
+    (their children are used through functional code, as nn.MultiheadAttention uses ``out_proj.weight``), and
+    their children get no hooks; any other layer's own parameters are ``"shared"`` (:mod:`.shared`: captured where
+    they meet the batch, the call replayed as a whole when they are used otherwise) and its children are visited."""
     units: list[tuple[str, nn.Module, str]] = []
     seen: set[int] = set()
 
@@ -85,6 +87,8 @@ def layer_units(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
         if _trainable(module, recurse=False):
             if rule_for(module) is not None:
                 units.append((name, module, "rule"))
+            elif not isinstance(module, REPLAYED):
+                units.append((name, module, "shared"))
             else:
                 units.append((name, module, "replay"))
                 return
@@ -99,7 +103,9 @@ def describe_units(units: list[tuple[str, nn.Module, str]], mode: str) -> str:
     """One line: how many layers of each type use which mechanism (the setup report)."""
     counts: dict[tuple[str, str], int] = {}
     for _, module, kind in units:
-        mechanism = {"rule": "functorch vmap" if mode == "functorch" else "closed form"}.get(kind, "replay")
+        mechanism = {"rule": "functorch vmap" if mode == "functorch" else "closed form", "shared": "broadcast"}.get(
+            kind, "replay"
+        )
         if kind == "rule" and mode in ("bookkeeping", "ghost") and bookkeeping.covers(module):
             mechanism = "book-keeping"
         key = (type(module).__name__, mechanism)
@@ -127,6 +133,7 @@ class Record:
     autocast: tuple | None = None
     grads: list[Tensor | None] | None = None
     batch_dims: list[int] = field(default_factory=list)
+    shared: SharedCall | None = None  # kind "shared": the call's captures (:mod:`.shared`)
     #: the gradient hook on the outputs; removed by :meth:`Recorder.forget`. The hook lives on the outputs' autograd
     #: nodes and holds them in its closure: a cycle through C++ that Python's collector cannot free, which kept every
     #: step's records (the layer, its inputs) alive until the hook is removed
@@ -195,7 +202,24 @@ class Recorder:
                     module.register_forward_pre_hook(partial(self._refuse_carried_state, name), with_kwargs=True)
                 )
                 self._handles.append(module.register_forward_hook(self._keep_hidden_state))
+        #: the unit owning each trainable parameter, and how many calls of each unit are running (:mod:`.shared`)
+        owners = {id(p): m for _, m, kind in units for p in m.parameters(recurse=kind == "replay") if p.requires_grad}
+        self._active: dict[int, int] = {}
+        self._shared = SharedCapture(owners, self._active, self._shared_grad)
+        self._shared_pending: dict[int, list[tuple]] = {}
+        has_shared = any(kind == "shared" for _, _, kind in units)
         for name, module, kind in units:
+            if has_shared:
+                self._handles.append(module.register_forward_pre_hook(partial(self._count_unit, 1)))
+                self._handles.append(module.register_forward_hook(partial(self._count_unit, -1), always_call=True))
+            if kind == "shared":
+                self._handles.append(
+                    module.register_forward_pre_hook(partial(self._before_shared, name), with_kwargs=True)
+                )
+                self._handles.append(
+                    module.register_forward_hook(partial(self._after_shared, name), with_kwargs=True, always_call=True)
+                )
+                continue
             if kind == "rule":
                 self._handles.append(module.register_forward_pre_hook(self._freeze_parameters))
                 # always_call: also when the forward raises, or a non-reentrant checkpoint's recompute stops early
@@ -306,14 +330,78 @@ class Recorder:
             [leaves[k] for k in positions], partial(self._after_backward, record), mode="all"
         )
 
-    def _after_backward(self, record: Record, grads: tuple) -> None:
-        if not self.enabled:
+    def _count_unit(self, delta: int, module: nn.Module, *_: Any) -> None:
+        self._active[id(module)] = self._active.get(id(module), 0) + delta
+
+    def _before_shared(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A shared unit's call (:mod:`.shared`): its operations followed, and what a replay would need kept."""
+        stack = self._shared_pending.setdefault(id(module), [])
+        if not self._recording(module):
+            stack.append(None)
             return
+        first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.dim()), None)
+        call = SharedCall(name, module, int(first.shape[0]) if first is not None else 0, _trainable(module, False))
+        if not self.batch_first or first is None:
+            call.fail("its inputs are not batch first")
+        self._before_replay_unit(module, args)  # the random-number state, for a replay
+        buffers = [(n, b, b._version) for n, b in module.named_buffers()]
+        self._shared.begin(call, args, kwargs)
+        stack.append((call, self._pending[id(module)].pop(), len(self.records), buffers))
+
+    def _after_shared(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        pending = self._shared_pending[id(module)].pop()
+        if pending is None:
+            return
+        call, state, start, buffers = pending
+        self._shared.end(call, output)
+        for buffer_name, buffer, version in buffers:
+            if buffer._version != version:
+                raise PrivacyConfigError(
+                    f"layer {name or '<root>'} ({type(module).__name__}) updates its buffer {buffer_name} in the "
+                    "forward pass (a statistic of the batch): every example's output then depends on the others, "
+                    "which per-example clipping cannot bound. Compute it per example, or keep it fixed in training"
+                )
+        if call.failure is not None:  # replayed as a whole: its sub-tree's records of this call are dropped
+            inside = {id(m) for m in module.modules()}
+            for r in self.records[start:]:
+                if id(r.module) in inside and r.grad_hook is not None:
+                    r.grad_hook.remove()
+            self.records[start:] = [r for r in self.records[start:] if id(r.module) not in inside]
+            self._pending.setdefault(id(module), []).append(state)
+            self._after_forward(name, "replay", module, args, kwargs, output)
+            return
+        if not call.captures:
+            return
+        if self._backward_seen:
+            self._forward_pass += 1
+            self._backward_seen = False
+            self._pass_batch = None
+        if self._pass_batch is None:
+            self._pass_batch = call.batch
+        call.record = Record(name, module, "shared", (), {}, [], [], self._forward_pass, shared=call,
+                             batch_dims=[0] * len(call.captures))
+        self.records.append(call.record)
+
+    def _shared_grad(self, call: SharedCall, capture: Any, grad: Tensor) -> None:
+        """A capture's gradient (:mod:`.shared`) has arrived."""
+        if not self.enabled or self.replaying or call.record is None:
+            return
+        grad = grad.detach()
+        capture.grad = grad if capture.grad is None else capture.grad + grad
+        self._backward_reached(call.record)
+        call.record.grads = [c.grad for c in call.captures]  # each checked by the batch-dimension probe
+
+    def _backward_reached(self, record: Record) -> None:
         self._backward_seen = True
         if record.forward_pass not in self._backward_passes:
             if self._backward_passes and not self.grad_accumulation_allowed:
                 raise ValueError(GRAD_ACCUMULATION_ERROR)
             self._backward_passes.add(record.forward_pass)
+
+    def _after_backward(self, record: Record, grads: tuple) -> None:
+        if not self.enabled:
+            return
+        self._backward_reached(record)
         fresh = [None if g is None else g.detach() for g in grads]
         if record.grads is None:
             record.grads = fresh
@@ -345,6 +433,7 @@ class Recorder:
                 record.grad_hook.remove()
         self.records = []
         self._pending.clear()
+        self._shared_pending.clear()
         self._forward_pass = 0
         self._backward_seen = False
         self._backward_passes.clear()
@@ -360,155 +449,3 @@ class Recorder:
 
 def _detach(value: Any) -> Any:
     return value.detach() if isinstance(value, Tensor) else value
-
-
-# ---- per-example gradients of one record --------------------------------------------------------------------------
-def rule_inputs(record: Record, batch_first: bool) -> tuple[list[Tensor], Tensor]:
-    """A rule layer's ([input], output gradient), batch first."""
-    record.check_unchanged()
-    a, g = record.args[0], record.grads[0]
-    if g is None:
-        g = torch.zeros_like(a if a.is_floating_point() else record.module.weight)
-    if not batch_first:
-        a, g = a.movedim(1, 0), g.movedim(1, 0)
-    return [a], g
-
-
-def rule_grad_samples(
-    layer: nn.Module, activations: list[Tensor], backprops: Tensor, functorch: bool
-) -> dict[nn.Parameter, Tensor]:
-    """Per-example gradients of a rule layer: Opacus's closed form, or vmap of ``torch.func.grad`` over the
-    layer's per-example inputs when ``functorch``. The closed forms get contiguous inputs: Opacus's Conv2d rule
-    unfolds its input with ``as_strided`` strides computed for the contiguous layout, and read a channels-last input
-    (``memory_format=torch.channels_last``, ConvNeXt's downsampling after its permuted LayerNorm) as other numbers."""
-    if not functorch:
-        activations = [a.contiguous() for a in activations]
-        samples = rule_for(layer)(layer, activations, backprops.contiguous())
-        if isinstance(layer, nn.Embedding) and layer.padding_idx is not None and layer.weight in samples:
-            samples[layer.weight][:, layer.padding_idx] = 0  # autograd gives the padding row no gradient
-        return samples
-    params = {n: p.detach() for n, p in layer.named_parameters() if p.requires_grad}
-    # the layer is called again outside the forward's autocast: inputs and output gradients in the parameters' dtype
-    # (float32 under "bf16-mixed", where autocast had cast them to bfloat16)
-    dtype = next(iter(params.values())).dtype
-    a = activations[0]
-    if a.is_floating_point():
-        a = a.to(dtype)
-    backprops = backprops.to(dtype)
-
-    def loss(values: dict, a_i: Tensor, g_i: Tensor) -> Tensor:
-        return (functional_call(layer, values, (a_i.unsqueeze(0),)) * g_i.unsqueeze(0)).sum()
-
-    named = dict(layer.named_parameters())
-    return {named[n]: gs for n, gs in vmap(grad(loss), in_dims=(None, 0, 0))(params, a, backprops).items()}
-
-
-def replay_grad_samples(record: Record, scale: float, drop_nonfinite: bool = False) -> dict[nn.Parameter, Tensor]:
-    """Per-example gradients of every trainable parameter under a replay layer (module docstring), the output
-    gradients multiplied by ``scale`` (B for a mean loss); call it with :attr:`Recorder.replaying` set, so that the
-    replayed forward records nothing. ``drop_nonfinite`` (float16 overflow): non-finite input values are replayed
-    as 0 and an example with a non-finite output gradient gets zeros; a non-finite value reaching another example's
-    gradient inside the layer cannot be attributed and is refused."""
-    record.check_unchanged()
-    module, params = record.module, _trainable(record.module, recurse=True)
-    grads = record.grads or []
-    batch = record.batch_size
-    for g, dim in zip(grads, record.batch_dims):
-        if g is not None and (g.dim() <= dim or g.shape[dim] != batch):
-            raise PrivacyConfigError(
-                f"layer {record.name or '<root>'} ({type(module).__name__}) returned outputs whose batch dimensions "
-                f"disagree (expected {batch} examples in dimension {dim} of an output of shape {tuple(g.shape)}); "
-                "pass batch_first= to match the model, or give the layer a batch_first attribute"
-            )
-    if batch == 0:
-        return {p: torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device) for p in params}
-    with ExitStack() as stack:
-        cpu_state, device, cuda_state = record.rng
-        stack.enter_context(torch.random.fork_rng(devices=[device] if cuda_state is not None else []))
-        torch.random.set_rng_state(cpu_state)
-        if cuda_state is not None:
-            torch.cuda.set_rng_state(cuda_state, device)
-        device_type, enabled, dtype = record.autocast
-        stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
-        stack.enter_context(torch.enable_grad())
-        args, kwargs = record.args, record.kwargs
-        if drop_nonfinite:
-            args, kwargs = tree_map(_finite_values, (args, kwargs))
-        output = module.forward(*args, **kwargs)
-    leaves = tree_flatten(output)[0]
-    outputs, cotangents = [], []
-    bad_rows: Tensor | None = None  # drop_nonfinite: examples whose output gradient is not finite
-    for k, g, dim in zip(record.positions, grads, record.batch_dims):
-        if g is None:
-            continue
-        shape = [batch if d == dim else 1 for d in range(g.dim())]
-        one_hot = torch.eye(batch, dtype=torch.bool, device=g.device).view(batch, *shape)
-        outputs.append(leaves[k])
-        # row i: g restricted to example i (exact zeros elsewhere, also where another example's g is not finite);
-        # ``scale`` is applied to the results, in the parameters' precision (float16 would underflow B / S)
-        cotangents.append(torch.where(one_hot, g.unsqueeze(0), 0))
-        if drop_nonfinite:
-            bad = ~torch.isfinite(g.movedim(dim, 0)).flatten(1).all(dim=1)
-            bad_rows = bad if bad_rows is None else bad_rows | bad
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*performance drop because we have not yet implemented")
-        cotangents = _external_cotangents(outputs, cotangents)
-        samples = torch.autograd.grad(outputs, params, cotangents, is_grads_batched=True, allow_unused=True)
-    out = {}
-    for p, gs in zip(params, samples):
-        if gs is None:
-            out[p] = torch.zeros((batch, *p.shape), dtype=p.dtype, device=p.device)
-        else:
-            out[p] = gs if scale == 1 else gs * scale
-    if drop_nonfinite and out:
-        nonfinite = {p: ~torch.isfinite(gs).flatten(1).all(dim=1) for p, gs in out.items()}
-        expected = bad_rows if bad_rows is not None else torch.zeros(batch, dtype=torch.bool)
-        leaked = torch.stack([(rows & ~expected.to(rows.device)).any() for rows in nonfinite.values()]).any()
-        if bool(leaked):  # one host synchronisation per replayed call
-            raise FloatingPointError(
-                f"layer {record.name or '<root>'} ({type(module).__name__}) overflowed inside its replay: one "
-                "example's non-finite value reached other examples' per-example gradients, which then cannot be "
-                "separated. Use precision='bf16-mixed', or a smaller GradScaler init_scale"
-            )
-        for p, rows in nonfinite.items():
-            out[p] = torch.where(rows.view(-1, *([1] * (out[p].dim() - 1))), 0, out[p])
-    return out
-
-
-def _finite_values(value: Any) -> Any:
-    """A floating tensor with its NaN and infinite values replaced by 0; anything else unchanged."""
-    if isinstance(value, Tensor) and value.is_floating_point():
-        return torch.nan_to_num(value, nan=0.0, posinf=0.0, neginf=0.0)
-    return value
-
-
-def _external_cotangents(outputs: list[Tensor], cotangents: list[Tensor]) -> list[Tensor]:
-    """The gradients that reached each output from OUTSIDE the layer. When the layer computes one output from
-    another (nn.LSTMCell: h = o * tanh(c)), the hooks see c's whole gradient, h's path included, and a
-    vector-Jacobian product from both would count that path twice. With F_kj the Jacobian of output k with respect to
-    output j inside the layer, the recorded g_j = e_j + sum_k F_kj^T e_k; the external e solve it by substitution
-    (the outputs form a DAG: as many passes as outputs). Layers whose outputs do not depend on each other return
-    ``cotangents`` unchanged, without a pass."""
-    nodes = [o.grad_fn for o in outputs]
-    if not any(_reaches(a, b) for a in nodes for b in nodes if a is not b and a is not None and b is not None):
-        return cotangents
-    external = list(cotangents)
-    for _ in range(len(outputs)):
-        through = torch.autograd.grad(
-            outputs, outputs, external, retain_graph=True, allow_unused=True, is_grads_batched=True
-        )  # e_j + sum_k F_kj^T e_k
-        external = [g if t is None else g - (t - e) for g, t, e in zip(cotangents, through, external)]
-    return external
-
-
-def _reaches(start: Any, target: Any) -> bool:
-    """Whether autograd node ``target`` lies on a path from node ``start`` (a strict path: not itself)."""
-    seen, stack = set(), [fn for fn, _ in start.next_functions if fn is not None]
-    while stack:
-        fn = stack.pop()
-        if fn is target:
-            return True
-        if id(fn) not in seen:
-            seen.add(id(fn))
-            stack.extend(f for f, _ in fn.next_functions if f is not None)
-    return False

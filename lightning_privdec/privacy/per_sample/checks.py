@@ -10,6 +10,7 @@ from opacus.validators import ModuleValidator
 from torch import nn
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.per_sample.capture import REPLAYED, rule_for
 
 #: normalisations that mix the examples of a batch even without trainable parameters
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
@@ -21,6 +22,9 @@ _FIX_HINT = (
     "in place (BatchNorm -> GroupNorm, InstanceNorm keeps no running statistics); or use "
     "opacus.validators.ModuleValidator.fix(model), which returns a fixed copy, before building the Trainer."
 )
+
+
+_BY_HAND = "Fix: replace them by hand before building the Trainer (fix_model=True cannot replace them)."
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ def _offences(module: nn.Module) -> list[_Offence]:
                     name, sub, _first_sentence(errors[0]), fixable=type(sub) in ModuleValidator.FIXERS
                 )
     for name, sub in trainable_modules(module):  # opacus.GradSampleModule's strict rule
+        if rule_for(sub) is None and not isinstance(sub, REPLAYED):
+            continue  # a layer's own parameters (capture.py, "shared"): a buffer it updates is refused at run time
         if id(sub) not in found and any(True for _ in sub.buffers()):
             buffers = ", ".join(n for n, _ in sub.named_buffers())
             if not any(id(m) in found for m in sub.modules()):
@@ -143,7 +149,7 @@ def check_private_model(module: nn.Module, fix: bool = False) -> nn.Module:
             "the model has layers incompatible with per-sample differential privacy:\n"
             + _listed(offences)
             + "\n"
-            + _FIX_HINT
+            + (_FIX_HINT if any(o.fixable for o in offences) else _BY_HAND)
         )
     unfixable = [o for o in offences if not o.fixable or o.module is module]
     if unfixable:

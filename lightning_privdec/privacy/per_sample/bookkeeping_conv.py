@@ -1,0 +1,175 @@
+"""Book-keeping's arithmetic for convolutions (:mod:`.bookkeeping`): weight gradients by the kernel autograd uses,
+per-position patch norms, and the ghost norms of unfolded patches or of the padded input's position Gram."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from lightning_privdec.privacy.per_sample.gram import (
+    _bias_bound,
+    _gram_error,
+    _gram_inner_products,
+    _root_upper,
+    block_examples,
+)
+from lightning_privdec.privacy.rounding import U64 as _U64
+from lightning_privdec.privacy.rounding import (
+    full_precision,
+    gamma,
+    norm_upper_bound,
+    unit_roundoff,
+)
+from lightning_privdec.privacy.rounding import tiny as _tiny
+
+
+def _conv_weight_grad(module: nn.Module, g: Tensor, a: Tensor) -> Tensor:
+    """The weight gradient of ``module``'s convolution for input ``a`` and output gradient ``g`` (summed over the
+    batch), by the same kernel autograd uses. Kernel taps that read only zero padding at every output position
+    (a 3x3 kernel on a 1x1 map keeps only its centre) get gradient 0 without being computed: the live taps' gradient
+    is that of a cropped kernel on the explicitly padded input."""
+    dims, weight = module.weight.dim() - 2, module.weight.detach().to(g.dtype)  # no autograd graph on the result
+    live = _live_taps(module, a.shape[2:], g.shape[2:])
+    if live is None:
+        return torch.ops.aten.convolution_backward(
+            g, a, weight, None, list(module.stride), list(module.padding), list(module.dilation), False,
+            [0] * dims, module.groups, [False, True, False],
+        )[1]
+    pads: list[int] = []
+    for (first, last), size, out, pad, stride, dilation in zip(
+        live, a.shape[2:], g.shape[2:], module.padding, module.stride, module.dilation
+    ):
+        before = pad - first * dilation  # negative: crop
+        after = (out - 1) * stride + (last - first) * dilation + 1 - size - before
+        pads = [before, after, *pads]  # F.pad lists the last dimension first
+    window = (..., *[slice(first, last + 1) for first, last in live])
+    cropped = torch.ops.aten.convolution_backward(
+        g, nn.functional.pad(a, pads), weight[window], None, list(module.stride), [0] * dims,
+        list(module.dilation), False, [0] * dims, module.groups, [False, True, False],
+    )[1]
+    full = torch.zeros_like(weight, dtype=cropped.dtype)
+    full[window] = cropped
+    return full
+
+
+def _live_taps(module: nn.Module, in_size: torch.Size, out_size: torch.Size) -> list[tuple[int, int]] | None:
+    """Per spatial dimension, the first and last kernel tap that reads a real input position at some output
+    position; None when every tap does (or the live taps are not contiguous)."""
+    live = []
+    for kernel, size, out, pad, stride, dilation in zip(
+        module.kernel_size, in_size, out_size, module.padding, module.stride, module.dilation
+    ):
+        taps = [k for k in range(kernel) if any(0 <= o * stride + k * dilation - pad < size for o in range(out))]
+        if not taps or taps != list(range(taps[0], taps[-1] + 1)):
+            return None
+        live.append((taps[0], taps[-1]))
+    if all(last - first + 1 == kernel for (first, last), kernel in zip(live, module.kernel_size)):
+        return None
+    return live
+
+
+def _conv_estimates(
+    module: nn.Module, a: Tensor, g: Tensor, method: str
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """As :func:`_linear_estimates`, for a convolution: u_t is the input patch read at output position t."""
+    batch, groups, steps = g.shape[0], module.groups, math.prod(g.shape[2:])
+    d_out, p = module.out_channels // groups, module.weight[0].numel()
+    u, tiny = unit_roundoff(g.dtype), _tiny(g.dtype)
+    squared = torch.zeros(batch, dtype=torch.float64, device=g.device)
+    mass = torch.zeros_like(squared)
+    loose = torch.zeros(batch, dtype=torch.bool, device=g.device)
+    if module.weight.requires_grad:
+        if steps > 1 and method in ("ghost", "input_gram"):  # per-position norms from the Grams' diagonals
+            if method == "ghost":
+                estimate, g_squares, u_squares = _conv_ghost_norms(module, a, g)
+                inner = p
+            else:  # the patches' Gram entries: sums of kernel-tap sums of the input's Gram entries
+                estimate, g_squares, u_squares = _conv_input_gram_norms(module, a, g)
+                inner = module.in_channels // groups + math.prod(module.kernel_size)
+            eps = _gram_error(d_out, inner, u, steps)
+            gn = _root_upper(g_squares, d_out, g.dtype, eps).view(batch, groups, steps)
+            un = _root_upper(u_squares, inner, g.dtype, eps).view(batch, groups, steps)
+        else:
+            gn = norm_upper_bound(g.reshape(batch, groups, d_out, steps), dim=2)
+            un = _patch_norms(module, a, g.shape[2:])
+        group_mass = (gn * un).sum(dim=2)  # (B, groups)
+        if steps == 1:
+            squared += group_mass.square().sum(dim=1) * (1 + gamma(d_out + p + 4, _U64))
+        elif method in ("ghost", "input_gram"):  # the floors of gn and un cover the Gram entries' underflow
+            error = group_mass.square().mul_(eps).add_(steps * steps * tiny)
+            bounded = torch.minimum(estimate.clamp_min(0) + error, group_mass.square() * (1 + 1e-9)).sum(dim=1)
+            squared += bounded
+            loose |= ~(error.sum(dim=1) <= 0.1 * estimate.sum(dim=1))
+        else:
+            norms = torch.stack([
+                norm_upper_bound(_conv_weight_grad(module, g[i : i + 1], a[i : i + 1]))
+                for i in range(batch)
+            ])  # fmt: skip
+            error = gamma(steps + p, u) * group_mass.sum(dim=1) + steps * tiny * math.sqrt(module.weight.numel())
+            squared += (norms + error).square()
+            loose |= ~(error <= 0.05 * norms)
+        mass += group_mass.sum(dim=1)
+    if module.bias is not None and module.bias.requires_grad:
+        token_norms = norm_upper_bound(g.reshape(batch, -1, steps), dim=1)  # whole output vectors per position
+        bias_bound, bias_mass, bias_loose = _bias_bound(token_norms, g.flatten(2).sum(dim=2), u)
+        squared += bias_bound.square()
+        loose |= bias_loose
+        mass += bias_mass
+    return squared.sqrt() * (1 + 1e-12), mass, loose, block_examples(steps) * steps
+
+
+def _patch_norms(module: nn.Module, a: Tensor, out_size: torch.Size) -> Tensor:
+    """Upper bounds of ``||u_t||``, the norm of the input patch each output position t reads, per example and
+    group, shape (B, groups, T), in float64: the input's squares summed over each patch by one convolution with a
+    kernel of ones, in full float32. Rounding (p squares and their sum: gamma_p <= gamma_{p+4}) and underflow (p times
+    the smallest value) included."""
+    batch, groups, dims = a.shape[0], module.groups, a.dim() - 2
+    p = module.weight[0].numel()
+    conv = (nn.functional.conv1d, nn.functional.conv2d, nn.functional.conv3d)[dims - 1]
+    ones = torch.ones((groups, module.in_channels // groups, *module.kernel_size), dtype=a.dtype, device=a.device)
+    with full_precision():
+        summed = conv(a * a, ones, None, module.stride, module.padding, module.dilation, groups)  # (B, groups, *out)
+    assert tuple(summed.shape[2:]) == tuple(out_size)
+    bound = summed.double() * (1 + gamma(p + 4, unit_roundoff(a.dtype))) + p * _tiny(a.dtype)
+    return bound.sqrt().view(batch, groups, -1)
+
+
+def _as_2d(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, tuple]:
+    """A Conv1d's input and output gradient as a Conv2d's of height 1, and (kernel, dilation, padding, stride)."""
+    if type(module) is nn.Conv1d:
+        names = ("kernel_size", "dilation", "padding", "stride")
+        return a.unsqueeze(2), g.unsqueeze(2), tuple((k, *getattr(module, n)) for k, n in zip((1, 1, 0, 1), names))
+    return a, g, (module.kernel_size, module.dilation, module.padding, module.stride)
+
+
+def _conv_ghost_norms(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Ghost norms of a Conv1d/Conv2d: unfold the input into patches U (B, p * groups, T), then per group; (B,
+    groups) estimates and the Grams' diagonals (:func:`_gram_inner_products`)."""
+    a, g, (kernel, dilation, padding, stride) = _as_2d(module, a, g)
+    patches = nn.functional.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)
+    batch, groups, steps = g.shape[0], module.groups, patches.shape[-1]
+    u = patches.view(batch * groups, -1, steps)
+    grads = g.reshape(batch * groups, -1, steps)
+    estimate, g_squares, u_squares = _gram_inner_products(grads, u)
+    return estimate.view(batch, groups), g_squares, u_squares
+
+
+def _conv_input_gram_norms(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Ghost norms of a Conv1d/Conv2d with the patches' Gram ``U_i^T U_i`` summed from the padded input's position
+    Gram ``S_i``: one (N x N) product per example and group instead of unfolding (module docstring)."""
+    a, g, (kernel, dilation, padding, stride) = _as_2d(module, a, g)
+    padded = nn.functional.pad(a, (padding[1], padding[1], padding[0], padding[0]))
+    batch, groups, (height, width), (out_h, out_w) = g.shape[0], module.groups, padded.shape[2:], g.shape[2:]
+    positions = padded.reshape(batch * groups, -1, height * width)
+    s = torch.bmm(positions.transpose(1, 2), positions).view(-1, height, width, height, width)
+    # sum over kernel rows, then columns (separable): rows/columns of patch t start at stride * t + dilation * k
+    rows = [slice(k * dilation[0], k * dilation[0] + stride[0] * (out_h - 1) + 1, stride[0]) for k in range(kernel[0])]
+    cols = [slice(k * dilation[1], k * dilation[1] + stride[1] * (out_w - 1) + 1, stride[1]) for k in range(kernel[1])]
+    by_rows = sum(s[:, r, :, r, :] for r in rows)  # (B g, out_h, W, out_h, W)
+    u_gram = sum(by_rows[:, :, c, :, c] for c in cols)  # (B g, out_h, out_w, out_h, out_w)
+    steps = out_h * out_w
+    grads = g.reshape(batch * groups, -1, steps)
+    estimate, g_squares, u_squares = _gram_inner_products(grads, None, u_gram.reshape(-1, steps, steps))
+    return estimate.view(batch, groups), g_squares, u_squares

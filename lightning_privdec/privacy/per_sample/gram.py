@@ -1,0 +1,68 @@
+"""Gram-matrix norms and the rounding bounds book-keeping's nn.Linear and convolution arithmetic share
+(:mod:`.bookkeeping`, "Rounding")."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_privdec.privacy.rounding import (
+    SUM_BLOCK,
+    gamma,
+    norm_upper_bound,
+    unit_roundoff,
+)
+from lightning_privdec.privacy.rounding import U64 as _U64
+from lightning_privdec.privacy.rounding import tiny as _tiny
+
+#: rows (examples x positions, at most SUM_BLOCK examples) per weight-gradient product of a clipped sum
+#: (:func:`clipped_sums`): an example's terms are rounded with those of the other examples of its block only, so the
+#: rounding bound of its terms, gamma_R with R = :func:`block_examples` T, depends on the layer's positions T, not
+#: on the batch size; small enough that honest examples of convolutions on large maps (T = 1024: 8 examples a
+#: product) are neither isolated nor clipped much below C by it (gamma_R = 4.9e-4 of their mass; a norm is about
+#: mass / sqrt(T))
+SUM_ROWS = 8192
+
+
+def block_examples(steps: int) -> int:
+    """Examples per weight-gradient product of a layer with ``steps`` positions (tokens) per example."""
+    return max(1, min(SUM_BLOCK, SUM_ROWS // max(steps, 1)))
+
+
+def _gram_error(d_out: int, p: int, u: float, steps: int) -> float:
+    """Relative bound of the ghost norm sum_{t,t'} (g_t . g_t')(u_t . u_t') against (sum_t ||g_t|| ||u_t||)^2:
+    each Gram entry errs by gamma_d ||g_t|| ||g_t'|| (Cauchy-Schwarz), their product by u, the float64 sum of T^2
+    terms by gamma_{T^2} (module docstring, "Rounding")."""
+    gd, gp, sum_error = gamma(d_out, u), gamma(p, u), gamma(steps * steps, _U64)
+    entry = (gd + gp + gd * gp) * (1 + u) + u
+    return (entry * (1 + sum_error) + sum_error) * (1 + 1e-9)
+
+
+def _bias_bound(token_norms: Tensor, summed: Tensor, u: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The bias gradient sum_t g_t of each example: an upper bound of its norm (the computed sum errs by at most
+    gamma_{T-1} sum_t ||g_t||), that mass, and whether the bound is loose; ``token_norms`` (B, T) bound ||g_t||."""
+    steps = token_norms.shape[1]
+    mass = token_norms.sum(dim=1)
+    norms = norm_upper_bound(summed, dim=1)
+    error = gamma(steps - 1, u) * mass
+    loose = ~(error <= 0.05 * norms) if steps > 1 else torch.zeros_like(norms, dtype=torch.bool)
+    return norms + error, mass, loose
+
+
+def _gram_inner_products(g: Tensor, u: Tensor | None, u_gram: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``<G_i^T G_i, U_i^T U_i>`` for batches G (B, d_out, T) and U (B, p, T) (or U's Gram (B, T, T) given as
+    ``u_gram``): the ghost norm, summed in float64 and NOT clamped (rounding may leave it below zero; the caller
+    adds the bound of :func:`_gram_error`); and the Grams' diagonals, ``||g_t||^2`` and ``||u_t||^2`` (B, T)."""
+    u_gram = torch.bmm(u.transpose(1, 2), u) if u_gram is None else u_gram
+    g_gram = torch.bmm(g.transpose(1, 2), g)
+    estimate = (g_gram * u_gram).sum(dim=(1, 2), dtype=torch.float64)
+    return estimate, g_gram.diagonal(dim1=1, dim2=2), u_gram.diagonal(dim1=1, dim2=2)
+
+
+def _root_upper(squares: Tensor, terms: int, dtype: torch.dtype, eps: float) -> Tensor:
+    """Upper bounds of norms (float64) from their squares, Gram diagonals computed as ``terms``-long dot products in
+    ``dtype``, floored at sqrt(3 terms tiny / eps): with ``eps`` the Gram bound's relative factor, eps m^2 then also
+    covers the absolute underflow of the Gram entries, 2 tiny (d_out (sum_t ||u_t||)^2 + p (sum_t ||g_t||)^2 +
+    T^2 d_out p tiny), which honest values never come near."""
+    floor = terms * _tiny(dtype) * (1 + 3 / eps)
+    return squares.double().mul_(1 + gamma(terms + 2, unit_roundoff(dtype))).add_(floor).sqrt_()
