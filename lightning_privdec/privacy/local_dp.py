@@ -30,7 +30,7 @@ from lightning_privdec.privacy.per_sample import (
     check_private_model,
 )
 from lightning_privdec.privacy.sampling import poisson_dataloader, sampler_shard_indices
-from lightning_privdec.privacy.validation import check_max_grad_norm, check_noise_multiplier, check_positive
+from lightning_privdec.privacy.validation import check_max_grad_norm
 
 
 def check_sampler_is_replaceable(sampler: Sampler, num_examples: int) -> None:
@@ -151,7 +151,7 @@ class PerSampleClipping:
     """
 
     def __init__(self, max_grad_norm: float, grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE) -> None:
-        self._max_grad_norm = float(max_grad_norm)
+        self._max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.grad_sample_mode = grad_sample_mode
         self.per_sample: PerSampleGradients | None = None
         self.ghost: GhostClipping | None = None
@@ -342,10 +342,10 @@ def noise_clipped_sum(
         expected_batch_size: ``q J``; the noisy sum is divided by it, not by the realised batch size ``B``.
         generator: THIS node's generator (:func:`~lightning_privdec.privacy.noise.node_noise_generator`: ChaCha20
             under a 256-bit key).
+
+    The values are checked once, where they are set (:mod:`.validation`): C when the node's clipping is built,
+    sigma with the privacy parameters, qJ when the node's shard is sampled.
     """
-    max_grad_norm = check_max_grad_norm(max_grad_norm)
-    noise_multiplier = check_noise_multiplier(noise_multiplier)
-    expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
     params = list(params)
     sums = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     std = _noise_and_scale_into_grads(params, sums, max_grad_norm, noise_multiplier, expected_batch_size, generator)
