@@ -32,10 +32,9 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_privdec.comm import TorchDistributedExchange  # noqa: E402
+from lightning_privdec.comm import TensorSpec, TorchDistributedExchange  # noqa: E402
 from lightning_privdec.comm.framed import FramedExchange  # noqa: E402
 from lightning_privdec.comm.sealed import SealedExchange  # noqa: E402
-from lightning_privdec.comm.wire import TensorSpec  # noqa: E402
 
 SIZES = {"digits MLP": 4_810 + 1, "wide MLP": 9_670_000 + 1}  # float32 entries of one push-sum message
 

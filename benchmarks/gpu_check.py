@@ -97,7 +97,8 @@ CUDA_ONLY_TESTS = (
     "tests/test_noise.py::test_cuda_draws_equal_the_cpu_draws_of_the_same_key",
     "tests/test_overlap.py::test_gloo_processes_mix_exactly_like_the_loopback_simulation[cuda]",
 )
-DEVICE_TEST_FILES = ("tests/test_per_sample_modes.py", "tests/test_noise.py", "tests/test_strategy_modes.py")
+DEVICE_TEST_FILES = ("tests/test_per_sample_modes.py", "tests/test_noise.py", "tests/test_laplace.py",
+                     "tests/test_strategy_modes.py")
 #: the quick run: one module's tests (its CUDA-only one skips on CPU), for the counting and the report
 QUICK_TESTS = ("tests/test_noise.py::test_cuda_draws_equal_the_cpu_draws_of_the_same_key",
                "tests/test_noise.py::test_gaussian_noise_has_the_right_mean_std_and_tails")

@@ -37,10 +37,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey  # noqa: E402
 
-from lightning_privdec.comm import LoopbackNetwork  # noqa: E402
+from lightning_privdec.comm import LoopbackNetwork, TensorSpec  # noqa: E402
 from lightning_privdec.comm.identity import AuthenticatedSetup, seal_keys  # noqa: E402
 from lightning_privdec.comm.sealed import SealedExchange  # noqa: E402
-from lightning_privdec.comm.wire import TensorSpec  # noqa: E402
 from network import build_net  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_privdec.comm.wire import pack
+from lightning_privdec.comm import pack
 from tests.test_pinned_epsilon import CONFIGURATIONS, Classifier
 
 NODES, STEPS, BATCH, LR = 2, 4, 16, 0.05  # LR: Classifier's SGD

@@ -142,13 +142,21 @@ def test_empty_batch_through_a_lightning_module() -> None:
     psg.detach()
 
 
-def test_the_noise_step_rejects_bad_values() -> None:
-    params = [nn.Parameter(torch.zeros(3))]
-    kwargs = dict(max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=2.0, generator=node_noise_generator("cpu", 0, 0))
-    for bad in ({"max_grad_norm": 0.0}, {"expected_batch_size": 0}, {"noise_multiplier": -1.0},
-                {"noise_multiplier": float("nan")}, {"max_grad_norm": True}):
-        with pytest.raises(PrivacyConfigError, match=next(iter(bad))):
-            noise_clipped_sum(params, torch.zeros(2), **{**kwargs, **bad})
+def test_the_noise_step_values_are_refused_where_the_node_sets_them() -> None:
+    """C when the node is built, sigma with the privacy parameters, qJ when set (the step itself checks nothing)."""
+    from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
+    from lightning_privdec.privacy import PrivacyParameters
+
+    for bad in (0.0, -1.0, float("nan"), True):
+        with pytest.raises(PrivacyConfigError, match="max_grad_norm"):
+            DPCSGPNode(PrivacyParameters(max_grad_norm=bad, noise_multiplier=1.0), rank=0)
+    node = DPCSGPNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=-1.0), rank=0)
+    node.sample_rate = 0.5
+    with pytest.raises(PrivacyConfigError, match="noise_multiplier"):
+        node.plan_noise(10)
+    for bad in (0, -2.0, float("inf")):
+        with pytest.raises(PrivacyConfigError, match="expected_batch_size"):
+            node.expected_batch_size = bad
 
 
 def test_node_noise_generators_are_per_node() -> None:

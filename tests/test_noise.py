@@ -17,7 +17,7 @@ import torch
 from scipy import stats
 
 from lightning_privdec import CorrelatedNoiseStrategy, CPGTStrategy, DPCSGPStrategy, DynD2PStrategy, PrivSGPVRStrategy
-from lightning_privdec.algorithms.cpgt import NOISE_STREAM, laplace_noise
+from lightning_privdec.algorithms.cpgt import NOISE_STREAM
 from lightning_privdec.privacy import PrivacyConfigError, PrivacyParameters
 from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
 from lightning_privdec.privacy.noise import KEY_BYTES, NoiseGenerator, node_noise_generator
@@ -169,12 +169,8 @@ def test_reused_output_draws_the_same_noise_without_allocating(device: torch.dev
     assert reused.normal(6000, 1.0, torch.float64, reuse_output=True).dtype == torch.float64
 
 
-def test_laplace_noise_and_bernoulli_sampling_have_their_distributions(device: torch.device) -> None:
+def test_bernoulli_sampling_has_its_rate(device: torch.device) -> None:
     generator = node_noise_generator(device, None, 0)
-    scale = 1.5
-    draws = laplace_noise(300_000, scale, generator).cpu().numpy()
-    assert stats.kstest(draws, "laplace", args=(0, scale)).pvalue > 1e-4
-    assert np.mean(np.abs(draws)) == pytest.approx(scale, rel=0.01)
     mask = generator.bernoulli(200_000, 0.05)
     assert mask.dtype == torch.bool and float(mask.float().mean()) == pytest.approx(0.05, rel=0.03)
 

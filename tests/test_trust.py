@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from lightning_privdec.cli.keygen import main as keygen
-from lightning_privdec.comm import LoopbackNetwork
+from lightning_privdec.comm import LoopbackNetwork, TensorSpec
 from lightning_privdec.comm.identity import (
     AuthenticatedSetup,
     Identity,
@@ -28,7 +28,6 @@ from lightning_privdec.comm.identity import (
 )
 from lightning_privdec.comm.objects import decode, encode
 from lightning_privdec.comm.sealed import SEAL_OVERHEAD, SealedExchange, TamperedMessageError
-from lightning_privdec.comm.wire import TensorSpec
 
 
 # ---- roster and identity keys --------------------------------------------------------------------------------------------

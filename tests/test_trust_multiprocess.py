@@ -38,7 +38,7 @@ from lightning_privdec.comm.framed import FRAME_HEADER, FramedExchange
 from lightning_privdec.comm.objects import all_gather_bytes, broadcast_bytes, decode, encode, gather_bytes, gather_objects
 from lightning_privdec.comm.robust import ClippedExchange
 from lightning_privdec.comm.sealed import SEAL_OVERHEAD, SealedExchange
-from lightning_privdec.comm.wire import TensorSpec
+from lightning_privdec.comm import TensorSpec
 from lightning_privdec.data.digits import DigitsClassifier, DigitsDataModule
 from lightning_privdec.privacy.pairwise import PairwiseSecrets, exchange_public_keys, verify_agreement
 from lightning_privdec.privacy.write_ahead import WriteAheadLedger

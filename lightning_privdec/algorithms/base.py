@@ -39,6 +39,7 @@ from lightning_privdec.privacy.local_dp import (
 )
 from lightning_privdec.privacy.noise import seed_caveat
 from lightning_privdec.privacy.per_sample import DEFAULT_GRAD_SAMPLE_MODE
+from lightning_privdec.privacy.validation import check_positive
 from lightning_privdec.privacy.write_ahead import strip_generators
 from lightning_privdec.topology import Topology
 
@@ -204,7 +205,7 @@ class PrivateNodeAlgorithm(ABC):
 
     @expected_batch_size.setter
     def expected_batch_size(self, value: float) -> None:
-        self.sampler.expected_batch_size = value
+        self.sampler.expected_batch_size = check_positive(value, "expected_batch_size")
 
     @property
     def privacy_caveat(self) -> str:

@@ -69,7 +69,8 @@ REFRESH_PASSES = 32
 
 @dataclass(frozen=True)
 class PrivSGPVROptions:
-    """PrivSGP-VR's own arguments, validated once (by the strategy when it is built, before any process starts).
+    """PrivSGP-VR's own arguments, validated once: by the strategy when it is built (before any process starts), or
+    by the node when it is given them as keywords.
 
     ``accounting``: ``"sound"``, ``"paper"`` or ``"no_amplification"`` (:mod:`~lightning_privdec.privacy.accounting.
     saga`); ``max_table_bytes``: refuse a larger table before training; ``table_init``: ``"full"`` (lines 1-3) or
@@ -213,7 +214,8 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
     Args:
         parameters: ``max_grad_norm`` (C), ``noise_multiplier`` (s / C: the std of the noise on the released sum, in
             units of C) or ``target_epsilon`` + ``target_delta``, and ``accountant`` ("rdp" or "prv").
-        options: a :class:`PrivSGPVROptions`, or its fields as keywords (``accounting=``, ``max_table_bytes=``, ...).
+        options: a :class:`PrivSGPVROptions` already checked against ``parameters`` (:meth:`PrivSGPVROptions.check`:
+            the strategy's), or its fields as keywords (``accounting=``, ``max_table_bytes=``, ...), checked here.
         rank, device, grad_sample_mode, noise_seed, secure_mode: see :class:`PrivateNodeAlgorithm`.
     """
 
@@ -221,8 +223,10 @@ class PrivSGPVRNode(PrivateNodeAlgorithm):
 
     def __init__(self, parameters: PrivacyParameters, *, options: PrivSGPVROptions | None = None, **kwargs: Any) -> None:
         fields = {name: kwargs.pop(name) for name in PrivSGPVROptions.__dataclass_fields__ if name in kwargs}
-        self.options = options or PrivSGPVROptions(**fields)
-        self.options.check(parameters.accountant, kwargs.get("grad_sample_mode", DEFAULT_GRAD_SAMPLE_MODE))
+        if options is None:  # a strategy's options were checked when it was built
+            options = PrivSGPVROptions(**fields)
+            options.check(parameters.accountant, kwargs.get("grad_sample_mode", DEFAULT_GRAD_SAMPLE_MODE))
+        self.options = options
         super().__init__(parameters, **kwargs)
         self.sampler.micro_batch_refusal = (
             "PrivSGP-VR stores every sampled example's clipped gradient in its table and needs the whole Poisson "

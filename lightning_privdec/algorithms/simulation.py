@@ -127,14 +127,18 @@ def train_network(
     **options: Any,
 ) -> list[NodeRun]:
     """:func:`train_node` for every node of a loopback network of ``len(datasets)`` nodes (one thread each, one
-    intra-op thread: tiny tensors). ``make_model`` must give every node the same starting parameters."""
+    intra-op thread: tiny tensors). ``make_model`` must give every node the same starting parameters; the nodes and
+    models are made one after the other in the caller's thread (a ``make_model`` that seeds torch's global generator
+    would race with itself across the nodes' threads)."""
+    nodes = [make_node(rank) for rank in range(len(datasets))]
+    models = [make_model() for _ in datasets]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         network = LoopbackNetwork(len(datasets), timeout=600.0)
         agree = any_node(len(datasets))
         return network.run(
-            lambda rank, exchange: train_node(make_node(rank), make_model(), datasets[rank], exchange=exchange,
+            lambda rank, exchange: train_node(nodes[rank], models[rank], datasets[rank], exchange=exchange,
                                               agree=lambda vote: agree(rank, vote), **options)
         )
     finally:

@@ -1,9 +1,8 @@
 """How bytes move between neighbours: point-to-point exchanges over torch.distributed, and a loopback simulator."""
 
-from lightning_privdec.comm.base import Exchange, NonFiniteMessageError, PendingRound, TrafficCounter
-from lightning_privdec.comm.distributed import TorchDistributedExchange
+from lightning_privdec.comm.base import Exchange, NonFiniteMessageError, PendingRound, TensorSpec, TrafficCounter
+from lightning_privdec.comm.distributed import TorchDistributedExchange, message_nbytes, pack, unpack
 from lightning_privdec.comm.loopback import LoopbackExchange, LoopbackNetwork
-from lightning_privdec.comm.wire import TensorSpec, message_nbytes, pack, unpack
 
 __all__ = [
     "Exchange",

@@ -9,7 +9,29 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_privdec.comm.wire import TensorSpec
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor of a message."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, tensor: Tensor) -> TensorSpec:
+        return cls(tuple(tensor.shape), tensor.dtype)
+
 
 #: what a node sends in one round: peer -> the tensors of its message
 Outgoing = Mapping[int, Sequence[Tensor]]
@@ -58,8 +80,9 @@ class Exchange(abc.ABC):
     """Sends one message to each out-neighbour and receives one from each in-neighbour, per round.
 
     ``outgoing`` maps a peer to the tensors sent to it; ``incoming`` maps a peer to the specs of the tensors expected
-    from it. Each message travels as one packed byte buffer (see :mod:`lightning_privdec.comm.wire`). Returns the
-    received tensors per peer. Every call is one round; both ends must agree on who talks to whom in it.
+    from it. Each message travels as one packed byte buffer (:func:`~lightning_privdec.comm.distributed.pack`; no
+    header: the receiver knows the specs). Returns the received tensors per peer. Every call is one round; both ends
+    must agree on who talks to whom in it.
     """
 
     def __init__(self, rank: int, world_size: int) -> None:

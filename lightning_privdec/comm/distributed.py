@@ -2,6 +2,11 @@
 
 gloo on CUDA (several ranks sharing one GPU, which NCCL refuses) works too: gloo's send and receive read and write
 host memory only, so a CUDA rank's messages travel through host buffers (:attr:`TorchDistributedExchange.wire_device`).
+
+The wire format, used by every exchange: one round sends exactly one buffer per (sender, receiver) pair, the tensors
+of its message (a compressor's payload, the push-sum weight, ...) packed into one flat byte buffer (:func:`pack`); the
+receiver knows their shapes and dtypes in advance (:class:`~.base.TensorSpec`) because every node knows the schedule
+and the compressor, so no header travels.
 """
 
 from __future__ import annotations
@@ -14,8 +19,36 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received, check_finite
-from lightning_privdec.comm.wire import TensorSpec, message_nbytes, pack, unpack
+from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received, TensorSpec, check_finite
+
+
+def message_nbytes(specs: Sequence[TensorSpec]) -> int:
+    """Exact size in bytes of a message with these tensors."""
+    return sum(spec.nbytes for spec in specs)
+
+
+def pack(tensors: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
+    """Concatenate the raw bytes of ``tensors`` into one contiguous uint8 buffer (a view when there is one; else
+    written into ``out`` when given)."""
+    views = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    if len(views) == 1:
+        return views[0]
+    return torch.cat(views) if out is None else torch.cat(views, out=out)
+
+
+def unpack(buffer: Tensor, specs: Sequence[TensorSpec]) -> list[Tensor]:
+    """Split a uint8 buffer back into tensors of the given specs (views into ``buffer``; a misaligned piece is copied)."""
+    expected = message_nbytes(specs)
+    if buffer.numel() != expected:
+        raise RuntimeError(f"received {buffer.numel()} bytes, expected {expected} for message {list(specs)}")
+    tensors, offset = [], 0
+    for spec in specs:
+        chunk = buffer[offset : offset + spec.nbytes]
+        if offset % spec.dtype.itemsize:  # a typed view needs an aligned offset: copy the few misaligned bytes
+            chunk = chunk.clone()
+        tensors.append(chunk.view(spec.dtype).reshape(spec.shape))
+        offset += spec.nbytes
+    return tensors
 
 
 class PeerFailureError(RuntimeError):

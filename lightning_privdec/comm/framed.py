@@ -37,7 +37,7 @@ from torch import Tensor
 from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, Received, check_finite
 from lightning_privdec.comm.distributed import PeerFailureError
 from lightning_privdec.comm.objects import all_gather_objects
-from lightning_privdec.comm.wire import message_nbytes, pack, unpack
+from lightning_privdec.comm.distributed import message_nbytes, pack, unpack
 
 __all__ = ["FRAME_HEADER", "FramedExchange", "MessageSizeError", "gossip_address"]
 

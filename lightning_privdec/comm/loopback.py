@@ -16,7 +16,7 @@ from typing import TypeVar
 from torch import Tensor
 
 from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received, check_finite
-from lightning_privdec.comm.wire import message_nbytes, pack, unpack
+from lightning_privdec.comm.distributed import message_nbytes, pack, unpack
 
 T = TypeVar("T")
 

@@ -9,8 +9,8 @@ own 32-byte key, derived from the authenticated X25519 agreement of the signed s
 
 So a message altered in transit, replayed, delivered out of order, sent in the other direction or forged by anyone
 but its sender fails to open, and the receiving node raises :class:`TamperedMessageError` naming the sender and the
-round before any of it is used. A message is its packed tensors (:mod:`lightning_privdec.comm.wire`) plus the
-16-byte Poly1305 tag: exactly 16 bytes more per message, which the traffic counters count.
+round before any of it is used. A message is its packed tensors (:func:`~lightning_privdec.comm.distributed.pack`)
+plus the 16-byte Poly1305 tag: exactly 16 bytes more per message, which the traffic counters count.
 
 The cipher runs on the CPU: a message of tensors on a GPU is copied to the host to be sealed and opened; with a
 roster the strategies carry the sealed bytes over :class:`~lightning_privdec.comm.framed.FramedExchange`, from and
@@ -27,7 +27,8 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from torch import Tensor
 
 from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received, check_finite
-from lightning_privdec.comm.wire import TensorSpec, message_nbytes, pack, unpack
+from lightning_privdec.comm.base import TensorSpec
+from lightning_privdec.comm.distributed import message_nbytes, pack, unpack
 
 __all__ = ["SEAL_OVERHEAD", "SealedExchange", "TamperedMessageError"]
 

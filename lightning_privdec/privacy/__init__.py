@@ -26,8 +26,8 @@ from lightning_privdec.privacy.accounting import (
     make_accountant,
 )
 from lightning_privdec.privacy.config import DEFAULT_DELTA, PrivacyParameters
-from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum
-from lightning_privdec.privacy.local_dp import GaussianMechanism, PerSampleClipping, ShardSampler
+from lightning_privdec.privacy.dp_step import DPStepStats
+from lightning_privdec.privacy.local_dp import GaussianMechanism, PerSampleClipping, ShardSampler, noise_clipped_sum
 from lightning_privdec.privacy.losses import causal_lm_loss, seq2seq_loss
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator, node_noise_generator

@@ -1,22 +1,15 @@
-"""One node's DP-SGD gradient: clip per-sample gradients, sum, add this node's own Gaussian noise, scale.
+"""One node's DP-SGD clipping: per-sample gradients clipped to C and summed, and the statistics of a step.
 
 Abadi et al. 2016, Algorithm 1, with Poisson sampling at rate q over the node's shard of J examples::
 
     g_i  <- g_i * min(1, C / ||g_i||)                 (flat clipping: the norm over ALL parameters jointly)
     g~   <- (sum_i g_i + N(0, sigma^2 C^2 I)) / (q J)  (noise on the sum; divide by the EXPECTED batch size)
 
-Dividing by the expected batch size ``q J`` (not the realised one) keeps each example's influence at most C / (qJ),
-which is what the accountant assumes; an empty Poisson batch releases pure noise.
-
-In decentralized learning every node runs this with its *own* generator (:mod:`.noise`), i.e. local
-DP: each node's released update is private by itself. (Opacus's distributed optimizer instead adds noise on rank 0
-only, which is central DP for an all-reduced sum and is not private here.)
-
-A node's step (:class:`~lightning_privdec.privacy.local_dp.PerSampleClipping`, then
-:class:`~lightning_privdec.privacy.local_dp.GaussianMechanism`) runs it in two parts, between
-backward and the optimizer update: the per-sample mode clips and sums into ``p.grad``
-(:func:`clip_and_accumulate`, or book-keeping and ghost clipping without materialised per-sample gradients), then
-:func:`noise_clipped_sum` adds the noise and divides by q J; the node's runner records the release.
+This module holds the first line and the sum (:func:`clip_and_accumulate`, :func:`clip_rows_`, :func:`clip_factor`);
+the noise and the division by q J are the node's Gaussian mechanism
+(:func:`~lightning_privdec.privacy.local_dp.noise_clipped_sum`). Dividing by the expected batch size ``q J`` (not the
+realised one) keeps each example's influence at most C / (qJ), which is what the accountant assumes; an empty Poisson
+batch releases pure noise.
 """
 
 from __future__ import annotations
@@ -27,11 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_privdec.privacy.noise import NoiseGenerator
-from lightning_privdec.privacy.validation import check_max_grad_norm, check_noise_multiplier, check_positive
 from lightning_privdec.privacy.rounding import SUM_BLOCK, norm_upper_bound, sum_rounding, weighted_row_sum
 
-__all__ = ["DPStepStats", "clip_and_accumulate", "clip_factor", "clip_rows_", "noise_clipped_sum"]
+__all__ = ["DPStepStats", "clip_and_accumulate", "clip_factor", "clip_rows_"]
 
 
 @dataclass(frozen=True)
@@ -63,37 +54,6 @@ class DPStepStats:
             "clipped_fraction": float(self.clipped_fraction),
             "noise_std": float(self.noise_std),
         }
-
-
-def _noise_and_scale_into_grads(
-    params: Sequence[Tensor],
-    clipped_sums: Sequence[Tensor],
-    max_grad_norm: float,
-    noise_multiplier: float,
-    expected_batch_size: float,
-    generator: NoiseGenerator,
-) -> float:
-    """p.grad <- (clipped sum + N(0, sigma^2 C^2 I)) / (q J) for every parameter; returns the noise std sigma C.
-
-    Computed as ``N(0, (sigma C / qJ)^2 I) + clipped sum / qJ`` in one pass per parameter, into the existing
-    ``p.grad`` where it fits (a clipped sum may BE ``p.grad``), the noise added chunk by chunk as it is drawn
-    (:meth:`NoiseGenerator.add_normal_`): a step allocates nothing of the model's size and keeps no noise vector."""
-    std = noise_multiplier * max_grad_norm
-    scale = 1.0 / expected_batch_size
-    grads = []
-    for p in params:
-        grad = p.grad
-        if grad is None or grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
-            grad = torch.empty_like(p)
-        grads.append(grad if grad.is_contiguous() else torch.empty_like(p, memory_format=torch.contiguous_format))
-    if std > 0:
-        generator.add_normal_(grads, std * scale, clipped_sums, scale)
-    else:
-        for grad, summed in zip(grads, clipped_sums):
-            torch.mul(summed, scale, out=grad)
-    for p, grad in zip(params, grads):
-        p.grad = grad
-    return std
 
 
 def _norm_stats(norms: Tensor, max_grad_norm: float, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
@@ -149,37 +109,3 @@ def clip_and_accumulate(
     for g in grad_samples:  # never a half-precision factor or sum
         sums.append(weighted_row_sum(factor, g))
     return sums, norms.to(norm_dtype)
-
-
-@torch.no_grad()
-def noise_clipped_sum(
-    params: Sequence[Tensor],
-    per_sample_norms: Tensor,
-    *,
-    max_grad_norm: float,
-    noise_multiplier: float,
-    expected_batch_size: float,
-    generator: NoiseGenerator,
-) -> DPStepStats:
-    """Finish a DP-SGD step whose ``p.grad`` already holds the sum of clipped per-sample gradients (Abadi et al. 2016,
-    Algorithm 1, lines 5-6).
-
-    Args:
-        params: the trainable parameters; ``p.grad`` holds the clipped sum (None: no example reached it).
-        per_sample_norms: the unclipped norms ||g_i|| (B of them; B may be 0); they only feed the statistics.
-        max_grad_norm: C. noise_multiplier: sigma; ``N(0, sigma^2 C^2 I)`` is added to the sum (0 adds nothing).
-        expected_batch_size: ``q J``; the noisy sum is divided by it, not by the realised batch size ``B``.
-        generator: THIS node's generator (:func:`~lightning_privdec.privacy.noise.node_noise_generator`: ChaCha20
-            under a 256-bit key).
-    """
-    max_grad_norm = check_max_grad_norm(max_grad_norm)
-    noise_multiplier = check_noise_multiplier(noise_multiplier)
-    expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
-    params = list(params)
-    sums = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    std = _noise_and_scale_into_grads(params, sums, max_grad_norm, noise_multiplier, expected_batch_size, generator)
-    mean_norm, max_norm, clipped = _norm_stats(per_sample_norms, max_grad_norm, params[0].device)
-    return DPStepStats(
-        batch_size=int(per_sample_norms.numel()), mean_norm=mean_norm, max_norm=max_norm, clipped_fraction=clipped,
-        noise_std=std,
-    )

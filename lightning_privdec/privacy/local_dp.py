@@ -3,8 +3,8 @@
 * :class:`ShardSampler` - Poisson sampling of the node's shard at q = B / J (every paper);
 * :class:`PerSampleClipping` - per-sample gradients of the node's model clipped to C and summed, in any per-sample
   mode, micro-batches of one logical batch accumulated (every paper but Decor's user level);
-* :class:`GaussianMechanism` - this node's own N(0, sigma^2 C^2 I) on the clipped sum, divided by qJ (DP-CSGP,
-  Dyn-D2P; PrivSGP-VR and Decor draw from its generator for their own noise).
+* :class:`GaussianMechanism` - this node's own N(0, sigma^2 C^2 I) on the clipped sum, divided by qJ
+  (:func:`noise_clipped_sum`; DP-CSGP, Dyn-D2P; PrivSGP-VR and Decor draw from its generator for their own noise).
 
 Together they are Abadi et al. 2016, Alg. 1, on this node's shard only. Every node draws its own noise: it never
 comes from a shared or central source. Which C and sigma a step uses, and what it costs, are each paper's algorithm
@@ -13,14 +13,14 @@ and its accountant (:mod:`.accounting`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
-from lightning_privdec.privacy.dp_step import DPStepStats, noise_clipped_sum
+from lightning_privdec.privacy.dp_step import DPStepStats
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.noise import NoiseGenerator, node_noise_generator
 from lightning_privdec.privacy.per_sample import (
@@ -30,6 +30,7 @@ from lightning_privdec.privacy.per_sample import (
     check_private_model,
 )
 from lightning_privdec.privacy.sampling import poisson_dataloader, sampler_shard_indices
+from lightning_privdec.privacy.validation import check_max_grad_norm
 
 
 def check_sampler_is_replaceable(sampler: Sampler, num_examples: int) -> None:
@@ -150,7 +151,7 @@ class PerSampleClipping:
     """
 
     def __init__(self, max_grad_norm: float, grad_sample_mode: str = DEFAULT_GRAD_SAMPLE_MODE) -> None:
-        self._max_grad_norm = float(max_grad_norm)
+        self._max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.grad_sample_mode = grad_sample_mode
         self.per_sample: PerSampleGradients | None = None
         self.ghost: GhostClipping | None = None
@@ -290,6 +291,67 @@ class PerSampleClipping:
         return DPStepStats.of(norms, self.max_grad_norm, noise_std=0.0)
 
 
+def _noise_and_scale_into_grads(
+    params: Sequence[torch.Tensor],
+    clipped_sums: Sequence[torch.Tensor],
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    generator: NoiseGenerator,
+) -> float:
+    """p.grad <- (clipped sum + N(0, sigma^2 C^2 I)) / (q J) for every parameter; returns the noise std sigma C.
+
+    Computed as ``N(0, (sigma C / qJ)^2 I) + clipped sum / qJ`` in one pass per parameter, into the existing
+    ``p.grad`` where it fits (a clipped sum may BE ``p.grad``), the noise added chunk by chunk as it is drawn
+    (:meth:`NoiseGenerator.add_normal_`): a step allocates nothing of the model's size and keeps no noise vector."""
+    std = noise_multiplier * max_grad_norm
+    scale = 1.0 / expected_batch_size
+    grads = []
+    for p in params:
+        grad = p.grad
+        if grad is None or grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
+            grad = torch.empty_like(p)
+        grads.append(grad if grad.is_contiguous() else torch.empty_like(p, memory_format=torch.contiguous_format))
+    if std > 0:
+        generator.add_normal_(grads, std * scale, clipped_sums, scale)
+    else:
+        for grad, summed in zip(grads, clipped_sums):
+            torch.mul(summed, scale, out=grad)
+    for p, grad in zip(params, grads):
+        p.grad = grad
+    return std
+
+
+@torch.no_grad()
+def noise_clipped_sum(
+    params: Sequence[torch.Tensor],
+    per_sample_norms: torch.Tensor,
+    *,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    generator: NoiseGenerator,
+) -> DPStepStats:
+    """Finish a DP-SGD step whose ``p.grad`` already holds the sum of clipped per-sample gradients (Abadi et al. 2016,
+    Algorithm 1, lines 5-6).
+
+    Args:
+        params: the trainable parameters; ``p.grad`` holds the clipped sum (None: no example reached it).
+        per_sample_norms: the unclipped norms ||g_i|| (B of them; B may be 0); they only feed the statistics.
+        max_grad_norm: C. noise_multiplier: sigma; ``N(0, sigma^2 C^2 I)`` is added to the sum (0 adds nothing).
+        expected_batch_size: ``q J``; the noisy sum is divided by it, not by the realised batch size ``B``.
+        generator: THIS node's generator (:func:`~lightning_privdec.privacy.noise.node_noise_generator`: ChaCha20
+            under a 256-bit key).
+
+    The values are checked once, where they are set (:mod:`.validation`): C when the node's clipping is built,
+    sigma with the privacy parameters, qJ when the node's shard is sampled.
+    """
+    params = list(params)
+    sums = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    std = _noise_and_scale_into_grads(params, sums, max_grad_norm, noise_multiplier, expected_batch_size, generator)
+    return DPStepStats.of(per_sample_norms, max_grad_norm, noise_std=std)
+
+
 class GaussianMechanism:
     """This node's own Gaussian noise (never from a shared or central source).
 
@@ -308,7 +370,7 @@ class GaussianMechanism:
 
     def noise_clipped_sum(self, params: list[nn.Parameter], norms: torch.Tensor, *, max_grad_norm: float,
                           noise_multiplier: float, expected_batch_size: float) -> DPStepStats:
-        """p.grad (the clipped sum) <- (p.grad + N(0, sigma^2 C^2 I)) / qJ (:func:`~.dp_step.noise_clipped_sum`)."""
+        """p.grad (the clipped sum) <- (p.grad + N(0, sigma^2 C^2 I)) / qJ (:func:`noise_clipped_sum`)."""
         return noise_clipped_sum(
             params, norms, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
             expected_batch_size=expected_batch_size, generator=self.generator,

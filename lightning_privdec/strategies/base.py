@@ -377,16 +377,20 @@ class DecentralizedStrategy(ProcessGroupStrategy):
         GradScaler's rescaling (private strategies)."""
         return {}
 
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
+    def step_refused(self) -> bool:
+        """Whether this step is refused before it touches any data (a private strategy past its budget)."""
+        return False
+
+    def after_step(self) -> None:
+        """What the nodes decide together after each step (a private strategy: whether to stop at its budget)."""
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
         runner = self.runner
         if runner is None:
             raise RuntimeError(f"{type(self).__name__}.optimizer_step called before setup")
+        if self.step_refused():
+            return None  # no data touched, nothing released
 
         def update(numerator_closure: Callable[[], Any]) -> Any:  # the user's optimizer, through the precision plugin
             return super(DecentralizedStrategy, self).optimizer_step(
@@ -400,10 +404,10 @@ class DecentralizedStrategy(ProcessGroupStrategy):
                                   step=gossip.round, device=self.root_device, cause=self.divergence_cause,
                                   skip_nonfinite_loss=not self.stop_on_nonfinite_loss)
 
-        return runner.step(
-            optimizer, closure, step=self.lightning_module.trainer.global_step, update=update,
-            after_gossip=look_for_divergence, **self.step_options(),
-        )
+        output = runner.step(optimizer, closure, step=self.lightning_module.trainer.global_step, update=update,
+                             after_gossip=look_for_divergence, **self.step_options())
+        self.after_step()
+        return output
 
     def divergence_cause(self) -> str:
         """The settings most likely behind a divergence the guard found, for its error message."""

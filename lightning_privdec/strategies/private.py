@@ -215,29 +215,29 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         return backward_outside_step(self, batch, self.private_precision.backward_outside_step, train)
 
     # ---- the step ------------------------------------------------------------------------------------------------
-    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """The private step, kept within ``target_epsilon``: after each step all nodes decide together whether one
-        more step would take any node past it, and if so stop there. A step past it anyway (Lightning's
-        ``min_epochs``/``min_steps``) is refused: no data is touched and nothing is released."""
+    def step_refused(self) -> bool:
+        """Every node refuses a step after their shared stop at the budget (``min_steps``): nothing is released."""
+        if self.budget_stopped_at_step is not None:
+            self.lightning_module.trainer.should_stop = True
+        return self.budget_stopped_at_step is not None
+
+    def after_step(self) -> None:
+        """After each step all nodes decide together (one-bit all-reduce) whether one more step would take any node
+        past ``target_epsilon``, and if so stop there; a plan ending with this step ends as planned, unannounced.
+        Under ``max_time`` sigma is first re-planned for the steps the slowest node's pace allows."""
         trainer = self.lightning_module.trainer
-        if self.budget_stopped_at_step is not None:  # the shared decision taken after the last step
-            trainer.should_stop = True
-            return None  # every node refuses the same steps: no data touched, nothing released
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self.runner is not None and self.privacy is not None
-        if self.runner.time_replan_due():  # max_time: the steps the slowest node's pace allows
+        if self.runner.time_replan_due():
             replanned = self.runner.replan_for_time_limit(*time_left(trainer), slowest=lambda steps: int(self.reduce(
                 torch.tensor(steps, device=self.root_device), reduce_op=dist.ReduceOp.MIN)))
             if replanned is not None:
                 self._noise_changed(*replanned)
-        # all nodes decide together (one-bit all-reduce); a plan ending with this step ends as planned, unannounced
         if self.privacy.target_epsilon is None or plan_ends_with_this_step(trainer):
-            return output
+            return
         if self.reduce_boolean_decision(self.runner.next_step_exceeds_budget(), all=False):
             trainer.should_stop = True
             self.budget_stopped_at_step = trainer.global_step + 1
             rank_zero_info(self.runner.budget_stop_note(type(self).__name__, self.budget_stopped_at_step))
-        return output
 
     def step_options(self) -> dict[str, Any]:
         """The node's write-ahead ledger, and under "16-mixed" the rescaling of the privatized gradient."""

@@ -1,6 +1,6 @@
 """Epsilon of a history of Poisson-subsampled Gaussian steps whose noise multiplier may change every step.
 
-* rigorous: Renyi DP of the subsampled Gaussian at integer orders (Mironov, Talwar, Zhang 2019, Sec. 3.3), vectorised
+* rigorous: Renyi DP of the subsampled Gaussian at integer orders (:mod:`.rdp`), vectorised
   over a schedule and converted with Balle et al. 2020 (Opacus's ``get_privacy_spent``), or Opacus's PRV accountant
   on a dominating coarsening of the history;
 * the CLT approximation of Gaussian DP (Dong, Roth, Su 2019; Bu et al. 2020) and the GDP <-> (epsilon, delta)
@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -26,18 +25,13 @@ from lightning_privdec.privacy.accounting.gaussian import (
     History,
     _epsilon_of_history,
 )
+from lightning_privdec.privacy.accounting.rdp import RDP_ORDERS, subsampled_gaussian_rdp
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.validation import (
     check_delta,
     check_epsilon,
     check_number,
-    check_sample_rate,
 )
-
-#: RDP orders of the rigorous accountant. Integer orders only: their RDP has the exact closed form of Mironov et al.
-#: 2019, Sec. 3.3, which vectorises over a whole schedule. Opacus's default orders add fractional ones in (1, 11); at
-#: epsilon <= 3 the two agree within 0.1% (integer orders are never below them: fewer orders, looser bound).
-RDP_ORDERS: tuple[int, ...] = tuple(range(2, 65)) + (72, 80, 96, 128, 160, 192, 256)
 
 #: the PRV accountant composes one discretised privacy-loss distribution per distinct noise multiplier; a schedule
 #: changes it every step, so longer histories are coarsened into this many consecutive segments, each at its smallest
@@ -108,50 +102,6 @@ def clt_mu(mus: Sequence[float] | np.ndarray, sample_rate: float) -> float:
 
 
 # ---- the rigorous accountant: RDP of the subsampled Gaussian, vectorised over a schedule ---------------------------
-@functools.lru_cache(maxsize=32)
-def _binomial_terms(sample_rate: float, orders: tuple[int, ...]) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
-    """Per order alpha: log(binom(alpha, i) q^i (1-q)^(alpha-i)) and (i^2 - i) / 2 for i = 0..alpha."""
-    terms = []
-    for alpha in orders:
-        i = np.arange(alpha + 1, dtype=np.float64)
-        log_binom = special.gammaln(alpha + 1) - special.gammaln(i + 1) - special.gammaln(alpha - i + 1)
-        log_coef = log_binom + i * math.log(sample_rate) + (alpha - i) * math.log1p(-sample_rate)
-        terms.append((log_coef, (i * i - i) / 2.0))
-    return tuple(terms)
-
-
-def subsampled_gaussian_rdp(
-    sample_rate: float, noise_multipliers: Sequence[float] | np.ndarray, orders: Sequence[int] = RDP_ORDERS
-) -> np.ndarray:
-    """RDP of ONE step of the Poisson-subsampled Gaussian mechanism, for each noise multiplier and integer order.
-
-    Mironov, Talwar, Zhang 2019, Sec. 3.3: for integer alpha >= 2,
-    ``eps(alpha) = log sum_{i=0..alpha} binom(alpha, i) q^i (1-q)^(alpha-i) exp((i^2 - i) / (2 sigma^2)) / (alpha-1)``
-    (the formula of Opacus's ``compute_rdp`` for integer orders, evaluated for a whole schedule at once).
-    Returns an array of shape ``(len(noise_multipliers), len(orders))``.
-    """
-    q = check_sample_rate(sample_rate)
-    orders = tuple(int(a) for a in orders)
-    if any(a < 2 for a in orders):
-        raise PrivacyConfigError(f"RDP orders must be integers >= 2, got {orders}")
-    sigmas = np.atleast_1d(np.asarray(noise_multipliers, dtype=np.float64))
-    if (sigmas < 0).any() or not np.isfinite(sigmas).all():
-        raise PrivacyConfigError("noise multipliers must be finite and >= 0")
-    out = np.empty((sigmas.size, len(orders)))
-    if q == 1.0:
-        with np.errstate(divide="ignore"):
-            return np.asarray(orders, dtype=np.float64)[None, :] / (2.0 * sigmas[:, None] ** 2)
-    with np.errstate(divide="ignore"):
-        inverse_variance = 1.0 / sigmas**2  # inf for sigma = 0: no privacy
-    for column, (alpha, (log_coef, quadratic)) in enumerate(zip(orders, _binomial_terms(q, orders))):
-        with np.errstate(invalid="ignore"):
-            exponents = log_coef[None, :] + quadratic[None, :] * inverse_variance[:, None]
-        exponents[:, 0] = log_coef[0]  # i = 0, 1: the quadratic term is 0 even for sigma = 0
-        exponents[:, 1] = log_coef[1]
-        out[:, column] = special.logsumexp(exponents, axis=1) / (alpha - 1)
-    return out
-
-
 def epsilon_from_rdp(rdp: np.ndarray, delta: float, orders: Sequence[int]) -> float:
     """(epsilon, delta) from an RDP curve (Balle et al. 2020, Thm. 21), by Opacus's ``get_privacy_spent``."""
     if not np.any(rdp):

@@ -42,6 +42,7 @@ from opacus.accountants.analysis.prv import Domain, PoissonSubsampledGaussianPRV
 from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
 
 from lightning_privdec.privacy.accounting.base import Accountant
+from lightning_privdec.privacy.accounting.rdp import subsampled_gaussian_rdp
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.validation import (
     check_delta,
@@ -116,23 +117,21 @@ class GaussianRelease:
 
 # ---- epsilon of a history ---------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=4096)
-def subsampled_gaussian_rdp(sample_rate: float, noise_multiplier: float) -> np.ndarray:
-    """RDP of one Poisson-subsampled Gaussian step (Mironov, Talwar, Zhang 2019) at the orders of Opacus's
-    ``RDPAccountant`` (``DEFAULT_ALPHAS``), by Opacus's ``compute_rdp``; ``steps`` steps compose to ``steps`` times it.
+def cached_step_rdp(sample_rate: float, noise_multiplier: float) -> np.ndarray:
+    """RDP of one Poisson-subsampled Gaussian step (:func:`~.rdp.subsampled_gaussian_rdp`) at the orders of Opacus's
+    ``RDPAccountant`` (``DEFAULT_ALPHAS``); ``steps`` steps compose to ``steps`` times it.
 
     Computed once per (q, sigma) and returned read-only: a budget check asks the same (q, sigma) at many step counts,
-    and Opacus sums a series per order (pure Python) each time.
+    and the fractional orders are a series per order (pure Python) each time.
     """
-    rdp = np.asarray(rdp_analysis.compute_rdp(
-        q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=RDPAccountant.DEFAULT_ALPHAS
-    ), dtype=float)
+    rdp = subsampled_gaussian_rdp(sample_rate, [noise_multiplier], RDPAccountant.DEFAULT_ALPHAS)[0]
     rdp.setflags(write=False)
     return rdp
 
 
 def _rdp_epsilon(history: History, delta: float) -> float:
     """Opacus's ``RDPAccountant.get_epsilon`` on ``history``, the same arithmetic with the per-step RDP cached."""
-    rdp = sum(subsampled_gaussian_rdp(q, sigma) * t for sigma, q, t in history)
+    rdp = sum(cached_step_rdp(q, sigma) * t for sigma, q, t in history)
     epsilon, _ = rdp_analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta)
     return float(epsilon)
 

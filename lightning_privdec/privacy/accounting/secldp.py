@@ -23,7 +23,7 @@ from opacus.accountants.analysis import rdp as rdp_analysis
 from scipy.optimize import brentq
 
 from lightning_privdec.privacy.accounting.base import Accountant
-from lightning_privdec.privacy.accounting.gaussian import subsampled_gaussian_rdp
+from lightning_privdec.privacy.accounting.gaussian import cached_step_rdp
 from lightning_privdec.privacy.accounting.secldp_step import (
     Adversary,
     Level,
@@ -102,7 +102,7 @@ def secldp_epsilon_example_level(
     alphas = _orders(orders)
     noise_multiplier = 1.0 / math.sqrt(2.0 * eps_step)
     if orders is None:
-        rdp = subsampled_gaussian_rdp(sample_rate, noise_multiplier) * steps
+        rdp = cached_step_rdp(sample_rate, noise_multiplier) * steps
     else:
         rdp = rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=steps, orders=alphas)
     epsilon, _ = rdp_analysis.get_privacy_spent(orders=alphas, rdp=rdp, delta=delta)
@@ -364,7 +364,7 @@ class SecLDPAccountant(Accountant):
         if any(math.isinf(e) for e, _, _ in history):
             return math.inf
         alphas = _orders(None)
-        rdp = sum(subsampled_gaussian_rdp(q, 1.0 / math.sqrt(2.0 * e)) * t for e, q, t in history if e > 0)
+        rdp = sum(cached_step_rdp(q, 1.0 / math.sqrt(2.0 * e)) * t for e, q, t in history if e > 0)
         epsilon, _ = rdp_analysis.get_privacy_spent(orders=alphas, rdp=rdp, delta=self.delta)
         return float(epsilon)
 

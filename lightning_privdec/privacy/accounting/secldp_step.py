@@ -23,7 +23,7 @@ Sensitivity convention (``level=``):
   ``sigma_cor = 0`` this is the LDP baseline ``eps_step = 2 C^2 / sigma^2``, i.e. ``sigma_LDP = C sqrt(2/eps_step)``.
 * ``"example"``: one example of the node's shard is added or removed under Poisson sampling, and the noise is
   added to the *sum* of per-example clipped gradients (the DP-SGD convention of :mod:`.gaussian` and
-  :func:`~lightning_privdec.privacy.dp_step.noise_clipped_sum`; dividing by the expected batch size afterwards is
+  :func:`~lightning_privdec.privacy.local_dp.noise_clipped_sum`; dividing by the expected batch size afterwards is
   post-processing). Then ``Delta = C``: the paper's "sensitivity C/b" in units of the batch mean. Add/remove
   adjacency is what Opacus's Poisson subsampled-Gaussian RDP (Mironov, Talwar, Zhang 2019) assumes.
 
