@@ -27,8 +27,8 @@ from lightning_privdec.privacy.accounting import GaussianRelease, gaussian, saga
 from lightning_privdec.privacy.accounting.gaussian import (
     calibrate_noise_multiplier,
     epsilon_for,
-    gdp_epsilon_approximation,
 )
+from lightning_privdec.privacy.accounting.composition import gdp_epsilon_approximation
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 pytestmark = [

@@ -18,8 +18,8 @@ from lightning_privdec.privacy.accounting.gaussian import (
     ACCOUNTANTS,
     calibrate_noise_multiplier,
     epsilon_for,
-    gdp_epsilon_approximation,
 )
+from lightning_privdec.privacy.accounting.composition import gdp_epsilon_approximation
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

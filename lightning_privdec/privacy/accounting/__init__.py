@@ -25,9 +25,9 @@ from lightning_privdec.privacy.accounting.gaussian import (
     calibrate_noise_multiplier,
     check_accountant,
     epsilon_for,
-    gdp_epsilon_approximation,
     make_accountant,
 )
+from lightning_privdec.privacy.accounting.composition import gdp_epsilon_approximation
 from lightning_privdec.privacy.accounting.saga import (
     SagaAccountant,
     SagaNoise,

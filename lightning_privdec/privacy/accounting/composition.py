@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from opacus.accountants import GaussianAccountant
+from opacus.accountants.analysis import gdp as gdp_analysis
 from opacus.accountants.analysis.rdp import get_privacy_spent
 from scipy import optimize, special
 
@@ -30,7 +32,10 @@ from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.validation import (
     check_delta,
     check_epsilon,
+    check_noise_multiplier,
     check_number,
+    check_sample_rate,
+    check_steps,
 )
 
 #: the PRV accountant composes one discretised privacy-loss distribution per distinct noise multiplier; a schedule
@@ -169,3 +174,28 @@ def warn_if_clt_optimistic(clt_epsilon: float, rigorous_epsilon: float, where: s
         )
         return True
     return False
+
+
+def gdp_epsilon_approximation(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
+    """The central-limit (mu-GDP) APPROXIMATION of DP-SGD's epsilon (Dong, Roth, Su 2019, Cor. 5.4 + Cor. 2.13),
+    through Opacus's analysis. Not a bound: it can be far below the true epsilon. For display next to a sound value
+    only; nothing in the library decides sigma or when to stop with it.
+
+    Opacus searches epsilon in [0, 500] and raises when the root is outside: at ``epsilon = 0`` the mechanism is
+    already (0, delta)-DP (returned as 0.0), or epsilon exceeds 500 (returned as ``inf``).
+    """
+    sigma = check_noise_multiplier(noise_multiplier)
+    q, steps, delta = check_sample_rate(sample_rate), check_steps(steps, minimum=1), check_delta(delta)
+    if sigma == 0.0:
+        return math.inf
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="GDP accounting is experimental")
+        accountant = GaussianAccountant()
+    accountant.history = [(sigma, q, steps)]
+    try:
+        return float(accountant.get_epsilon(delta=delta))
+    except ValueError:
+        mu = gdp_analysis.compute_mu_poisson(steps=steps, noise_multiplier=sigma, sample_rate=q)
+        if gdp_analysis.delta_eps_mu(eps=0.0, mu=mu) <= delta:
+            return 0.0
+        return math.inf

@@ -11,7 +11,7 @@ Poisson sample of rate ``q`` (Abadi et al. 2016, Algorithm 1). Its (epsilon, del
 mu-GDP with the central limit theorem (Dong, Roth, Su 2019, Cor. 5.4) is NOT an accountant here: it is an
 approximation that can print an epsilon far below the true one (q = 0.001, sigma = 0.5, T = 10: 0.069 against a
 tight 1.086), so it never calibrates noise, enforces a budget or fills a field named "epsilon".
-:func:`gdp_epsilon_approximation` computes it for display, labelled as an approximation, next to a sound value.
+:func:`~.composition.gdp_epsilon_approximation` computes it for display, labelled as an approximation, next to a sound value.
 
 In decentralized learning each node's guarantee is per node, for sample-level adjacency on that node's shard:
 ``q = B / J`` with ``J`` the shard size, never the global dataset size.
@@ -29,14 +29,12 @@ from typing import Any
 
 import numpy as np
 from opacus.accountants import (
-    GaussianAccountant,
     IAccountant,
     PRVAccountant,
     RDPAccountant,
     create_accountant,
     register_accountant,
 )
-from opacus.accountants.analysis import gdp as gdp_analysis
 from opacus.accountants.analysis import rdp as rdp_analysis
 from opacus.accountants.analysis.prv import Domain, PoissonSubsampledGaussianPRV
 from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
@@ -60,7 +58,6 @@ __all__ = [
     "calibrate_noise_multiplier",
     "check_accountant",
     "epsilon_for",
-    "gdp_epsilon_approximation",
     "make_accountant",
 ]
 
@@ -168,31 +165,6 @@ def _prv_domain_size(history: History, eps_error: float, delta_error: float) -> 
         prvs=prvs, num_self_compositions=[t for _, _, t in history], eps_error=eps_error, delta_error=delta_error
     )
     return int(domain.size)
-
-
-def gdp_epsilon_approximation(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
-    """The central-limit (mu-GDP) APPROXIMATION of DP-SGD's epsilon (Dong, Roth, Su 2019, Cor. 5.4 + Cor. 2.13),
-    through Opacus's analysis. Not a bound: it can be far below the true epsilon. For display next to a sound value
-    only; nothing in the library decides sigma or when to stop with it.
-
-    Opacus searches epsilon in [0, 500] and raises when the root is outside: at ``epsilon = 0`` the mechanism is
-    already (0, delta)-DP (returned as 0.0), or epsilon exceeds 500 (returned as ``inf``).
-    """
-    sigma = check_noise_multiplier(noise_multiplier)
-    q, steps, delta = check_sample_rate(sample_rate), check_steps(steps, minimum=1), check_delta(delta)
-    if sigma == 0.0:
-        return math.inf
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="GDP accounting is experimental")
-        accountant = GaussianAccountant()
-    accountant.history = [(sigma, q, steps)]
-    try:
-        return float(accountant.get_epsilon(delta=delta))
-    except ValueError:
-        mu = gdp_analysis.compute_mu_poisson(steps=steps, noise_multiplier=sigma, sample_rate=q)
-        if gdp_analysis.delta_eps_mu(eps=0.0, mu=mu) <= delta:
-            return 0.0
-        return math.inf
 
 
 def _epsilon_of_history(history: History, delta: float, accountant: str) -> float:
