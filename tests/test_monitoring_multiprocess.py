@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiprocess import fit_digits
+from tests.multiprocess import fit_digits_in_one_launch
 from tests.wandb_records import history_rows
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_monitored.py"
@@ -15,11 +15,22 @@ pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")
-def private_wandb_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    out = tmp_path_factory.mktemp("wandb_run")
-    results = fit_digits(out, "--strategy", "dp_csgp", "--epsilon", "3", "--logger", "wandb", "--alpha", "0.5",
-                         script=SCRIPT)
-    return out, results
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[dict]]]:
+    """One launch of 4 processes: a private run logging to W&B (offline) on Dirichlet shards, then in the same
+    processes an uncompressed push-sum run logging to CSV; each run's directory and per-rank results."""
+    root = tmp_path_factory.mktemp("monitored")
+    fits = {
+        "private_wandb": ["--strategy", "dp_csgp", "--epsilon", "3", "--logger", "wandb", "--alpha", "0.5"],
+        "push_sum_csv": ["--strategy", "push_sum", "--compressor", "none", "--gamma", "1", "--logger", "csv",
+                         "--alpha", "0.3", "--max-epochs", "2"],
+    }
+    results = fit_digits_in_one_launch(*((root / name, args) for name, args in fits.items()), script=SCRIPT)
+    return {name: (root / name, result) for name, result in zip(fits, results)}
+
+
+@pytest.fixture(scope="module")
+def private_wandb_run(runs) -> tuple[Path, list[dict]]:
+    return runs["private_wandb"]
 
 
 def test_wandb_offline_run_holds_epsilon_consensus_and_bytes(private_wandb_run):
@@ -69,9 +80,8 @@ def read_csv_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
-def test_consensus_and_bytes_callbacks_match_a_direct_computation(tmp_path: Path):
-    results = fit_digits(tmp_path, "--strategy", "push_sum", "--compressor", "none", "--gamma", "1",
-                         "--logger", "csv", "--alpha", "0.3", "--max-epochs", "2", script=SCRIPT)
+def test_consensus_and_bytes_callbacks_match_a_direct_computation(runs):
+    out, results = runs["push_sum_csv"]
     for r in results:
         assert r["comm"]["comm/compression_ratio"] == 1.0  # uncompressed: exactly the dense model + push-sum weight
         # measured once more at the end of training: the totals include the last steps (2 epochs of 11 steps is not
@@ -81,7 +91,7 @@ def test_consensus_and_bytes_callbacks_match_a_direct_computation(tmp_path: Path
         assert r["consensus"] == results[0]["consensus"]  # every node computed the same table
     steps = results[0]["global_step"]
     assert steps % 5  # the last steps fall after the last periodic measurement (every_n_steps=5)...
-    rows = read_csv_rows(tmp_path / "csv" / "version_0" / "metrics.csv")
+    rows = read_csv_rows(out / "csv" / "version_0" / "metrics.csv")
     logged = [row for row in rows if row.get("comm/bytes_sent_total")]
     assert int(logged[-1]["step"]) == steps  # ...and are logged at the end of training, in the totals
     assert float(logged[-1]["comm/bytes_sent_total"]) == sum(r["bytes_sent"] for r in results)

@@ -13,9 +13,19 @@ from tests.multiprocess import SCRIPT, fit_digits_in_one_launch, launch, relativ
 pytestmark = pytest.mark.multiprocess
 
 
-def test_push_sum_matches_lightning_ddp_accuracy_and_ends_in_consensus(tmp_path):
-    ddp, push_sum = fit_digits_in_one_launch((tmp_path / "ddp", ["--strategy", "ddp", "--max-epochs", "8"]),
-                                             (tmp_path / "push_sum", ["--strategy", "push_sum", "--max-epochs", "8"]))
+@pytest.fixture(scope="module")
+def eight_epochs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Lightning's DDP, push-sum, QSGD-compressed push-sum and D-PSGD on a ring, 8 epochs each, one after the other in
+    one launch of 4 processes: each fit's per-rank results."""
+    root = tmp_path_factory.mktemp("eight_epochs")
+    fits = {"ddp": ["--strategy", "ddp"], "push_sum": ["--strategy", "push_sum"], "qsgd": ["--compressor", "qsgd:8"],
+            "dpsgd": ["--strategy", "dpsgd", "--topology", "ring"]}
+    results = fit_digits_in_one_launch(*((root / name, [*args, "--max-epochs", "8"]) for name, args in fits.items()))
+    return dict(zip(fits, results))
+
+
+def test_push_sum_matches_lightning_ddp_accuracy_and_ends_in_consensus(eight_epochs):
+    ddp, push_sum = eight_epochs["ddp"], eight_epochs["push_sum"]
     ddp_acc = ddp[0]["test_acc"]
     assert ddp_acc > 0.85  # the task is learnable in this budget
     for node in push_sum:
@@ -30,10 +40,8 @@ def test_push_sum_matches_lightning_ddp_accuracy_and_ends_in_consensus(tmp_path)
         assert node["bytes_sent"] == node["rounds"] * (4 * d + 8)
 
 
-def test_compressed_push_sum_and_dpsgd_train_to_consensus(tmp_path):
-    compressed, dpsgd = fit_digits_in_one_launch(
-        (tmp_path / "qsgd", ["--compressor", "qsgd:8", "--max-epochs", "8"]),
-        (tmp_path / "dpsgd", ["--strategy", "dpsgd", "--topology", "ring", "--max-epochs", "8"]))
+def test_compressed_push_sum_and_dpsgd_train_to_consensus(eight_epochs):
+    compressed, dpsgd = eight_epochs["qsgd"], eight_epochs["dpsgd"]
     for results in (compressed, dpsgd):
         assert min(node["test_acc"] for node in results) > 0.85
         assert relative_consensus_distance(results) < 0.02

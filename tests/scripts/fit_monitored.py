@@ -1,4 +1,5 @@
 """4-process digits fit with every monitoring callback, logging to W&B (offline) or CSV; results per rank to --out.
+Several fits separated by ``--then`` run one after the other in the same processes (one launch).
 
     python tests/scripts/fit_monitored.py --out /tmp/run --strategy dp_csgp --epsilon 3 --logger wandb --alpha 0.5
 """
@@ -6,7 +7,9 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -46,7 +49,7 @@ class ParameterProbe(Callback):
             self.seen.append(own_parameters(pl_module))
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="dp_csgp", choices=sorted(STRATEGIES))
     parser.add_argument("--compressor", default="randk:0.5")
@@ -57,8 +60,20 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--logger", default="wandb", choices=["wandb", "csv"])
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    return parser
 
+
+def main(argv: list[str]) -> None:
+    parser = arguments()
+    runs = [parser.parse_args(run) for separator, run in itertools.groupby(argv, lambda a: a == "--then")
+            if not separator]
+    if len({args.devices for args in runs}) != 1:
+        parser.error("every fit of one launch runs on the same processes: give each the same --devices")
+    for args in runs:
+        fit(args)
+
+
+def fit(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     private = args.strategy in PRIVATE_STRATEGIES
@@ -142,4 +157,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
