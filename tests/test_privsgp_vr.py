@@ -98,6 +98,16 @@ def fill(engine: PrivSGPVRNode, module: nn.Module) -> None:
     engine.fill_table(backward)
 
 
+def train(engine: PrivSGPVRNode, module: nn.Module, loader, lr: float) -> None:  # noqa: ANN001
+    """One pass over ``loader``: the private step, then plain SGD on the released gradient."""
+    for batch in loader:
+        squared_loss(module, batch).backward()
+        private_step(engine)
+        with torch.no_grad():
+            for p in module.parameters():
+                p -= lr * p.grad
+
+
 def common_start() -> torch.Tensor:
     return torch.linspace(-0.5, 0.5, 8)
 
@@ -198,12 +208,7 @@ def test_every_table_entry_is_clipped_to_C_also_in_reduced_precision(dtype):
     assert min(raw) > 10 * C  # every example's gradient is far above the bound
     set_flat(module, common_start())
     fill(engine, module)
-    for batch in loader:
-        squared_loss(module, batch).backward()
-        private_step(engine)
-        with torch.no_grad():
-            for p in module.parameters():
-                p -= 0.1 * p.grad
+    train(engine, module, loader, lr=0.1)
     norms = torch.linalg.vector_norm(engine.table.rows.float(), dim=1)
     assert float(norms.max()) <= C
     assert float(norms.min()) > 0.9 * C  # clipped, not zeroed

@@ -19,7 +19,6 @@ from torch import nn
 
 from lightning_privdec import DPCSGPStrategy, PrivacyConfigError
 from lightning_privdec.algorithms import PushSumGossip
-from lightning_privdec.algorithms.node import private_step
 from lightning_privdec.comm.loopback import LoopbackNetwork
 from lightning_privdec.compression import RandK
 from lightning_privdec.privacy.pairwise import CorrelatedNoise, simulate_key_agreement
@@ -37,8 +36,8 @@ from tests.test_privsgp_vr import (
     make_engine,
     node_data,
     per_example_gradient,
-    squared_loss,
     tensors_in,
+    train,
 )
 from tests.test_push_sum_gossip import D, run_gossip, start_points
 from tests.test_reliability import data, private, trainer
@@ -262,12 +261,7 @@ def test_checkpoints_hold_no_table_and_a_resumed_engine_rebuilds_it_at_the_resum
     engine = make_engine(0, 1.0, 1.5)
     loader = attach_with_data(engine, module, x, y, batch_size=2, steps=8)
     fill(engine, module)
-    for batch in loader:
-        squared_loss(module, batch).backward()
-        private_step(engine)
-        with torch.no_grad():
-            for p in module.parameters():
-                p -= 0.5 * p.grad
+    train(engine, module, loader, lr=0.5)
     state = engine.state_dict()
     assert "table" not in state and not any(t.is_floating_point() for t in tensors_in(state))
 

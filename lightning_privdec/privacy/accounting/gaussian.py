@@ -11,7 +11,8 @@ Poisson sample of rate ``q`` (Abadi et al. 2016, Algorithm 1). Its (epsilon, del
 mu-GDP with the central limit theorem (Dong, Roth, Su 2019, Cor. 5.4) is NOT an accountant here: it is an
 approximation that can print an epsilon far below the true one (q = 0.001, sigma = 0.5, T = 10: 0.069 against a
 tight 1.086), so it never calibrates noise, enforces a budget or fills a field named "epsilon".
-:func:`~.composition.gdp_epsilon_approximation` computes it for display, labelled as an approximation, next to a sound value.
+:func:`~.composition.gdp_epsilon_approximation` computes it for display, labelled as an approximation, next to a
+sound value.
 
 In decentralized learning each node's guarantee is per node, for sample-level adjacency on that node's shard:
 ``q = B / J`` with ``J`` the shard size, never the global dataset size.
@@ -43,6 +44,7 @@ from lightning_privdec.privacy.accounting.base import Accountant
 from lightning_privdec.privacy.accounting.rdp import subsampled_gaussian_rdp
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.validation import (
+    check_above_zero,
     check_delta,
     check_noise_multiplier,
     check_number,
@@ -291,9 +293,7 @@ def calibrate_noise_multiplier(
             multiplier of ~1e6 exceeds it, or so large that essentially no noise is needed).
     """
     accountant = check_accountant(accountant)
-    target_epsilon = check_number(target_epsilon, "target_epsilon")
-    if target_epsilon <= 0:
-        raise PrivacyConfigError(f"target_epsilon must be > 0, got {target_epsilon!r}")
+    target_epsilon = check_above_zero(target_epsilon, "target_epsilon")
     target_delta = check_delta(target_delta, "target_delta")
     sample_rate = check_sample_rate(sample_rate)
     steps = check_steps(steps, minimum=1)

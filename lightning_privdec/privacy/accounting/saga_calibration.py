@@ -30,7 +30,12 @@ from lightning_privdec.privacy.accounting.saga import (
     rdp_conversion,
 )
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.validation import check_delta, check_number, check_sample_rate, check_steps
+from lightning_privdec.privacy.validation import (
+    check_above_zero,
+    check_delta,
+    check_sample_rate,
+    check_steps,
+)
 
 __all__ = ["calibrate_saga_noise"]
 
@@ -134,9 +139,7 @@ def _calibrate(
     epsilon_tolerance: float,
 ) -> SagaNoise:
     check_accounting(accounting, accountant)
-    target = check_number(target_epsilon, "target_epsilon")
-    if target <= 0:
-        raise PrivacyConfigError(f"target_epsilon must be > 0, got {target_epsilon!r}")
+    target = check_above_zero(target_epsilon, "target_epsilon")
     delta = check_delta(target_delta, "target_delta")
     q = check_sample_rate(sample_rate)
     steps = check_steps(steps, minimum=1)
