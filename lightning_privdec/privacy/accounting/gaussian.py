@@ -478,7 +478,7 @@ class SubsampledGaussianAccountant(Accountant):
                 history, check_noise_multiplier(sigma), check_sample_rate(q), check_steps(int(t), minimum=1)
             )
         self.history = history
-        if state.get("delta") is not None:
+        if state["delta"] is not None:
             self.delta = check_delta(state["delta"])
         self._cache.clear()
 
