@@ -141,7 +141,7 @@ def test_calibration_refuses_unreachable_targets_quickly() -> None:
         calibrate_noise_multiplier(0.01, 1e-5, 0.01, 1000)  # below RDP's conversion floor even with sigma = 1e6
     with pytest.raises(PrivacyConfigError, match="cannot calibrate"):
         calibrate_noise_multiplier(1e9, 1e-5, 0.01, 1000)  # a target this loose needs no noise
-    with pytest.raises(PrivacyConfigError, match="target_epsilon must be > 0"):
+    with pytest.raises(PrivacyConfigError, match="target_epsilon must be a finite number > 0"):
         calibrate_noise_multiplier(0.0, 1e-5, 0.01, 1000)
     with pytest.raises(PrivacyConfigError, match="unknown accountant 'moments'.*'rdp', 'prv'"):
         calibrate_noise_multiplier(1.0, 1e-5, 0.01, 1000, accountant="moments")
