@@ -29,7 +29,7 @@ the number of draws (``get_state``). The keystream's 64-bit words become 53-bit 
 ``secure_mode=True`` adds Opacus's mitigation of floating-point attacks on the Gaussian sampler (Holohan and Braghin
 2021, "Secure Random Sampling in Differential Privacy", Sec. 5.1, as in Opacus's ``_generate_noise``): each noise
 coordinate is the sum of four float64 draws divided by 2, at four times the sampling cost. The keystream is produced
-on the host in chunks of ``_CHUNK_WORDS`` entries and transformed there by NumPy (SIMD logarithm, sine and cosine,
+on the host in chunks of ``_CHUNK_WORDS`` 64-bit words and transformed there by NumPy (SIMD logarithm, sine and cosine,
 one thread: more intra-op threads never slow it down) or, for another device, by torch on that device; buffers are
 reused across chunks and draws, and a caller that draws the same size every step can reuse the output too
 (``normal(..., reuse_output=True)``; a fresh 45 MB vector costs ~15 ms of page faults per step), or add the noise
@@ -69,12 +69,14 @@ def seed_caveat(seed: int | None) -> str:
 
 KEY_BYTES = 32  #: 256-bit keys
 _SEED_DOMAIN = b"lightning_privdec.privacy.noise"
-#: entries per chunk (even): a draw is read and transformed chunk by chunk in reused buffers (~2 MB: NumPy's calls
-#: cost a few microseconds each, so larger chunks than the core's L2 are faster); its values never depend on it
+#: 64-bit keystream words per chunk (a wide draw's entries, a narrow draw's pairs): a draw is read and transformed
+#: chunk by chunk in reused buffers (~3 MB for a narrow chunk: NumPy's calls cost a microsecond or more each, so
+#: chunks somewhat larger than the core's L2 are fastest); its values never depend on it
 _CHUNK_WORDS = 1 << 17
 _MASK_53 = (1 << 53) - 1
 _ANGLE_SCALE32 = 2.0 * math.pi * 2.0**-24  # a narrow draw's angle per unit of its 24-bit integer
-#: a narrow draw's 1 - u1 above this (u1 < 2^-12) has its logarithm taken in float64 (:func:`_narrow_squared_radius`)
+#: a narrow draw whose fl32(1 - u1) is at least this (every u1 <= 2^-12) has its logarithm taken in float64
+#: (:func:`_narrow_box_muller`)
 _NEAR_ONE32 = np.float32(1.0 - 2.0**-12)
 #: torch runs an elementwise op of fewer elements than its grain size (32768) on the calling thread: pieces this
 #: small never wait for intra-op threads that another process keeps busy
