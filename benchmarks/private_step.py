@@ -262,9 +262,9 @@ def main(argv: list[str] | None = None) -> None:
              f"load average before: {os.getloadavg()[0]:.1f}", ""]
     rows = {config: run_child(config, args)
             for config in (configs + (["ddp", "ddp_lightning"] if args.memory else []))}
-    base = rows["sgd"] if "sgd" in rows else None
-    lines += ["| step | median ms | / non-private | CPU ms | / non-private | peak RSS MiB | / DDP | / DDP with "
-              "Lightning imported | page faults per step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = rows.get("sgd")
+    lines += [("| step | median ms | / non-private | CPU ms | / non-private | peak RSS MiB | / DDP | / DDP with "
+               "Lightning imported | page faults per step |"), "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def ratio(value: float, reference: dict | None, key: str) -> str:
         return f"{value / reference[key]:.2f}x" if reference else "n/a"
