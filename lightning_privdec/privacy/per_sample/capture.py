@@ -10,8 +10,11 @@ Two mechanisms turn a layer call's inputs ``a`` and output gradients ``g`` into 
 
 * ``"rule"`` - a closed form per layer type: Opacus's ``GRAD_SAMPLERS`` (Linear, Conv, Embedding, LayerNorm,
   GroupNorm, RMSNorm, InstanceNorm), plus, in book-keeping, norms and clipped sums without materialisation.
-* ``"replay"`` - any other layer holding trainable parameters (nn.MultiheadAttention with any mask, nn.LSTM/GRU,
-  a Hugging Face layer, a model's own parameter such as ViT's class token) covers its whole sub-tree: its forward
+* ``"unrolled"`` - nn.LSTM, nn.GRU and nn.RNN run step by step during the private step (:mod:`.recurrent`): their
+  input-to-hidden and hidden-to-hidden products are recorded as nn.Linear calls over the whole sequence, so the
+  rules above (and book-keeping) apply to them.
+* ``"replay"`` - any other layer holding trainable parameters (nn.MultiheadAttention with any mask, recurrent cells
+  and the configurations :mod:`.recurrent` leaves out, a Hugging Face layer, a model's own parameter such as ViT's class token) covers its whole sub-tree: its forward
   is run again on the saved inputs with the random-number state and autocast of the original call (so dropout
   draws the same mask), and one vector-Jacobian product per example, ``g`` masked to that example along the
   batch dimension, gives that example's gradient (``torch.autograd.grad(..., is_grads_batched=True)``). Exact for
@@ -36,7 +39,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.per_sample import bookkeeping
+from lightning_privdec.privacy.per_sample import bookkeeping, recurrent
 from lightning_privdec.privacy.per_sample.shared import SharedCall, SharedCapture
 
 #: Opacus's per-layer closed forms, by exact type: (layer, [input], output gradient) -> {parameter: (B, *shape)}
@@ -87,6 +90,9 @@ def layer_units(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
         if _trainable(module, recurse=False):
             if rule_for(module) is not None:
                 units.append((name, module, "rule"))
+            elif recurrent.unrolls(module):
+                units.append((name, module, "unrolled"))
+                return
             elif not isinstance(module, REPLAYED):
                 units.append((name, module, "shared"))
             else:
@@ -103,9 +109,8 @@ def describe_units(units: list[tuple[str, nn.Module, str]], mode: str) -> str:
     """One line: how many layers of each type use which mechanism (the setup report)."""
     counts: dict[tuple[str, str], int] = {}
     for _, module, kind in units:
-        mechanism = {"rule": "functorch vmap" if mode == "functorch" else "closed form", "shared": "broadcast"}.get(
-            kind, "replay"
-        )
+        mechanism = {"rule": "functorch vmap" if mode == "functorch" else "closed form", "shared": "broadcast",
+                     "unrolled": "unrolled"}.get(kind, "replay")
         if kind == "rule" and mode in ("bookkeeping", "ghost") and bookkeeping.covers(module):
             mechanism = "book-keeping"
         key = (type(module).__name__, mechanism)
@@ -226,6 +231,9 @@ class Recorder:
                 self._handles.append(
                     module.register_forward_hook(lambda *_: self.unfreeze_parameters(), always_call=True)
                 )
+            if kind == "unrolled":
+                self._handles.append(recurrent.unroll(module, name, partial(self._recording, module), self))
+                continue
             if kind == "replay":
                 self._handles.append(module.register_forward_pre_hook(self._before_replay_unit))
             if isinstance(module, nn.Embedding):
@@ -301,8 +309,7 @@ class Recorder:
         leaves, _ = tree_flatten(output)
         if any(isinstance(leaf, PackedSequence) for leaf in leaves) or isinstance(output, PackedSequence):
             raise PrivacyConfigError(
-                f"layer {name} ({type(module).__name__}) returned a PackedSequence: per-sample gradients need padded "
-                "batches (batch, time, ...) with the padding masked in the loss"
+                recurrent.PACKED_SEQUENCE_ERROR.format(name=name or "<root>", type=type(module).__name__)
             )
         positions = [k for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.requires_grad]
         if not positions:
@@ -329,6 +336,34 @@ class Recorder:
         record.grad_hook = register_multi_grad_hook(
             [leaves[k] for k in positions], partial(self._after_backward, record), mode="all"
         )
+
+    def record_projection(self, name: str, layer: nn.Module, a: Tensor, outputs: list[Tensor]) -> None:
+        """A rule layer's product computed by a unit's own code (:mod:`.recurrent`): ``layer`` (an nn.Linear holding
+        the unit's parameters) mapped the batch-first input ``a`` (B, T, d) to ``outputs``, one tensor (B, T, d_out)
+        or one (B, d_out) per position t; their gradients, stacked along dimension 1, are the record's."""
+        outputs = [o for o in outputs]
+        if not any(o.requires_grad for o in outputs):
+            return
+        if self._backward_seen:
+            self._forward_pass += 1
+            self._backward_seen = False
+            self._pass_batch = None
+        record = Record(name, layer, "rule", (a.detach(),), {}, [], [0], self._forward_pass, batch_dims=[0])
+        if self._pass_batch is None:
+            self._pass_batch = int(a.shape[0])
+        self.records.append(record)
+        live = [k for k, o in enumerate(outputs) if o.requires_grad]
+
+        def arrived(grads: tuple) -> None:
+            if len(outputs) == 1:
+                return self._after_backward(record, grads)
+            steps = [torch.zeros_like(o) for o in outputs]
+            for k, g in zip(live, grads):
+                if g is not None:
+                    steps[k] = g
+            self._after_backward(record, (torch.stack(steps, dim=1),))
+
+        record.grad_hook = register_multi_grad_hook([outputs[k] for k in live], arrived, mode="all")
 
     def _count_unit(self, delta: int, module: nn.Module, *_: Any) -> None:
         self._active[id(module)] = self._active.get(id(module), 0) + delta
