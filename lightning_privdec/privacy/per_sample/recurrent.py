@@ -58,7 +58,7 @@ def unrolls(module: nn.Module) -> bool:
     """Whether ``module`` gets the unrolled form (module docstring) rather than a replay."""
     return (
         type(module) in _TYPES
-        and "forward" not in module.__dict__
+        and isinstance(module.__dict__.get("forward", _Unrolled), (type, _Unrolled))  # not replaced by other code
         and all(w.is_floating_point() for w in module._flat_weights if w is not None)
     )
 
@@ -146,8 +146,9 @@ def _direction(
     # product whose input requires grad uses detached parameters: its output still requires grad (its gradient is
     # what the records need), and the backward pass skips the batch's weight gradients
     skip = recorder.skip_parameter_grads
+    prefix = f"{name}." if name else ""
     ih = F.linear(x, *_maybe_detached((w_ih, b_ih), skip and x.requires_grad))
-    recorder.record_projection(f"{name}.weight_ih{suffix}", _linear(w_ih, b_ih), x, [ih])
+    recorder.record_projection(f"{prefix}weight_ih{suffix}", _linear(w_ih, b_ih), x, [ih])
     cell = _CELLS[module.mode]
     steps = ih.unbind(1)  # one backward node for all steps (indexing would write a full-size gradient per step)
     order = range(len(steps) - 1, -1, -1) if reverse else range(len(steps))
@@ -166,9 +167,9 @@ def _direction(
     with torch.no_grad():
         hidden_in_seq = torch.stack(hidden_in, dim=1)
         project_in_seq = torch.stack(project_in, dim=1) if w_hr is not None else None
-    recorder.record_projection(f"{name}.weight_hh{suffix}", _linear(w_hh, b_hh), hidden_in_seq, hidden_out)
+    recorder.record_projection(f"{prefix}weight_hh{suffix}", _linear(w_hh, b_hh), hidden_in_seq, hidden_out)
     if w_hr is not None:
-        recorder.record_projection(f"{name}.weight_hr{suffix}", _linear(w_hr, None), project_in_seq, project_out)
+        recorder.record_projection(f"{prefix}weight_hr{suffix}", _linear(w_hr, None), project_in_seq, project_out)
     return torch.stack(outputs, dim=1), h, c
 
 
