@@ -52,11 +52,16 @@ def _case(name: str) -> tuple[Tagger, bool, bool]:
         return Tagger(nn.LSTM(4, 5, num_layers=2, proj_size=3, batch_first=True)), True, True
     if name == "rnn_relu_without_bias":
         return Tagger(nn.RNN(4, 5, num_layers=2, nonlinearity="relu", bias=False, batch_first=True)), True, False
+    if name == "gru_frozen_input_weights":  # the data input (no grad) and W_ih frozen: only W_hh's product is trained
+        model = Tagger(nn.GRU(4, 5, batch_first=True))
+        model.rnn.weight_ih_l0.requires_grad_(False)
+        model.rnn.bias_ih_l0.requires_grad_(False)
+        return model, True, False
     raise KeyError(name)
 
 
 CASES = ["lstm_2_layers_bidirectional", "gru_sequence_first_bidirectional_state", "gru_encoded_state",
-         "lstm_projection_state", "rnn_relu_without_bias"]  # fmt: skip
+         "lstm_projection_state", "rnn_relu_without_bias", "gru_frozen_input_weights"]  # fmt: skip
 
 
 def _batch(model: Tagger, batch_first: bool, with_state: bool, steps: int = 7) -> tuple[Tensor, Tensor, object]:
@@ -87,12 +92,13 @@ def _example(x: Tensor, y: Tensor, state: object, i: int, batch_first: bool) -> 
 
 def _reference(model: Tagger, x: Tensor, y: Tensor, state: object, batch_first: bool) -> dict[str, Tensor]:
     """Each example's gradient from its own forward (the module's own) and backward pass."""
-    grads: dict[str, list[Tensor]] = {n: [] for n, _ in model.named_parameters()}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    grads: dict[str, list[Tensor]] = {n: [] for n, _ in trainable}
     for i in range(y.shape[0]):
         xi, yi, si = _example(x, y, state, i, batch_first)
         model.zero_grad()
         F.cross_entropy(model(xi, si), yi).backward()
-        for n, p in model.named_parameters():
+        for n, p in trainable:
             grads[n].append(p.grad.clone())
     model.zero_grad()
     return {n: torch.stack(g) for n, g in grads.items()}
@@ -111,7 +117,7 @@ def test_per_example_gradients_equal_each_example_s_own_gradient(name: str, mode
     for step in range(2):  # the second step: autograd's parameter gradients skipped (after the first step's check)
         model.zero_grad()
         F.cross_entropy(model(x, state), y).backward()
-        got = dict(zip([n for n, _ in model.named_parameters()], psg.per_sample_grads()))
+        got = dict(zip([n for n, p in model.named_parameters() if p.requires_grad], psg.per_sample_grads()))
         kinds = {r.name: r.kind for r in psg._hooks.records}
         psg.clear()
     psg.detach()

@@ -27,6 +27,7 @@ one example's data would then reach later steps' gradients, which no step's clip
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -143,6 +144,7 @@ class Record:
     #: nodes and holds them in its closure: a cycle through C++ that Python's collector cannot free, which kept every
     #: step's records (the layer, its inputs) alive until the hook is removed
     grad_hook: Any = None
+    unit: nn.Module | None = None  # the layer whose own code made the record, when not ``module`` (:mod:`.recurrent`)
 
     @property
     def batch_size(self) -> int:
@@ -337,33 +339,38 @@ class Recorder:
             [leaves[k] for k in positions], partial(self._after_backward, record), mode="all"
         )
 
-    def record_projection(self, name: str, layer: nn.Module, a: Tensor, outputs: list[Tensor]) -> None:
+    def record_projection(
+        self, name: str, layer: nn.Module, a: Tensor, output: Tensor | list[Tensor],
+        gradient: Callable[[Tensor], Tensor] | None = None, *, unit: nn.Module,
+    ) -> None:
         """A rule layer's product computed by a unit's own code (:mod:`.recurrent`): ``layer`` (an nn.Linear holding
-        the unit's parameters) mapped the batch-first input ``a`` (B, T, d) to ``outputs``, one tensor (B, T, d_out)
-        or one (B, d_out) per position t; their gradients, stacked along dimension 1, are the record's."""
-        outputs = [o for o in outputs]
-        if not any(o.requires_grad for o in outputs):
+        the unit's parameters) mapped the batch-first input ``a`` (B, T, d) to ``output`` (B, T, d_out), or to one
+        (B, d_out) tensor per position t (their gradients stacked along dimension 1); ``gradient`` maps the
+        gradient of ``output`` to the product's when ``output`` is another tensor that the product's output
+        gradient is computed from; ``unit``: the layer whose code computed it."""
+        outputs = output if isinstance(output, list) else [output]
+        live = [o for o in outputs if o.requires_grad]
+        if not live:
             return
         if self._backward_seen:
             self._forward_pass += 1
             self._backward_seen = False
             self._pass_batch = None
-        record = Record(name, layer, "rule", (a.detach(),), {}, [], [0], self._forward_pass, batch_dims=[0])
+        record = Record(name, layer, "rule", (a.detach(),), {}, [], [0], self._forward_pass, batch_dims=[0], unit=unit)
         if self._pass_batch is None:
             self._pass_batch = int(a.shape[0])
         self.records.append(record)
-        live = [k for k, o in enumerate(outputs) if o.requires_grad]
 
         def arrived(grads: tuple) -> None:
-            if len(outputs) == 1:
-                return self._after_backward(record, grads)
-            steps = [torch.zeros_like(o) for o in outputs]
-            for k, g in zip(live, grads):
-                if g is not None:
-                    steps[k] = g
-            self._after_backward(record, (torch.stack(steps, dim=1),))
+            if isinstance(output, list):
+                given = iter(grads)
+                steps = [next(given) if o.requires_grad else None for o in outputs]
+                grads = (torch.stack([torch.zeros_like(o) if g is None else g for o, g in zip(outputs, steps)], 1),)
+            if gradient is not None and grads[0] is not None:
+                grads = (gradient(grads[0]),)
+            self._after_backward(record, grads)
 
-        record.grad_hook = register_multi_grad_hook([outputs[k] for k in live], arrived, mode="all")
+        record.grad_hook = register_multi_grad_hook(live, arrived, mode="all")
 
     def _count_unit(self, delta: int, module: nn.Module, *_: Any) -> None:
         self._active[id(module)] = self._active.get(id(module), 0) + delta
@@ -399,9 +406,9 @@ class Recorder:
         if call.failure is not None:  # replayed as a whole: its sub-tree's records of this call are dropped
             inside = {id(m) for m in module.modules()}
             for r in self.records[start:]:
-                if id(r.module) in inside and r.grad_hook is not None:
+                if id(r.unit or r.module) in inside and r.grad_hook is not None:
                     r.grad_hook.remove()
-            self.records[start:] = [r for r in self.records[start:] if id(r.module) not in inside]
+            self.records[start:] = [r for r in self.records[start:] if id(r.unit or r.module) not in inside]
             self._pending.setdefault(id(module), []).append(state)
             self._after_forward(name, "replay", module, args, kwargs, output)
             return

@@ -34,6 +34,7 @@ sequences (:data:`PACKED_SEQUENCE_ERROR`) and unbatched (time, features) inputs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -142,58 +143,72 @@ def _direction(
     b_ih = getattr(module, f"bias_ih{suffix}") if module.bias else None
     b_hh = getattr(module, f"bias_hh{suffix}") if module.bias else None
     w_hr = getattr(module, f"weight_hr{suffix}") if module.proj_size else None
-    # once the per-sample arithmetic replaces autograd's parameter gradients (Recorder.skip_parameter_grads), a
-    # product whose input requires grad uses detached parameters: its output still requires grad (its gradient is
-    # what the records need), and the backward pass skips the batch's weight gradients
-    skip = recorder.skip_parameter_grads
     prefix = f"{name}." if name else ""
-    ih = F.linear(x, *_maybe_detached((w_ih, b_ih), skip and x.requires_grad))
-    recorder.record_projection(f"{prefix}weight_ih{suffix}", _linear(w_ih, b_ih), x, [ih])
+    # once the per-sample arithmetic replaces autograd's parameter gradients (Recorder.skip_parameter_grads), the
+    # products use detached parameters and the backward pass skips the batch's weight gradients; the gradient of the
+    # input product ``ih`` is what the records need, so it requires grad whatever its inputs
+    skip = recorder.skip_parameter_grads
+    ih = F.linear(x, *_maybe_detached((w_ih, b_ih), skip))
+    if not ih.requires_grad:  # (a leaf then: its own gradient is the gates')
+        ih.requires_grad_(True)
+    recorder.record_projection(f"{prefix}weight_ih{suffix}", _linear(w_ih, b_ih), x, ih, unit=module)
+    hidden = _maybe_detached((w_hh, b_hh), skip)
+    gru = module.mode == "GRU"
     cell = _CELLS[module.mode]
     steps = ih.unbind(1)  # one backward node for all steps (indexing would write a full-size gradient per step)
-    order = range(len(steps) - 1, -1, -1) if reverse else range(len(steps))
-    hidden_in, hidden_out, project_in, project_out = [], [], [], []
-    outputs: list[Tensor] = [None] * len(steps)  # type: ignore[list-item]
-    for t in order:
-        hh = F.linear(h, *_maybe_detached((w_hh, b_hh), skip and h.requires_grad))
-        hidden_in.append(h)
-        hidden_out.append(hh)
-        h, c = cell(steps[t], hh, h, c)
+    count = len(steps)
+    previous, resets, outputs = [None] * count, [None] * count, [None] * count
+    project_in, project_out = [], []
+    for t in range(count - 1, -1, -1) if reverse else range(count):
+        previous[t] = h
+        h, c, reset = cell(steps[t], F.linear(h, *hidden), h, c)
+        resets[t] = reset
         if w_hr is not None:
             project_in.append(h)
             h = F.linear(h, *_maybe_detached((w_hr,), skip and h.requires_grad))
             project_out.append(h)
         outputs[t] = h
     with torch.no_grad():
-        hidden_in_seq = torch.stack(hidden_in, dim=1)
-        project_in_seq = torch.stack(project_in, dim=1) if w_hr is not None else None
-    recorder.record_projection(f"{prefix}weight_hh{suffix}", _linear(w_hh, b_hh), hidden_in_seq, hidden_out)
+        previous_seq = torch.stack(previous, dim=1)
+        reset_seq = torch.stack(resets, dim=1) if gru else None
+        project_seq = torch.stack(project_in, dim=1) if w_hr is not None else None
+    # the hidden product's output gradient at step t is the gates' (``ih``'s), for GRU's new gate times r
+    recorder.record_projection(f"{prefix}weight_hh{suffix}", _linear(w_hh, b_hh), previous_seq, ih,
+                               partial(_reset_gate_gradient, reset_seq) if gru else None, unit=module)  # fmt: skip
     if w_hr is not None:
-        recorder.record_projection(f"{prefix}weight_hr{suffix}", _linear(w_hr, None), project_in_seq, project_out)
+        recorder.record_projection(f"{prefix}weight_hr{suffix}", _linear(w_hr, None), project_seq, project_out,
+                                   unit=module)
     return torch.stack(outputs, dim=1), h, c
+
+
+def _reset_gate_gradient(reset: Tensor, g: Tensor) -> Tensor:
+    """GRU: the gradient of ``W_hh h + b_hh`` from the gates' gradient ``g`` (B, T, 3 H): r * g on the new gate."""
+    size = reset.shape[-1]
+    return torch.cat([g[..., : 2 * size], g[..., 2 * size :] * reset.to(g.dtype)], dim=-1)
 
 
 def _maybe_detached(params: tuple, detach: bool) -> tuple:
     return tuple(p.detach() if detach and p is not None else p for p in params)
 
 
-def _lstm_cell(ih: Tensor, hh: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+# (input product, hidden product, h, c) -> (h, c, GRU's reset gate r, detached), PyTorch's documented cells
+def _lstm_cell(ih: Tensor, hh: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor, None]:
     i, f, g, o = (ih + hh).chunk(4, dim=1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    return torch.sigmoid(o) * torch.tanh(c), c
+    return torch.sigmoid(o) * torch.tanh(c), c, None
 
 
-def _gru_cell(ih: Tensor, hh: Tensor, h: Tensor, c: None) -> tuple[Tensor, None]:
+def _gru_cell(ih: Tensor, hh: Tensor, h: Tensor, c: None) -> tuple[Tensor, None, Tensor]:
     i_r, i_z, i_n = ih.chunk(3, dim=1)
     h_r, h_z, h_n = hh.chunk(3, dim=1)
     r, z = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
     n = torch.tanh(i_n + r * h_n)
-    return n + z * (h - n), None  # (1 - z) n + z h
+    return n + z * (h - n), None, r.detach()  # (1 - z) n + z h
 
 
 _CELLS = {
     "LSTM": _lstm_cell,
     "GRU": _gru_cell,
-    "RNN_TANH": lambda ih, hh, h, c: (torch.tanh(ih + hh), None),
-    "RNN_RELU": lambda ih, hh, h, c: (torch.relu(ih + hh), None),
+    "RNN_TANH": lambda ih, hh, h, c: (torch.tanh(ih + hh), None, None),
+    "RNN_RELU": lambda ih, hh, h, c: (torch.relu(ih + hh), None, None),
 }
