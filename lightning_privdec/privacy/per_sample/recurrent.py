@@ -22,6 +22,12 @@ per-example norms with their floating-point upper bounds) in every mode. Each pa
 book-keeping never materialises them. Gate arithmetic is PyTorch's documented cell (the module's output to
 rounding); dropout between layers draws its own mask, as a second forward of the module would.
 
+Always unrolled, never chosen per call: replaying was measured faster only for an nn.LSTM on a batch of one or
+two examples at hidden size 32 (oneDNN's fused kernel, run B + 1 times, against T Python steps; benchmarks/
+RESULTS.md, 2026-11-27), and a choice by batch size or sequence length would compute the other examples' gradients
+with different arithmetic in a batch and in the same batch less one example (their rounding then moves the
+clipped sum, which no per-example bound covers).
+
 Covered: every layer count, ``batch_first`` or not, bidirectional, ``bias=False``, ``proj_size``, dropout between
 layers, a given initial state (one carried over from an earlier step is refused by :mod:`.capture`). Left on replay
 (:mod:`.replay`): subclasses and parametrized layers (their type is not exactly nn.LSTM, nn.GRU or nn.RNN, so their
