@@ -192,9 +192,12 @@ def test_layers_outside_the_rule_are_replayed() -> None:
         def forward(self, x, hx=None):  # noqa: ANN001, ANN201
             return super().forward(2 * x, hx)
 
-    model = nn.ModuleDict({"cell": nn.LSTMCell(3, 4), "own": OwnForward(3, 4), "gru": nn.GRU(3, 4)})
+    patched = nn.GRU(3, 4)
+    patched.forward = lambda x, hx=None: nn.GRU.forward(patched, x, hx)  # a forward set on the instance elsewhere
+    model = nn.ModuleDict({"cell": nn.LSTMCell(3, 4), "own": OwnForward(3, 4), "gru": nn.GRU(3, 4),
+                           "patched": patched})  # fmt: skip
     kinds = {n: k for n, _, k in layer_units(model)}
-    assert kinds == {"cell": "replay", "own": "replay", "gru": "unrolled"}
+    assert kinds == {"cell": "replay", "own": "replay", "gru": "unrolled", "patched": "replay"}
 
 
 def test_a_packed_sequence_and_an_unbatched_sequence_are_refused() -> None:

@@ -63,9 +63,10 @@ _TYPES = (nn.LSTM, nn.GRU, nn.RNN)
 
 def unrolls(module: nn.Module) -> bool:
     """Whether ``module`` gets the unrolled form (module docstring) rather than a replay."""
+    own = module.__dict__.get("forward")  # a forward set on the instance by other code: left alone
     return (
         type(module) in _TYPES
-        and isinstance(module.__dict__.get("forward", _Unrolled), (type, _Unrolled))  # not replaced by other code
+        and (own is None or isinstance(own, _Unrolled))
         and all(w.is_floating_point() for w in module._flat_weights if w is not None)
     )
 
