@@ -602,11 +602,13 @@ def run_modes_child(args: argparse.Namespace) -> None:
 
     def opacus_model() -> torch.nn.Module:
         """The model as Opacus trains it: nn.LSTM/nn.GRU swapped for its DPLSTM/DPGRU (ModuleValidator.fix)."""
-        model = fresh_model()
-        if any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
-            from opacus.validators import ModuleValidator
+        from opacus.validators import ModuleValidator
 
-            model = ModuleValidator.fix(model)
+        model = fresh_model()
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.RNNBase):  # (fix() of the whole model would deep-copy a local class)
+                    setattr(parent, name, ModuleValidator.fix(child))
         return model
 
     def timed(step) -> float:  # noqa: ANN001
@@ -984,6 +986,10 @@ MODES_MODELS = {
     "resnet18": lambda args: "ResNet-18 (GroupNorm, examples/cifar_resnet.py), 32x32 images",
     "resnet18_torchvision": lambda args: "torchvision's ResNet-18 unchanged (GroupNorm(8, c)), 32x32 images",
     "gpt2": lambda args: "GPT-2 from a config (2 layers, width 128, vocabulary 512), sequences of 32 tokens",
+    "lstm": lambda args: "Lightning's SimpleLSTM (2 layers of 32, vocabulary 64, fresh state), sequences of 16 tokens",
+    "gru": lambda args: "nn.GRU(16, 24) classifier on an Embedding(64, 16), sequences of 16 tokens",
+    "lstm_demo": lambda args: "Lightning's LSTM demo's SimpleLSTM (4 layers of 512, vocabulary 64, fresh state), "
+    "sequences of 16 tokens",
 }
 
 
