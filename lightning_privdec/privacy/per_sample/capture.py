@@ -6,7 +6,7 @@ layer returned it, even when later code modifies that output in place (torchvisi
 ``out += identity``); ``register_full_backward_hook``, which Opacus's ``GradSampleModule`` uses, wraps outputs in a
 ``BackwardHookFunction`` view instead, and those in-place updates then fail.
 
-Two mechanisms turn a layer call's inputs ``a`` and output gradients ``g`` into per-example gradients:
+These mechanisms turn a layer call's inputs ``a`` and output gradients ``g`` into per-example gradients:
 
 * ``"rule"`` - a closed form per layer type: Opacus's ``GRAD_SAMPLERS`` (Linear, Conv, Embedding, LayerNorm,
   GroupNorm, RMSNorm, InstanceNorm), plus, in book-keeping, norms and clipped sums without materialisation.
@@ -14,11 +14,12 @@ Two mechanisms turn a layer call's inputs ``a`` and output gradients ``g`` into 
   input-to-hidden and hidden-to-hidden products are recorded as nn.Linear calls over the whole sequence, so the
   rules above (and book-keeping) apply to them.
 * ``"replay"`` - any other layer holding trainable parameters (nn.MultiheadAttention with any mask, recurrent cells
-  and the configurations :mod:`.recurrent` leaves out, a Hugging Face layer, a model's own parameter such as ViT's class token) covers its whole sub-tree: its forward
-  is run again on the saved inputs with the random-number state and autocast of the original call (so dropout
-  draws the same mask), and one vector-Jacobian product per example, ``g`` masked to that example along the
-  batch dimension, gives that example's gradient (``torch.autograd.grad(..., is_grads_batched=True)``). Exact for
-  every differentiable layer that treats the examples of a batch independently.
+  and the recurrent layers :mod:`.recurrent` leaves out, a Hugging Face layer, a model's own parameter used other
+  than by broadcasting) covers its whole sub-tree: its forward is run again on the saved inputs with the
+  random-number state and autocast of the original call (so dropout draws the same mask), and one vector-Jacobian
+  product per example, ``g`` masked to that example along the batch dimension, gives that example's gradient
+  (``torch.autograd.grad(..., is_grads_batched=True)``). Exact for every differentiable layer that treats the
+  examples of a batch independently.
 
 A recurrent layer (nn.LSTM/GRU/RNN and their cells) passed a hidden state it returned in an earlier step (a state
 carried from batch to batch, truncated backpropagation through time) is refused with :data:`CARRIED_STATE_ERROR`:
