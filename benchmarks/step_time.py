@@ -151,7 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--noise-only", action="store_true", help="only the noise generation comparison")
     parser.add_argument("--noise-batch-size", type=int, default=32, help="batch of the ResNet-18 private step")
     parser.add_argument("--mode-steps", type=int, default=10, help="timed steps per per-sample mode")
-    parser.add_argument("--modes-model", default="mlp", choices=("mlp", "resnet18", "resnet18_torchvision", "gpt2"),
+    parser.add_argument("--modes-model", default="mlp",
+                        choices=("mlp", "resnet18", "resnet18_torchvision", "gpt2", "lstm", "gru", "lstm_demo"),
                         help="the model of the per-sample mode comparison: resnet18 is examples/cifar_resnet.py's "
                         "out-of-place ResNet-18, resnet18_torchvision torchvision's unchanged one (GroupNorm)")
     parser.add_argument("--engine-modes", type=lambda v: [m.strip() for m in v.split(",") if m.strip()], default=None,
@@ -438,7 +439,12 @@ def build_problem(  # noqa: ANN201
     * ``vit``: torchvision's VisionTransformer at docs/models.md's size (patch 8, 2 layers, width 32), the same
       images: a class token and a position embedding used once for the whole batch;
     * ``relative_bias``: self-attention with a relative-position bias table looked up with a (T, T) index buffer
-      (width 64, 4 heads), ``tokens`` random 64-dimensional inputs per example, a 10-class head.
+      (width 64, 4 heads), ``tokens`` random 64-dimensional inputs per example, a 10-class head;
+    * ``lstm``, ``gru``: docs/models.md's recurrent rows (benchmarks/compatibility.py): Lightning's SimpleLSTM demo
+      class (2 layers of 32, vocabulary 64) with a fresh state per batch predicting each next token, and an
+      nn.GRU(16, 24) classifier on its last step; 16 tokens;
+    * ``lstm_demo``: Lightning's LSTM demo at its own size (SimpleLSTM: 4 layers of 512, dropout 0.2; vocabulary
+      64) with a fresh state per batch (the demo carries it, which per-example privacy refuses), 16 tokens.
 
     The GPT-2s predict each next token; the privacy unit is a sequence (its mean token loss)."""
     import torch
@@ -532,6 +538,40 @@ def build_problem(  # noqa: ANN201
                 return self.head((h + self.mlp(h)).mean(dim=1))
 
         build = RelativeBiasAttention
+    elif name in ("lstm", "lstm_demo"):
+        from lightning.pytorch.demos.lstm import SimpleLSTM
+
+        inputs = torch.randint(1, 64, (batch, 16), generator=gen)
+        targets = torch.randint(1, 64, (batch, 16), generator=gen)
+        sizes = {"ninp": 32, "nhid": 32, "nlayers": 2} if name == "lstm" else {}
+
+        class DemoLSTM(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lstm = SimpleLSTM(vocab_size=64, **sizes)
+
+            def forward(self, ids):  # noqa: ANN001, ANN202
+                log_probs, _ = self.lstm(ids, self.lstm.init_hidden(ids.shape[0]))
+                return log_probs.view(ids.shape[0], ids.shape[1], -1)
+
+        build = DemoLSTM
+
+        def loss(log_probs, y, reduction="mean"):  # noqa: ANN001, ANN202
+            per_sequence = nn.functional.nll_loss(log_probs.transpose(1, 2), y, reduction="none").mean(1)
+            return per_sequence if reduction == "none" else per_sequence.mean()
+    elif name == "gru":
+        inputs = torch.randint(1, 64, (batch, 16), generator=gen)
+        targets = torch.randint(0, 2, (batch,), generator=gen)
+
+        class GRUClassifier(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.embed, self.rnn, self.out = nn.Embedding(64, 16), nn.GRU(16, 24, batch_first=True), nn.Linear(24, 2)
+
+            def forward(self, ids):  # noqa: ANN001, ANN202
+                return self.out(self.rnn(self.embed(ids))[0][:, -1])
+
+        build = GRUClassifier
     else:
         raise ValueError(f"unknown model {name!r}")
 
@@ -559,6 +599,17 @@ def run_modes_child(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     fresh_model, inputs, targets, loss_fn = modes_problem(args)
+
+    def opacus_model() -> torch.nn.Module:
+        """The model as Opacus trains it: nn.LSTM/nn.GRU swapped for its DPLSTM/DPGRU (ModuleValidator.fix)."""
+        from opacus.validators import ModuleValidator
+
+        model = fresh_model()
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.RNNBase):  # (fix() of the whole model would deep-copy a local class)
+                    setattr(parent, name, ModuleValidator.fix(child))
+        return model
 
     def timed(step) -> float:  # noqa: ANN001
         for _ in range(2):
@@ -627,7 +678,7 @@ def run_modes_child(args: argparse.Namespace) -> None:
     for name, wrap in (("Opacus GradSampleModule (hooks) + DPOptimizer", GradSampleModule),
                        ("Opacus expanded weights (ew) + DPOptimizer", GradSampleModuleExpandedWeights)):
         def opacus_step(wrap=wrap):  # noqa: ANN001, ANN202
-            model = fresh_model()
+            model = opacus_model()
             wrapped = wrap(model, batch_first=True, loss_reduction="mean")
             optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=LR), noise_multiplier=SIGMA,
                                     max_grad_norm=CLIP, expected_batch_size=args.batch_size)
@@ -641,7 +692,7 @@ def run_modes_child(args: argparse.Namespace) -> None:
         rows.append(row(name, opacus_step))
 
     def opacus_ghost_step():  # noqa: ANN202
-        model = fresh_model()
+        model = opacus_model()
         loader = DataLoader(TensorDataset(inputs, targets), batch_size=args.batch_size)
 
         class Criterion(torch.nn.Module):
@@ -935,6 +986,10 @@ MODES_MODELS = {
     "resnet18": lambda args: "ResNet-18 (GroupNorm, examples/cifar_resnet.py), 32x32 images",
     "resnet18_torchvision": lambda args: "torchvision's ResNet-18 unchanged (GroupNorm(8, c)), 32x32 images",
     "gpt2": lambda args: "GPT-2 from a config (2 layers, width 128, vocabulary 512), sequences of 32 tokens",
+    "lstm": lambda args: "Lightning's SimpleLSTM (2 layers of 32, vocabulary 64, fresh state), sequences of 16 tokens",
+    "gru": lambda args: "nn.GRU(16, 24) classifier on an Embedding(64, 16), sequences of 16 tokens",
+    "lstm_demo": lambda args: "Lightning's LSTM demo's SimpleLSTM (4 layers of 512, vocabulary 64, fresh state), "
+    "sequences of 16 tokens",
 }
 
 
