@@ -164,7 +164,7 @@ def test_cli_prints_its_tables_without_each_audited_node_s_set_up_line(capsys: p
                      "--attack", "gram_linear"])
     finally:
         logger.removeHandler(handler)
-        logger.setLevel(logging.NOTSET)
     out = capsys.readouterr().out
     assert code == 0 and out.count("gram_linear ") == 12  # 4 modes x 3 precisions, every row printed
     assert not [r for r in records if "per-sample gradients" in r.getMessage()]
+    assert logger.level == logging.NOTSET  # the test process's logging as it was

@@ -50,6 +50,14 @@ def test_a_norm_without_its_rounding_bound_is_caught(attack: str) -> None:
     assert max(r.ratio for r in results) > 2, results
 
 
+def test_a_float32_mean_loss_without_the_power_of_two_multiplier_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The positive control of the mean_rounding attacks: with the mean loss's 1/B (no multiplier), removing one
+    example rounds every other near-cancelling example's output gradients anew, and the sum moves by more than C."""
+    monkeypatch.setattr(sensitivity, "mean_loss_multiplier", lambda batch_size, expected=None: 1.0)
+    results = run_attacks(("mean_rounding_lstm",), modes=("bookkeeping",))
+    assert max(r.ratio for r in results) > 1.01, results
+
+
 def test_the_bound_is_tight_for_honest_examples() -> None:
     """Soundness costs honest examples little: a float32 nn.Linear over 16 random tokens gets norm bounds within
     0.3% of the float64 truth (most of it the worst-case rounding of the clipped sum, gamma_{256 T} times the

@@ -208,6 +208,12 @@ class PrivateNodeAlgorithm(ABC):
         self.sampler.expected_batch_size = check_positive(value, "expected_batch_size")
 
     @property
+    def expected_micro_batch_size(self) -> float | None:
+        """The expected size of one backward pass's batch: qJ over the micro-batches of a logical step."""
+        expected = self.sampler.expected_batch_size
+        return expected / self.sampler.micro_batches if expected else None
+
+    @property
     def privacy_caveat(self) -> str:
         """What every line stating this node's privacy ends with: the fixed-seed caveat, or nothing."""
         return seed_caveat(self.noise_seed)

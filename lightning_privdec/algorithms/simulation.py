@@ -97,8 +97,9 @@ def train_node(
                 value.sum().backward()
             else:
                 node.clipping.ghost_backward(value)
-        else:
-            (value.mean() if value.dim() > 0 else value).backward()
+        else:  # the mean loss, times the run's power-of-two multiplier (as the strategies' precision helper does)
+            multiplier = node.clipping.mean_loss_multiplier(node.expected_micro_batch_size)
+            ((value.mean() if value.dim() > 0 else value) * multiplier).backward()
         if not probe:
             run.losses.append(float(value.detach().mean()))
         return True

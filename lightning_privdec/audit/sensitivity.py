@@ -17,7 +17,9 @@ makes that hard:
   float32 Gram entries underflow or overflow;
 * ``recurrent_lstm``, ``recurrent_gru``: a 2-layer bidirectional nn.LSTM / nn.GRU over 12 steps (their weights'
   per-example gradients are sums over time, privacy/per_sample/recurrent.py) with an example of large, nearly
-  constant inputs and output gradients alternating in sign over time, its near-duplicate, and one of tiny inputs.
+  constant inputs and output gradients alternating in sign over time, its near-duplicate, and one of tiny inputs;
+* ``mean_rounding_*``: near-cancelling recurrent examples under a float32 mean loss, whose 1/B would round every
+  example's output gradients differently for D and D \ x (the mean loss multiplier keeps them exact).
 
 Each attack runs every per-sample mode and precision it applies to and reports the largest ratio over the batch.
 ``broken_norms()`` swaps in the unguarded Gram norm (no rounding bound), the attack's positive control.
@@ -85,8 +87,8 @@ def _clipped_sum(clipper: PerSampleGradients | GhostClipping, model: nn.Module, 
     if isinstance(clipper, GhostClipping):
         clipper.max_grad_norm = clip
         clipper.backward(per_example.float() * scale)
-    else:  # as the private strategies' backward: a mean loss, times B 2^-ceil(log2 B) under half precision
-        multiplier = 1.0 if precision == "32-true" else mean_loss_multiplier(per_example.shape[0], expected)
+    else:  # as the private strategies' backward: a mean loss, times B 2^-ceil(log2 E) in every precision
+        multiplier = mean_loss_multiplier(per_example.shape[0], expected)
         clipper.set_mean_loss_multiplier(multiplier)
         (per_example.float().mean() * (scale * multiplier)).backward()
         clipper.clip_and_sum(clip)
@@ -248,6 +250,28 @@ def _recurrent(cls: type[nn.Module], batch: int = 5, steps: int = 12) -> tuple[n
     return model, (x, target), (x[3:], target[3:])
 
 
+def _mean_rounding(cls: type[nn.Module], batch: int = 5, steps: int = 13) -> tuple[nn.Module, Batch, Batch]:
+    """A one-layer nn.LSTM / nn.GRU whose state forgets nothing (forget / update gate's input bias -30, W_hh = 0), so
+    that example 0's per-step terms, inputs u + 1e-6 noise and output gradients 0 then +-1e6 w alternating in sign,
+    cancel to a small gradient, and a near-duplicate example 1: removing an example changes a mean loss's 1/B,
+    which would round every other example's output gradients anew; the strategies' power-of-two multiplier
+    (:func:`~lightning_privdec.privacy.per_sample.mean_loss_multiplier`) keeps them exact."""
+    gen = torch.Generator().manual_seed(11)
+    torch.manual_seed(11)
+    rnn = cls(6, 8, batch_first=True)
+    with torch.no_grad():
+        rnn.weight_hh_l0.zero_()
+        rnn.bias_ih_l0[8:16] = -30.0  # LSTM (i, f, g, o) and GRU (r, z, n): the second gate
+    model = _Recurrent(rnn)
+    x = torch.randn(batch, steps, 6, generator=gen)
+    target = torch.randn(batch, steps, 8, generator=gen)
+    x[0] = torch.randn(1, 6, generator=gen) + 1e-6 * torch.randn(steps, 6, generator=gen)
+    signs = torch.tensor([0.0] + [(-1.0) ** t for t in range(1, steps)]).view(steps, 1)
+    target[0] = 1e6 * torch.randn(1, 8, generator=gen) * signs
+    x[1], target[1] = x[0] * (1 + 1e-6), target[0]
+    return model, (x, target), (x[2:], target[2:])
+
+
 #: name -> (builder of (model, crafted batch, honest warm-up batch), clip C, precisions)
 ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tuple[str, ...]]] = {
     "gram_linear": (lambda: _cancelling_linear(torch.float32, 16, 8, 2, 3e-6, 1e6), 1.0, PRECISIONS),
@@ -263,6 +287,8 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     # no float16 CPU kernel for nn.LSTM/GRU outside the private step (torch): 32-true and bf16
     "recurrent_lstm": (lambda: _recurrent(nn.LSTM), 1.0, ("32-true", "bf16-mixed")),
     "recurrent_gru": (lambda: _recurrent(nn.GRU), 1.0, ("32-true", "bf16-mixed")),
+    "mean_rounding_lstm": (lambda: _mean_rounding(nn.LSTM), 1.0, ("32-true",)),
+    "mean_rounding_gru": (lambda: _mean_rounding(nn.GRU), 1.0, ("32-true",)),
 }
 
 

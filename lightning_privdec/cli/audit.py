@@ -118,7 +118,16 @@ def _clipping_rows(names: Sequence[str] | None, broken: bool, as_json: bool) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # the audit builds hundreds of nodes: their set-up lines (per-sample mode, noise plan) would bury its tables
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        return _audit(args)
+    finally:
+        logger.setLevel(level)
+
+
+def _audit(args: argparse.Namespace) -> int:
     if args.broken == "norm":
         attacks = _clipping_rows(args.attack, broken=True, as_json=args.json)
         if args.json:

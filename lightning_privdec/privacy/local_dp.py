@@ -28,6 +28,7 @@ from lightning_privdec.privacy.per_sample import (
     GhostClipping,
     PerSampleGradients,
     check_private_model,
+    mean_loss_multiplier,
 )
 from lightning_privdec.privacy.sampling import poisson_dataloader, sampler_shard_indices
 from lightning_privdec.privacy.validation import check_max_grad_norm
@@ -227,6 +228,18 @@ class PerSampleClipping:
         """Examples with an overflowed (zeroed) per-example gradient part since the last call (16-mixed only)."""
         hooks = self.hooks
         return hooks.take_nonfinite_examples() if hooks is not None else 0
+
+    def mean_loss_multiplier(self, expected_batch_size: float | None) -> float:
+        """What the next backward pass's mean loss is multiplied by, ``B / 2^ceil(log2 E)`` (:func:`~.per_sample.
+        mean_loss_multiplier`; the per-example gradients are told): each example's output gradient is then its own
+        loss gradient times the run's constant power of two, rounded alike whatever the batch, instead of times a
+        1/B that rounds every example's gradient anew when one example leaves (crafted near-cancelling examples
+        turned that rounding into 1% of C in float32). 1 without per-sample gradients (ghost clipping)."""
+        if self.per_sample is None:
+            return 1.0
+        multiplier = mean_loss_multiplier(self.per_sample.forward_batch_size, expected_batch_size or None)
+        self.per_sample.set_mean_loss_multiplier(multiplier)
+        return multiplier
 
     def ghost_backward(self, per_sample_losses: torch.Tensor) -> None:
         """Ghost clipping's two backward passes at C; ``p.grad`` then holds the sum of clipped per-sample gradients."""

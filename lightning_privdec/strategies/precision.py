@@ -30,7 +30,6 @@ from torch import Tensor
 
 from lightning_privdec.algorithms.base import PrivateNodeAlgorithm
 from lightning_privdec.privacy import PrivacyConfigError
-from lightning_privdec.privacy.per_sample import mean_loss_multiplier
 
 log = logging.getLogger("lightning.pytorch")  # Lightning's console handler: each node's own line
 
@@ -78,16 +77,11 @@ class PrivatePrecision:
             self.node.clipping.set_loss_scale(self.scaler.get_scale())
 
     def pre_backward(self, loss: Tensor) -> Tensor:
-        """Before a training step's backward pass: :meth:`tell_loss_scale`; under mixed precision the mean loss is
-        multiplied by :func:`mean_loss_multiplier` (the per-sample gradients are told), so that half-precision output
-        gradients do not depend on the batch size."""
+        """Before a backward pass of the mean loss: :meth:`tell_loss_scale`, and the loss multiplied by
+        :meth:`PerSampleClipping.mean_loss_multiplier` (in every precision), so that the output gradients autograd
+        rounds do not depend on the batch size."""
         self.tell_loss_scale()
-        per_sample = self.node.clipping.per_sample
-        if per_sample is None or getattr(self.plugin, "precision", None) not in ("bf16-mixed", "16-mixed"):
-            return loss
-        expected = (self.node.expected_batch_size or 0) / self.node.sampler.micro_batches
-        multiplier = mean_loss_multiplier(per_sample.forward_batch_size, expected or None)
-        per_sample.set_mean_loss_multiplier(multiplier)
+        multiplier = self.node.clipping.mean_loss_multiplier(self.node.expected_micro_batch_size)
         return loss * multiplier if multiplier != 1.0 else loss
 
     def backward(self, loss: Tensor, micro_batches: int, plugin_backward: Callable[[Tensor], Any]) -> None:
@@ -108,8 +102,10 @@ class PrivatePrecision:
         ghost clipping's per-sample losses are summed."""
         if self.node.clipping.ghost is not None:
             self.node.clipping.ghost.check_loss_shape(loss)
+            self.tell_loss_scale()
             loss = loss.sum()
-        self.tell_loss_scale()
+        else:
+            loss = self.pre_backward(loss)
         self.scale(loss).backward()
 
     def scale(self, loss: Tensor) -> Tensor:
