@@ -102,7 +102,8 @@ def run_group(command: Sequence[str], timeout: float, cwd: Path | None = None) -
 
 
 def fit_digits(out: Path, *args: str, devices: int = 4, timeout: float = 300, script: Path = SCRIPT) -> list[dict]:
-    """Run the digits training on ``devices`` CPU processes (gloo) and return every rank's result."""
+    """Run the digits training on ``devices`` CPU processes (gloo; forked by Lightning's multiprocessing launcher unless
+    ``args`` name ``--start-method popen``) and return every rank's result."""
     (results,) = fit_digits_in_one_launch((out, args), devices=devices, timeout=timeout, script=script)
     return results
 

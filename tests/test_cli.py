@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from importlib.metadata import entry_points
 
 import pytest
 
+from lightning_privdec.cli import account
 from lightning_privdec.cli.account import SUBCOMMANDS, main
 from lightning_privdec.privacy import epsilon_for
 
@@ -20,16 +22,25 @@ pytestmark = [
 ]
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_privdec.cli.account", *args],
-        capture_output=True, text=True, timeout=120, check=False,
-    )
+def run_as_script(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """The module run as ``python -m lightning_privdec.cli.account ARGS`` runs it (its ``__main__`` block), in this
+    process: a fresh interpreter would only add the package's import, which every launched test already makes."""
+    argv = sys.argv
+    sys.argv = [account.__file__, *args]
+    try:
+        runpy.run_path(account.__file__, run_name="__main__")
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    finally:
+        sys.argv = argv
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
-    """The same main() the console script calls, in this process (one launch of the module is enough to test the
-    entry point: test_epsilon_from_noise_multiplier_json)."""
+    """The same main() the console script calls, in this process (one run of the module's ``__main__`` block is enough
+    to test it: test_epsilon_from_noise_multiplier_json)."""
     try:
         code = main(list(args))
     except SystemExit as exit_:
@@ -44,8 +55,8 @@ def test_console_script_is_declared() -> None:
     assert "dpsgd" in SUBCOMMANDS
 
 
-def test_epsilon_from_noise_multiplier_json() -> None:
-    done = run_cli("dpsgd", "--noise-multiplier", "1.1", "--sample-rate", "0.01", "--steps", "1000",
+def test_epsilon_from_noise_multiplier_json(capsys: pytest.CaptureFixture[str]) -> None:
+    done = run_as_script(capsys, "dpsgd", "--noise-multiplier", "1.1", "--sample-rate", "0.01", "--steps", "1000",
                    "--delta", "1e-5", "--json")
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout)

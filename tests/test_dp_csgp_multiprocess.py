@@ -51,8 +51,9 @@ FITS = {
     "resumed": [*RESUMED, "--max-epochs", "3", "--resume", "{ckpt}/epoch=1-*.ckpt"],
     # resuming with a longer plan keeps the total within the budget
     "longer": [*RESUMED, "--max-epochs", "5", "--resume", "{ckpt}/epoch=1-*.ckpt"],
-    "privsgp": ["--strategy", "privsgp", "--epsilon", "8", "--lr", "0.5", "--max-epochs", "10"],
-    "dp2sgd": ["--strategy", "dp2sgd", "--topology", "ring", "--epsilon", "8", "--lr", "0.5", "--max-epochs", "10"],
+    # 5 epochs: measured worst node 0.85-0.88 over three noise draws, consensus distance 0.064 (privsgp), 0.039 (dp2sgd)
+    "privsgp": ["--strategy", "privsgp", "--epsilon", "8", "--lr", "0.5", "--max-epochs", "5"],
+    "dp2sgd": ["--strategy", "dp2sgd", "--topology", "ring", "--epsilon", "8", "--lr", "0.5", "--max-epochs", "5"],
     "float32": PRECISION,
     "float16": [*PRECISION, "--float16"],
 }

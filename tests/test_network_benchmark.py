@@ -32,7 +32,7 @@ def _namespaces_unavailable() -> str | None:
 @pytest.mark.multiprocess
 @pytest.mark.skipif(_namespaces_unavailable() is not None, reason=str(_namespaces_unavailable()))
 def test_three_nodes_at_a_low_rate_measure_the_bytes_and_respect_the_limit(tmp_path: Path) -> None:
-    mbit, nodes, out = 2.0, 3, tmp_path / "rows.json"
+    mbit, nodes, out = 8.0, 3, tmp_path / "rows.json"
     command = [sys.executable, str(SCRIPT), "--nodes", str(nodes), "--mbit", str(mbit), "--model", "wide",
                "--width", "256", "--steps", "3", "--warmup", "1", "--configs", "ddp,push_sum", "--prefix", "pdt",
                "--timeout", "420", "--json", str(out)]  # fmt: skip

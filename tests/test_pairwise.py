@@ -298,15 +298,10 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_exchange_public_keys_over_gloo(tmp_path):
-    # forkserver with this module preloaded: the server imports torch/lightning once and forks the workers from a
-    # clean process (no OpenMP pool, unlike fork from pytest), instead of WORLD cold imports competing for the CPUs
-    mp.set_forkserver_preload([__name__])
-    try:
-        mp.start_processes(
-            _worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True, start_method="forkserver"
-        )
-    finally:
-        mp.set_forkserver_preload([])
+    # fork: the workers start with this process's imports instead of loading torch again (each sets one thread before
+    # any work, so no OpenMP pool of this process is needed in a child)
+    mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True,
+                       start_method="fork")
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     assert all(r["keys"] == results[0]["keys"] for r in results)  # same public mapping everywhere
     assert sorted(results[0]["keys"]) == list(range(WORLD))

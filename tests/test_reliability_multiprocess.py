@@ -1,6 +1,8 @@
 """Faults and agreement across real processes (gloo): a node killed or hung mid-training stops every other node with
 a clear error within the strategy's peer_timeout; nodes started with different configurations all stop at setup; the
-same seed gives every node the same trajectory."""
+same seed gives every node the same trajectory. A killed or hung node and different configurations per node are
+launched as a user's script is (Lightning's subprocess launcher, tests/scripts/fit_reliability.py); the rest forks
+its ranks."""
 
 from __future__ import annotations
 
@@ -32,11 +34,12 @@ def alive(pid: int) -> bool:
 class Run:
     """``fit_reliability.py`` on ``devices`` processes in a session of its own; times when each rank's process ended."""
 
-    def __init__(self, out: Path, *args: str, devices: int) -> None:
+    def __init__(self, out: Path, *args: str, devices: int, start_method: str = "fork") -> None:
         self.out, self.devices = out, devices
         out.mkdir(parents=True)
         self.log = out / "log.txt"
-        command = [sys.executable, str(SCRIPT), "--devices", str(devices), "--out", str(out), *args]
+        command = [sys.executable, str(SCRIPT), "--devices", str(devices), "--start-method", start_method,
+                   "--out", str(out), *args]
         with open(self.log, "w") as log:
             self.process = launch(command, stdout=log, stderr=subprocess.STDOUT)
 
@@ -54,6 +57,11 @@ class Run:
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def text_of(self, out: Path) -> str:
+        """What was printed while the configuration writing to ``out`` ran (a launch of several, ``--then``)."""
+        (part,) = [p for p in self.text().split("== fit ")[1:] if p.startswith(f"{out}\n")]
+        return part
 
     def stop(self) -> None:
         stop_group(self.process, timeout=30)  # the session: a stopped node, and anything left over
@@ -76,7 +84,7 @@ def survivors_of(
     """Three nodes; node 1 meets ``fault`` ("--kill" or "--hang") at step 5. Yields the run, the time of the fault,
     the exit times of nodes 0 and 2 (both must exit within peer_timeout + slack) and the log."""
     run = Run(tmp_path / "run", fault, "1", "5", "--peer-timeout", str(peer_timeout), "--max-steps", "1000",
-              devices=3)
+              devices=3, start_method="popen")
     try:
         at = fault_time(run)
         ended = run.wait_for_exits([0, 2], timeout=peer_timeout + slack)
@@ -119,7 +127,7 @@ def two_runs_then_a_mismatch(tmp_path_factory):
     kwargs = {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "noise_seed": 7, "compressor": "randk:0.5"}
     mismatch = {"1": {"max_grad_norm": 2.0, "noise_seed": 8}}
     run = Run(tmp_path_factory.mktemp("runs") / "run", "--strategy", "dp_csgp", "--strategy-kwargs", json.dumps(kwargs),
-              "--runs", "2", "--max-steps", "20", "--mismatch", json.dumps(mismatch), devices=2)
+              "--runs", "2", "--max-steps", "20", "--mismatch", json.dumps(mismatch), devices=2, start_method="popen")
     try:
         assert run.process.wait(timeout=300) == 0, run.text()[-3000:]
         assert len(run.wait_for_exits([0, 1], timeout=30)) == 2
@@ -151,25 +159,41 @@ def test_nodes_started_with_different_configurations_all_stop_at_setup(two_runs_
 
 
 # ============================================================================ data as users have it
-@pytest.mark.parametrize(("strategy", "data", "kwargs"), [
-    ("dp_csgp", "unequal", {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "node_local_data": True}),
-    ("push_sum", "unequal", {}),
-    ("push_sum", "iterable", {}),
-])
-def test_nodes_holding_different_amounts_of_data_train_in_step(strategy, data, kwargs, tmp_path):
-    """Node 0 holds 48 examples (3 batches), node 1 240 (15): every node takes node 0's 3 steps per epoch (one gossip
-    round each); private nodes Poisson-sample their own shard at their own q = B / J_i and spend their own epsilon;
-    a stream without a length takes max_steps steps, each node cycling its own data."""
-    run = Run(tmp_path / "run", "--strategy", strategy, "--strategy-kwargs", json.dumps(kwargs), "--data", data,
-              "--max-steps", "12", devices=2)
+DATA = {  # a name: the strategy, every node's data and the strategy's arguments
+    "dp_csgp-unequal": ("dp_csgp", "unequal", {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "node_local_data": True}),
+    "push_sum-unequal": ("push_sum", "unequal", {}),
+    "push_sum-iterable": ("push_sum", "iterable", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def data_runs(tmp_path_factory) -> tuple[Path, Run]:
+    """Every configuration of :data:`DATA`, 12 steps on 2 nodes, one after the other in one launch."""
+    root = tmp_path_factory.mktemp("data")
+    args: list[str] = []
+    for i, (name, (strategy, data, kwargs)) in enumerate(DATA.items()):
+        if i:
+            args += ["--then", "--devices", "2", "--out", str(root / name)]
+        args += ["--strategy", strategy, "--strategy-kwargs", json.dumps(kwargs), "--data", data, "--max-steps", "12"]
+    run = Run(root / next(iter(DATA)), *args, devices=2)
     try:
         assert run.process.wait(timeout=240) == 0, run.text()[-3000:]
     finally:
         run.stop()
-    nodes = [torch.load(tmp_path / "run" / f"rank{r}_run0.pt") for r in range(2)]
+    return root, run
+
+
+@pytest.mark.parametrize("name", DATA)
+def test_nodes_holding_different_amounts_of_data_train_in_step(name, data_runs):
+    """Node 0 holds 48 examples (3 batches), node 1 240 (15): every node takes node 0's 3 steps per epoch (one gossip
+    round each); private nodes Poisson-sample their own shard at their own q = B / J_i and spend their own epsilon;
+    a stream without a length takes max_steps steps, each node cycling its own data."""
+    strategy, data, _ = DATA[name]
+    root, run = data_runs
+    nodes = [torch.load(root / name / f"rank{r}_run0.pt") for r in range(2)]
     assert [n["global_step"] for n in nodes] == [12, 12]
     assert [n["steps_per_epoch"] for n in nodes] == ([3, 3] if data == "unequal" else [12, 12])
     if strategy == "dp_csgp":
         assert [n["sample_rate"] for n in nodes] == [16 / 48, 16 / 240] and [n["private_steps"] for n in nodes] == [12, 12]
         assert nodes[0]["epsilon"] > nodes[1]["epsilon"] > 0  # the small node samples more of its data
-    assert "different amounts of training data" in run.text() or data == "iterable"
+    assert "different amounts of training data" in run.text_of(root / name) or data == "iterable"

@@ -136,7 +136,8 @@ def test_decor_secrets_reach_no_checkpoint_log_console_repr_or_error_and_a_resum
 # ---- the child: one node of both fits --------------------------------------------------------------------------------
 def _fit(argv: list[str]) -> None:
     """A 4-step Decor fit on 3 nodes with key files, checkpoints and a CSV log, then a resume of its step-2 checkpoint
-    in a new Trainer without key files (the same processes: one launch)."""
+    in a new Trainer without key files (one launch; each fit forks its ranks from this process, which has imported
+    Lightning once)."""
     import argparse
 
     import lightning as L
@@ -201,7 +202,7 @@ def _fit(argv: list[str]) -> None:
             accelerator="cpu",
             devices=NODES,
             strategy=CorrelatedNoiseStrategy(topology="ring", max_grad_norm=1.0, target_epsilon=3.0,
-                                             target_delta=1e-5, key_file_dir=key_dir),
+                                             target_delta=1e-5, key_file_dir=key_dir, start_method="fork"),
             max_steps=STEPS,  # the resumed run keeps the plan, and so the calibrated noise, of the first
             callbacks=[
                 ModelCheckpoint(dirpath=args.out / run / "ckpt", every_n_train_steps=2, save_top_k=-1),

@@ -1,4 +1,5 @@
-"""The Lightning glue, tested for real: 4 CPU processes over gloo, launched like a user's script."""
+"""The Lightning glue, tested for real: 4 CPU processes over gloo (forked by Lightning's multiprocessing launcher:
+tests/scripts/fit_digits.py)."""
 
 from __future__ import annotations
 

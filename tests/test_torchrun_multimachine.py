@@ -1,4 +1,5 @@
-"""Two torchrun launches on this machine stand in for two machines: 4 nodes (2 per "machine") train in one graph."""
+"""Two torchrun launches on this machine stand in for two machines: 4 nodes (2 per "machine") train in one graph
+(the strategy's default launcher, ``start_method="popen"``: torchrun starts every rank, Lightning starts none)."""
 
 import socket
 import subprocess
@@ -30,7 +31,7 @@ def test_two_torchrun_machines_train_one_graph(tmp_path: Path):
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                 "--node-rank", str(node_rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
                 str(SCRIPT), "--num-nodes", "2", "--devices", "2", "--strategy", "push_sum",
-                "--topology", "exponential-one-peer", "--max-epochs", "4", "--out", str(out),
+                "--topology", "exponential-one-peer", "--max-epochs", "4", "--out", str(out), "--start-method", "popen",
             ]
             log = stack.enter_context(open(tmp_path / f"machine{node_rank}.log", "w"))
             machines.append(stack.enter_context(process_group(command, stdout=log, stderr=subprocess.STDOUT)))

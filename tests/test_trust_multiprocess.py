@@ -406,11 +406,9 @@ def run_harness(tmp: Path) -> list[dict]:
         if name != "outsider":
             lines.append(f"{name[-1]} {base64.b64encode(Identity(keys / f'{name}.key').public_key).decode()}")
     (keys / "roster").write_text("\n".join(lines) + "\n")
-    mp.set_forkserver_preload([__name__])
-    try:
-        mp.start_processes(_worker, args=(str(tmp), str(keys)), nprocs=WORLD, join=True, start_method="forkserver")
-    finally:
-        mp.set_forkserver_preload([])
+    # fork: the nodes start with this process's imports instead of loading torch and Lightning again (each sets
+    # one thread before any work, so no OpenMP pool of this process is needed in a child)
+    mp.start_processes(_worker, args=(str(tmp), str(keys)), nprocs=WORLD, join=True, start_method="fork")
     return [json.loads(Path(tmp, f"outcomes{r}.json").read_text()) for r in range(WORLD)]
 
 

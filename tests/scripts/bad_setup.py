@@ -2,7 +2,8 @@
 
 ``python tests/scripts/bad_setup.py batch_norm``: a model with 12 BatchNorm layers on every node;
 ``python tests/scripts/bad_setup.py model``: node 1's model has a wider first layer than node 0's.
-Lightning's subprocess launcher starts rank 1 by running this script again.
+Lightning's subprocess launcher (the strategy's default) starts rank 1 by running this script again, as for a user's
+script: the test checks what such a user sees, every rank's own output on one console.
 """
 
 from __future__ import annotations

@@ -1,9 +1,14 @@
 """Multi-process training on the digits task; every rank writes its own model and accuracy to --out.
 
-Launched by the tests as ``python tests/scripts/fit_digits.py --devices 4 ...``: Lightning's subprocess launcher
-starts the other ranks, exactly as for a user's script. Several fits separated by ``--then`` run one after the other
-in the same processes (one launch: starting Python, Lightning and the ranks costs more than a digits fit); a
-``--resume`` pattern such as ``ckpt/epoch=1-*.ckpt`` names a checkpoint an earlier fit of the launch wrote.
+Launched by the tests as ``python tests/scripts/fit_digits.py --devices 4 ...``. ``--start-method`` picks Lightning's
+launcher: ``fork`` (the default here: the ranks are forked from this process once it has imported Lightning, about half
+the start-up of a launch on a small machine) for the tests of what the strategy does, or ``popen`` (the strategy's
+default, what a user's script gets: Lightning's subprocess launcher runs this script again for every other rank) for
+the tests of launching itself (torchrun across two "machines", the kill-and-resume test). Either way each rank writes
+its result in :class:`WriteResult` (``on_fit_end``, in the rank's own process), one code path for both. Several fits
+separated by ``--then`` run one after the other in the same launch (starting Python, Lightning and the ranks costs
+more than a digits fit); a ``--resume`` pattern such as ``ckpt/epoch=1-*.ckpt`` names a checkpoint an earlier fit of
+the launch wrote.
 """
 
 from __future__ import annotations
@@ -42,12 +47,59 @@ class StallAfterEpoch(Callback):
             time.sleep(3600)
 
 
+class WriteResult(Callback):
+    """After the fit, in every rank's own process (the process group still up): check Lightning's collectives and
+    write this rank's model, test accuracy, gossip and privacy counts to ``<out>/rank<r>.pt``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        rank = trainer.global_rank
+        strategy = trainer.strategy  # global collectives still work for metrics and logging
+        collectives = {
+            "reduce_sum": strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum").item(),
+            "all_gather": strategy.all_gather(torch.tensor([rank])).reshape(-1).tolist(),
+            "broadcast": strategy.broadcast(f"from rank {rank}", src=0),
+        }
+        strategy.barrier()
+        params = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        gossip = getattr(strategy, "gossip", None)
+        result = {
+            "rank": rank,
+            "params": params,
+            "test_acc": accuracy(pl_module, *trainer.datamodule.tensors["test"]),
+            "global_step": trainer.global_step,
+            "bytes_sent": gossip.exchange.traffic.bytes_sent if gossip is not None else None,
+            "rounds": gossip.round if gossip is not None else None,
+            "collectives": collectives,
+        }
+        engine = getattr(strategy, "privacy", None)
+        if engine is not None:
+            result.update(
+                epsilon=engine.epsilon(),
+                ledger_steps=engine.steps,
+                sigma_cdp=getattr(engine, "sigma_cdp", None),
+                sigma_cor=getattr(engine, "sigma_cor", None),
+                noise_split=getattr(engine, "split", None),
+                noise_multiplier=engine.noise_multiplier,
+                sample_rate=engine.sample_rate,
+                expected_batch_size=engine.expected_batch_size,
+                stopped_at_step=next(
+                    (c.stopped_at_step for c in trainer.callbacks if isinstance(c, PrivacyBudgetCallback)), None
+                ),
+            )
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save(result, self.out / f"rank{rank}.pt")
+        if rank == 0:
+            print(f"rank0 test_acc={result['test_acc']:.4f} steps={trainer.global_step} pid={os.getpid()}")
 
 
 def make_strategy(args: argparse.Namespace):  # noqa: ANN201
     if args.strategy == "ddp":
-        return "ddp"
-    common = dict(topology=args.topology, compressor=args.compressor, consensus_step=args.gamma, seed=args.seed)
+        return "ddp" if args.start_method == "popen" else f"ddp_{args.start_method}"
+    common = dict(topology=args.topology, compressor=args.compressor, consensus_step=args.gamma, seed=args.seed,
+                  start_method=args.start_method)
     common.update(json.loads(args.strategy_kwargs))
     if args.strategy in NON_PRIVATE_STRATEGIES:
         return NON_PRIVATE_STRATEGIES[args.strategy](**common)
@@ -73,6 +125,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--compressor", default=None)
     parser.add_argument("--gamma", type=lambda text: text if text == "auto" else float(text), default="auto")
     parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--start-method", default="fork", choices=["fork", "popen"],
+                        help="Lightning's launcher: fork the ranks from this process, or run this script once per rank")
     parser.add_argument("--num-nodes", type=int, default=1, help="machines (torchrun --nnodes)")
     parser.add_argument("--max-epochs", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.1)
@@ -113,8 +167,9 @@ def main(argv: list[str]) -> None:
     parser = arguments()
     runs = [parser.parse_args(run) for separator, run in itertools.groupby(argv, lambda a: a == "--then")
             if not separator]
-    if len({(args.devices, args.num_nodes) for args in runs}) != 1:
-        parser.error("every fit of one launch runs on the same processes: give each the same --devices and --num-nodes")
+    if len({(args.devices, args.num_nodes, args.start_method) for args in runs}) != 1:
+        parser.error("every fit of one launch runs on the same processes: give each the same --devices, --num-nodes "
+                     "and --start-method")
     for args in runs:
         fit(args)
 
@@ -131,6 +186,7 @@ def fit(args: argparse.Namespace) -> None:
         callbacks.append(PrivacyBudgetCallback(log_every_n_steps=5))
     if args.stall_at_epoch is not None:
         callbacks.append(StallAfterEpoch(args.stall_at_epoch, args.out / "stalled"))
+    callbacks.append(WriteResult(args.out))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -149,46 +205,6 @@ def fit(args: argparse.Namespace) -> None:
         limit_val_batches=0,
     )
     trainer.fit(model, datamodule=data, ckpt_path=checkpoint(args.resume))
-
-    rank = trainer.global_rank
-    strategy = trainer.strategy  # global collectives still work for metrics and logging
-    collectives = {
-        "reduce_sum": strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum").item(),
-        "all_gather": strategy.all_gather(torch.tensor([rank])).reshape(-1).tolist(),
-        "broadcast": strategy.broadcast(f"from rank {rank}", src=0),
-    }
-    strategy.barrier()
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    gossip = getattr(trainer.strategy, "gossip", None)
-    result = {
-        "rank": rank,
-        "params": params,
-        "test_acc": accuracy(model, *data.tensors["test"]),
-        "global_step": trainer.global_step,
-        "bytes_sent": gossip.exchange.traffic.bytes_sent if gossip is not None else None,
-        "rounds": gossip.round if gossip is not None else None,
-        "collectives": collectives,
-    }
-    engine = getattr(strategy, "privacy", None)
-    if engine is not None:
-        result.update(
-            epsilon=engine.epsilon(),
-            ledger_steps=engine.steps,
-            sigma_cdp=getattr(engine, "sigma_cdp", None),
-            sigma_cor=getattr(engine, "sigma_cor", None),
-            noise_split=getattr(engine, "split", None),
-            noise_multiplier=engine.noise_multiplier,
-            sample_rate=engine.sample_rate,
-            expected_batch_size=engine.expected_batch_size,
-            stopped_at_step=next(
-                (c.stopped_at_step for c in trainer.callbacks if isinstance(c, PrivacyBudgetCallback)), None
-            ),
-        )
-    args.out.mkdir(parents=True, exist_ok=True)
-    torch.save(result, args.out / f"rank{rank}.pt")
-    if rank == 0:
-        print(f"rank0 test_acc={result['test_acc']:.4f} steps={trainer.global_step} pid={os.getpid()}")
-
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -1,5 +1,8 @@
 """4-process digits fit with every monitoring callback, logging to W&B (offline) or CSV; results per rank to --out.
-Several fits separated by ``--then`` run one after the other in the same processes (one launch).
+Several fits separated by ``--then`` run one after the other in the same processes (one launch). Lightning's
+subprocess launcher (the strategy's default, as in a user's script) starts the ranks: the script tests each rank's own
+model after the fit with ``trainer.test``, which needs the rank's process to outlive ``trainer.fit`` (forked ranks
+end with it).
 
     python tests/scripts/fit_monitored.py --out /tmp/run --strategy dp_csgp --epsilon 3 --logger wandb --alpha 0.5
 """
