@@ -10,7 +10,10 @@ Two mechanisms turn a layer call's inputs ``a`` and output gradients ``g`` into 
 
 * ``"rule"`` - a closed form per layer type: Opacus's ``GRAD_SAMPLERS`` (Linear, Conv, Embedding, LayerNorm,
   GroupNorm, RMSNorm, InstanceNorm), plus, in book-keeping, norms and clipped sums without materialisation.
-* ``"replay"`` - any other layer holding trainable parameters (nn.MultiheadAttention with any mask, nn.LSTM/GRU,
+* ``"attention"`` - nn.MultiheadAttention: its forward runs as the same computation on nn.Linear objects holding
+  its parameters, which are rule layers (:mod:`.attention`; the configurations it lists keep the replay).
+* ``"replay"`` - any other layer holding trainable parameters (nn.MultiheadAttention that :mod:`.attention` does
+  not cover, nn.LSTM/GRU,
   a Hugging Face layer, a model's own parameter such as ViT's class token) covers its whole sub-tree: its forward
   is run again on the saved inputs with the random-number state and autocast of the original call (so dropout
   draws the same mask), and one vector-Jacobian product per example, ``g`` masked to that example along the
@@ -36,7 +39,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.per_sample import bookkeeping
+from lightning_privdec.privacy.per_sample import attention, bookkeeping
 from lightning_privdec.privacy.per_sample.shared import SharedCall, SharedCapture
 
 #: Opacus's per-layer closed forms, by exact type: (layer, [input], output gradient) -> {parameter: (B, *shape)}
@@ -84,6 +87,10 @@ def layer_units(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
         if id(module) in seen:
             return
         seen.add(id(module))
+        closed = attention.units(name, module)  # a supported nn.MultiheadAttention and its linear maps
+        if closed is not None:
+            units.extend(closed)
+            return
         if _trainable(module, recurse=False):
             if rule_for(module) is not None:
                 units.append((name, module, "rule"))
@@ -103,10 +110,16 @@ def describe_units(units: list[tuple[str, nn.Module, str]], mode: str) -> str:
     """One line: how many layers of each type use which mechanism (the setup report)."""
     counts: dict[tuple[str, str], int] = {}
     for _, module, kind in units:
+        if attention.is_projection(module):
+            continue  # reported as its nn.MultiheadAttention
+        if kind == "attention":
+            kind, module_covered = "rule", True
+        else:
+            module_covered = bookkeeping.covers(module)
         mechanism = {"rule": "functorch vmap" if mode == "functorch" else "closed form", "shared": "broadcast"}.get(
             kind, "replay"
         )
-        if kind == "rule" and mode in ("bookkeeping", "ghost") and bookkeeping.covers(module):
+        if kind == "rule" and mode in ("bookkeeping", "ghost") and module_covered:
             mechanism = "book-keeping"
         key = (type(module).__name__, mechanism)
         counts[key] = counts.get(key, 0) + 1
@@ -203,7 +216,8 @@ class Recorder:
                 )
                 self._handles.append(module.register_forward_hook(self._keep_hidden_state))
         #: the unit owning each trainable parameter, and how many calls of each unit are running (:mod:`.shared`)
-        owners = {id(p): m for _, m, kind in units for p in m.parameters(recurse=kind == "replay") if p.requires_grad}
+        owners = {id(p): m for _, m, kind in units if kind != "attention"
+                  for p in m.parameters(recurse=kind == "replay") if p.requires_grad}  # fmt: skip
         self._active: dict[int, int] = {}
         self._shared = SharedCapture(owners, self._active, self._shared_grad)
         self._shared_pending: dict[int, list[tuple]] = {}
@@ -212,6 +226,9 @@ class Recorder:
             if has_shared:
                 self._handles.append(module.register_forward_pre_hook(partial(self._count_unit, 1)))
                 self._handles.append(module.register_forward_hook(partial(self._count_unit, -1), always_call=True))
+            if kind == "attention":
+                self._handles.append(attention.install(module, self._recording, batch_first))
+                continue
             if kind == "shared":
                 self._handles.append(
                     module.register_forward_pre_hook(partial(self._before_shared, name), with_kwargs=True)
@@ -362,7 +379,7 @@ class Recorder:
                     "which per-example clipping cannot bound. Compute it per example, or keep it fixed in training"
                 )
         if call.failure is not None:  # replayed as a whole: its sub-tree's records of this call are dropped
-            inside = {id(m) for m in module.modules()}
+            inside = {id(m) for m in attention.with_projections(module)}
             for r in self.records[start:]:
                 if id(r.module) in inside and r.grad_hook is not None:
                     r.grad_hook.remove()
