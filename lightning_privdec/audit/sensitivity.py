@@ -14,7 +14,16 @@ makes that hard:
 * ``half_precision``: a batch of large, aligned gradients (every example clipped) under bfloat16 and float16
   autocast: a clip factor or a sum computed in half precision adds more than C;
 * ``underflow``: tiny inputs and huge output gradients (what a LayerNorm after a layer does to a tiny input), whose
-  float32 Gram entries underflow or overflow.
+  float32 Gram entries underflow or overflow;
+* ``attention_*``: nn.MultiheadAttention (its projections' book-keeping, privacy/per_sample/attention.py) on an
+  example whose tokens are all equal but one, nearly: its attention outputs are then nearly equal at every position,
+  and output gradients +M e and -M e at two positions cancel in the out-projection and, through the attention, in
+  the in-projection; self-attention batch first, and cross-attention sequence first with padding and causal masks.
+  Under half-precision autocast only: in "32-true" the mean loss's factor 1/B (not a power of two, unlike the
+  half-precision strategies' :func:`~lightning_privdec.privacy.per_sample.mean_loss_multiplier`) rounds every
+  output gradient anew when B changes, and this example's gradient through the attention's backward pass, rounding
+  noise of size ~u M, then moves with B by more than TOLERANCE C (measured 1.0047 C, and 1.0015 C with the
+  per-example replay this rule replaced): a limit of float32 mean losses, not of the norms checked here.
 
 Each attack runs every per-sample mode and precision it applies to and reports the largest ratio over the batch.
 ``broken_norms()`` swaps in the unguarded Gram norm (no rounding bound), the attack's positive control.
@@ -217,6 +226,47 @@ def _shared_parameters(batch: int = 5) -> tuple[nn.Module, Batch, Batch]:
     return model, (x, target), (x[2:], target[2:])
 
 
+class _Attention(nn.Module):
+    """nn.MultiheadAttention on batch-first (B, T, d) inputs, returning batch-first outputs: self-attention, or
+    (``cross``) sequence-first cross-attention of the first half of the tokens (queries, causal mask) to the second
+    half (keys and values, the last key padded for example 1)."""
+
+    def __init__(self, dim: int = 8, heads: int = 2, cross: bool = False) -> None:
+        super().__init__()
+        self.cross = cross
+        self.attention = nn.MultiheadAttention(dim, heads, batch_first=not cross)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.cross:
+            return self.attention(x, x, x, need_weights=False)[0]
+        half = x.shape[1] // 2
+        query, memory = x[:, :half].transpose(0, 1), x[:, half:].transpose(0, 1)
+        causal = torch.ones(half, memory.shape[0], dtype=torch.bool).triu(1)
+        padding = torch.zeros(x.shape[0], memory.shape[0], dtype=torch.bool)
+        padding[1:2, -1] = True
+        out, _ = self.attention(query, memory, memory, attn_mask=causal, key_padding_mask=padding)
+        return out.transpose(0, 1)
+
+
+def _cancelling_attention(cross: bool, magnitude: float = 1e4, batch: int = 5) -> tuple[nn.Module, Batch, Batch]:
+    """Example 0: every token u (norm 10) but the first, u + delta (|delta| 3e-5); output gradients +M e and -M e
+    at the first two output positions; example 1 a near-duplicate of it."""
+    gen = torch.Generator().manual_seed(7)
+    model = _Attention(cross=cross)
+    steps, dim = 8, 8
+    x = torch.randn(batch, steps, dim, generator=gen)
+    u = torch.randn(dim, generator=gen)
+    x[0] = 10 * u / u.norm()
+    x[0, 0] += 3e-5 * torch.randn(dim, generator=gen)
+    out_steps = steps // 2 if cross else steps
+    target = torch.randn(batch, out_steps, dim, generator=gen)
+    e = torch.randn(dim, generator=gen)
+    target[0] = 0
+    target[0, 0], target[0, 1] = magnitude * e / e.norm(), -magnitude * e / e.norm()
+    x[1], target[1] = x[0] * (1 + 1e-6), target[0]
+    return model, (x, target), (x[2:], target[2:])
+
+
 #: name -> (builder of (model, crafted batch, honest warm-up batch), clip C, precisions)
 ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tuple[str, ...]]] = {
     "gram_linear": (lambda: _cancelling_linear(torch.float32, 16, 8, 2, 3e-6, 1e6), 1.0, PRECISIONS),
@@ -229,6 +279,8 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "half_precision": (_aligned_mlp, 1.0, PRECISIONS),
     "underflow": (_underflow, 1.0, ("32-true",)),
     "shared_parameters": (_shared_parameters, 1.0, PRECISIONS),
+    "attention_self": (lambda: _cancelling_attention(cross=False), 1.0, ("bf16-mixed", "16-mixed")),
+    "attention_cross": (lambda: _cancelling_attention(cross=True), 1.0, ("bf16-mixed", "16-mixed")),
 }
 
 
