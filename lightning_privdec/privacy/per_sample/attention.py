@@ -142,7 +142,7 @@ def install(module: nn.MultiheadAttention, recording: Callable[[nn.Module], bool
     """Make ``module``'s forward the computation of :func:`forward` whenever ``recording(module)`` (a training or
     probing call with gradients on, hooks enabled, not a replay), and its class's forward otherwise;
     ``batch_first``: the recorder's layout. A bound method of the module: ``copy.deepcopy`` binds the copy's to the
-    copy."""
+    copy, which runs its class's forward."""
     method = types.MethodType(partial(_forward_or_class, recording, batch_first), module)
     module.forward = method
     return _Installed(module, method)
@@ -150,7 +150,11 @@ def install(module: nn.MultiheadAttention, recording: Callable[[nn.Module], bool
 
 def _forward_or_class(recording: Callable[[nn.Module], bool], batch_first: bool, module: nn.MultiheadAttention,
                       *args, **kwargs):  # fmt: skip
-    if not recording(module):
+    """:func:`forward` for the module whose :class:`Projections` the recorder hooked, while they hold its
+    Parameters; the class's forward for anything else: not recording, a copy (``copy.deepcopy`` copies the
+    instance's forward, not the projections), parameters substituted (``torch.func.functional_call``)."""
+    found = _PROJECTIONS.get(module)
+    if found is None or not recording(module) or not found.current(module):
         return type(module).forward(module, *args, **kwargs)
     return forward(module, *args, records_batch_first=batch_first, **kwargs)
 
