@@ -10,15 +10,16 @@ Two mechanisms turn a layer call's inputs ``a`` and output gradients ``g`` into 
 
 * ``"rule"`` - a closed form per layer type: Opacus's ``GRAD_SAMPLERS`` (Linear, Conv, Embedding, LayerNorm,
   GroupNorm, RMSNorm, InstanceNorm), plus, in book-keeping, norms and clipped sums without materialisation.
-* ``"attention"`` - nn.MultiheadAttention: its forward runs as the same computation on nn.Linear objects holding
-  its parameters, which are rule layers (:mod:`.attention`; the configurations it lists keep the replay).
-* ``"replay"`` - any other layer holding trainable parameters (nn.MultiheadAttention that :mod:`.attention` does
-  not cover, nn.LSTM/GRU,
-  a Hugging Face layer, a model's own parameter such as ViT's class token) covers its whole sub-tree: its forward
-  is run again on the saved inputs with the random-number state and autocast of the original call (so dropout
-  draws the same mask), and one vector-Jacobian product per example, ``g`` masked to that example along the
-  batch dimension, gives that example's gradient (``torch.autograd.grad(..., is_grads_batched=True)``). Exact for
-  every differentiable layer that treats the examples of a batch independently.
+* ``"replay"`` - any other layer holding trainable parameters (nn.LSTM/GRU, nn.MultiheadAttention in the
+  configurations :mod:`.attention` lists, a Hugging Face layer, a model's own parameter such as ViT's class token)
+  covers its whole sub-tree: its forward is run again on the saved inputs with the random-number state and autocast
+  of the original call (so dropout draws the same mask), and one vector-Jacobian product per example, ``g`` masked
+  to that example along the batch dimension, gives that example's gradient
+  (``torch.autograd.grad(..., is_grads_batched=True)``). Exact for every differentiable layer that treats the
+  examples of a batch independently.
+
+nn.MultiheadAttention (unit ``"attention"``) gets the rule of nn.Linear: while recording, its forward runs as the
+same computation on nn.Linear objects holding its parameters, rule units of their own (:mod:`.attention`).
 
 A recurrent layer (nn.LSTM/GRU/RNN and their cells) passed a hidden state it returned in an earlier step (a state
 carried from batch to batch, truncated backpropagation through time) is refused with :data:`CARRIED_STATE_ERROR`:
@@ -76,9 +77,10 @@ def _trainable(module: nn.Module, recurse: bool) -> list[nn.Parameter]:
 
 def layer_units(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """``(name, layer, mechanism)`` for every layer that owns trainable parameters, top-down: a layer with a rule
-    covers its own parameters; nn.MultiheadAttention and recurrent layers cover their whole sub-tree by replay
-    (their children are used through functional code, as nn.MultiheadAttention uses ``out_proj.weight``), and
-    their children get no hooks; any other layer's own parameters are ``"shared"`` (:mod:`.shared`: captured where
+    covers its own parameters; nn.MultiheadAttention is ``"attention"`` followed by its linear maps' rule units
+    (:func:`.attention.units`); recurrent layers and the attention :mod:`.attention` does not cover cover their
+    whole sub-tree by replay (their children are used through functional code, as nn.MultiheadAttention uses
+    ``out_proj.weight``), and their children get no hooks; any other layer's own parameters are ``"shared"`` (:mod:`.shared`: captured where
     they meet the batch, the call replayed as a whole when they are used otherwise) and its children are visited."""
     units: list[tuple[str, nn.Module, str]] = []
     seen: set[int] = set()
