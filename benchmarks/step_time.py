@@ -979,6 +979,10 @@ MODES_MODELS = {
     "resnet18": lambda args: "ResNet-18 (GroupNorm, examples/cifar_resnet.py), 32x32 images",
     "resnet18_torchvision": lambda args: "torchvision's ResNet-18 unchanged (GroupNorm(8, c)), 32x32 images",
     "gpt2": lambda args: "GPT-2 from a config (2 layers, width 128, vocabulary 512), sequences of 32 tokens",
+    "vit": lambda args: "torchvision's VisionTransformer (image 32, patch 8, 2 layers, width 32)",
+    "transformer_demo": lambda args: "Lightning's Transformer demo (nn.Transformer 2 + 2 layers, width 200, "
+    "vocabulary 64), 16 + 16 tokens",
+    "bert": lambda args: "BERT from a config (2 layers, width 32, vocabulary 64), 16 tokens with padding",
 }
 
 
