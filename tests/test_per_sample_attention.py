@@ -86,6 +86,7 @@ def _reference(module: nn.MultiheadAttention, inputs: tuple, kwargs: dict, targe
         out, weights = functional_call(ref, p, (qi, ki, vi), kwargs_for[i])
         return _loss(out, weights, ti)
 
+    kwargs = {k: m.double() if isinstance(m, Tensor) and m.is_floating_point() else m for k, m in kwargs.items()}
     kwargs_for = {i: _per_example_mask(kwargs, i) for i in range(B)}
     rows = [grad(one)(params, i, q.select(dim, i), k.select(dim, i), v.select(dim, i),
                       target.double().select(dim, i)) for i in range(B)]  # fmt: skip
