@@ -13,11 +13,15 @@ digits-shaped inputs, plain SGD, one intra-op thread unless ``--threads`` says o
 * ``--memory``: every configuration in a fresh child process; its peak resident set (``ru_maxrss``) after the steps
   and its minor page faults per timed step (a fresh model-sized buffer costs d * 4 / 4096 = 9,444 of them),
   next to a ``ddp`` child: the same non-private step inside ``torch.nn.parallel.DistributedDataParallel`` on a
-  one-process gloo group (DDP's gradient buckets; no peer to all-reduce with).
+  one-process gloo group (DDP's gradient buckets; no peer to all-reduce with), and a ``ddp_lightning`` child: the
+  same after ``import lightning``, the least a rank of Lightning's DDP strategy holds (the private children import
+  ``lightning_privdec``, whose strategies import Lightning: ~300 MiB of the resident set before any tensor).
 * ``--noise``: nanoseconds per coordinate of ``NoiseGenerator.normal`` (float32, 9.7M coordinates) with 1 and 2
   intra-op threads, with the machine as it is and with one busy-looping process beside it; ``torch.randn`` alongside.
 
-Each timing is the median of ``--steps`` steps after ``--warmup``; the baseline is always measured in the same run.
+Each timing is the median of ``--steps`` steps after ``--warmup`` in wall-clock and in process CPU time (on a
+loaded machine the CPU time says more; with one intra-op thread it is the step's own work); the baseline is always
+measured in the same run.
 The tables are printed and, unless ``--no-record``, appended to ``benchmarks/RESULTS.md``.
 
     python benchmarks/private_step.py                      # step times, memory and noise
@@ -72,10 +76,12 @@ class EchoExchange:
 
 
 FAULTS: list[int] = []  # minor page faults of the process when each step ended
+CPU: list[float] = []  # process CPU seconds of each step
 
 
-def _record(times: list[float], start: float) -> None:
+def _record(times: list[float], start: float, cpu_start: float) -> None:
     times.append(time.perf_counter() - start)
+    CPU.append(time.process_time() - cpu_start)
     FAULTS.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
@@ -89,9 +95,11 @@ def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -
     model = build_net(width)
     data = TensorDataset(torch.randn(SHARD, INPUTS), torch.randint(0, CLASSES, (SHARD,)))
     times: list[float] = []
-    if config in ("sgd", "ddp"):
+    if config in ("sgd", "ddp", "ddp_lightning"):
         net: torch.nn.Module = model
-        if config == "ddp":
+        if config == "ddp_lightning":
+            import lightning  # noqa: F401
+        if config != "sgd":
             import torch.distributed as dist
 
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -102,11 +110,11 @@ def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -
         loader = DataLoader(data, batch_size=BATCH, shuffle=True)
         while len(times) < steps + warmup:
             for x, y in loader:
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 optimizer.zero_grad(set_to_none=True)
                 F.cross_entropy(net(x), y).backward()
                 optimizer.step()
-                _record(times, start)
+                _record(times, start, cpu_start)
                 if len(times) == steps + warmup:
                     break
         return times[warmup:]
@@ -132,7 +140,7 @@ def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -
     loader = node.private_dataloader(DataLoader(data, batch_size=BATCH), steps + warmup, NODES, node_local_data=True)
     while len(times) < steps + warmup:
         for x, y in loader:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             optimizer.zero_grad(set_to_none=True)
             if len(x):
                 F.cross_entropy(model(x), y).backward()
@@ -141,7 +149,7 @@ def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -
             optimizer.step()
             gossip.step(flat.buffer)
             gossip.debias_into(flat.buffer)
-            _record(times, start)
+            _record(times, start, cpu_start)
             if len(times) == steps + warmup:
                 break
     return times[warmup:]
@@ -220,7 +228,7 @@ def child(args: argparse.Namespace) -> None:
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     faults = (FAULTS[-1] - FAULTS[args.warmup - 1]) / args.steps  # the timed steps (a 4 KiB page each)
     print(json.dumps({"config": args.child, "median_ms": statistics.median(times) * 1e3, "peak_rss_mib": peak_mib,
-                      "faults": faults}))
+                      "faults": faults, "cpu_ms": statistics.median(CPU[args.warmup:]) * 1e3}))
 
 
 def run_child(config: str, args: argparse.Namespace) -> dict:
@@ -252,16 +260,22 @@ def main(argv: list[str] | None = None) -> None:
     configs = args.configs.split(",")
     lines = [f"Command: `python benchmarks/private_step.py {' '.join(argv if argv is not None else sys.argv[1:])}`; "
              f"load average before: {os.getloadavg()[0]:.1f}", ""]
-    rows = {config: run_child(config, args) for config in (configs + (["ddp"] if args.memory else []))}
-    base = rows["sgd"]["median_ms"] if "sgd" in rows else None
-    lines += ["| step | median ms | / non-private | peak RSS MiB | / DDP | page faults per step |",
-              "|---|---:|---:|---:|---:|---:|"]
-    ddp_rss = rows["ddp"]["peak_rss_mib"] if "ddp" in rows else None
+    rows = {config: run_child(config, args)
+            for config in (configs + (["ddp", "ddp_lightning"] if args.memory else []))}
+    base = rows.get("sgd")
+    lines += [("| step | median ms | / non-private | CPU ms | / non-private | peak RSS MiB | / DDP | / DDP with "
+               "Lightning imported | page faults per step |"), "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def ratio(value: float, reference: dict | None, key: str) -> str:
+        return f"{value / reference[key]:.2f}x" if reference else "n/a"
+
     for config, row in rows.items():
-        ratio = f"{row['median_ms'] / base:.2f}x" if base else "n/a"
-        mem = f"{row['peak_rss_mib'] / ddp_rss:.2f}x" if ddp_rss else "n/a"
-        lines.append(f"| {config} | {row['median_ms']:.1f} | {ratio} | {row['peak_rss_mib']:.0f} | {mem} | "
-                     f"{row['faults']:.0f} |")
+        lines.append(
+            f"| {config} | {row['median_ms']:.1f} | {ratio(row['median_ms'], base, 'median_ms')} | "
+            f"{row['cpu_ms']:.1f} | {ratio(row['cpu_ms'], base, 'cpu_ms')} | {row['peak_rss_mib']:.0f} | "
+            f"{ratio(row['peak_rss_mib'], rows.get('ddp'), 'peak_rss_mib')} | "
+            f"{ratio(row['peak_rss_mib'], rows.get('ddp_lightning'), 'peak_rss_mib')} | {row['faults']:.0f} |"
+        )
     if args.noise:
         import torch
 

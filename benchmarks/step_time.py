@@ -151,8 +151,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--noise-only", action="store_true", help="only the noise generation comparison")
     parser.add_argument("--noise-batch-size", type=int, default=32, help="batch of the ResNet-18 private step")
     parser.add_argument("--mode-steps", type=int, default=10, help="timed steps per per-sample mode")
-    parser.add_argument("--modes-model", default="mlp", choices=("mlp", "resnet18", "resnet18_torchvision", "gpt2",
-                                                                  "vit", "transformer_demo", "bert"),
+    parser.add_argument("--modes-model", default="mlp",
+                        choices=("mlp", "resnet18", "resnet18_torchvision", "gpt2", "lstm", "gru", "lstm_demo", "vit",
+                                 "transformer_demo", "bert"),
                         help="the model of the per-sample mode comparison: resnet18 is examples/cifar_resnet.py's "
                         "out-of-place ResNet-18, resnet18_torchvision torchvision's unchanged one (GroupNorm)")
     parser.add_argument("--engine-modes", type=lambda v: [m.strip() for m in v.split(",") if m.strip()], default=None,
@@ -444,7 +445,12 @@ def build_problem(  # noqa: ANN201
     * ``bert``: Hugging Face's BertForSequenceClassification at docs/models.md's config (2 layers, width 32,
       vocabulary 64) with a padding mask, ``tokens`` // 2 tokens per example, 2 classes;
     * ``relative_bias``: self-attention with a relative-position bias table looked up with a (T, T) index buffer
-      (width 64, 4 heads), ``tokens`` random 64-dimensional inputs per example, a 10-class head.
+      (width 64, 4 heads), ``tokens`` random 64-dimensional inputs per example, a 10-class head;
+    * ``lstm``, ``gru``: docs/models.md's recurrent rows (benchmarks/compatibility.py): Lightning's SimpleLSTM demo
+      class (2 layers of 32, vocabulary 64) with a fresh state per batch predicting each next token, and an
+      nn.GRU(16, 24) classifier on its last step; 16 tokens;
+    * ``lstm_demo``: Lightning's LSTM demo at its own size (SimpleLSTM: 4 layers of 512, dropout 0.2; vocabulary
+      64) with a fresh state per batch (the demo carries it, which per-example privacy refuses), 16 tokens.
 
     The GPT-2s predict each next token; the privacy unit is a sequence (its mean token loss)."""
     import torch
@@ -576,6 +582,40 @@ def build_problem(  # noqa: ANN201
                 return self.head((h + self.mlp(h)).mean(dim=1))
 
         build = RelativeBiasAttention
+    elif name in ("lstm", "lstm_demo"):
+        from lightning.pytorch.demos.lstm import SimpleLSTM
+
+        inputs = torch.randint(1, 64, (batch, 16), generator=gen)
+        targets = torch.randint(1, 64, (batch, 16), generator=gen)
+        sizes = {"ninp": 32, "nhid": 32, "nlayers": 2} if name == "lstm" else {}
+
+        class DemoLSTM(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lstm = SimpleLSTM(vocab_size=64, **sizes)
+
+            def forward(self, ids):  # noqa: ANN001, ANN202
+                log_probs, _ = self.lstm(ids, self.lstm.init_hidden(ids.shape[0]))
+                return log_probs.view(ids.shape[0], ids.shape[1], -1)
+
+        build = DemoLSTM
+
+        def loss(log_probs, y, reduction="mean"):  # noqa: ANN001, ANN202
+            per_sequence = nn.functional.nll_loss(log_probs.transpose(1, 2), y, reduction="none").mean(1)
+            return per_sequence if reduction == "none" else per_sequence.mean()
+    elif name == "gru":
+        inputs = torch.randint(1, 64, (batch, 16), generator=gen)
+        targets = torch.randint(0, 2, (batch,), generator=gen)
+
+        class GRUClassifier(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.embed, self.rnn, self.out = nn.Embedding(64, 16), nn.GRU(16, 24, batch_first=True), nn.Linear(24, 2)
+
+            def forward(self, ids):  # noqa: ANN001, ANN202
+                return self.out(self.rnn(self.embed(ids))[0][:, -1])
+
+        build = GRUClassifier
     else:
         raise ValueError(f"unknown model {name!r}")
 
@@ -603,6 +643,17 @@ def run_modes_child(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     fresh_model, inputs, targets, loss_fn = modes_problem(args)
+
+    def opacus_model() -> torch.nn.Module:
+        """The model as Opacus trains it: nn.LSTM/nn.GRU swapped for its DPLSTM/DPGRU (ModuleValidator.fix)."""
+        from opacus.validators import ModuleValidator
+
+        model = fresh_model()
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.RNNBase):  # (fix() of the whole model would deep-copy a local class)
+                    setattr(parent, name, ModuleValidator.fix(child))
+        return model
 
     def timed(step) -> float:  # noqa: ANN001
         for _ in range(2):
@@ -671,7 +722,7 @@ def run_modes_child(args: argparse.Namespace) -> None:
     for name, wrap in (("Opacus GradSampleModule (hooks) + DPOptimizer", GradSampleModule),
                        ("Opacus expanded weights (ew) + DPOptimizer", GradSampleModuleExpandedWeights)):
         def opacus_step(wrap=wrap):  # noqa: ANN001, ANN202
-            model = fresh_model()
+            model = opacus_model()
             wrapped = wrap(model, batch_first=True, loss_reduction="mean")
             optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=LR), noise_multiplier=SIGMA,
                                     max_grad_norm=CLIP, expected_batch_size=args.batch_size)
@@ -685,7 +736,7 @@ def run_modes_child(args: argparse.Namespace) -> None:
         rows.append(row(name, opacus_step))
 
     def opacus_ghost_step():  # noqa: ANN202
-        model = fresh_model()
+        model = opacus_model()
         loader = DataLoader(TensorDataset(inputs, targets), batch_size=args.batch_size)
 
         class Criterion(torch.nn.Module):
@@ -983,6 +1034,10 @@ MODES_MODELS = {
     "transformer_demo": lambda args: "Lightning's Transformer demo (nn.Transformer 2 + 2 layers, width 200, "
     "vocabulary 64), 16 + 16 tokens",
     "bert": lambda args: "BERT from a config (2 layers, width 32, vocabulary 64), 16 tokens with padding",
+    "lstm": lambda args: "Lightning's SimpleLSTM (2 layers of 32, vocabulary 64, fresh state), sequences of 16 tokens",
+    "gru": lambda args: "nn.GRU(16, 24) classifier on an Embedding(64, 16), sequences of 16 tokens",
+    "lstm_demo": lambda args: "Lightning's LSTM demo's SimpleLSTM (4 layers of 512, vocabulary 64, fresh state), "
+    "sequences of 16 tokens",
 }
 
 

@@ -147,3 +147,24 @@ def test_cli_json_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
     assert {"claimed_epsilon", "lower_bound", "confidence", "canaries", "guesses", "correct"} <= set(record)
     assert main(["--strategy", "dyn_d2p", "--break", "noise"]) == 2
     assert "derives its own from the budget" in capsys.readouterr().err
+
+
+def test_cli_prints_its_tables_without_each_audited_node_s_set_up_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """The clipping attack builds a node per attack, mode and precision: their "per-sample gradients (...)" set-up
+    lines buried the table."""
+    import logging
+
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        code = main(["--strategy", "privsgp", "--canaries", "100", "--nodes", "2", "--steps", "5", "--clipping",
+                     "--attack", "gram_linear"])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    out = capsys.readouterr().out
+    assert code == 0 and out.count("gram_linear ") == 12  # 4 modes x 3 precisions, every row printed
+    assert not [r for r in records if "per-sample gradients" in r.getMessage()]

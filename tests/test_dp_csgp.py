@@ -49,6 +49,22 @@ def test_a_loader_without_a_distributed_sampler_is_refused_unless_the_data_is_no
     assert e.sample_rate == pytest.approx(5 / 50)
 
 
+def test_node_local_data_is_the_whole_loader_even_when_lightning_adds_a_distributed_sampler():
+    """use_distributed_sampler=True (Lightning's default) wraps the node's own data in a DistributedSampler, which
+    would give each node only 1/world of it; a sampler that picks the node's examples out of shared data contradicts
+    node_local_data and is refused."""
+    from lightning_privdec.data.partition import DirichletPartitionSampler
+
+    e = engine(noise_multiplier=1.0)
+    private = e.private_dataloader(loader(n=103), planned_steps=10, world_size=4, node_local_data=True)
+    assert len(private.dataset) == 103 and e.sample_rate == pytest.approx(10 / 103)
+    dataset = TensorDataset(torch.randn(40, 3), torch.arange(40) % 2)
+    partition = DirichletPartitionSampler(torch.arange(40) % 2, alpha=1.0, num_replicas=2, rank=1, seed=0)
+    with pytest.raises(PrivacyConfigError, match="node_local_data=False"):
+        engine(noise_multiplier=1.0).private_dataloader(DataLoader(dataset, batch_size=4, sampler=partition),
+                                                        planned_steps=10, world_size=2, node_local_data=True)
+
+
 def test_batch_size_larger_than_the_shard_is_refused():
     with pytest.raises(PrivacyConfigError, match="shard"):
         engine(noise_multiplier=1.0).private_dataloader(loader(n=20, batch_size=10), planned_steps=5, world_size=4)

@@ -123,16 +123,48 @@ def _narrow_reference(key: bytes, numel: int, std: float) -> tuple[np.ndarray, n
 
 def test_narrow_noise_is_box_muller_of_the_documented_keystream_words(device: torch.device) -> None:
     """float32/bfloat16 draws against a float64 re-computation of the documented format from the raw keystreams:
-    every entry within r * 2^-21 (the angle's float32 rounding) plus two ulps of the float64 value (so the tails and
-    the density near 0 are those of the float64 radius), whatever the chunk size."""
+    every entry within r * 2^-21 (the angle's float32 rounding) plus two ulps of the float64 value, plus, where the
+    host takes the radius's logarithm in float32, std^2 2^-24 / r (a relative 2^-24 of 1 - u1); entries with r below
+    0.02 std (their logarithm is float64) within the first two terms, so the tails and the density near 0 are those of
+    the float64 radius; whatever the chunk size."""
     key, std, numel = bytes(range(32)), 0.7, 100_001  # odd: the last pair's sine is dropped
     expected, radius = (torch.from_numpy(a) for a in _narrow_reference(key, numel, std))
     for dtype in (torch.float32, torch.bfloat16):
         narrow = NoiseGenerator(key, device=device, seeded=True).normal(numel, std, dtype).double().cpu()
         ulp = torch.finfo(dtype).eps * expected.abs()
         error = (narrow - expected).abs()
-        assert bool((error <= 2 * ulp + radius * 2.0**-21).all()), dtype
+        float64_radius = 2 * ulp + radius * 2.0**-21
+        assert bool((error <= float64_radius + std**2 * 2.0**-24 / radius).all()), dtype
+        small = radius < 0.02 * std
+        assert int(small.sum()) > 10 and bool((error[small] <= float64_radius[small]).all()), dtype
         assert float((error <= ulp).float().mean()) > 0.5
+
+
+def test_narrow_noise_on_the_host_takes_the_logarithm_in_float64_only_near_r_0() -> None:
+    """The float32 logarithm of 1 - u1 = m 2^-53 (m the exact integer, rounded to float32: a relative 2^-24) keeps
+    the tail's reach, and r within a relative 2^-25 / |log(1 - u1)| + 2^-22 of the float64 radius; below u1 = 2^-12
+    (r^2 < ~2^-11) the float64 logarithm of the exact m takes over: r within 2^-22 there. Crafted uniforms at both
+    ends, on both sides of that boundary, and with m halfway between two float32 values (the largest rounding)."""
+    from lightning_privdec.privacy.noise import KeystreamBuffers, _KeyStream
+
+    stream = _KeyStream(bytes(32), bytes(16), KeystreamBuffers("cpu"))
+    stream._buffers.reserve(16)
+    k = np.array([0, 1, 2, 3, 2**41 - 2**28, 2**41 - 1, 2**41, 2**41 + 2**28 + 1, 2**45 + 2**27, 2**52 + 2**28,
+                  2**53 - 2**30, 2**53 - 2, 2**53 - 1])
+    u1 = k.astype(np.float64) * 2.0**-53
+    radius_words = torch.from_numpy((k << 11).astype(np.uint64).view(np.int64).copy())
+    cosines = torch.empty(len(k))
+    stream._box_muller_host(radius_words, torch.zeros(len(k), dtype=torch.int32), cosines, torch.empty(0), 1.0)
+    log_v = np.log1p(-u1)
+    expected = np.sqrt(-2.0 * log_v)
+    assert cosines[0] == 0 and float(cosines[1]) == 2.0**-26  # the density near 0 is resolved as in float64
+    got = cosines[1:].double().numpy()
+    relative = np.abs(got - expected[1:]) / expected[1:]
+    near = u1[1:] < 2.0**-12
+    assert bool((relative[near] <= 2.0**-22).all())
+    assert bool((relative <= 2.0**-25 / np.abs(log_v[1:]) + 2.0**-22).all())
+    assert relative[~near].max() > 2.0**-20  # the crafted roundings do reach the float32 logarithm's error
+    assert float(cosines[-1]) == pytest.approx(np.sqrt(2 * 53 * np.log(2)), rel=2.0**-22)  # the tail's reach
 
 
 @pytest.mark.parametrize("transform", ["_box_muller_host", "_box_muller_torch"])

@@ -250,10 +250,7 @@ class CPGTNode(PrivateNodeAlgorithm):
         noise_x, noise_y = state["noise"]
         if noise_x is not None:  # a calibrated scale is kept: the run goes on with the noise it has used
             self.noise_x, self.noise_y = float(noise_x), float(noise_y)
-        saved = state.get("noise_decay")
-        if saved is None:
-            return
-        saved, given = float(saved), self.options.noise_decay
+        saved, given = float(state["noise_decay"]), self.options.noise_decay
         if given != "auto" and not math.isclose(float(given), saved, rel_tol=1e-12):
             raise PrivacyConfigError(
                 f"node {self.rank}: the checkpoint's run decays its Laplace noise by q = {saved!r} per round, this run "

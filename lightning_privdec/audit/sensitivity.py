@@ -24,6 +24,9 @@ makes that hard:
   output gradient anew when B changes, and this example's gradient through the attention's backward pass, rounding
   noise of size ~u M, then moves with B by more than TOLERANCE C (measured 1.0047 C, and 1.0015 C with the
   per-example replay this rule replaced): a limit of float32 mean losses, not of the norms checked here.
+* ``recurrent_lstm``, ``recurrent_gru``: a 2-layer bidirectional nn.LSTM / nn.GRU over 12 steps (their weights'
+  per-example gradients are sums over time, privacy/per_sample/recurrent.py) with an example of large, nearly
+  constant inputs and output gradients alternating in sign over time, its near-duplicate, and one of tiny inputs.
 
 Each attack runs every per-sample mode and precision it applies to and reports the largest ratio over the batch.
 ``broken_norms()`` swaps in the unguarded Gram norm (no rounding bound), the attack's positive control.
@@ -267,6 +270,34 @@ def _cancelling_attention(cross: bool, magnitude: float = 1e4, batch: int = 5) -
     return model, (x, target), (x[2:], target[2:])
 
 
+class _Recurrent(nn.Module):
+    """A recurrent layer's output sequence (B, T, 2 H)."""
+
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.rnn(x)[0]
+
+
+def _recurrent(cls: type[nn.Module], batch: int = 5, steps: int = 12) -> tuple[nn.Module, Batch, Batch]:
+    """Example 0: inputs 30 (u + 1e-6 noise) at every step and output gradients of size 1e5 alternating in sign
+    over time (its per-step terms of the weights' sums cancel); example 1 a near-duplicate of it; example 2 with
+    inputs of size 1e-20."""
+    gen = torch.Generator().manual_seed(7)
+    torch.manual_seed(7)
+    model = _Recurrent(cls(6, 8, num_layers=2, bidirectional=True, batch_first=True))
+    x = torch.randn(batch, steps, 6, generator=gen)
+    target = torch.randn(batch, steps, 16, generator=gen)
+    x[0] = 30 * (torch.randn(1, 6, generator=gen) + 1e-6 * torch.randn(steps, 6, generator=gen))
+    signs = torch.tensor([(-1.0) ** t for t in range(steps)]).view(steps, 1)
+    target[0] = 1e5 * torch.randn(1, 16, generator=gen) * signs
+    x[1], target[1] = x[0] * (1 + 1e-6), target[0]
+    x[2] = 1e-20 * x[2]
+    return model, (x, target), (x[3:], target[3:])
+
+
 #: name -> (builder of (model, crafted batch, honest warm-up batch), clip C, precisions)
 ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tuple[str, ...]]] = {
     "gram_linear": (lambda: _cancelling_linear(torch.float32, 16, 8, 2, 3e-6, 1e6), 1.0, PRECISIONS),
@@ -281,6 +312,9 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "shared_parameters": (_shared_parameters, 1.0, PRECISIONS),
     "attention_self": (lambda: _cancelling_attention(cross=False), 1.0, ("bf16-mixed", "16-mixed")),
     "attention_cross": (lambda: _cancelling_attention(cross=True), 1.0, ("bf16-mixed", "16-mixed")),
+    # no float16 CPU kernel for nn.LSTM/GRU outside the private step (torch): 32-true and bf16
+    "recurrent_lstm": (lambda: _recurrent(nn.LSTM), 1.0, ("32-true", "bf16-mixed")),
+    "recurrent_gru": (lambda: _recurrent(nn.GRU), 1.0, ("32-true", "bf16-mixed")),
 }
 
 

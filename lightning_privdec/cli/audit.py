@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -116,6 +117,8 @@ def _clipping_rows(names: Sequence[str] | None, broken: bool, as_json: bool) -> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # the audit builds hundreds of nodes: their set-up lines (per-sample mode, noise plan) would bury its tables
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
     if args.broken == "norm":
         attacks = _clipping_rows(args.attack, broken=True, as_json=args.json)
         if args.json:

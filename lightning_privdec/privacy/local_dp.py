@@ -107,10 +107,18 @@ class ShardSampler:
         sampler = dataloader.sampler
         num_examples = len(dataloader.dataset)  # type: ignore[arg-type]
         check_sampler_is_replaceable(sampler, num_examples)
-        if isinstance(sampler, DistributedSampler):  # Lightning decides the shard; padding duplicates are dropped
+        if node_local_data:  # the loader already holds only this node's data
+            if getattr(sampler, "node_indices", None) is not None:
+                raise PrivacyConfigError(
+                    f"node_local_data=True says that each process's loader holds only its own node's data, but the "
+                    f"training loader's {type(sampler).__name__} picks node {self.rank}'s examples out of a shared "
+                    "dataset. Pass node_local_data=False to keep the partition, or drop the sampler"
+                )
+            shard = list(range(num_examples))  # a DistributedSampler Lightning added (use_distributed_sampler) too
+        elif isinstance(sampler, DistributedSampler):  # Lightning decides the shard; padding duplicates are dropped
             shard = sampler_shard_indices(sampler, num_examples)
-        elif world_size == 1 or node_local_data:
-            shard = list(range(num_examples))  # the loader already holds only this node's data
+        elif world_size == 1:
+            shard = list(range(num_examples))
         else:
             raise PrivacyConfigError(
                 "the training DataLoader has no DistributedSampler, so every node would sample the WHOLE dataset and "

@@ -15,19 +15,21 @@ the number of draws (``get_state``). The keystream's 64-bit words become 53-bit 
 [0, 1), then
 
 * standard normals by Box-Muller: ``sqrt(-2 log(1 - u1)) (cos t, sin t)``, ``t = 2 pi u2``. The radius, which sets
-  the tails (up to sqrt(2 ln 2^53) ~ 8.6 sigma) and the density near 0, always comes from a 53-bit u1 and is
-  computed in float64 up to its square ``-2 log(1 - u1)`` (``1 - u1`` is exact). float64 draws are computed in
-  float64 and rounded once. float32 and narrower ones take their angle from a separate keystream under the same key
-  (nonce k, last word 1), 24 bits per pair: 12 keystream bytes per pair instead of 16; the square root, the angle
-  and its cosine and sine are float32, so each entry is within ``r 2^-21`` (the angle's rounding) plus two float32
-  ulps of the float64 Box-Muller value of its uniforms (:class:`_KeyStream` documents both formats);
+  the tails (up to sqrt(2 ln 2^53) ~ 8.6 sigma) and the density near 0, always comes from a 53-bit u1
+  (``1 - u1 = m 2^-53`` with m an exact integer). float64 draws are computed in float64 and rounded once. float32
+  and narrower ones take their angle from a separate keystream under the same key (nonce k, last word 1), 24 bits
+  per pair: 12 keystream bytes per pair instead of 16; the square root, the angle and its cosine and sine are
+  float32, and on the host so is the logarithm of ``fl32(m) 2^-53`` (float32 holds 2^-53, so the tail keeps its
+  reach; the logarithm is float64 where r is near 0, u1 <= 2^-12). Each entry is within ``r 2^-21`` (the angle's
+  rounding) plus two float32 ulps plus ``std^2 2^-24 / r`` of the float64 Box-Muller value of its uniforms
+  (:func:`_narrow_box_muller` derives it; :class:`_KeyStream` documents both formats);
 * Laplace(b) as ``b (E1 - E2)`` with ``E = -log(1 - u) ~ Exp(1)``;
 * Bernoulli(q) as ``u < q`` (Poisson sampling).
 
 ``secure_mode=True`` adds Opacus's mitigation of floating-point attacks on the Gaussian sampler (Holohan and Braghin
 2021, "Secure Random Sampling in Differential Privacy", Sec. 5.1, as in Opacus's ``_generate_noise``): each noise
 coordinate is the sum of four float64 draws divided by 2, at four times the sampling cost. The keystream is produced
-on the host in chunks of ``_CHUNK_WORDS`` entries and transformed there by NumPy (SIMD logarithm, sine and cosine,
+on the host in chunks of ``_CHUNK_WORDS`` 64-bit words and transformed there by NumPy (SIMD logarithm, sine and cosine,
 one thread: more intra-op threads never slow it down) or, for another device, by torch on that device; buffers are
 reused across chunks and draws, and a caller that draws the same size every step can reuse the output too
 (``normal(..., reuse_output=True)``; a fresh 45 MB vector costs ~15 ms of page faults per step), or add the noise
@@ -67,11 +69,15 @@ def seed_caveat(seed: int | None) -> str:
 
 KEY_BYTES = 32  #: 256-bit keys
 _SEED_DOMAIN = b"lightning_privdec.privacy.noise"
-#: entries per chunk (even): a draw is read and transformed chunk by chunk in reused buffers (~2 MB: NumPy's calls
-#: cost a few microseconds each, so larger chunks than the core's L2 are faster); its values never depend on it
+#: 64-bit keystream words per chunk (a wide draw's entries, a narrow draw's pairs): a draw is read and transformed
+#: chunk by chunk in reused buffers (~3 MB for a narrow chunk: NumPy's calls cost a microsecond or more each, so
+#: chunks somewhat larger than the core's L2 are fastest); its values never depend on it
 _CHUNK_WORDS = 1 << 17
 _MASK_53 = (1 << 53) - 1
 _ANGLE_SCALE32 = 2.0 * math.pi * 2.0**-24  # a narrow draw's angle per unit of its 24-bit integer
+#: a narrow draw whose fl32(1 - u1) is at least this (every u1 <= 2^-12) has its logarithm taken in float64
+#: (:func:`_narrow_box_muller`)
+_NEAR_ONE32 = np.float32(1.0 - 2.0**-12)
 #: torch runs an elementwise op of fewer elements than its grain size (32768) on the calling thread: pieces this
 #: small never wait for intra-op threads that another process keeps busy
 _SERIAL = 1 << 15
@@ -86,7 +92,8 @@ def _angle_nonce(nonce: bytes) -> bytes:
 
 class KeystreamBuffers:
     """Host and device buffers for reading keystreams and transforming them chunk by chunk, kept across draws (fresh
-    large allocations are slow). They grow to the largest chunk asked for, at most ``_CHUNK_WORDS`` entries."""
+    large allocations are slow). They grow to the largest chunk asked for, at most ``_CHUNK_WORDS`` 64-bit words
+    (a wide chunk's entries, a narrow chunk's pairs)."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -101,13 +108,55 @@ class KeystreamBuffers:
             self.angle_raw = bytearray(4 * words)  # a narrow draw's angle keystream, 32-bit words
             self.angle_words = torch.frombuffer(self.angle_raw, dtype=torch.int32)
             self.uniform = torch.empty(words, dtype=torch.float64, device=self.device)
-            # the transform's per-pair work (squared radius or r, angle, cosine) and a chunk of output, per width
-            widths, pairs = (torch.float64, torch.float32), (words + 1) // 2
-            self.work = {dt: torch.empty(3, pairs, dtype=dt, device=self.device) for dt in widths}
-            self.out = {dt: torch.empty(words, dtype=dt, device=self.device) for dt in widths}
+            # the transform's per-pair work (squared radius or r, angle, cosine; a narrow chunk has one pair per
+            # word, a wide one per two) and a chunk of output (two entries per narrow pair), per width
+            widths = (torch.float64, torch.float32)
+            self.work = {dt: torch.empty(3, words, dtype=dt, device=self.device) for dt in widths}
+            self.out = {dt: torch.empty(2 * words, dtype=dt, device=self.device) for dt in widths}
             if self.device.type == "cpu":  # the same memory as NumPy arrays, for the host transform
                 self.np_work = {dt: w.numpy() for dt, w in self.work.items()}
+                self.np_words, self.np_angles = self.words.numpy(), self.angle_words.numpy()
+                self.np_mask = np.empty(words, dtype=bool)
             self.size = words
+
+
+def _narrow_box_muller(
+    words: np.ndarray, angles: np.ndarray, cosines: np.ndarray, sines: np.ndarray, buffers: KeystreamBuffers,
+    scale: float,
+) -> None:
+    """The narrow format on the host (:class:`_KeyStream`): ``cosines = scale r cos t``, ``sines = scale r sin t``
+    (the first ``len(sines)`` pairs) in float32 from the pairs' int64 radius words and int32 angle words, in place in
+    the words and the buffers' work arrays, one NumPy pass each.
+
+    The squared radius ``-2 log(1 - u1)`` is float32's logarithm of ``v = fl32(m) 2^-53`` with ``m = 2^53 (1 - u1)``
+    the exact integer in [1, 2^53]: v keeps m's exponent (down to 2^-53: the largest draw is sqrt(2 ln 2^53) ~ 8.57
+    as in float64) and a relative error of at most 2^-24, i.e. ``|log fl32(v) - log v| <= 2^-24`` plus the float32
+    logarithm's own rounding. That is float32 precision wherever |log v| is not small. Where it is (r near 0:
+    ``fl32(v) >= 1 - 2^-12``, which holds for every u1 <= 2^-12, about one pair in 4,096) the logarithm is taken in
+    float64 from the exact m, so the density near 0 stays resolved down to r = 2^-26 (u1 = 2^-53) as with a float64
+    radius. Elsewhere r is within a relative ``2^-25 / |log v| + 2^-22`` of the float64 radius: at most ~2^-13 (at
+    r ~ 2^-5.5), an absolute error below ``2^-24 / r`` per unit of scale, under the float32 output's own rounding
+    for r >= 1. In distribution: the radius's CDF moves by at most the probability of its rounding intervals,
+    ~2^-24, and the tails (r > 5.5, u1 > 1 - 2^-21.8) keep a relative precision of 2^-22."""
+    p, q = len(cosines), len(sines)
+    radius, theta, cosine = buffers.np_work[torch.float32][:, :p]
+    np.right_shift(words.view(np.uint64), 11, out=words.view(np.uint64))  # k: u1 = k 2^-53
+    np.subtract(1 << 53, words, out=words)  # m = 2^53 (1 - u1), an integer in [1, 2^53]
+    np.copyto(radius, words, casting="unsafe")  # fl32(m): relative error <= 2^-24
+    np.multiply(radius, np.float32(2.0**-53), out=radius)  # v, exact (a power of two; float32 reaches 2^-126)
+    near = np.flatnonzero(np.greater_equal(radius, _NEAR_ONE32, out=buffers.np_mask[:p]))
+    np.log(radius, out=radius)
+    if near.size:
+        radius[near] = np.log(words[near] * 2.0**-53)  # float64 from the exact m, rounded once
+    np.multiply(radius, np.float32(-2.0 * scale * scale), out=radius)  # r^2 scale^2
+    np.sqrt(radius, out=radius)
+    np.right_shift(angles, 8, out=angles)  # a: the top 24 bits, signed, exact in float32
+    np.copyto(theta, angles, casting="unsafe")
+    np.multiply(theta, np.float32(_ANGLE_SCALE32), out=theta)  # t = 2 pi a 2^-24, rounded once
+    np.cos(theta, out=cosine)
+    np.sin(theta, out=theta)
+    np.multiply(radius, cosine, out=cosines)
+    np.multiply(radius[:q], theta[:q], out=sines)
 
 
 class _KeyStream:
@@ -124,7 +173,8 @@ class _KeyStream:
       the next 32-bit word of the angle keystream (:func:`_angle_nonce`), a signed integer a, ``t = 2 pi a 2^-24``
       in [-pi, pi): 12 keystream bytes per pair instead of 16. Of n draws (h = ceil(n / 2) pairs) entries [0, h)
       are the cosines and [h, n) the sines of the first n - h pairs (contiguous writes); r's square root, t and its
-      cosine and sine are float32.
+      cosine and sine are float32; on the host the logarithm too, except near r = 0 (:func:`_narrow_box_muller`),
+      on other devices it is float64.
 
     A draw depends on the key, the nonce and its length only, never on the chunk size. On the host the transform
     runs in NumPy (its SIMD logarithm, sine and cosine are 2-3x torch's on one core, and it never spreads a chunk
@@ -137,6 +187,12 @@ class _KeyStream:
         self._angles: Any = None  # the angle keystream's encryptor, made at the first narrow chunk
         self._buffers = buffers
         self._box_muller = self._box_muller_host if buffers.device.type == "cpu" else self._box_muller_torch
+
+    def _fill_words(self, n: int) -> None:
+        """The next ``n <= _CHUNK_WORDS`` 64-bit words of the keystream and 32-bit words of the angle keystream into
+        the buffers' ``raw`` and ``angle_raw`` (a narrow chunk's pairs)."""
+        self._read(n)
+        self._read_angles(n)
 
     def _read(self, n: int) -> Tensor:
         """The next ``n <= _CHUNK_WORDS`` 64-bit words of the keystream (int64 on the host, a reused buffer)."""
@@ -191,17 +247,26 @@ class _KeyStream:
                 yield start, values
             return
         half = (numel + 1) // 2  # pairs: their cosines fill [0, half), the sines [half, numel)
-        step = max(1, _CHUNK_WORDS // 2)
-        for first in range(0, half, step):
-            p = min(step, half - first)
+        direct = out is not None and out.dtype == torch.float32
+        host = self._buffers.device.type == "cpu"
+        target = out.numpy() if direct and host else None  # the host loop writes through NumPy views
+        for first in range(0, half, _CHUNK_WORDS):
+            p = min(_CHUNK_WORDS, half - first)  # pairs in this chunk
             q = max(0, min(p, numel - half - first))  # this chunk's sines
-            b.reserve(2 * p)  # the work buffers hold a pair per two entries
-            direct = out is not None and out.dtype == torch.float32
             if direct:
                 cosines, sines = out[first : first + p], out[half + first : half + first + q]
             else:
+                b.reserve(p)
                 cosines, sines = b.out[torch.float32][:p], b.out[torch.float32][p : p + q]
-            self._box_muller(self._read(p), self._read_angles(p), cosines, sines, scale)
+            if host:
+                self._fill_words(p)
+                destinations = (
+                    (target[first : first + p], target[half + first : half + first + q]) if target is not None
+                    else (cosines.numpy(), sines.numpy())
+                )
+                _narrow_box_muller(b.np_words[:p], b.np_angles[:p], *destinations, b, scale)
+            else:
+                self._box_muller(self._read(p), self._read_angles(p), cosines, sines, scale)
             if out is not None and not direct:  # bfloat16, float16: rounded from float32
                 cosines = out[first : first + p].copy_(cosines)
                 sines = out[half + first : half + first + q].copy_(sines)
@@ -217,29 +282,24 @@ class _KeyStream:
         """``cosines = scale r cos t`` and ``sines = scale r sin t`` (the first ``sines.numel()`` pairs) from the
         pairs' keystream words, in NumPy, in place in the words and the buffers (the class docstring's formats: int32
         angle words are narrow, int64 ones wide)."""
+        if angle_words.dtype == torch.int32:
+            _narrow_box_muller(radius_words.numpy(), angle_words.numpy(), cosines.numpy(), sines.numpy(),
+                               self._buffers, scale)
+            return
         p, q = cosines.numel(), sines.numel()
-        narrow = angle_words.dtype == torch.int32
-        b = self._buffers
-        work64, work = b.np_work[torch.float64], b.np_work[cosines.dtype]
+        radius, theta, cosine = self._buffers.np_work[torch.float64][:, :p]
         words = radius_words.numpy()
         np.right_shift(words.view(np.uint64), 11, out=words.view(np.uint64))  # k: u1 = k 2^-53
-        np.subtract(1 << 53, words, out=words)  # 2^53 (1 - u1), an integer in [1, 2^53]
-        square = work64[0, :p]
-        np.copyto(square, words, casting="unsafe")  # exact: at most 2^53
-        np.multiply(square, 2.0**-53, out=square)  # 1 - u1, exact
-        np.log(square, out=square)
-        radius, theta, cosine = work[0, :p], work[1, :p], work[2, :p]  # narrow: float32 (radius is not square)
-        np.multiply(square, -2.0 * scale * scale, out=radius, casting="same_kind")  # r^2 scale^2, float64, rounded
+        np.subtract(1 << 53, words, out=words)  # m = 2^53 (1 - u1), an integer in [1, 2^53]
+        np.copyto(radius, words, casting="unsafe")  # exact: at most 2^53
+        np.multiply(radius, 2.0**-53, out=radius)  # 1 - u1, exact
+        np.log(radius, out=radius)
+        np.multiply(radius, -2.0 * scale * scale, out=radius)  # r^2 scale^2
         np.sqrt(radius, out=radius)
-        angles = angle_words.numpy()
-        if narrow:
-            np.right_shift(angles, 8, out=angles)  # a: the top 24 bits, signed, exact in float32
-            np.copyto(theta, angles, casting="unsafe")
-            np.multiply(theta, np.float32(_ANGLE_SCALE32), out=theta)  # t = 2 pi a 2^-24, rounded once
-        else:
-            np.right_shift(angles.view(np.uint64), 11, out=angles.view(np.uint64))
-            np.copyto(theta, angles, casting="unsafe")
-            np.multiply(theta, 2.0 * math.pi * 2.0**-53, out=theta)  # t = 2 pi u2, rounded once
+        angles = angle_words.numpy().view(np.uint64)
+        np.right_shift(angles, 11, out=angles)
+        np.copyto(theta, angles, casting="unsafe")
+        np.multiply(theta, 2.0 * math.pi * 2.0**-53, out=theta)  # t = 2 pi u2, rounded once
         np.cos(theta, out=cosine)
         np.sin(theta, out=theta)
         np.multiply(radius, cosine, out=cosines.numpy())
@@ -360,13 +420,14 @@ class NoiseGenerator:
         flat_outs = [o.view(-1) for o in outs]
         flat_sums = [t.reshape(-1) for t in sums]
         offsets = list(itertools.accumulate((o.numel() for o in flat_outs), initial=0))
+        serial = _SERIAL if torch.get_num_threads() > 1 else offsets[-1]  # one thread: no piece need be small
         for start, values in self._normal_segments(offsets[-1], std, outs[0].dtype):
             end, position = start + values.numel(), start
             piece = bisect.bisect_right(offsets, start) - 1
             while position < end:
                 while offsets[piece + 1] <= position:
                     piece += 1
-                stop = min(end, offsets[piece + 1], position + _SERIAL)
+                stop = min(end, offsets[piece + 1], position + serial)
                 lo, hi = position - offsets[piece], stop - offsets[piece]
                 noise = values[position - start : stop - start].to(flat_outs[piece].device)
                 torch.add(noise, flat_sums[piece][lo:hi], alpha=sums_scale, out=flat_outs[piece][lo:hi])

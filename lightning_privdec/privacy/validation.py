@@ -14,7 +14,7 @@ from typing import Any
 from lightning_privdec.privacy.errors import PrivacyConfigError
 
 __all__ = [
-    "check_above_zero", "check_choice", "check_delta", "check_epsilon", "check_factor", "check_max_grad_norm",
+    "check_choice", "check_delta", "check_epsilon", "check_factor", "check_max_grad_norm",
     "check_noise_multiplier", "check_number", "check_positive", "check_sample_rate", "check_steps",
     "check_target_epsilon", "is_finite_number",
 ]
@@ -31,23 +31,15 @@ def check_number(value: Any, name: str) -> float:
     return float(value)
 
 
-def check_positive(value: Any, name: str, *, where: str = "") -> float:
-    """A finite number > 0 (``where`` prefixes the message, e.g. ``"CPGT: "``)."""
+def check_positive(value: Any, name: str, *, where: str = "", hint: str = "") -> float:
+    """A finite number > 0 (``where`` prefixes the message, e.g. ``"CPGT: "``; ``hint`` ends it)."""
     if not is_finite_number(value) or value <= 0:
-        raise PrivacyConfigError(f"{where}{name} must be a finite number > 0, got {value!r}")
+        raise PrivacyConfigError(f"{where}{name} must be a finite number > 0, got {value!r}{hint}")
     return float(value)
 
 
-def check_above_zero(value: Any, name: str, hint: str = "") -> float:
-    """A finite number > 0, saying which of the two it is not (``hint`` ends the message)."""
-    value = check_number(value, name)
-    if value <= 0:
-        raise PrivacyConfigError(f"{name} must be > 0, got {value!r}{hint}")
-    return value
-
-
 def check_epsilon(epsilon: Any, name: str = "epsilon") -> float:
-    return check_above_zero(epsilon, name, " (e.g. 0.5, 1 or 3)")
+    return check_positive(epsilon, name, hint=" (e.g. 0.5, 1 or 3)")
 
 
 def check_delta(delta: Any, name: str = "delta") -> float:

@@ -14,7 +14,6 @@ file); every run resumed from a checkpoint of that lineage continues the same fi
 
 from __future__ import annotations
 
-import math
 import os
 import uuid
 import warnings
@@ -88,11 +87,8 @@ class WriteAheadLedger:
         if record is None or int(record["steps"]) <= checkpointed:
             return 0
         node.load_accounting_state(record["accounting"])
-        lost, spent = int(node.steps) - checkpointed, node.epsilon()
-        # NaN: an accountant that cannot tell its epsilon before the noise is planned (a CPGT checkpoint written
-        # before its ledger kept the bound's terms); never printed as a number
-        said = (f"epsilon spent so far is {spent:.4f} (delta={node.delta})" if not math.isnan(spent)
-                else "the epsilon they spent is printed at the end of training, once the noise is planned")
+        lost = int(node.steps) - checkpointed
+        said = f"epsilon spent so far is {node.epsilon():.4f} (delta={node.delta})"
         warnings.warn(
             f"node {self.rank}: {lost} private steps were released after the checkpoint (its ledger has "
             f"{checkpointed} steps, the write-ahead ledger {self.path} has {node.steps}); they stay counted: "

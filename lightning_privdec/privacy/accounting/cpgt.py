@@ -394,8 +394,8 @@ class CPGTAccountant(Accountant):
         return self.rounds + sum(end - start for start, end in self.replayed)
 
     def _epsilon_after(self, steps: int, release: LaplaceRelease | None) -> float:
-        """0 before the first round; NaN (unknown, never 0) for rounds whose bound's terms are not known yet: a
-        checkpoint written before the ledger kept them, read before the noise is planned."""
+        """0 before the first round; NaN (unknown, never 0) for rounds whose bound's terms are not known yet (a
+        ledger restored from a checkpoint written before the noise was planned)."""
         if self.steps + steps == 0:
             return 0.0
         if self.terms is None:
@@ -406,7 +406,7 @@ class CPGTAccountant(Accountant):
     def charge_replay(self, state: Mapping[str, Any]) -> None:
         """Adopt a later state of this run (the write-ahead ledger's): the trajectory restarts at this ledger's round
         k0, and the rounds k0..k1-1 the crashed run had released are charged again as the resumed run re-sends them."""
-        replayed = [(int(start), int(end)) for start, end in state.get("replayed", [])]
+        replayed = [(int(start), int(end)) for start, end in state["replayed"]]
         if int(state["steps"]) > self.rounds:
             replayed.append((self.rounds, int(state["steps"])))
         self.replayed = replayed
@@ -416,12 +416,12 @@ class CPGTAccountant(Accountant):
                 "terms": None if self.terms is None else dict(self.terms)}
 
     def saved_steps(self, state: Mapping[str, Any]) -> int:
-        return int(state["steps"]) + sum(int(end) - int(start) for start, end in state.get("replayed", []))
+        return int(state["steps"]) + sum(int(end) - int(start) for start, end in state["replayed"])
 
     def _load_state(self, state: Mapping[str, Any]) -> None:
         self.rounds = int(state["steps"])
-        self.replayed = [(int(start), int(end)) for start, end in state.get("replayed", [])]
-        if state.get("terms") is not None:  # the bound the saved rounds were released under (until the plan's own)
+        self.replayed = [(int(start), int(end)) for start, end in state["replayed"]]
+        if state["terms"] is not None:  # the bound the saved rounds were released under (until the plan's own)
             self.configure(**{key: float(value) for key, value in state["terms"].items()})
 
 

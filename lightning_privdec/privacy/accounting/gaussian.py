@@ -44,10 +44,10 @@ from lightning_privdec.privacy.accounting.base import Accountant
 from lightning_privdec.privacy.accounting.rdp import subsampled_gaussian_rdp
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.validation import (
-    check_above_zero,
     check_delta,
     check_noise_multiplier,
     check_number,
+    check_positive,
     check_sample_rate,
     check_steps,
 )
@@ -293,7 +293,7 @@ def calibrate_noise_multiplier(
             multiplier of ~1e6 exceeds it, or so large that essentially no noise is needed).
     """
     accountant = check_accountant(accountant)
-    target_epsilon = check_above_zero(target_epsilon, "target_epsilon")
+    target_epsilon = check_positive(target_epsilon, "target_epsilon")
     target_delta = check_delta(target_delta, "target_delta")
     sample_rate = check_sample_rate(sample_rate)
     steps = check_steps(steps, minimum=1)
@@ -478,7 +478,7 @@ class SubsampledGaussianAccountant(Accountant):
                 history, check_noise_multiplier(sigma), check_sample_rate(q), check_steps(int(t), minimum=1)
             )
         self.history = history
-        if state.get("delta") is not None:
+        if state["delta"] is not None:
             self.delta = check_delta(state["delta"])
         self._cache.clear()
 

@@ -43,7 +43,6 @@ for a target epsilon, is :mod:`.saga_calibration`.
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -52,14 +51,15 @@ from typing import Any
 
 import numpy as np
 from opacus.accountants import RDPAccountant
-from opacus.accountants.analysis.rdp import compute_rdp
 from scipy.optimize import minimize_scalar
 
 from lightning_privdec.privacy.accounting.gaussian import (
     GaussianRelease,
     SubsampledGaussianAccountant,
     _epsilon_of_history,
+    cached_step_rdp,
 )
+from lightning_privdec.privacy.accounting.rdp import subsampled_gaussian_rdp
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.validation import (
     check_delta,
@@ -152,24 +152,13 @@ def saga_step_entries(
     return [(m * math.sqrt(split) / 2.0, q), (m * math.sqrt(1.0 - split) / q, 1.0)]
 
 
-# ---- fast RDP: the same orders and conversion as Opacus's RDPAccountant ------------------------------------------
-@functools.lru_cache(maxsize=4096)
+# ---- RDP at Opacus's orders (the one-step RDP cached in .gaussian) ------------------------------------------------
 def gaussian_rdp(q: float, sigma: float, steps: int) -> np.ndarray:
-    """RDP at :data:`OPACUS_ORDERS` of ``steps`` Poisson-subsampled Gaussians (multiplier sigma, rate q), quietly;
-    computed once per argument values and read-only (the calibrations evaluate the same entries again and again)."""
-    rdp = _gaussian_rdp(q, sigma, steps)
-    rdp.setflags(write=False)
-    return rdp
-
-
-def _gaussian_rdp(q: float, sigma: float, steps: int) -> np.ndarray:
+    """RDP at :data:`OPACUS_ORDERS` of ``steps`` Poisson-subsampled Gaussians (multiplier sigma, rate q): ``steps``
+    times the cached one-step RDP (:func:`~.gaussian.cached_step_rdp`)."""
     if steps == 0:
         return np.zeros_like(OPACUS_ORDERS)
-    if sigma == 0.0:
-        return np.full_like(OPACUS_ORDERS, np.inf)
-    if q == 1.0:
-        return steps * OPACUS_ORDERS / (2.0 * sigma**2)
-    return np.asarray(compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=OPACUS_ORDERS), dtype=float)
+    return steps * cached_step_rdp(q, sigma)
 
 
 def history_rdp(history: History) -> np.ndarray:
@@ -215,7 +204,7 @@ def optimal_split(
         rho = 1.0 / (1.0 + math.exp(-logit))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            rdp = base + np.asarray(compute_rdp(q=q, noise_multiplier=m * math.sqrt(rho) / 2.0, steps=steps, orders=orders))
+            rdp = base + steps * subsampled_gaussian_rdp(q, [m * math.sqrt(rho) / 2.0], orders)[0]
         rdp = rdp + steps * orders * q**2 / (2.0 * m**2 * (1.0 - rho))
         eps = rdp - (math.log(delta) + np.log(orders)) / (orders - 1.0) + np.log((orders - 1.0) / orders)
         return float(np.nanmin(eps))

@@ -31,8 +31,8 @@ from lightning_privdec.privacy.accounting.saga import (
 )
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.validation import (
-    check_above_zero,
     check_delta,
+    check_positive,
     check_sample_rate,
     check_steps,
 )
@@ -139,7 +139,7 @@ def _calibrate(
     epsilon_tolerance: float,
 ) -> SagaNoise:
     check_accounting(accounting, accountant)
-    target = check_above_zero(target_epsilon, "target_epsilon")
+    target = check_positive(target_epsilon, "target_epsilon")
     delta = check_delta(target_delta, "target_delta")
     q = check_sample_rate(sample_rate)
     steps = check_steps(steps, minimum=1)

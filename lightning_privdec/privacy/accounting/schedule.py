@@ -42,11 +42,11 @@ from lightning_privdec.privacy.accounting.gaussian import (
 )
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.validation import (
-    check_above_zero,
     check_choice,
     check_delta,
     check_epsilon,
     check_factor,
+    check_positive,
     check_sample_rate,
     check_steps,
 )
@@ -87,7 +87,7 @@ def solve_mu0(mu_tot: float, sample_rate: float, steps: int, rho_mu: float) -> f
 
     The right-hand side increases with mu_0, so the root is unique.
     """
-    mu_tot = check_above_zero(mu_tot, "mu_tot")
+    mu_tot = check_positive(mu_tot, "mu_tot")
     q = check_sample_rate(sample_rate)
     steps = check_steps(steps, minimum=1)
     rho_mu = check_factor(rho_mu, "rho_mu", RHO_MU_ROLE)
@@ -106,7 +106,7 @@ def solve_mu0(mu_tot: float, sample_rate: float, steps: int, rho_mu: float) -> f
 
 def mu_bar(mu_tot: float, sample_rate: float, steps: int) -> float:
     """Eq. (9): the constant per-step budget mu_bar = sqrt(ln(J^2 mu_tot^2 / K + 1)) of Dyn[C]-D2P and Const-D2P."""
-    mu_tot = check_above_zero(mu_tot, "mu_tot")
+    mu_tot = check_positive(mu_tot, "mu_tot")
     q = check_sample_rate(sample_rate)
     steps = check_steps(steps, minimum=1)
     return math.sqrt(math.log1p((mu_tot / q) ** 2 / steps))
@@ -142,8 +142,8 @@ class DynD2PSchedule:
     def __post_init__(self) -> None:
         check_steps(self.steps, minimum=1)
         check_sample_rate(self.sample_rate)
-        check_above_zero(self.max_grad_norm, "max_grad_norm")
-        check_above_zero(self.mu0, "mu0")
+        check_positive(self.max_grad_norm, "max_grad_norm")
+        check_positive(self.mu0, "mu0")
         check_factor(self.rho_c, "rho_c", RHO_C_ROLE)
         check_factor(self.rho_mu, "rho_mu", RHO_MU_ROLE)
         check_variant(self.variant)

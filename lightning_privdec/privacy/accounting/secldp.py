@@ -24,6 +24,7 @@ from scipy.optimize import brentq
 
 from lightning_privdec.privacy.accounting.base import Accountant
 from lightning_privdec.privacy.accounting.gaussian import cached_step_rdp
+from lightning_privdec.privacy.accounting.rdp import subsampled_gaussian_rdp
 from lightning_privdec.privacy.accounting.secldp_step import (
     Adversary,
     Level,
@@ -104,7 +105,7 @@ def secldp_epsilon_example_level(
     if orders is None:
         rdp = cached_step_rdp(sample_rate, noise_multiplier) * steps
     else:
-        rdp = rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=steps, orders=alphas)
+        rdp = steps * subsampled_gaussian_rdp(sample_rate, [noise_multiplier], alphas)[0]
     epsilon, _ = rdp_analysis.get_privacy_spent(orders=alphas, rdp=rdp, delta=delta)
     return float(epsilon)
 

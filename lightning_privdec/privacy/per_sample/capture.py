@@ -6,20 +6,22 @@ layer returned it, even when later code modifies that output in place (torchvisi
 ``out += identity``); ``register_full_backward_hook``, which Opacus's ``GradSampleModule`` uses, wraps outputs in a
 ``BackwardHookFunction`` view instead, and those in-place updates then fail.
 
-Two mechanisms turn a layer call's inputs ``a`` and output gradients ``g`` into per-example gradients:
+These mechanisms turn a layer call's inputs ``a`` and output gradients ``g`` into per-example gradients:
 
 * ``"rule"`` - a closed form per layer type: Opacus's ``GRAD_SAMPLERS`` (Linear, Conv, Embedding, LayerNorm,
   GroupNorm, RMSNorm, InstanceNorm), plus, in book-keeping, norms and clipped sums without materialisation.
-* ``"replay"`` - any other layer holding trainable parameters (nn.LSTM/GRU, nn.MultiheadAttention in the
-  configurations :mod:`.attention` lists, a Hugging Face layer, a model's own parameter such as ViT's class token)
-  covers its whole sub-tree: its forward is run again on the saved inputs with the random-number state and autocast
-  of the original call (so dropout draws the same mask), and one vector-Jacobian product per example, ``g`` masked
-  to that example along the batch dimension, gives that example's gradient
-  (``torch.autograd.grad(..., is_grads_batched=True)``). Exact for every differentiable layer that treats the
-  examples of a batch independently.
-
-nn.MultiheadAttention (unit ``"attention"``) gets the rule of nn.Linear: while recording, its forward runs as the
-same computation on nn.Linear objects holding its parameters, rule units of their own (:mod:`.attention`).
+* ``"unrolled"`` - nn.LSTM, nn.GRU and nn.RNN run step by step during the private step (:mod:`.recurrent`): their
+  input-to-hidden and hidden-to-hidden products are recorded as nn.Linear calls over the whole sequence, so the
+  rules above (and book-keeping) apply to them.
+* ``"attention"`` - nn.MultiheadAttention: while recording, its forward runs as the same computation on nn.Linear
+  objects holding its parameters, rule units of their own (:mod:`.attention`).
+* ``"replay"`` - any other layer holding trainable parameters (nn.MultiheadAttention in the configurations
+  :mod:`.attention` lists, recurrent cells and the recurrent layers :mod:`.recurrent` leaves out, a Hugging Face
+  layer, a model's own parameter used other than by broadcasting) covers its whole sub-tree: its forward is run again
+  on the saved inputs with the random-number state and autocast of the original call (so dropout draws the same
+  mask), and one vector-Jacobian product per example, ``g`` masked to that example along the batch dimension, gives
+  that example's gradient (``torch.autograd.grad(..., is_grads_batched=True)``). Exact for every differentiable
+  layer that treats the examples of a batch independently.
 
 A recurrent layer (nn.LSTM/GRU/RNN and their cells) passed a hidden state it returned in an earlier step (a state
 carried from batch to batch, truncated backpropagation through time) is refused with :data:`CARRIED_STATE_ERROR`:
@@ -28,6 +30,7 @@ one example's data would then reach later steps' gradients, which no step's clip
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -40,7 +43,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.per_sample import attention, bookkeeping
+from lightning_privdec.privacy.per_sample import attention, bookkeeping, recurrent
 from lightning_privdec.privacy.per_sample.shared import SharedCall, SharedCapture
 
 #: Opacus's per-layer closed forms, by exact type: (layer, [input], output gradient) -> {parameter: (B, *shape)}
@@ -78,10 +81,11 @@ def _trainable(module: nn.Module, recurse: bool) -> list[nn.Parameter]:
 def layer_units(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """``(name, layer, mechanism)`` for every layer that owns trainable parameters, top-down: a layer with a rule
     covers its own parameters; nn.MultiheadAttention is ``"attention"`` followed by its linear maps' rule units
-    (:func:`.attention.units`); recurrent layers and the attention :mod:`.attention` does not cover cover their
-    whole sub-tree by replay (their children are used through functional code, as nn.MultiheadAttention uses
-    ``out_proj.weight``), and their children get no hooks; any other layer's own parameters are ``"shared"`` (:mod:`.shared`: captured where
-    they meet the batch, the call replayed as a whole when they are used otherwise) and its children are visited."""
+    (:func:`.attention.units`); nn.LSTM/GRU/RNN are ``"unrolled"`` (:mod:`.recurrent`); the recurrent layers and
+    attention those leave out cover their whole sub-tree by replay (their children are used through functional code,
+    as nn.MultiheadAttention uses ``out_proj.weight``), and their children get no hooks; any other layer's own
+    parameters are ``"shared"`` (:mod:`.shared`: captured where they meet the batch, the call replayed as a whole when
+    they are used otherwise) and its children are visited."""
     units: list[tuple[str, nn.Module, str]] = []
     seen: set[int] = set()
 
@@ -96,6 +100,9 @@ def layer_units(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
         if _trainable(module, recurse=False):
             if rule_for(module) is not None:
                 units.append((name, module, "rule"))
+            elif recurrent.unrolls(module):
+                units.append((name, module, "unrolled"))
+                return
             elif not isinstance(module, REPLAYED):
                 units.append((name, module, "shared"))
             else:
@@ -118,9 +125,8 @@ def describe_units(units: list[tuple[str, nn.Module, str]], mode: str) -> str:
             kind, module_covered = "rule", True
         else:
             module_covered = bookkeeping.covers(module)
-        mechanism = {"rule": "functorch vmap" if mode == "functorch" else "closed form", "shared": "broadcast"}.get(
-            kind, "replay"
-        )
+        mechanism = {"rule": "functorch vmap" if mode == "functorch" else "closed form", "shared": "broadcast",
+                     "unrolled": "unrolled"}.get(kind, "replay")
         if kind == "rule" and mode in ("bookkeeping", "ghost") and module_covered:
             mechanism = "book-keeping"
         key = (type(module).__name__, mechanism)
@@ -153,6 +159,7 @@ class Record:
     #: nodes and holds them in its closure: a cycle through C++ that Python's collector cannot free, which kept every
     #: step's records (the layer, its inputs) alive until the hook is removed
     grad_hook: Any = None
+    unit: nn.Module | None = None  # the layer whose own code made the record, when not ``module`` (:mod:`.recurrent`)
 
     @property
     def batch_size(self) -> int:
@@ -245,6 +252,9 @@ class Recorder:
                 self._handles.append(
                     module.register_forward_hook(lambda *_: self.unfreeze_parameters(), always_call=True)
                 )
+            if kind == "unrolled":
+                self._handles.append(recurrent.unroll(module, name, partial(self._recording, module), self))
+                continue
             if kind == "replay":
                 self._handles.append(module.register_forward_pre_hook(self._before_replay_unit))
             if isinstance(module, nn.Embedding):
@@ -320,8 +330,7 @@ class Recorder:
         leaves, _ = tree_flatten(output)
         if any(isinstance(leaf, PackedSequence) for leaf in leaves) or isinstance(output, PackedSequence):
             raise PrivacyConfigError(
-                f"layer {name} ({type(module).__name__}) returned a PackedSequence: per-sample gradients need padded "
-                "batches (batch, time, ...) with the padding masked in the loss"
+                recurrent.PACKED_SEQUENCE_ERROR.format(name=name or "<root>", type=type(module).__name__)
             )
         positions = [k for k, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.requires_grad]
         if not positions:
@@ -348,6 +357,39 @@ class Recorder:
         record.grad_hook = register_multi_grad_hook(
             [leaves[k] for k in positions], partial(self._after_backward, record), mode="all"
         )
+
+    def record_projection(
+        self, name: str, layer: nn.Module, a: Tensor, output: Tensor | list[Tensor],
+        gradient: Callable[[Tensor], Tensor] | None = None, *, unit: nn.Module,
+    ) -> None:
+        """A rule layer's product computed by a unit's own code (:mod:`.recurrent`): ``layer`` (an nn.Linear holding
+        the unit's parameters) mapped the batch-first input ``a`` (B, T, d) to ``output`` (B, T, d_out), or to one
+        (B, d_out) tensor per position t (their gradients stacked along dimension 1); ``gradient`` maps the
+        gradient of ``output`` to the product's when ``output`` is another tensor that the product's output
+        gradient is computed from; ``unit``: the layer whose code computed it."""
+        outputs = output if isinstance(output, list) else [output]
+        live = [o for o in outputs if o.requires_grad]
+        if not live:
+            return
+        if self._backward_seen:
+            self._forward_pass += 1
+            self._backward_seen = False
+            self._pass_batch = None
+        record = Record(name, layer, "rule", (a.detach(),), {}, [], [0], self._forward_pass, batch_dims=[0], unit=unit)
+        if self._pass_batch is None:
+            self._pass_batch = int(a.shape[0])
+        self.records.append(record)
+
+        def arrived(grads: tuple) -> None:
+            if isinstance(output, list):
+                given = iter(grads)
+                steps = [next(given) if o.requires_grad else None for o in outputs]
+                grads = (torch.stack([torch.zeros_like(o) if g is None else g for o, g in zip(outputs, steps)], 1),)
+            if gradient is not None and grads[0] is not None:
+                grads = (gradient(grads[0]),)
+            self._after_backward(record, grads)
+
+        record.grad_hook = register_multi_grad_hook(live, arrived, mode="all")
 
     def _count_unit(self, delta: int, module: nn.Module, *_: Any) -> None:
         self._active[id(module)] = self._active.get(id(module), 0) + delta
@@ -383,9 +425,9 @@ class Recorder:
         if call.failure is not None:  # replayed as a whole: its sub-tree's records of this call are dropped
             inside = {id(m) for m in attention.with_projections(module)}
             for r in self.records[start:]:
-                if id(r.module) in inside and r.grad_hook is not None:
+                if id(r.unit or r.module) in inside and r.grad_hook is not None:
                     r.grad_hook.remove()
-            self.records[start:] = [r for r in self.records[start:] if id(r.module) not in inside]
+            self.records[start:] = [r for r in self.records[start:] if id(r.unit or r.module) not in inside]
             self._pending.setdefault(id(module), []).append(state)
             self._after_forward(name, "replay", module, args, kwargs, output)
             return

@@ -22,13 +22,15 @@ from lightning_privdec.privacy.per_sample.capture import (
 
 
 def rule_inputs(record: Record, batch_first: bool) -> tuple[list[Tensor], Tensor]:
-    """A rule layer's ([input], output gradient), batch first."""
+    """A rule layer's ([input], output gradient), batch first (the record's batch dimension: 0, or 1 for
+    ``batch_first=False``; the products :mod:`.recurrent` records are batch first whatever ``batch_first`` says)."""
     record.check_unchanged()
     a, g = record.args[0], record.grads[0]
     if g is None:
         g = torch.zeros_like(a if a.is_floating_point() else record.module.weight)
-    if not batch_first:
-        a, g = a.movedim(1, 0), g.movedim(1, 0)
+    dim = record.batch_dims[0] if record.batch_dims else (0 if batch_first else 1)
+    if dim:
+        a, g = a.movedim(dim, 0), g.movedim(dim, 0)
     return [a], g
 
 
