@@ -117,8 +117,18 @@ def _clipping_rows(names: Sequence[str] | None, broken: bool, as_json: bool) -> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # the audit builds hundreds of nodes: their set-up lines (per-sample mode, noise plan) would bury its tables
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+    # the audit builds hundreds of nodes: their set-up lines (per-sample mode, noise plan) would bury its tables; the
+    # level is restored on return (main also runs inside other programs and test sessions)
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        return _run(args)
+    finally:
+        logger.setLevel(level)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.broken == "norm":
         attacks = _clipping_rows(args.attack, broken=True, as_json=args.json)
         if args.json:
