@@ -152,7 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--noise-batch-size", type=int, default=32, help="batch of the ResNet-18 private step")
     parser.add_argument("--mode-steps", type=int, default=10, help="timed steps per per-sample mode")
     parser.add_argument("--modes-model", default="mlp",
-                        choices=("mlp", "resnet18", "resnet18_torchvision", "gpt2", "lstm", "gru", "lstm_demo"),
+                        choices=("mlp", "resnet18", "resnet18_torchvision", "gpt2", "lstm", "gru", "lstm_demo", "vit",
+                                 "transformer_demo", "bert"),
                         help="the model of the per-sample mode comparison: resnet18 is examples/cifar_resnet.py's "
                         "out-of-place ResNet-18, resnet18_torchvision torchvision's unchanged one (GroupNorm)")
     parser.add_argument("--engine-modes", type=lambda v: [m.strip() for m in v.split(",") if m.strip()], default=None,
@@ -438,6 +439,11 @@ def build_problem(  # noqa: ANN201
       download), sequences of ``tokens`` tokens;
     * ``vit``: torchvision's VisionTransformer at docs/models.md's size (patch 8, 2 layers, width 32), the same
       images: a class token and a position embedding used once for the whole batch;
+    * ``transformer_demo``: Lightning's Transformer demo (``lightning.pytorch.demos.Transformer``: nn.Transformer,
+      2 + 2 layers, width 200, dropout 0.2) at docs/models.md's vocabulary (64), ``tokens`` // 2 source and target
+      tokens per example, stacked as the input (B, 2, T); the privacy unit is a sequence (its mean token loss);
+    * ``bert``: Hugging Face's BertForSequenceClassification at docs/models.md's config (2 layers, width 32,
+      vocabulary 64) with a padding mask, ``tokens`` // 2 tokens per example, 2 classes;
     * ``relative_bias``: self-attention with a relative-position bias table looked up with a (T, T) index buffer
       (width 64, 4 heads), ``tokens`` random 64-dimensional inputs per example, a 10-class head;
     * ``lstm``, ``gru``: docs/models.md's recurrent rows (benchmarks/compatibility.py): Lightning's SimpleLSTM demo
@@ -511,6 +517,44 @@ def build_problem(  # noqa: ANN201
         def build():  # noqa: ANN202
             return VisionTransformer(image_size=image_size, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
                                      mlp_dim=64, num_classes=10)  # fmt: skip
+    elif name == "transformer_demo":
+        from lightning.pytorch.demos.transformer import Transformer
+
+        steps = tokens // 2
+        inputs = torch.randint(0, 64, (batch, 2, steps), generator=gen)  # source and target tokens
+        targets = torch.randint(0, 64, (batch, steps), generator=gen)
+
+        class Demo(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.demo = Transformer(vocab_size=64)
+
+            def forward(self, pair):  # noqa: ANN001, ANN202
+                return self.demo(pair[:, 0], pair[:, 1]).view(pair.shape[0], pair.shape[2], -1)
+
+        build = Demo
+
+        def loss(log_probs, y, reduction="mean"):  # noqa: ANN001, ANN202
+            per_sequence = nn.functional.nll_loss(log_probs.transpose(1, 2), y, reduction="none").mean(1)
+            return per_sequence if reduction == "none" else per_sequence.mean()
+    elif name == "bert":
+        from transformers import BertConfig, BertForSequenceClassification
+
+        inputs = torch.randint(1, 64, (batch, tokens // 2), generator=gen)
+        inputs[: batch // 2, -3:] = 0  # padding
+        targets = torch.randint(0, 2, (batch,), generator=gen)
+        config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64, max_position_embeddings=32, num_labels=2)  # fmt: skip
+
+        class Bert(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.bert = BertForSequenceClassification(config)
+
+            def forward(self, ids):  # noqa: ANN001, ANN202
+                return self.bert(input_ids=ids, attention_mask=(ids != 0).long()).logits
+
+        build = Bert
     elif name == "relative_bias":
         inputs = torch.randn(batch, tokens, 64, generator=gen)
         targets = torch.randint(0, 10, (batch,), generator=gen)
@@ -986,6 +1030,10 @@ MODES_MODELS = {
     "resnet18": lambda args: "ResNet-18 (GroupNorm, examples/cifar_resnet.py), 32x32 images",
     "resnet18_torchvision": lambda args: "torchvision's ResNet-18 unchanged (GroupNorm(8, c)), 32x32 images",
     "gpt2": lambda args: "GPT-2 from a config (2 layers, width 128, vocabulary 512), sequences of 32 tokens",
+    "vit": lambda args: "torchvision's VisionTransformer (image 32, patch 8, 2 layers, width 32)",
+    "transformer_demo": lambda args: "Lightning's Transformer demo (nn.Transformer 2 + 2 layers, width 200, "
+    "vocabulary 64), 16 + 16 tokens",
+    "bert": lambda args: "BERT from a config (2 layers, width 32, vocabulary 64), 16 tokens with padding",
     "lstm": lambda args: "Lightning's SimpleLSTM (2 layers of 32, vocabulary 64, fresh state), sequences of 16 tokens",
     "gru": lambda args: "nn.GRU(16, 24) classifier on an Embedding(64, 16), sequences of 16 tokens",
     "lstm_demo": lambda args: "Lightning's LSTM demo's SimpleLSTM (4 layers of 512, vocabulary 64, fresh state), "

@@ -15,6 +15,13 @@ makes that hard:
   autocast: a clip factor or a sum computed in half precision adds more than C;
 * ``underflow``: tiny inputs and huge output gradients (what a LayerNorm after a layer does to a tiny input), whose
   float32 Gram entries underflow or overflow;
+* ``attention_*``: nn.MultiheadAttention (its projections' book-keeping, privacy/per_sample/attention.py) on an
+  example whose tokens are all equal but one, nearly: its attention outputs are then nearly equal at every position,
+  and output gradients +M e and -M e at two positions cancel in the out-projection and, through the attention, in
+  the in-projection; self-attention batch first, and cross-attention sequence first with padding and causal masks.
+  This example's gradient through the attention's backward pass is rounding noise of size ~u M: with a mean loss's
+  factor 1/B (not a power of two) it would move with B by more than TOLERANCE C (1.0047 C in float32), which the
+  strategies' :func:`~lightning_privdec.privacy.per_sample.mean_loss_multiplier` prevents in every precision.
 * ``recurrent_lstm``, ``recurrent_gru``: a 2-layer bidirectional nn.LSTM / nn.GRU over 12 steps (their weights'
   per-example gradients are sums over time, privacy/per_sample/recurrent.py) with an example of large, nearly
   constant inputs and output gradients alternating in sign over time, its near-duplicate, and one of tiny inputs;
@@ -222,6 +229,47 @@ def _shared_parameters(batch: int = 5) -> tuple[nn.Module, Batch, Batch]:
     return model, (x, target), (x[2:], target[2:])
 
 
+class _Attention(nn.Module):
+    """nn.MultiheadAttention on batch-first (B, T, d) inputs, returning batch-first outputs: self-attention, or
+    (``cross``) sequence-first cross-attention of the first half of the tokens (queries, causal mask) to the second
+    half (keys and values, the last key padded for example 1)."""
+
+    def __init__(self, dim: int = 8, heads: int = 2, cross: bool = False) -> None:
+        super().__init__()
+        self.cross = cross
+        self.attention = nn.MultiheadAttention(dim, heads, batch_first=not cross)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.cross:
+            return self.attention(x, x, x, need_weights=False)[0]
+        half = x.shape[1] // 2
+        query, memory = x[:, :half].transpose(0, 1), x[:, half:].transpose(0, 1)
+        causal = torch.ones(half, memory.shape[0], dtype=torch.bool).triu(1)
+        padding = torch.zeros(x.shape[0], memory.shape[0], dtype=torch.bool)
+        padding[1:2, -1] = True
+        out, _ = self.attention(query, memory, memory, attn_mask=causal, key_padding_mask=padding)
+        return out.transpose(0, 1)
+
+
+def _cancelling_attention(cross: bool, magnitude: float = 1e4, batch: int = 5) -> tuple[nn.Module, Batch, Batch]:
+    """Example 0: every token u (norm 10) but the first, u + delta (|delta| 3e-5); output gradients +M e and -M e
+    at the first two output positions; example 1 a near-duplicate of it."""
+    gen = torch.Generator().manual_seed(7)
+    model = _Attention(cross=cross)
+    steps, dim = 8, 8
+    x = torch.randn(batch, steps, dim, generator=gen)
+    u = torch.randn(dim, generator=gen)
+    x[0] = 10 * u / u.norm()
+    x[0, 0] += 3e-5 * torch.randn(dim, generator=gen)
+    out_steps = steps // 2 if cross else steps
+    target = torch.randn(batch, out_steps, dim, generator=gen)
+    e = torch.randn(dim, generator=gen)
+    target[0] = 0
+    target[0, 0], target[0, 1] = magnitude * e / e.norm(), -magnitude * e / e.norm()
+    x[1], target[1] = x[0] * (1 + 1e-6), target[0]
+    return model, (x, target), (x[2:], target[2:])
+
+
 class _Recurrent(nn.Module):
     """A recurrent layer's output sequence (B, T, 2 H)."""
 
@@ -284,6 +332,8 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "half_precision": (_aligned_mlp, 1.0, PRECISIONS),
     "underflow": (_underflow, 1.0, ("32-true",)),
     "shared_parameters": (_shared_parameters, 1.0, PRECISIONS),
+    "attention_self": (lambda: _cancelling_attention(cross=False), 1.0, PRECISIONS),
+    "attention_cross": (lambda: _cancelling_attention(cross=True), 1.0, PRECISIONS),
     # no float16 CPU kernel for nn.LSTM/GRU outside the private step (torch): 32-true and bf16
     "recurrent_lstm": (lambda: _recurrent(nn.LSTM), 1.0, ("32-true", "bf16-mixed")),
     "recurrent_gru": (lambda: _recurrent(nn.GRU), 1.0, ("32-true", "bf16-mixed")),

@@ -13,13 +13,15 @@ These mechanisms turn a layer call's inputs ``a`` and output gradients ``g`` int
 * ``"unrolled"`` - nn.LSTM, nn.GRU and nn.RNN run step by step during the private step (:mod:`.recurrent`): their
   input-to-hidden and hidden-to-hidden products are recorded as nn.Linear calls over the whole sequence, so the
   rules above (and book-keeping) apply to them.
-* ``"replay"`` - any other layer holding trainable parameters (nn.MultiheadAttention with any mask, recurrent cells
-  and the recurrent layers :mod:`.recurrent` leaves out, a Hugging Face layer, a model's own parameter used other
-  than by broadcasting) covers its whole sub-tree: its forward is run again on the saved inputs with the
-  random-number state and autocast of the original call (so dropout draws the same mask), and one vector-Jacobian
-  product per example, ``g`` masked to that example along the batch dimension, gives that example's gradient
-  (``torch.autograd.grad(..., is_grads_batched=True)``). Exact for every differentiable layer that treats the
-  examples of a batch independently.
+* ``"attention"`` - nn.MultiheadAttention: while recording, its forward runs as the same computation on nn.Linear
+  objects holding its parameters, rule units of their own (:mod:`.attention`).
+* ``"replay"`` - any other layer holding trainable parameters (nn.MultiheadAttention in the configurations
+  :mod:`.attention` lists, recurrent cells and the recurrent layers :mod:`.recurrent` leaves out, a Hugging Face
+  layer, a model's own parameter used other than by broadcasting) covers its whole sub-tree: its forward is run again
+  on the saved inputs with the random-number state and autocast of the original call (so dropout draws the same
+  mask), and one vector-Jacobian product per example, ``g`` masked to that example along the batch dimension, gives
+  that example's gradient (``torch.autograd.grad(..., is_grads_batched=True)``). Exact for every differentiable
+  layer that treats the examples of a batch independently.
 
 A recurrent layer (nn.LSTM/GRU/RNN and their cells) passed a hidden state it returned in an earlier step (a state
 carried from batch to batch, truncated backpropagation through time) is refused with :data:`CARRIED_STATE_ERROR`:
@@ -41,7 +43,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.per_sample import bookkeeping, recurrent
+from lightning_privdec.privacy.per_sample import attention, bookkeeping, recurrent
 from lightning_privdec.privacy.per_sample.shared import SharedCall, SharedCapture
 
 #: Opacus's per-layer closed forms, by exact type: (layer, [input], output gradient) -> {parameter: (B, *shape)}
@@ -78,10 +80,12 @@ def _trainable(module: nn.Module, recurse: bool) -> list[nn.Parameter]:
 
 def layer_units(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """``(name, layer, mechanism)`` for every layer that owns trainable parameters, top-down: a layer with a rule
-    covers its own parameters; nn.MultiheadAttention and recurrent layers cover their whole sub-tree by replay
-    (their children are used through functional code, as nn.MultiheadAttention uses ``out_proj.weight``), and
-    their children get no hooks; any other layer's own parameters are ``"shared"`` (:mod:`.shared`: captured where
-    they meet the batch, the call replayed as a whole when they are used otherwise) and its children are visited."""
+    covers its own parameters; nn.MultiheadAttention is ``"attention"`` followed by its linear maps' rule units
+    (:func:`.attention.units`); nn.LSTM/GRU/RNN are ``"unrolled"`` (:mod:`.recurrent`); the recurrent layers and
+    attention those leave out cover their whole sub-tree by replay (their children are used through functional code,
+    as nn.MultiheadAttention uses ``out_proj.weight``), and their children get no hooks; any other layer's own
+    parameters are ``"shared"`` (:mod:`.shared`: captured where they meet the batch, the call replayed as a whole when
+    they are used otherwise) and its children are visited."""
     units: list[tuple[str, nn.Module, str]] = []
     seen: set[int] = set()
 
@@ -89,6 +93,10 @@ def layer_units(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
         if id(module) in seen:
             return
         seen.add(id(module))
+        closed = attention.units(name, module)  # a supported nn.MultiheadAttention and its linear maps
+        if closed is not None:
+            units.extend(closed)
+            return
         if _trainable(module, recurse=False):
             if rule_for(module) is not None:
                 units.append((name, module, "rule"))
@@ -111,9 +119,15 @@ def describe_units(units: list[tuple[str, nn.Module, str]], mode: str) -> str:
     """One line: how many layers of each type use which mechanism (the setup report)."""
     counts: dict[tuple[str, str], int] = {}
     for _, module, kind in units:
+        if attention.is_projection(module):
+            continue  # reported as its nn.MultiheadAttention
+        if kind == "attention":
+            kind, module_covered = "rule", True
+        else:
+            module_covered = bookkeeping.covers(module)
         mechanism = {"rule": "functorch vmap" if mode == "functorch" else "closed form", "shared": "broadcast",
                      "unrolled": "unrolled"}.get(kind, "replay")
-        if kind == "rule" and mode in ("bookkeeping", "ghost") and bookkeeping.covers(module):
+        if kind == "rule" and mode in ("bookkeeping", "ghost") and module_covered:
             mechanism = "book-keeping"
         key = (type(module).__name__, mechanism)
         counts[key] = counts.get(key, 0) + 1
@@ -211,7 +225,8 @@ class Recorder:
                 )
                 self._handles.append(module.register_forward_hook(self._keep_hidden_state))
         #: the unit owning each trainable parameter, and how many calls of each unit are running (:mod:`.shared`)
-        owners = {id(p): m for _, m, kind in units for p in m.parameters(recurse=kind == "replay") if p.requires_grad}
+        owners = {id(p): m for _, m, kind in units if kind != "attention"
+                  for p in m.parameters(recurse=kind == "replay") if p.requires_grad}  # fmt: skip
         self._active: dict[int, int] = {}
         self._shared = SharedCapture(owners, self._active, self._shared_grad)
         self._shared_pending: dict[int, list[tuple]] = {}
@@ -220,6 +235,9 @@ class Recorder:
             if has_shared:
                 self._handles.append(module.register_forward_pre_hook(partial(self._count_unit, 1)))
                 self._handles.append(module.register_forward_hook(partial(self._count_unit, -1), always_call=True))
+            if kind == "attention":
+                self._handles.append(attention.install(module, self._recording, batch_first))
+                continue
             if kind == "shared":
                 self._handles.append(
                     module.register_forward_pre_hook(partial(self._before_shared, name), with_kwargs=True)
@@ -405,7 +423,7 @@ class Recorder:
                     "which per-example clipping cannot bound. Compute it per example, or keep it fixed in training"
                 )
         if call.failure is not None:  # replayed as a whole: its sub-tree's records of this call are dropped
-            inside = {id(m) for m in module.modules()}
+            inside = {id(m) for m in attention.with_projections(module)}
             for r in self.records[start:]:
                 if id(r.unit or r.module) in inside and r.grad_hook is not None:
                     r.grad_hook.remove()
