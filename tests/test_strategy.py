@@ -45,6 +45,20 @@ def test_strategies_are_registered_by_name():
     assert isinstance(trainer_with("dpsgd", devices=2).strategy, DecentralizedSGDStrategy)
 
 
+def test_a_multiprocessing_start_method_is_refused_where_the_launcher_started_the_processes():
+    """Under torchrun or SLURM every process exists already: forking the ranks again would hang, not fail."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    class StartedByLauncher(LightningEnvironment):
+        @property
+        def creates_processes_externally(self) -> bool:
+            return True
+
+    with pytest.raises(ValueError, match="has already started them.*start_method='popen'"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=DecentralizedPushSumStrategy(start_method="fork"),
+                  plugins=[StartedByLauncher()], logger=False)
+
+
 def test_compressor_specs_and_bad_arguments():
     strategy = DecentralizedPushSumStrategy(compressor="randk:0.25")
     assert isinstance(strategy.compressor, RandK) and strategy.compressor.ratio == 0.25

@@ -108,6 +108,13 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        if self._start_method != "popen" and self.cluster_environment.creates_processes_externally:
+            raise ValueError(
+                f"start_method={self._start_method!r} starts this machine's processes itself, but "
+                f"{type(self.cluster_environment).__name__} (torchrun, SLURM, ...) has already started them: every "
+                "process would start its own world again and wait forever. Use start_method='popen' (the default) "
+                "under such a launcher"
+            )
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
