@@ -1,18 +1,13 @@
 """Every random draw that privacy rests on: Gaussian and Laplace noise, Poisson sampling, Decor's streams.
 
-The accountants assume that nobody but the node knows its noise and which examples it sampled. torch's generators
-cannot promise that: the CPU generator (mt19937) keeps only the low 32 bits of its seed, so a stream seeded with 63
-bits of OS entropy is one of 2^32 and can be found by trying seeds against one released update; CUDA's Philox takes a
-64-bit seed. Here every stream is the **ChaCha20 keystream** (RFC 8439, through the ``cryptography`` package, i.e.
-OpenSSL) under a **256-bit key**:
+The accountants assume that nobody but the node knows its noise and which examples it sampled, which torch's
+generators cannot promise (mt19937 keeps 32 bits of its seed, Philox 64). Every stream here is the **ChaCha20
+keystream** (RFC 8439, through ``cryptography``, i.e. OpenSSL) under a **256-bit key**:
 
-* ``seed=None`` (training): the key is ``os.urandom(32)``, drawn per node and per run, never written anywhere.
-* ``seed=int``: the key is SHA-256(tag, seed, rank, stream). Reproducible for tests and debugging, and therefore
-  NOT private: whoever knows the seed knows the noise.
-
-Draw k of a generator uses nonce k, so each draw is a function of (key, k) alone; a fixed-seed generator's state is
-the number of draws (``get_state``). The keystream's 64-bit words become 53-bit uniforms ``u = (w >> 11) 2^-53`` in
-[0, 1), then
+``seed=None`` (training): the key is ``os.urandom(32)``, per node and per run, never written anywhere;
+``seed=int``: SHA-256(tag, seed, rank, stream), reproducible, for tests only, NOT private. Draw k uses nonce k, a
+function of (key, k) alone (a fixed-seed generator's state is the number of draws); its 64-bit keystream words
+become 53-bit uniforms ``u = (w >> 11) 2^-53`` in [0, 1), then
 
 * standard normals by Box-Muller: ``sqrt(-2 log(1 - u1)) (cos t, sin t)``, ``t = 2 pi u2``. The radius, which sets
   the tails (up to sqrt(2 ln 2^53) ~ 8.6 sigma) and the density near 0, always comes from a 53-bit u1
@@ -23,18 +18,13 @@ the number of draws (``get_state``). The keystream's 64-bit words become 53-bit 
   reach; the logarithm is float64 where r is near 0, u1 <= 2^-12). Each entry is within ``r 2^-21`` (the angle's
   rounding) plus two float32 ulps plus ``std^2 2^-24 / r`` of the float64 Box-Muller value of its uniforms
   (:func:`_narrow_box_muller` derives it; :class:`_KeyStream` documents both formats);
-* Laplace(b) as ``b (E1 - E2)`` with ``E = -log(1 - u) ~ Exp(1)``;
-* Bernoulli(q) as ``u < q`` (Poisson sampling).
+* Laplace(b) as ``b (E1 - E2)`` with ``E = -log(1 - u) ~ Exp(1)``; Bernoulli(q) as ``u < q`` (Poisson sampling).
 
 ``secure_mode=True`` adds Opacus's mitigation of floating-point attacks on the Gaussian sampler (Holohan and Braghin
-2021, "Secure Random Sampling in Differential Privacy", Sec. 5.1, as in Opacus's ``_generate_noise``): each noise
-coordinate is the sum of four float64 draws divided by 2, at four times the sampling cost. The keystream is produced
-on the host in chunks of ``_CHUNK_WORDS`` 64-bit words and transformed there by NumPy (SIMD logarithm, sine and cosine,
-one thread: more intra-op threads never slow it down) or, for another device, by torch on that device; buffers are
-reused across chunks and draws, and a caller that draws the same size every step can reuse the output too
-(``normal(..., reuse_output=True)``; a fresh 45 MB vector costs ~15 ms of page faults per step), or add the noise
-straight into its gradients (:meth:`NoiseGenerator.add_normal_`). ``benchmarks/private_step.py`` times it in ns per
-coordinate against ``torch.randn`` with 1 and 2 threads.
+2021, Sec. 5.1): each coordinate is the sum of four float64 draws divided by 2, at four times the cost. The keystream
+is produced on the host in chunks of ``_CHUNK_WORDS`` words and transformed by NumPy on one thread (more intra-op
+threads never slow it down) or by torch on another device, into reused buffers; ``normal(..., reuse_output=True)``
+and :meth:`NoiseGenerator.add_normal_` avoid a fresh output (``benchmarks/private_step.py`` times it).
 """
 
 from __future__ import annotations

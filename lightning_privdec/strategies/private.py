@@ -54,9 +54,8 @@ class PrivateDecentralizedStrategy(DecentralizedStrategy):
         noise_seed: ``None`` (default, secure): noise and sampling from ChaCha20 streams keyed with OS entropy
             (:mod:`lightning_privdec.privacy.noise`); an int: reproducible and NOT private, for tests and debugging.
         secure_mode: Gaussian noise with Opacus's floating-point mitigation (Holohan and Braghin 2021), at 4x its cost.
-        node_local_data: each process's training loader already holds only that node's data: the whole of it is
-            the node's shard (a DistributedSampler that Lightning adds is ignored); otherwise a loader without a
-            DistributedSampler is refused, as every node would sample every example.
+        node_local_data: each process's loader holds only its node's data, all of it the shard (a DistributedSampler
+            Lightning adds is ignored); otherwise a loader without a DistributedSampler is refused.
         ledger_dir: the write-ahead privacy ledger, on disk before each message leaves, so that a resumed run counts
             the steps released after its checkpoint: ``True`` (default): next to the checkpoints, else in the log
             directory (:class:`~lightning_privdec.algorithms.node.WriteAheadPlace`); a path; ``False``/``None``: off

@@ -1,31 +1,22 @@
 """What per-sample gradients need, captured without wrapping any layer's output.
 
 Every layer gets a forward hook that keeps its (detached) inputs and registers one gradient hook on its outputs
-(``torch.autograd.graph.register_multi_grad_hook``). Such a hook sees the gradient with respect to the output as the
-layer returned it, even when later code modifies that output in place (torchvision's ``ReLU(inplace=True)``,
-``out += identity``); ``register_full_backward_hook``, which Opacus's ``GradSampleModule`` uses, wraps outputs in a
-``BackwardHookFunction`` view instead, and those in-place updates then fail.
-
-These mechanisms turn a layer call's inputs ``a`` and output gradients ``g`` into per-example gradients:
+(``register_multi_grad_hook``), which sees the output's gradient even when later code modifies that output in place
+(``ReLU(inplace=True)``, ``out += identity``), where Opacus's ``register_full_backward_hook`` views fail. A layer
+call's inputs ``a`` and output gradients ``g`` become per-example gradients by:
 
 * ``"rule"`` - a closed form per layer type: Opacus's ``GRAD_SAMPLERS`` (Linear, Conv, Embedding, LayerNorm,
-  GroupNorm, RMSNorm, InstanceNorm), plus, in book-keeping, norms and clipped sums without materialisation.
-* ``"unrolled"`` - nn.LSTM, nn.GRU and nn.RNN run step by step during the private step (:mod:`.recurrent`): their
-  input-to-hidden and hidden-to-hidden products are recorded as nn.Linear calls over the whole sequence, so the
-  rules above (and book-keeping) apply to them.
-* ``"attention"`` - nn.MultiheadAttention: while recording, its forward runs as the same computation on nn.Linear
-  objects holding its parameters, rule units of their own (:mod:`.attention`).
-* ``"replay"`` - any other layer holding trainable parameters (nn.MultiheadAttention in the configurations
-  :mod:`.attention` lists, recurrent cells and the recurrent layers :mod:`.recurrent` leaves out, a Hugging Face
-  layer, a model's own parameter used other than by broadcasting) covers its whole sub-tree: its forward is run again
-  on the saved inputs with the random-number state and autocast of the original call (so dropout draws the same
-  mask), and one vector-Jacobian product per example, ``g`` masked to that example along the batch dimension, gives
-  that example's gradient (``torch.autograd.grad(..., is_grads_batched=True)``). Exact for every differentiable
-  layer that treats the examples of a batch independently.
+  GroupNorm, RMSNorm, InstanceNorm), plus, in book-keeping, norms and clipped sums without materialisation;
+  ``"unrolled"`` (nn.LSTM/GRU/RNN, :mod:`.recurrent`) and ``"attention"`` (nn.MultiheadAttention, :mod:`.attention`)
+  run, while recording, as the same computation with their products as nn.Linear calls that these rules cover.
+* ``"replay"`` - any other layer holding trainable parameters (the configurations :mod:`.attention` and
+  :mod:`.recurrent` leave out, recurrent cells, a Hugging Face layer, a model's own parameter used other than by
+  broadcasting) covers its whole sub-tree: its forward is run again on the saved inputs with the random-number state
+  and autocast of the original call, and one vector-Jacobian product per example (``is_grads_batched=True``), ``g``
+  masked to that example, gives its gradient. Exact for every layer that treats the examples independently.
 
-A recurrent layer (nn.LSTM/GRU/RNN and their cells) passed a hidden state it returned in an earlier step (a state
-carried from batch to batch, truncated backpropagation through time) is refused with :data:`CARRIED_STATE_ERROR`:
-one example's data would then reach later steps' gradients, which no step's clipping bounds.
+A recurrent layer passed a hidden state it returned in an earlier step (truncated backpropagation through time) is
+refused (:data:`CARRIED_STATE_ERROR`): one example's data would reach later steps' gradients, beyond any clipping.
 """
 
 from __future__ import annotations
@@ -50,11 +41,10 @@ from lightning_privdec.privacy.per_sample.shared import SharedCall, SharedCaptur
 RULES = GradSampleHooks.GRAD_SAMPLERS
 CARRIED_STATE_ERROR = (
     "layer {name} ({type}) was passed a hidden state carried over from an earlier training step (truncated "
-    "backpropagation through time), which per-example privacy cannot allow. Poisson sampling changes a batch's size "
-    "and members every step, and a carried state lets one example's data reach later steps' gradients, beyond what "
-    "each step's clipping bounds. Reset the state for every batch: `self.hidden = None` at the start of "
-    "training_step, or `hidden = model.init_hidden(batch_size)` per batch, or no state at all; each sequence is "
-    "then the privacy unit"
+    "backpropagation through time), which per-example privacy cannot allow: Poisson sampling changes a batch's "
+    "members every step, and a carried state lets one example's data reach later steps' gradients, beyond what each "
+    "step's clipping bounds. Reset the state for every batch (`self.hidden = None` at the start of training_step, "
+    "or `hidden = model.init_hidden(batch_size)`); each sequence is then the privacy unit"
 )
 _RECURRENT = (nn.RNNBase, nn.RNNCellBase)
 #: layers whose parameters their own code uses in products with the batch: replayed as a whole
@@ -68,10 +58,8 @@ def rule_for(module: nn.Module):
     return RULES.get(type(module))
 
 
-GRAD_ACCUMULATION_ERROR = (
-    "Poisson sampling is not compatible with grad accumulation: a second backward pass before clear(). Take one "
-    "optimizer step per sampled batch."
-)
+GRAD_ACCUMULATION_ERROR = ("Poisson sampling is not compatible with grad accumulation: a second backward pass "
+                           "before clear(). Take one optimizer step per sampled batch.")
 
 
 def _trainable(module: nn.Module, recurse: bool) -> list[nn.Parameter]:
