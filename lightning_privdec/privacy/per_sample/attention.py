@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.per_sample.bookkeeping import linear_holding
 
 
 @dataclass
@@ -92,10 +93,10 @@ def projections(module: nn.MultiheadAttention) -> Projections:
         return found
     packed = separate = None
     if module._qkv_same_embed_dim:
-        packed = _linear(module.in_proj_weight, module.in_proj_bias)
+        packed = linear_holding(module.in_proj_weight, module.in_proj_bias)
     else:
-        separate = tuple(_linear(w, None) for w in _separate_weights(module))
-    made = Projections(packed, separate, _linear(module.out_proj.weight, module.out_proj.bias))
+        separate = tuple(linear_holding(w, None) for w in _separate_weights(module))
+    made = Projections(packed, separate, linear_holding(module.out_proj.weight, module.out_proj.bias))
     for _, lin in made.linears():
         _HELPERS.add(lin)
     _PROJECTIONS[module] = made
@@ -281,13 +282,3 @@ def _merged_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, batc
 
 def _separate_weights(module: nn.MultiheadAttention) -> tuple[Tensor, Tensor, Tensor]:
     return module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
-
-
-def _linear(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
-    """An nn.Linear holding ``weight`` and ``bias`` themselves (no new Parameter, no memory)."""
-    lin = nn.Linear.__new__(nn.Linear)
-    nn.Module.__init__(lin)
-    lin.out_features, lin.in_features = weight.shape
-    lin.weight = weight
-    lin.register_parameter("bias", bias)
-    return lin

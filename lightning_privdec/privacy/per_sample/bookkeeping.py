@@ -359,3 +359,14 @@ def _exact_gradients(module: nn.Module, a: Tensor, g: Tensor, work: torch.dtype)
     norms = torch.linalg.vector_norm(torch.cat([v.flatten(1) for v in grads.values()], dim=1), dim=1)
     upper = (norms + gamma(terms, _U64) * mass) * (1 + 2 * unit_roundoff(work)) * (1 + 1e-12)
     return grads, upper
+
+
+def linear_holding(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
+    """An nn.Linear holding ``weight`` and ``bias`` themselves (no new Parameter, no memory, registered nowhere): the
+    record's layer when a unit's own code computes a product (attention's projections, a recurrent layer's)."""
+    layer = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(layer)
+    layer.out_features, layer.in_features = weight.shape
+    layer.weight = weight
+    layer.register_parameter("bias", bias)
+    return layer

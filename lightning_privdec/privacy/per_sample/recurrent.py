@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.per_sample.bookkeeping import linear_holding
 
 PACKED_SEQUENCE_ERROR = (
     "layer {name} ({type}) returned a PackedSequence: per-sample gradients need padded batches (batch, time, ...) "
@@ -94,16 +95,6 @@ def unroll(module: nn.Module, name: str, recording: Callable[[], bool], recorder
     """Replace ``module``'s forward by the unrolled form while ``recording()`` (a handle: ``.remove()``); its
     products are recorded with ``recorder.record_projection``."""
     return _Unrolled(module, name, recording, recorder)
-
-
-def _linear(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
-    """An nn.Linear holding the recurrent layer's own parameter objects (not registered anywhere): the record's
-    layer, for the nn.Linear arithmetic."""
-    layer = nn.Linear.__new__(nn.Linear)
-    nn.Module.__init__(layer)
-    layer.in_features, layer.out_features = weight.shape[1], weight.shape[0]
-    layer.weight, layer.bias = weight, bias
-    return layer
 
 
 def _forward(module: nn.RNNBase, name: str, recorder: Any, input: Any, hx: Any) -> Any:
@@ -158,7 +149,7 @@ def _direction(
     ih = F.linear(x, *_maybe_detached((w_ih, b_ih), skip))
     if not ih.requires_grad:  # (a leaf then: its own gradient is the gates')
         ih.requires_grad_(True)
-    recorder.record_projection(f"{prefix}weight_ih{suffix}", _linear(w_ih, b_ih), x, ih, unit=module)
+    recorder.record_projection(f"{prefix}weight_ih{suffix}", linear_holding(w_ih, b_ih), x, ih, unit=module)
     hidden = _maybe_detached((w_hh, b_hh), skip)
     gru = module.mode == "GRU"
     cell = _CELLS[module.mode]
@@ -180,10 +171,10 @@ def _direction(
         reset_seq = torch.stack(resets, dim=1) if gru else None
         project_seq = torch.stack(project_in, dim=1) if w_hr is not None else None
     # the hidden product's output gradient at step t is the gates' (``ih``'s), for GRU's new gate times r
-    recorder.record_projection(f"{prefix}weight_hh{suffix}", _linear(w_hh, b_hh), previous_seq, ih,
+    recorder.record_projection(f"{prefix}weight_hh{suffix}", linear_holding(w_hh, b_hh), previous_seq, ih,
                                partial(_reset_gate_gradient, reset_seq) if gru else None, unit=module)  # fmt: skip
     if w_hr is not None:
-        recorder.record_projection(f"{prefix}weight_hr{suffix}", _linear(w_hr, None), project_seq, project_out,
+        recorder.record_projection(f"{prefix}weight_hr{suffix}", linear_holding(w_hr, None), project_seq, project_out,
                                    unit=module)
     return torch.stack(outputs, dim=1), h, c
 
