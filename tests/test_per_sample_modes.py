@@ -373,3 +373,35 @@ def test_the_first_step_sum_check_checks_the_arithmetic_the_caller_releases(
     else:
         release()
     per_sample.detach()
+
+
+def test_ghost_losses_under_a_float16_grad_scaler_overflow_no_sooner_than_a_mean_loss(device: torch.device) -> None:
+    """A GradScaler's 2^16 times a confidently wrong example's loss gradient (|p - y| = 1) is past float16's 65,504:
+    summed as they are, every example's float16 output gradient overflows and the example is zeroed. The sum carries
+    the mean loss's power-of-two factor (2^-4 at 16 examples) instead: nothing overflows, and the clipped sum is
+    float32's."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 4, device=device), torch.ones(16, dtype=torch.long, device=device)
+
+    def clipped_sum(precision: str, factor: bool = True) -> tuple[torch.Tensor, int]:
+        model = nn.Linear(4, 2).to(device)
+        with torch.no_grad():
+            model.weight.mul_(0.01)
+            model.bias.copy_(torch.tensor([20.0, -20.0]))  # p(y = 1) ~ e^-40: every example wrong and sure of it
+        ghost = GhostClipping(model, 1.0)
+        scale = 2.0**16 if precision == "16-mixed" else 1.0
+        ghost.set_loss_scale(scale)
+        if not factor:  # the plain sum (the positive control)
+            ghost.loss_sum = lambda losses, expected=None: losses.sum()
+        with torch.autocast(device.type, dtype=torch.float16, enabled=precision == "16-mixed"):
+            losses = F.cross_entropy(model(x), y, reduction="none")
+        ghost.backward(losses.float() * scale, expected_batch_size=16)
+        dropped = ghost.take_nonfinite_examples()
+        ghost.detach()
+        return torch.cat([model.weight.grad.flatten(), model.bias.grad]), dropped
+
+    want, _ = clipped_sum("32-true")
+    got, dropped = clipped_sum("16-mixed")
+    assert dropped == 0
+    assert float((got - want).norm() / want.norm()) < 1e-2
+    assert clipped_sum("16-mixed", factor=False)[1] == 16  # without the factor every example overflows

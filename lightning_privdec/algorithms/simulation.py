@@ -94,9 +94,9 @@ def train_node(
         if node.clipping.ghost is not None:  # ghost clipping: per-example losses, clipped in their own backward
             node.clipping.ghost.check_loss_shape(value)
             if probe:
-                value.sum().backward()
+                node.clipping.ghost.loss_sum(value, node.expected_micro_batch_size).backward()
             else:
-                node.clipping.ghost_backward(value)
+                node.clipping.ghost_backward(value, node.expected_micro_batch_size)
         else:  # the mean loss, times the run's power-of-two multiplier (as the strategies' precision helper does)
             multiplier = node.clipping.mean_loss_multiplier(node.expected_micro_batch_size)
             ((value.mean() if value.dim() > 0 else value) * multiplier).backward()

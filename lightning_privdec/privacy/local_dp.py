@@ -241,10 +241,11 @@ class PerSampleClipping:
         self.per_sample.set_mean_loss_multiplier(multiplier)
         return multiplier
 
-    def ghost_backward(self, per_sample_losses: torch.Tensor) -> None:
-        """Ghost clipping's two backward passes at C; ``p.grad`` then holds the sum of clipped per-sample gradients."""
+    def ghost_backward(self, per_sample_losses: torch.Tensor, expected_batch_size: float | None = None) -> None:
+        """Ghost clipping's backward pass at C (:meth:`GhostClipping.backward`; ``expected_batch_size`` sets its
+        power-of-two loss factor); ``p.grad`` then holds the sum of clipped per-sample gradients."""
         assert self.ghost is not None
-        self._ghost_norms = self.ghost.backward(per_sample_losses)
+        self._ghost_norms = self.ghost.backward(per_sample_losses, expected_batch_size)
 
     def check_examples(self, backward: Callable[[Any], Any], examples: tuple[Any, Any], size: int) -> str | None:
         """Before the first step on the attached model (once): refuse, naming the layer or the loss and the fix,

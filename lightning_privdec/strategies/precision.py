@@ -91,7 +91,7 @@ class PrivatePrecision:
         divides the loss by k, which is undone so that every example is clipped at its own gradient."""
         loss = self.pre_backward(loss * micro_batches if micro_batches > 1 else loss)
         if self.node.clipping.ghost is not None:
-            self.node.clipping.ghost_backward(self.scale(loss))
+            self.node.clipping.ghost_backward(self.scale(loss), self.node.expected_micro_batch_size)
         else:
             plugin_backward(loss)
         if micro_batches > 1:
@@ -99,11 +99,11 @@ class PrivatePrecision:
 
     def backward_outside_step(self, loss: Tensor) -> None:
         """A backward pass outside a training step (PrivSGP-VR's table, the per-example probe), scaled as in a step;
-        ghost clipping's per-sample losses are summed."""
+        ghost clipping's per-sample losses are summed as in its step (:meth:`GhostClipping.loss_sum`)."""
         if self.node.clipping.ghost is not None:
             self.node.clipping.ghost.check_loss_shape(loss)
             self.tell_loss_scale()
-            loss = loss.sum()
+            loss = self.node.clipping.ghost.loss_sum(loss, self.node.expected_micro_batch_size)
         else:
             loss = self.pre_backward(loss)
         self.scale(loss).backward()

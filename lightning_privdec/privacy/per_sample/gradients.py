@@ -327,8 +327,19 @@ class GhostClipping:
         """The trainable parameters, in ``module.parameters()`` order."""
         return self._per_sample.parameters
 
-    def backward(self, per_sample_losses: Tensor) -> Tensor:
-        """Leave sum_i clip(g_i) in every ``p.grad``; return the unclipped per-sample gradient norms."""
+    def loss_sum(self, per_sample_losses: Tensor, expected_batch_size: float | None = None) -> Tensor:
+        """The per-sample losses' sum times 2^-ceil(log2 E) (E the run's expected batch size, else B), the factor
+        each example's loss has under the mean loss's :func:`mean_loss_multiplier`: float16 output gradients (scaled by
+        the GradScaler under 16-mixed) then overflow no sooner than with a mean loss, where the plain sum's B-times
+        larger ones did (a 3-class classifier's at 50,000 of float16's 65,504). The per-sample arithmetic is told the
+        factor and divides it out exactly (a power of two)."""
+        factor = mean_loss_multiplier(1, expected_batch_size or max(per_sample_losses.numel(), 1))
+        self._per_sample.set_mean_loss_multiplier(factor)
+        return per_sample_losses.sum() * factor
+
+    def backward(self, per_sample_losses: Tensor, expected_batch_size: float | None = None) -> Tensor:
+        """Leave sum_i clip(g_i) in every ``p.grad`` (the backward pass of :meth:`loss_sum`); return the unclipped
+        per-sample gradient norms."""
         if per_sample_losses.dim() != 1:
             self._per_sample.clear()
         self.check_loss_shape(per_sample_losses)
@@ -338,7 +349,7 @@ class GhostClipping:
                 p.grad = torch.zeros_like(p)
             return per_sample_losses.detach().new_zeros(0)
         try:
-            per_sample_losses.sum().backward()
+            self.loss_sum(per_sample_losses, expected_batch_size).backward()
             return self._per_sample.clip_and_sum(self.max_grad_norm)
         finally:
             self._per_sample.clear()
