@@ -394,3 +394,31 @@ def test_the_simulator_trains_every_mode_like_bookkeeping(mode):
     torch.manual_seed(0)
     initial = torch.cat([p.detach().reshape(-1) for p in PositionTable(8, per_example=True).parameters()])
     assert (reference.parameters - initial).norm() > 0.1  # it trained
+
+
+class _BatchSizeDependent(nn.Module):
+    """Each example's output times a factor set by the batch size alone: 1 + ``change`` at an even batch size."""
+
+    def __init__(self, change: float) -> None:
+        super().__init__()
+        self.linear, self.change = nn.Linear(4, 2), change
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * (1 + self.change * (x.shape[0] % 2 == 0))
+
+
+@pytest.mark.parametrize(("change", "accepted"), [(2e-3, True), (0.14, False)])
+def test_a_rounding_sized_change_between_batch_sizes_passes_the_probe_and_a_larger_one_is_refused(change, accepted):
+    """A GPU's kernels, chosen per batch size, round one example's gradient differently at m and m - 1 (~1e-3 on an
+    H200's convolutions): replacing the removed example at size m changes nothing, and the probe passes. A layer that
+    scales by the batch size (here 1.14x, what a 1/B does at m = 8) is refused like any coupling."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_BatchSizeDependent(change), nn.Tanh(), nn.Linear(2, 2)), torch.randn(8, 4)
+    per_sample = PerSampleGradients(model, mode="bookkeeping")
+    backward = lambda i: model(x[i]).square().sum(1).mean().backward()  # noqa: E731
+    if accepted:
+        assert per_sample.check_examples(backward, 8).endswith("not when an example was replaced)")
+    else:
+        with pytest.raises(PrivacyConfigError, match="gradients that depend on the other examples|depend on each other"):
+            per_sample.check_examples(backward, 8)
+    per_sample.detach()
