@@ -26,7 +26,7 @@ makes that hard:
   per-example gradients are sums over time, privacy/per_sample/recurrent.py) with an example of large, nearly
   constant inputs and output gradients alternating in sign over time, its near-duplicate, and one of tiny inputs;
 * ``mean_rounding_*``: near-cancelling recurrent examples under a float32 mean loss, whose 1/B would round every
-  example's output gradients differently for D and D \ x (the mean loss multiplier keeps them exact).
+  example's output gradients differently for D and D \\ x (the mean loss multiplier keeps them exact).
 
 Each attack runs every per-sample mode and precision it applies to and reports the largest ratio over the batch.
 ``broken_norms()`` swaps in the unguarded Gram norm (no rounding bound), the attack's positive control.
@@ -74,10 +74,10 @@ class AttackResult:
         return {**asdict(self), "holds": self.holds}
 
 
-def _autocast(precision: str):  # noqa: ANN202
+def _autocast(precision: str, device_type: str):  # noqa: ANN202
     if precision == "32-true":
         return nullcontext()
-    return torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
+    return torch.autocast(device_type, dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
 
 
 def _clipped_sum(clipper: PerSampleGradients | GhostClipping, model: nn.Module, batch: Batch, losses: Losses,
@@ -89,11 +89,11 @@ def _clipped_sum(clipper: PerSampleGradients | GhostClipping, model: nn.Module, 
         p.grad = None
     if scale != 1.0:
         clipper.set_loss_scale(scale)
-    with _autocast(precision):
+    with _autocast(precision, batch[0].device.type):
         per_example = losses(model, batch)
     if isinstance(clipper, GhostClipping):
         clipper.max_grad_norm = clip
-        clipper.backward(per_example.float() * scale)
+        clipper.backward(per_example.float() * scale, expected)
     else:  # as the private strategies' backward: a mean loss, times B 2^-ceil(log2 E) in every precision
         multiplier = mean_loss_multiplier(per_example.shape[0], expected)
         clipper.set_mean_loss_multiplier(multiplier)
@@ -120,7 +120,7 @@ def sensitivity(model: nn.Module, batch: Batch, losses: Losses, *, clip: float, 
         full = _clipped_sum(clipper, model, batch, losses, clip, precision, size)
         ratios = []
         for x in range(size):
-            keep = torch.tensor([i for i in range(size) if i != x])
+            keep = torch.tensor([i for i in range(size) if i != x], device=batch[0].device)
             without = _clipped_sum(clipper, model, tuple(t.index_select(0, keep) for t in batch), losses, clip,
                                    precision, size)  # fmt: skip
             ratios.append(float(torch.linalg.vector_norm(full - without)) / clip)
@@ -244,8 +244,8 @@ class _Attention(nn.Module):
             return self.attention(x, x, x, need_weights=False)[0]
         half = x.shape[1] // 2
         query, memory = x[:, :half].transpose(0, 1), x[:, half:].transpose(0, 1)
-        causal = torch.ones(half, memory.shape[0], dtype=torch.bool).triu(1)
-        padding = torch.zeros(x.shape[0], memory.shape[0], dtype=torch.bool)
+        causal = torch.ones(half, memory.shape[0], dtype=torch.bool, device=x.device).triu(1)
+        padding = torch.zeros(x.shape[0], memory.shape[0], dtype=torch.bool, device=x.device)
         padding[1:2, -1] = True
         out, _ = self.attention(query, memory, memory, attn_mask=causal, key_padding_mask=padding)
         return out.transpose(0, 1)
@@ -342,8 +342,10 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
 }
 
 
-def run_attacks(names: tuple[str, ...] | None = None, modes: tuple[str, ...] = MODES) -> list[AttackResult]:
-    """Every attack (or ``names``) in every mode and in each precision it applies to."""
+def run_attacks(names: tuple[str, ...] | None = None, modes: tuple[str, ...] = MODES,
+                device: str | torch.device = "cpu") -> list[AttackResult]:
+    """Every attack (or ``names``) in every mode and in each precision it applies to, on ``device`` (the crafted
+    batches are built on the CPU, then moved)."""
     results = []
     for name in names or tuple(ATTACKS):
         build, clip, precisions = ATTACKS[name]
@@ -351,6 +353,9 @@ def run_attacks(names: tuple[str, ...] | None = None, modes: tuple[str, ...] = M
             for mode in modes:
                 torch.manual_seed(0)
                 model, batch, warm_up = build()
+                model.to(device)
+                batch = tuple(t.to(device) for t in batch)
+                warm_up = None if warm_up is None else tuple(t.to(device) for t in warm_up)
                 ratios = sensitivity(model, batch, _token_loss, clip=clip, mode=mode, precision=precision,
                                      warm_up=warm_up)  # fmt: skip
                 results.append(AttackResult(name, mode, precision, float(ratios.max())))

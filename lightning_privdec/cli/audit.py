@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--clipping", action="store_true",
                         help="also run the clipping attack: crafted examples against ||S(D) - S(D without x)|| <= C "
                         "in every per-sample mode and precision")
+    parser.add_argument("--attack-device", default="cpu", metavar="DEVICE",
+                        help="where the clipping attack runs: cpu (default), cuda, cuda:1, ...")
     parser.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bound")
     parser.add_argument("--guesses", type=int, nargs="+", default=None, metavar="R",
                         help="numbers of guesses r to try (Bonferroni-corrected; default 2%%..100%% of m)")
@@ -102,12 +104,12 @@ HEADER = (f"{'strategy':<30} {'claimed ε':>9} {'δ':>8} {'ε lower':>8} {'conf'
           f"{'s':>6}  verdict")
 
 
-def _clipping_rows(names: Sequence[str] | None, broken: bool, as_json: bool) -> list[AttackResult]:
+def _clipping_rows(names: Sequence[str] | None, broken: bool, as_json: bool, device: str) -> list[AttackResult]:
     """The clipping attack's table (or nothing printed under ``--json``)."""
     with broken_norms() if broken else nullcontext():
-        results = run_attacks(tuple(names) if names else None)
+        results = run_attacks(tuple(names) if names else None, device=device)
     if not as_json:
-        print(f"\nclipping attack{' (broken: norm without its rounding bound)' if broken else ''}: largest "
+        print(f"\nclipping attack on {device}{' (broken: norm without its rounding bound)' if broken else ''}: largest "
               f"||S(D) - S(D \\ x)|| / C over the batch, allowed 1 + {TOLERANCE:g}")
         print(f"{'attack':<26} {'mode':<12} {'precision':<11} {'ratio':>12}  verdict")
         for r in results:
@@ -129,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _audit(args: argparse.Namespace) -> int:
     if args.broken == "norm":
-        attacks = _clipping_rows(args.attack, broken=True, as_json=args.json)
+        attacks = _clipping_rows(args.attack, broken=True, as_json=args.json, device=args.attack_device)
         if args.json:
             print(json.dumps({"clipping_attack": [r.to_dict() for r in attacks]}, indent=2))
         return 0 if all(r.holds for r in attacks) else EXIT_VIOLATION
@@ -152,7 +154,7 @@ def _audit(args: argparse.Namespace) -> int:
     except (ValueError, PrivacyConfigError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    attacks = _clipping_rows(args.attack, broken=False, as_json=args.json) if args.clipping else []
+    attacks = _clipping_rows(args.attack, broken=False, as_json=args.json, device=args.attack_device) if args.clipping else []
     if args.json:
         records = [r.to_dict() for r in reports]
         output: Any = records[0] if len(records) == 1 else records
