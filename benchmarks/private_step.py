@@ -147,8 +147,7 @@ def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -
             private_step(node)
             flat.buffer.copy_(gossip.x)
             optimizer.step()
-            gossip.step(flat.buffer)
-            gossip.debias_into(flat.buffer)
+            gossip.step(flat.buffer, debias_into=flat.buffer)  # NodeRunner.step's round and de-biasing
             _record(times, start, cpu_start)
             if len(times) == steps + warmup:
                 break
