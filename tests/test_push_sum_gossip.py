@@ -138,7 +138,7 @@ def test_a_round_that_writes_z_as_it_mixes_is_bit_for_bit_the_round_then_the_deb
     """``step(x, debias_into=buffer)`` (line 5 and z = x / y in one pass over runs of coordinates) leaves x, y, the
     copies and the buffer exactly as ``step(x)`` then ``debias_into(buffer)`` do: a vector of several runs and a
     ragged end, on a directed graph whose push-sum weights are far from 1."""
-    n, d = 6, 3 * mixing._MIX_RUN + 37
+    n, d = 6, 3 * mixing._LINE5_RUN + 37
     topology = build_topology(irregular_digraph(n), n, weights="push-sum")
     g = torch.Generator().manual_seed(3)
     x0 = [torch.randn(d, generator=g) * (i + 1) for i in range(n)]

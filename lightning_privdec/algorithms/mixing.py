@@ -59,8 +59,8 @@ from lightning_privdec.topology import Topology
 
 BROADCAST = -1  # channel id of the one public copy a node shares with all its out-neighbours on a static graph
 _MASK64 = (1 << 64) - 1
-#: coordinates per run of a round's mixing (line 5 when compressed) and de-biasing (256 KiB of float32 per vector)
-_MIX_RUN = 1 << 16
+#: coordinates per run of the compressed round's line 5 and de-biasing (256 KiB of float32 per vector)
+_LINE5_RUN = 1 << 16
 
 
 def message_key(seed: int, sender: int, channel: int, round_: int) -> int:
@@ -234,9 +234,9 @@ class PushSumGossip:
         elif self.staleness:
             self._overlap_round(x_half, plan)
         else:
-            self._exact_round(x_half, plan, debias_into)
+            self._exact_round(x_half, plan)
         self.round += 1
-        if debias_into is not None and self.staleness:
+        if debias_into is not None and self.compressor is None:
             self.debias_into(debias_into)
 
     def _weight_message(self) -> list[Tensor]:
@@ -254,21 +254,15 @@ class PushSumGossip:
             mixed = mixed + plan.in_weights[j] * received[j][-1]
         self.y = self.y + self.gamma * (mixed - self.y)
 
-    def _exact_round(self, x_half: Tensor, plan: RoundPlan, debias_into: Tensor | None = None) -> None:
-        """SGP: send (x, y) to out-neighbours, then x_i = sum_j a_ij x_j and y_i = sum_j a_ij y_j (and, with
-        ``debias_into``, z = x / y in the same runs)."""
+    def _exact_round(self, x_half: Tensor, plan: RoundPlan) -> None:
+        """SGP: send (x, y) to out-neighbours, then x_i = sum_j a_ij x_j and y_i = sum_j a_ij y_j."""
         message_specs = [TensorSpec.of(x_half), *self._weight_specs()]
         outgoing = {k: [x_half, *self._weight_message()] for k in plan.out_peers}
         received = self.exchange.exchange(outgoing, {j: message_specs for j in plan.in_peers})
+        torch.mul(x_half, plan.self_weight, out=self.x)
+        for j in plan.in_peers:
+            self.x.add_(received[j][0], alpha=plan.in_weights[j])
         self._mix_weights(plan, received)
-        y = self.y.to(self.x.dtype) if debias_into is not None else None
-        for start in range(0, x_half.numel(), _MIX_RUN):  # runs as in _compressed_round
-            run = slice(start, start + _MIX_RUN)
-            x = torch.mul(x_half[run], plan.self_weight, out=self.x[run])
-            for j in plan.in_peers:
-                x.add_(received[j][0][run], alpha=plan.in_weights[j])
-            if debias_into is not None:
-                torch.div(x, y, out=debias_into[run])
 
     # ---- overlap: SGP with non-blocking messages mixed tau steps late ----------------------------------------------
     def _overlap_round(self, x_half: Tensor, plan: RoundPlan) -> None:
@@ -356,10 +350,10 @@ class PushSumGossip:
             sent_weight = sum(a for r, a in plan.out_weights.items() if self._channel(r) == channel)
             terms.append((self.own_copies[channel], -self.gamma * sent_weight))
         y = self.y.to(self.x.dtype) if debias_into is not None else None
-        # runs of _MIX_RUN coordinates (a multiple of every SIMD width: each entry is computed as in one pass
+        # runs of _LINE5_RUN coordinates (a multiple of every SIMD width: each entry is computed as in one pass
         # over the whole vector), so that the partial sum and z are written while the run is in the cache
-        for start in range(0, d, _MIX_RUN):
-            run = slice(start, start + _MIX_RUN)
+        for start in range(0, d, _LINE5_RUN):
+            run = slice(start, start + _LINE5_RUN)
             source, x = x_half[run], self.x[run]
             for copy, weight in terms:
                 torch.add(source, copy[run], alpha=weight, out=x)
