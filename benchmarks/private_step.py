@@ -147,7 +147,8 @@ def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -
             private_step(node)
             flat.buffer.copy_(gossip.x)
             optimizer.step()
-            gossip.step(flat.buffer, debias_into=flat.buffer)  # NodeRunner.step's round and de-biasing
+            gossip.step(flat.buffer)
+            gossip.debias_into(flat.buffer)
             _record(times, start, cpu_start)
             if len(times) == steps + warmup:
                 break

@@ -385,9 +385,8 @@ class CPGTGossip:
         return self.y
 
     # ----------------------------------------------------------------------------------------------------------------
-    def step(self, x_half: Tensor, debias_into: Tensor | None = None) -> None:
-        """One round, lines 5-10, given x_half = x_i(k) - alpha y_i(k) (the caller's descent step); then
-        :meth:`debias_into` ``debias_into`` if given."""
+    def step(self, x_half: Tensor) -> None:
+        """One round, lines 5-10, given x_half = x_i(k) - alpha y_i(k) (the caller's descent step)."""
         if self.y is None or self._grad is None:
             raise RuntimeError("CPGTGossip.step needs track(grad f_i(x_i(k))) first, once per round")
         k, d, dtype = self.round, self.dimension, self.x.dtype
@@ -417,8 +416,6 @@ class CPGTGossip:
         self.y = self._grad = None
         self.last_noise = (eta_x, eta_y)
         self.round += 1
-        if debias_into is not None:
-            self.debias_into(debias_into)
 
     def _compress(self, difference: Tensor, channel: int) -> list[Tensor]:
         return self.compressor.encode(difference, message_key(self.seed, self.rank, channel, self.round))

@@ -59,8 +59,6 @@ from lightning_privdec.topology import Topology
 
 BROADCAST = -1  # channel id of the one public copy a node shares with all its out-neighbours on a static graph
 _MASK64 = (1 << 64) - 1
-#: coordinates per run of the compressed round's line 5 and de-biasing (256 KiB of float32 per vector)
-_LINE5_RUN = 1 << 16
 
 
 def message_key(seed: int, sender: int, channel: int, round_: int) -> int:
@@ -224,20 +222,16 @@ class PushSumGossip:
         return self._plans[key]
 
     # ----------------------------------------------------------------------------------------------------------------
-    def step(self, x_half: Tensor, debias_into: Tensor | None = None) -> None:
-        """One gossip round on x_i^{t+1/2} (the numerator after the local update); updates x, y and the copies.
-        With ``debias_into`` (which may be ``x_half`` itself) it then holds z = x / y, bit for bit what
-        :meth:`debias_into` writes; compressed rounds write it in the same cache-sized pass as line 5."""
+    def step(self, x_half: Tensor) -> None:
+        """One gossip round on x_i^{t+1/2} (the numerator after the local update); updates x, y and the copies."""
         plan = self.plan(self.round)
         if self.compressor is not None:
-            self._compressed_round(x_half, plan, debias_into)
+            self._compressed_round(x_half, plan)
         elif self.staleness:
             self._overlap_round(x_half, plan)
         else:
             self._exact_round(x_half, plan)
         self.round += 1
-        if debias_into is not None and self.compressor is None:
-            self.debias_into(debias_into)
 
     def _weight_message(self) -> list[Tensor]:
         return [self.y] if self.push_sum_weight else []
@@ -316,10 +310,9 @@ class PushSumGossip:
                 table[key] = torch.zeros_like(self.x) if start is None else start.clone()
         self._copies_start, self._copies_made = None, True
 
-    def _compressed_round(self, x_half: Tensor, plan: RoundPlan, debias_into: Tensor | None = None) -> None:
-        """Lines 1-7 with no model-sized temporary: the compressor works in :attr:`workspace` and adds its decoded
-        messages into the copies in place (a sparsifier touches only the kept coordinates); line 5 and, with
-        ``debias_into``, line 7 run together over cache-sized runs of coordinates."""
+    def _compressed_round(self, x_half: Tensor, plan: RoundPlan) -> None:
+        """Lines 1-6 with no model-sized temporary: the compressor works in :attr:`workspace` and adds its decoded
+        messages into the copies in place (a sparsifier touches only the kept coordinates)."""
         assert self.compressor is not None
         d, k = x_half.numel(), self.round
         compressor, workspace = self.compressor, self.workspace
@@ -341,27 +334,21 @@ class PushSumGossip:
             key = message_key(self.seed, j, self._channel(self.rank), k)
             payload = received[j][: len(payload_specs)]
             compressor.decode_add_(payload, self.neighbour_copies[j], key, workspace)
-        # Line 6: y_i = sum_j a_ij y_j (the weight travels uncompressed; line 5 does not read it).
-        self._mix_weights(plan, received)
-        # Line 5 (5' on time-varying graphs): w_i = x_i + gamma (sum_j a_ij x_hat_j - sum_k a_ki x_hat_ik), the
-        # first sum over in-neighbours, the second over the copies this node sent from; then line 7, z = w / y.
-        terms = [(self.neighbour_copies[j], self.gamma * plan.in_weights[j]) for j in plan.in_peers]
+        # Line 5 (5' on time-varying graphs): w_i = x_i + gamma (sum_j a_ij x_hat_j - sum_k a_ki x_hat_ik),
+        # where the first sum runs over in-neighbours and the second over the copies this node sent from: one
+        # pass per copy, straight into x.
+        source = x_half
+        for j in plan.in_peers:
+            torch.add(source, self.neighbour_copies[j], alpha=self.gamma * plan.in_weights[j], out=self.x)
+            source = self.x
         for channel in payloads:
             sent_weight = sum(a for r, a in plan.out_weights.items() if self._channel(r) == channel)
-            terms.append((self.own_copies[channel], -self.gamma * sent_weight))
-        y = self.y.to(self.x.dtype) if debias_into is not None else None
-        # runs of _LINE5_RUN coordinates (a multiple of every SIMD width: each entry is computed as in one pass
-        # over the whole vector), so that the partial sum and z are written while the run is in the cache
-        for start in range(0, d, _LINE5_RUN):
-            run = slice(start, start + _LINE5_RUN)
-            source, x = x_half[run], self.x[run]
-            for copy, weight in terms:
-                torch.add(source, copy[run], alpha=weight, out=x)
-                source = x
-            if source is not x:  # no neighbour this round
-                x.copy_(source)
-            if debias_into is not None:
-                torch.div(x, y, out=debias_into[run])
+            torch.add(source, self.own_copies[channel], alpha=-self.gamma * sent_weight, out=self.x)
+            source = self.x
+        if source is x_half:  # no neighbour this round
+            self.x.copy_(x_half)
+        # Line 6: y_i = sum_j a_ij y_j (the weight travels uncompressed).
+        self._mix_weights(plan, received)
 
     # ---- checkpointing ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

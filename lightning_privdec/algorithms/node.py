@@ -139,7 +139,7 @@ class NodeRunner:
             write_ahead: this node's write-ahead ledger (None: none is written).
             after_privatize: runs after the release is recorded and written (the GradScaler's rescaling).
             after_gossip: sees the output between the gossip and the de-biasing (the divergence guard compares
-                ``gossip.x`` with ``flat.buffer`` = x^{t+1/2}); without it the gossip writes z while it mixes.
+                ``gossip.x`` with ``flat.buffer`` = x^{t+1/2}).
         """
         calls = 0
 
@@ -162,12 +162,10 @@ class NodeRunner:
             return loss
 
         output = update(closure) if update is not None else optimizer.step(closure)
-        if after_gossip is None:  # x^{t+1/2} -> neighbours -> x^{t+1}, y^{t+1}; the module then holds z = x / y
-            self.gossip.step(self.flat.buffer, debias_into=self.flat.buffer)
-        else:  # the same in two calls, x^{t+1/2} still in the module between them
-            self.gossip.step(self.flat.buffer)
+        self.gossip.step(self.flat.buffer)  # x^{t+1/2} -> neighbours -> x^{t+1}, y^{t+1}
+        if after_gossip is not None:
             after_gossip(output)
-            self.gossip.debias_into(self.flat.buffer)
+        self.gossip.debias_into(self.flat.buffer)  # the module holds z = x / y for the next forward
         return output
 
     # ---- the privacy policy around the steps ------------------------------------------------------------------------

@@ -404,10 +404,8 @@ class DecentralizedStrategy(ProcessGroupStrategy):
                                   step=gossip.round, device=self.root_device, cause=self.divergence_cause,
                                   skip_nonfinite_loss=not self.stop_on_nonfinite_loss)
 
-        # the guard reads x^{t+1/2} between the gossip and the de-biasing; other steps fuse the two
-        check = self._guard is not None and self._guard.due(runner.gossip.round + 1)
         output = runner.step(optimizer, closure, step=self.lightning_module.trainer.global_step, update=update,
-                             after_gossip=look_for_divergence if check else None, **self.step_options())
+                             after_gossip=look_for_divergence, **self.step_options())
         self.after_step()
         return output
 
