@@ -40,7 +40,6 @@ def child(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore")
     import lightning as L
     import torch.distributed as dist
-
     from torch.utils.data import DataLoader, TensorDataset
 
     sys.path.insert(0, str(HERE))
