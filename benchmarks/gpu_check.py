@@ -58,10 +58,10 @@ The smoke run (CI: tests/test_gpu_check.py)::
     python benchmarks/gpu_check.py --accelerator cpu --quick --json /tmp/gpu_check.json
 
 ``--quick``: batches of 2 (8x8 images; the 2-layer GPT-2 of step_time.py with 16 tokens instead of GPT-2 small),
-every precision on that GPT-2 only and fp32 on the others, 3 timed steps, 100k and 1M noise coordinates, 2 ranks
-for 1 step of DP-CSGP only, and two tests of tests/test_noise.py (its CUDA-only one skips on CPU). Without
-``--quick``, ``--accelerator cpu`` runs the full configuration on the CPU (slow: tens of minutes). ``--sections``
-picks sections; ``--no-table`` prints only the JSON's path.
+every precision on that GPT-2 only and fp32 on the others, 1 warm-up and 1 timed step, 100k and 1M noise
+coordinates, 2 ranks for 1 step of DP-CSGP only, and two tests of tests/test_noise.py (its CUDA-only one skips on
+CPU). Without ``--quick``, ``--accelerator cpu`` runs the full configuration on the CPU (slow: tens of minutes).
+``--sections`` picks sections; ``--no-table`` prints only the JSON's path.
 """
 
 from __future__ import annotations
@@ -302,17 +302,17 @@ def measure_step(model: str, precision: str, kind: str, device: Any, quick: bool
         net = fresh_model().to(device)
         row["parameters"] = sum(p.numel() for p in net.parameters())
         step = build_step(kind, precision, net, inputs.to(device), targets.to(device), loss_fn, device, batch)
-        warmup, most = (1, 3) if quick else (2, 20)
+        warmup, least, most = (1, 1, 1) if quick else (2, 3, 20)
         for _ in range(warmup):
             step()
         synchronize(device)
         start = time.perf_counter()
-        step()  # the first timed step also sizes the rest: about 0.6 s of steps, at least 3
+        step()  # the first timed step also sizes the rest: about 0.6 s of steps, at least `least`
         synchronize(device)
         first = time.perf_counter() - start
-        remaining = max(2, min(most - 1, int(0.6 / max(first, 1e-6))))
+        remaining = max(least - 1, min(most - 1, int(0.6 / max(first, 1e-6))))
         if time.time() + remaining * first > deadline:
-            remaining = 1
+            remaining = min(remaining, 1)
         for _ in range(remaining):
             step()
         synchronize(device)

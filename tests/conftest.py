@@ -20,6 +20,11 @@ def _stop(signum: int, frame: object) -> None:
 
 signal.signal(signal.SIGTERM, _stop)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs one worker per core (README: -n 2 on 2 cores): intra-op threads in each would oversubscribe
+    # them. A test that needs several threads sets them itself.
+    torch.set_num_threads(1)
+
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     kill_process_groups()

@@ -54,7 +54,7 @@ def test_the_quick_cpu_run_writes_every_section_with_plausible_numbers(tmp_path:
             assert row["error"]  # Opacus refuses torchvision's in-place residual add and GPT-2's tied weights
             continue
         assert "error" not in row, row
-        assert row["steps"] == 3 and row["parameters"] > 10_000 and row["peak_memory_bytes"] is None
+        assert row["steps"] == 1 and row["parameters"] > 10_000 and row["peak_memory_bytes"] is None
         assert math.isfinite(row["samples_per_second"]) and row["samples_per_second"] > 0
         assert row["step_ms"] * row["samples_per_second"] == pytest.approx(1000 * row["batch"])
     assert sections["throughput"]["targets"] == []  # the targets are the GPU's
