@@ -231,3 +231,34 @@ def test_an_empty_batch_gives_no_norms_and_zero_sums(name: str) -> None:
     assert bookkeeping.squared_norms(layer, x, g, torch.float64).shape == (0,)
     for p, summed in bookkeeping.clipped_sums(layer, x, g, torch.zeros(0, dtype=torch.float64)).items():
         assert summed.view_as(p).abs().sum() == 0
+
+
+@pytest.mark.parametrize("name", ["linear_3d_ghost", "linear_3d_per_example", "conv2d_input_gram", "conv2d_ghost"])
+def test_an_example_with_zero_output_gradients_is_not_computed_apart(name: str) -> None:
+    """An example that no loss reaches (a zero-initialised head, a dead unit) adds exactly 0: it is neither marked
+    ill-conditioned nor recomputed in float64, and its bound is still an upper bound (>= 0); with a non-finite
+    input it is marked (its bound is not finite), so that 0 * inf never reaches the batch's sum."""
+    build, shape = LAYERS[name]
+    torch.manual_seed(5)
+    layer = build()
+    x = torch.randn(3, *shape)
+    g = torch.randn_like(layer(x))
+    g[0] = 0.0
+    bound = bookkeeping.norm_bound(layer, x, g, defer_exact=True)
+    assert not bool(bound.exact[0]) and float(bound.upper[0]) >= 0.0
+    factor = torch.ones(3, dtype=torch.float64)
+    with_zero = bookkeeping.clipped_sums(layer, x, g, factor, bookkeeping.compute_exact(layer, x, g, bound))
+    without = bookkeeping.clipped_sums(layer, x[1:], g[1:], factor[1:])
+    for p in with_zero:  # (up to the float32 rounding of a product over other rows)
+        torch.testing.assert_close(with_zero[p], without[p], rtol=1e-5, atol=1e-5)
+    x[0].view(-1)[0] = float("inf")
+    assert bool(bookkeeping.norm_bound(layer, x, g, defer_exact=True).exact[0])
+
+
+def test_per_example_norms_in_chunks_equal_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(6)
+    g, a = torch.randn(7, 9, 3), torch.randn(7, 9, 4)
+    one_at_a_time = torch.stack([bookkeeping.norm_upper_bound(g[i].t() @ a[i]) for i in range(7)])
+    for entries in (1, 24, 1 << 22):  # one example, two examples, all at once
+        monkeypatch.setattr(bookkeeping, "PER_EXAMPLE_ENTRIES", entries)
+        torch.testing.assert_close(bookkeeping._per_example_weight_norms(g, a), one_at_a_time, rtol=1e-6, atol=0)

@@ -21,6 +21,7 @@ from lightning_privdec.privacy.per_sample.replay import (
 )
 from lightning_privdec.privacy.rounding import (
     SUM_BLOCK,
+    full_precision,
     norm_upper_bound,
     sum_rounding,
     weighted_row_sum,
@@ -225,8 +226,9 @@ class _PerSampleArithmetic:
         parameters jointly; returns the norms (float32 or wider), one per example of every backward pass."""
         sums: dict[nn.Parameter, Tensor] = {}
         all_norms = []
-        for records in self.passes():
-            all_norms.append(self._clip_and_sum_pass(records, max_grad_norm, sums))
+        with full_precision():  # once for every layer's arithmetic (each also enters it; then it costs nothing)
+            for records in self.passes():
+                all_norms.append(self._clip_and_sum_pass(records, max_grad_norm, sums))
         for p in params:
             summed = sums.get(p)
             if summed is None:

@@ -146,7 +146,10 @@ def norm_bound(
         upper = mass * sum_rounding(rows, work) + (estimate + rows * _tiny(work) * math.sqrt(_numel(module)))
         # an example whose terms are large against its norm would round the whole batch's sum: computed apart
         isolate = mass * (u * math.sqrt(rows) * 1e3) > estimate
-        exact = loose | isolate | ~torch.isfinite(upper)
+        # an example whose output gradients are all exactly 0 adds exactly 0 (its finite inputs times 0; a non-finite
+        # input makes its bound non-finite): its gradient is known exactly, though its bound is all rounding floors
+        zero = (g == 0).flatten(1).all(dim=1)
+        exact = ((loose | isolate) & ~zero) | ~torch.isfinite(upper)
     bound = NormBound(upper, exact)
     return bound if defer_exact else compute_exact(module, a, g, bound)
 
@@ -270,7 +273,7 @@ def _linear_estimates(
             squared += torch.minimum(estimate.clamp_min(0) + error, weight_mass.square() * (1 + 1e-9))
             loose |= ~(error <= 0.1 * estimate)  # also when the estimate is not finite
         else:
-            norms = torch.stack([norm_upper_bound(g[i].t() @ a[i]) for i in range(batch)])
+            norms = _per_example_weight_norms(g, a)
             error = gamma(steps, u) * weight_mass + steps * tiny * math.sqrt(d_out * p)
             squared += (norms + error).square()
             loose |= ~(error <= 0.05 * norms)
@@ -281,6 +284,20 @@ def _linear_estimates(
         loose |= bias_loose
         mass += bias_mass
     return squared.sqrt() * (1 + 1e-12), mass, loose, block_examples(steps) * steps
+
+
+#: entries of the per-example weight gradients that :func:`_per_example_weight_norms` holds at once
+PER_EXAMPLE_ENTRIES = 1 << 22
+
+
+def _per_example_weight_norms(g: Tensor, a: Tensor) -> Tensor:
+    """:func:`norm_upper_bound` of each example's weight gradient ``g_i^T a_i`` (g (B, T, d_out), a (B, T, p)),
+    computed for as many examples at once as :data:`PER_EXAMPLE_ENTRIES` allows (each example's product and norm
+    are the same operations as one at a time)."""
+    batch, d_out, p = g.shape[0], g.shape[-1], a.shape[-1]
+    chunk = max(1, PER_EXAMPLE_ENTRIES // max(d_out * p, 1))
+    return torch.cat([norm_upper_bound(torch.bmm(g[i : i + chunk].transpose(1, 2), a[i : i + chunk]), dim=(1, 2))
+                      for i in range(0, batch, chunk)])  # fmt: skip
 
 
 def exact_rows(module: nn.Module, a: Tensor, g: Tensor, samples: dict[nn.Parameter, Tensor]) -> dict:
