@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_privdec.audit.sensitivity import ATTACKS
 from lightning_privdec.privacy.per_sample import PerSampleGradients, bookkeeping
 
 LAYERS = {
@@ -262,3 +263,41 @@ def test_per_example_norms_in_chunks_equal_one_at_a_time(monkeypatch: pytest.Mon
     for entries in (1, 24, 1 << 22):  # one example, two examples, all at once
         monkeypatch.setattr(bookkeeping, "PER_EXAMPLE_ENTRIES", entries)
         torch.testing.assert_close(bookkeeping._per_example_weight_norms(g, a), one_at_a_time, rtol=1e-6, atol=0)
+
+
+def test_calls_of_one_shape_get_the_bounds_each_would_get_alone() -> None:
+    """norm_bounds stacks calls of one shape (a transformer's projections): each call's bounds and ill-conditioned
+    marks are what norm_bound gives it alone; calls of other shapes are computed apart."""
+    torch.manual_seed(7)
+    same = [nn.Linear(16, 12) for _ in range(3)]
+    other = nn.Linear(12, 16)
+    calls = [(layer, torch.randn(4, 5, 16), torch.randn(4, 5, 12)) for layer in same]
+    calls.append((other, torch.randn(4, 5, 12), torch.randn(4, 5, 16)))
+    calls[1][2][2] = 0.0  # an example no loss reaches
+    model, (x, target), _ = ATTACKS["gram_linear"][0]()
+    calls.append((model, x, target))  # an ill-conditioned example 0
+    calls.append((nn.Linear(16, 8, bias=False), x.clone(), target.clone()))
+    stacked = bookkeeping.norm_bounds(calls)
+    for (layer, a, g), bound in zip(calls, stacked):
+        alone = bookkeeping.norm_bound(layer, a, g, defer_exact=True)
+        torch.testing.assert_close(bound.upper, alone.upper, rtol=1e-6, atol=0)
+        assert torch.equal(bound.exact, alone.exact)
+    assert bool(stacked[-1].exact[0]) and bool(stacked[-2].exact[0])
+
+
+def test_calls_of_one_shape_get_the_clipped_sums_each_would_get_alone() -> None:
+    torch.manual_seed(8)
+    from transformers.pytorch_utils import Conv1D
+
+    layers = [nn.Linear(16, 12), nn.Linear(16, 12), nn.Linear(16, 12, bias=False), Conv1D(12, 16), Conv1D(12, 16)]
+    calls = []
+    for layer in layers:
+        a, g = torch.randn(5, 3, 16), torch.randn(5, 3, 12)
+        bound = bookkeeping.norm_bound(layer, a, g)
+        calls.append((layer, a, g, torch.rand(5, dtype=torch.float64), bound))
+    for (layer, a, g, factor, bound), together in zip(calls, bookkeeping.clipped_sums_of(calls)):
+        alone = bookkeeping.clipped_sums(layer, a, g, factor, bound)
+        assert together.keys() == alone.keys()
+        for p in alone:
+            torch.testing.assert_close(together[p], alone[p], rtol=1e-6, atol=1e-6)
+            assert together[p].untyped_storage().nbytes() == together[p].numel() * together[p].element_size()
