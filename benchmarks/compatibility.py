@@ -12,8 +12,10 @@ private strategy and each ``grad_sample_mode`` it accepts. A cell reads
 * ``refused: ...``: the library refused the combination before training, with its reason;
 * ``fails: ...``: anything else (the error's first line).
 
-It also times one private step (best mode) against one non-private step per model in one process (CPU, forward +
-backward [+ clip + noise]) and writes the table to docs/models.md (``--no-record``: print only).
+It also times one private step (book-keeping) against one non-private step per model in one process and thread (CPU
+time, forward + backward [+ clip + noise], the two alternating) and writes the table to docs/models.md
+(``--no-record``: print only; ``--ratios-only``: only these times, e.g. ``--library`` of an older tree against this
+one's).
 
     python benchmarks/compatibility.py                                 # everything (about 20 minutes on 2 cores)
     python benchmarks/compatibility.py --models resnet18,gpt2 --strategies dp_csgp --modes bookkeeping --no-record
@@ -458,7 +460,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run no cells: only the step-time ratios, in one thread and process CPU time, printed "
                         "(with --json: written) and never recorded")
     parser.add_argument("--ratio-steps", type=int, default=None,
-                        help="timed steps of each kind per model (default 3; 20 with --ratios-only)")
+                        help="timed steps of each kind per model (default 5; 20 with --ratios-only)")
     parser.add_argument("--library", type=Path, default=None,
                         help="import lightning_privdec from this tree (e.g. a git worktree of an older commit) to "
                         "compare its ratios with this checkout's on the same models")
@@ -538,12 +540,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: {results[name]}", flush=True)
     ratios = {}
     if not args.no_ratios:
+        import torch
+
         from lightning_privdec.privacy import PrivacyConfigError
 
         warnings.filterwarnings("ignore")
+        torch.set_num_threads(1)  # as the cells' processes: two threads on a loaded machine wait on each other
         for name in args.model_list:
             try:
-                plain, private = step_time_ratio(zoo[name], args.ratio_steps or 3)
+                plain, private = step_time_ratio(zoo[name], args.ratio_steps or 5, time.process_time)
                 ratios[name] = f"{private / plain:.2f}x ({private:.0f} / {plain:.0f} ms)"
             except PrivacyConfigError as refused:
                 ratios[name] = " ".join(f"refused: {str(refused).split('. ')[0]}".split())[:200]
@@ -602,7 +607,8 @@ def record(results: dict[str, dict[str, str]], ratios: dict[str, str], total: fl
         f"**{TRAINS}** trains (finite loss and parameters, epsilon spent), **R*n*** the library refuses the "
         "combination before training (reason *n* below), **F*n*** anything else goes wrong (reason *n*), "
         f"**{NOT_RUN}** not run. The second column is one private step (book-keeping clipping + noise) against one "
-        "non-private step (forward + backward), one process, batch 16.",
+        "non-private step (forward + backward), one process and thread, CPU time, batch 16, the two "
+        "alternating.",
         "",
         *table,
         "",
