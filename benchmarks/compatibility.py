@@ -1,10 +1,10 @@
 """Which models train with which private strategy and per-sample mode: the compatibility matrix of docs/models.md.
 
 Every model is one users bring, built unchanged from a config (no weight download, tiny sizes): torchvision's
-ResNet-18/50 (GroupNorm), MobileNetV3-small and EfficientNet-B0 (BatchNorm, so ``fix_model=True``), a small VisionTransformer,
-Lightning's own Transformer and LSTM demos, a GRU, a language model with an Embedding, RMSNorm and tied weights,
-Hugging Face GPT-2 and BERT (the privacy unit is a sequence), GPT-2 with LoRA adapters (peft), a frozen backbone
-and Lightning's BoringModel. Each trains for ``--steps`` steps on synthetic data in one 2-process gloo run per cell
+ResNet-18/50 (GroupNorm), MobileNetV3-small and EfficientNet-B0 (BatchNorm, so ``fix_model=True``), a small
+VisionTransformer, Lightning's own Transformer and LSTM demos, a GRU, a language model with an Embedding, RMSNorm
+and tied weights, Hugging Face GPT-2 and BERT (the privacy unit is a sequence), GPT-2 with LoRA adapters (peft), a
+frozen backbone and Lightning's BoringModel. Each trains for ``--steps`` steps on synthetic data in one 2-process gloo run per cell
 (every cell is a fresh Trainer; one launch per model, so a failure cannot break another model's cells), with each
 private strategy and each ``grad_sample_mode`` it accepts. A cell reads
 

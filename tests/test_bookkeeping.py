@@ -8,7 +8,11 @@ import torch
 from torch import nn
 
 from lightning_privdec.audit.sensitivity import ATTACKS
-from lightning_privdec.privacy.per_sample import PerSampleGradients, bookkeeping, bookkeeping_conv
+from lightning_privdec.privacy.per_sample import (
+    PerSampleGradients,
+    bookkeeping,
+    bookkeeping_conv,
+)
 
 LAYERS = {
     # name: (layer, input shape without the batch); comments: which norm the cost rule picks
@@ -303,7 +307,8 @@ def test_calls_of_one_shape_get_the_clipped_sums_each_would_get_alone() -> None:
             assert together[p].untyped_storage().nbytes() == together[p].numel() * together[p].element_size()
 
 
-@pytest.mark.parametrize("name", ["conv2d_per_example", "conv2d_groups_dilation", "conv2d_dead_taps", "conv1d_per_example"])
+@pytest.mark.parametrize("name", ["conv2d_per_example", "conv2d_groups_dilation", "conv2d_dead_taps",
+                                  "conv1d_per_example"])  # fmt: skip
 def test_per_example_convolution_norms_in_chunks_equal_one_at_a_time(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     build, shape = LAYERS[name]
     torch.manual_seed(9)
@@ -311,7 +316,8 @@ def test_per_example_convolution_norms_in_chunks_equal_one_at_a_time(name: str, 
     a = torch.randn(5, *shape)
     g = torch.randn_like(layer(a))
     one_at_a_time = torch.stack([
-        bookkeeping.norm_upper_bound(bookkeeping_conv._conv_weight_grad(layer, g[i : i + 1], a[i : i + 1])) for i in range(5)
+        bookkeeping.norm_upper_bound(bookkeeping_conv._conv_weight_grad(layer, g[i : i + 1], a[i : i + 1]))
+        for i in range(5)
     ])  # fmt: skip
     for entries in (1, 2 * layer.weight.numel(), 1 << 22):  # one example, two, all at once
         monkeypatch.setattr(bookkeeping_conv, "PER_EXAMPLE_ENTRIES", entries)

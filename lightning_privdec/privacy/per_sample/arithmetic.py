@@ -279,8 +279,10 @@ class _PerSampleArithmetic:
         norms = squared.sqrt()
         factor = clip_factor(norms, max_grad_norm)
         # sum_i c_i grad_i: one weight-gradient computation per layer (layers of one shape batched)
-        summed = bookkeeping.clipped_sums_of([(r.module, r.activations[0], r.backprops,
-                                               factor[: r.backprops.shape[0]], bound) for r, bound in zip(bookkept, bounds)])
+        summed = bookkeeping.clipped_sums_of([
+            (r.module, r.activations[0], r.backprops, factor[: r.backprops.shape[0]], bound)
+            for r, bound in zip(bookkept, bounds)
+        ])  # fmt: skip
         for layer_sums in summed:
             for p, value in layer_sums.items():
                 _accumulate(sums, p, value)

@@ -189,8 +189,8 @@ def norm_bounds(calls: list[tuple[nn.Module, Tensor, Tensor]]) -> list[NormBound
             out[members[0]] = norm_bound(module, a, g, defer_exact=True)
             continue
         module = calls[members[0]][0]
-        stacked = norm_bound(module, torch.cat([calls[k][1] for k in members]), torch.cat([calls[k][2] for k in members]),
-                             defer_exact=True)  # fmt: skip
+        a = torch.cat([calls[k][1] for k in members])
+        stacked = norm_bound(module, a, torch.cat([calls[k][2] for k in members]), defer_exact=True)
         start = 0
         for k in members:
             rows = slice(start, start + calls[k][2].shape[0])
@@ -257,8 +257,9 @@ def clipped_sums_of(
         work = _work_dtype(module, g)
         with full_precision():
             inputs = torch.stack([calls[k][1].to(work).reshape(-1, a.shape[-1]) for k in members])  # (L, B T, p)
+            ones = [1] * (g.dim() - 1)
             weighted = torch.stack([
-                (calls[k][2].to(work) * calls[k][3].to(g.device, torch.float64).to(work).view(-1, *([1] * (g.dim() - 1))))
+                (calls[k][2].to(work) * calls[k][3].to(g.device, torch.float64).to(work).view(-1, *ones))
                 .reshape(-1, g.shape[-1]) for k in members
             ])  # (L, B T, d_out)  fmt: skip
             if module.weight.requires_grad:
