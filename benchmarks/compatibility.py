@@ -1,10 +1,10 @@
 """Which models train with which private strategy and per-sample mode: the compatibility matrix of docs/models.md.
 
 Every model is one users bring, built unchanged from a config (no weight download, tiny sizes): torchvision's
-ResNet-18/50 (GroupNorm), MobileNetV3-small (BatchNorm, so ``fix_model=True``), a small VisionTransformer,
-Lightning's own Transformer and LSTM demos, a GRU, a language model with an Embedding, RMSNorm and tied weights,
-Hugging Face GPT-2 and BERT (the privacy unit is a sequence), GPT-2 with LoRA adapters (peft), a frozen backbone
-and Lightning's BoringModel. Each trains for ``--steps`` steps on synthetic data in one 2-process gloo run per cell
+ResNet-18/50 (GroupNorm), MobileNetV3-small and EfficientNet-B0 (BatchNorm, so ``fix_model=True``), a small
+VisionTransformer, Lightning's own Transformer and LSTM demos, a GRU, a language model with an Embedding, RMSNorm
+and tied weights, Hugging Face GPT-2 and BERT (the privacy unit is a sequence), GPT-2 with LoRA adapters (peft), a
+frozen backbone and Lightning's BoringModel. Each trains for ``--steps`` steps on synthetic data in one 2-process gloo run per cell
 (every cell is a fresh Trainer; one launch per model, so a failure cannot break another model's cells), with each
 private strategy and each ``grad_sample_mode`` it accepts. A cell reads
 
@@ -12,8 +12,10 @@ private strategy and each ``grad_sample_mode`` it accepts. A cell reads
 * ``refused: ...``: the library refused the combination before training, with its reason;
 * ``fails: ...``: anything else (the error's first line).
 
-It also times one private step (best mode) against one non-private step per model in one process (CPU, forward +
-backward [+ clip + noise]) and writes the table to docs/models.md (``--no-record``: print only).
+It also times one private step (book-keeping) against one non-private step per model in one process and thread (CPU
+time, forward + backward [+ clip + noise], the two alternating) and writes the table to docs/models.md
+(``--no-record``: print only; ``--ratios-only``: only these times, e.g. ``--library`` of an older tree against this
+one's).
 
     python benchmarks/compatibility.py                                 # everything (about 20 minutes on 2 cores)
     python benchmarks/compatibility.py --models resnet18,gpt2 --strategies dp_csgp --modes bookkeeping --no-record
@@ -159,6 +161,11 @@ def cases() -> dict[str, Case]:
 
         return mobilenet_v3_small(num_classes=10)  # BatchNorm inside: needs fix_model=True
 
+    def efficientnet():  # noqa: ANN202
+        from torchvision.models import efficientnet_b0
+
+        return efficientnet_b0(num_classes=10)  # BatchNorm inside: needs fix_model=True
+
     def vit():  # noqa: ANN202
         from torchvision.models import VisionTransformer
 
@@ -277,6 +284,7 @@ def cases() -> dict[str, Case]:
         "resnet18": Case(_classifier(resnet18), _images),
         "resnet50": Case(_classifier(resnet50), lambda: _images(48)),
         "mobilenet_v3_small": Case(_classifier(mobilenet), _images, fix_model=True),
+        "efficientnet_b0": Case(_classifier(efficientnet), _images, fix_model=True),
         "vit": Case(_classifier(vit), _images),
         "transformer_demo": Case(transformer_demo, demo_tokens),
         "lstm_demo": Case(lstm_demo, demo_tokens),
@@ -355,9 +363,13 @@ def run_child(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # parent: the cells (one 2-process launch), the step-time ratios (one process), docs/models.md
 # ---------------------------------------------------------------------------------------------------------------------
-def step_time_ratio(case: Case, steps: int = 3) -> tuple[float, float]:
+def step_time_ratio(case: Case, steps: int = 3, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
     """(non-private ms, private ms) per step in one process: forward + backward, and the same plus book-keeping
-    clipping and noise (the default mode)."""
+    clipping and noise (the default mode). The two steps alternate, so that both see the same load; each figure is
+    the median of ``steps`` timings by ``clock`` after one warm-up step of each. A ``bf16-mixed`` case runs its
+    forward under CPU autocast, as Lightning's precision plugin does."""
+    import contextlib
+
     import torch
 
     from lightning_privdec.privacy import PrivacyParameters
@@ -370,31 +382,33 @@ def step_time_ratio(case: Case, steps: int = 3) -> tuple[float, float]:
     dataset = case.data()
     batch = default_collate([dataset[i] for i in range(16)])
 
-    def median_ms(step: Callable[[], None]) -> float:
-        step()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        return 1e3 * statistics.median(times)
-
     def loss(module: Any) -> torch.Tensor:
-        out = module.training_step(batch, 0)
+        with (torch.autocast("cpu", dtype=torch.bfloat16) if case.precision == "bf16-mixed"
+              else contextlib.nullcontext()):
+            out = module.training_step(batch, 0)
         return out["loss"] if isinstance(out, dict) else out
 
     plain = case.module(False)
     if case.fix_model:
         check_private_model(plain, fix=True)
     plain.log = lambda *a, **k: None  # no Trainer here
-    non_private = median_ms(lambda: (plain.zero_grad(), loss(plain).backward()))
     private = case.module(False)
     private.log = lambda *a, **k: None
     engine = DPCSGPNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0,
-                               device=torch.device("cpu"), noise_seed=0)
+                        device=torch.device("cpu"), noise_seed=0)
     engine.attach(private, fix_model=case.fix_model)
     engine.noise_multiplier, engine.sample_rate, engine.expected_batch_size = 1.0, 0.1, 16.0
-    return non_private, median_ms(lambda: (private.zero_grad(), loss(private).backward(), private_step(engine)))
+    timed: dict[str, list[float]] = {"plain": [], "private": []}
+    steps_of = {"plain": lambda: (plain.zero_grad(), loss(plain).backward()),
+                "private": lambda: (private.zero_grad(), loss(private).backward(), private_step(engine))}
+    for warm_up in steps_of.values():
+        warm_up()
+    for _ in range(steps):
+        for name, step in steps_of.items():
+            start = clock()
+            step()
+            timed[name].append(clock() - start)
+    return 1e3 * statistics.median(timed["plain"]), 1e3 * statistics.median(timed["private"])
 
 
 #: one symbol per cell of docs/models.md's matrix
@@ -442,6 +456,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds allowed for one model's cells in one mode")
     parser.add_argument("--no-ratios", action="store_true", help="skip the one-process step-time ratios")
+    parser.add_argument("--ratios-only", action="store_true",
+                        help="run no cells: only the step-time ratios, in one thread and process CPU time, printed "
+                        "(with --json: written) and never recorded")
+    parser.add_argument("--ratio-steps", type=int, default=None,
+                        help="timed steps of each kind per model (default 5; 20 with --ratios-only)")
+    parser.add_argument("--library", type=Path, default=None,
+                        help="import lightning_privdec from this tree (e.g. a git worktree of an older commit) to "
+                        "compare its ratios with this checkout's on the same models")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "models.md")
     parser.add_argument("--no-record", action="store_true", help="print only; do not write docs/models.md")
@@ -482,8 +504,13 @@ def run_launch(name: str, mode: str, args: argparse.Namespace) -> dict[str, str]
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.library is not None:
+        sys.path.insert(0, str(args.library.resolve()))
     if args.child:
         run_child(args)
+        return
+    if args.ratios_only:
+        run_ratios(args)
         return
     command_line = "python benchmarks/compatibility.py" + ("" if argv is None else " " + " ".join(argv))
     if args.merge:
@@ -513,13 +540,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: {results[name]}", flush=True)
     ratios = {}
     if not args.no_ratios:
+        import torch
+
         from lightning_privdec.privacy import PrivacyConfigError
 
         warnings.filterwarnings("ignore")
+        torch.set_num_threads(1)  # as the cells' processes: two threads on a loaded machine wait on each other
         for name in args.model_list:
             try:
-                plain, private = step_time_ratio(zoo[name])
-                ratios[name] = f"{private / plain:.2f}x ({plain:.0f} / {private:.0f} ms)"
+                plain, private = step_time_ratio(zoo[name], args.ratio_steps or 5, time.process_time)
+                ratios[name] = f"{private / plain:.2f}x ({private:.0f} / {plain:.0f} ms)"
             except PrivacyConfigError as refused:
                 ratios[name] = " ".join(f"refused: {str(refused).split('. ')[0]}".split())[:200]
             except Exception as error:  # noqa: BLE001
@@ -530,6 +560,30 @@ def main(argv: list[str] | None = None) -> None:
                                          "command": command_line,
                                          "machine": [machine_line(), software_line(opacus=True)]}, indent=1))
     record(results, ratios, total, [command_line], args)
+
+
+def run_ratios(args: argparse.Namespace) -> None:
+    """``--ratios-only``: each model's private / non-private step in one thread, process CPU time (the load of a
+    shared machine moves wall-clock time far more than CPU time), with the library of ``--library`` if given."""
+    import torch
+
+    import lightning_privdec
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    zoo = cases()
+    unknown = [m for m in args.model_list if m not in zoo]
+    if unknown:
+        raise SystemExit(f"unknown models {unknown}; choose from {', '.join(zoo)}")
+    print(f"library: {Path(lightning_privdec.__file__).parent}", flush=True)
+    measured = {}
+    for name in args.model_list:
+        plain, private = step_time_ratio(zoo[name], args.ratio_steps or 20, time.process_time)
+        measured[name] = {"plain_ms": plain, "private_ms": private, "ratio": private / plain}
+        print(f"{name}: {private / plain:.2f}x ({private:.1f} / {plain:.1f} ms)", flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"library": str(Path(lightning_privdec.__file__).parent),
+                                         "ratios": measured}, indent=1))
 
 
 def record(results: dict[str, dict[str, str]], ratios: dict[str, str], total: float, commands: list[str],
@@ -553,7 +607,8 @@ def record(results: dict[str, dict[str, str]], ratios: dict[str, str], total: fl
         f"**{TRAINS}** trains (finite loss and parameters, epsilon spent), **R*n*** the library refuses the "
         "combination before training (reason *n* below), **F*n*** anything else goes wrong (reason *n*), "
         f"**{NOT_RUN}** not run. The second column is one private step (book-keeping clipping + noise) against one "
-        "non-private step (forward + backward), one process, batch 16.",
+        "non-private step (forward + backward), one process and thread, CPU time, batch 16, the two "
+        "alternating.",
         "",
         *table,
         "",

@@ -7,7 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_privdec.privacy.per_sample import PerSampleGradients, bookkeeping
+from lightning_privdec.audit.sensitivity import ATTACKS
+from lightning_privdec.privacy.per_sample import (
+    PerSampleGradients,
+    bookkeeping,
+    bookkeeping_conv,
+)
 
 LAYERS = {
     # name: (layer, input shape without the batch); comments: which norm the cost rule picks
@@ -231,3 +236,90 @@ def test_an_empty_batch_gives_no_norms_and_zero_sums(name: str) -> None:
     assert bookkeeping.squared_norms(layer, x, g, torch.float64).shape == (0,)
     for p, summed in bookkeeping.clipped_sums(layer, x, g, torch.zeros(0, dtype=torch.float64)).items():
         assert summed.view_as(p).abs().sum() == 0
+
+
+@pytest.mark.parametrize("name", ["linear_3d_ghost", "linear_3d_per_example", "conv2d_input_gram", "conv2d_ghost"])
+def test_an_example_with_zero_output_gradients_is_not_computed_apart(name: str) -> None:
+    """An example that no loss reaches (a zero-initialised head, a dead unit) adds exactly 0: it is neither marked
+    ill-conditioned nor recomputed in float64, and its bound is still an upper bound (>= 0); with a non-finite
+    input it is marked (its bound is not finite), so that 0 * inf never reaches the batch's sum."""
+    build, shape = LAYERS[name]
+    torch.manual_seed(5)
+    layer = build()
+    x = torch.randn(3, *shape)
+    g = torch.randn_like(layer(x))
+    g[0] = 0.0
+    bound = bookkeeping.norm_bound(layer, x, g, defer_exact=True)
+    assert not bool(bound.exact[0]) and float(bound.upper[0]) >= 0.0
+    factor = torch.ones(3, dtype=torch.float64)
+    with_zero = bookkeeping.clipped_sums(layer, x, g, factor, bookkeeping.compute_exact(layer, x, g, bound))
+    without = bookkeeping.clipped_sums(layer, x[1:], g[1:], factor[1:])
+    for p in with_zero:  # (up to the float32 rounding of a product over other rows)
+        torch.testing.assert_close(with_zero[p], without[p], rtol=1e-5, atol=1e-5)
+    x[0].view(-1)[0] = float("inf")
+    assert bool(bookkeeping.norm_bound(layer, x, g, defer_exact=True).exact[0])
+
+
+def test_per_example_norms_in_chunks_equal_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(6)
+    g, a = torch.randn(7, 9, 3), torch.randn(7, 9, 4)
+    one_at_a_time = torch.stack([bookkeeping.norm_upper_bound(g[i].t() @ a[i]) for i in range(7)])
+    for entries in (1, 24, 1 << 22):  # one example, two examples, all at once
+        monkeypatch.setattr(bookkeeping, "PER_EXAMPLE_ENTRIES", entries)
+        torch.testing.assert_close(bookkeeping._per_example_weight_norms(g, a), one_at_a_time, rtol=1e-6, atol=0)
+
+
+def test_calls_of_one_shape_get_the_bounds_each_would_get_alone() -> None:
+    """norm_bounds stacks calls of one shape (a transformer's projections): each call's bounds and ill-conditioned
+    marks are what norm_bound gives it alone; calls of other shapes are computed apart."""
+    torch.manual_seed(7)
+    same = [nn.Linear(16, 12) for _ in range(3)]
+    other = nn.Linear(12, 16)
+    calls = [(layer, torch.randn(4, 5, 16), torch.randn(4, 5, 12)) for layer in same]
+    calls.append((other, torch.randn(4, 5, 12), torch.randn(4, 5, 16)))
+    calls[1][2][2] = 0.0  # an example no loss reaches
+    model, (x, target), _ = ATTACKS["gram_linear"][0]()
+    calls.append((model, x, target))  # an ill-conditioned example 0
+    calls.append((nn.Linear(16, 8, bias=False), x.clone(), target.clone()))
+    stacked = bookkeeping.norm_bounds(calls)
+    for (layer, a, g), bound in zip(calls, stacked):
+        alone = bookkeeping.norm_bound(layer, a, g, defer_exact=True)
+        torch.testing.assert_close(bound.upper, alone.upper, rtol=1e-6, atol=0)
+        assert torch.equal(bound.exact, alone.exact)
+    assert bool(stacked[-1].exact[0]) and bool(stacked[-2].exact[0])
+
+
+def test_calls_of_one_shape_get_the_clipped_sums_each_would_get_alone() -> None:
+    torch.manual_seed(8)
+    from transformers.pytorch_utils import Conv1D
+
+    layers = [nn.Linear(16, 12), nn.Linear(16, 12), nn.Linear(16, 12, bias=False), Conv1D(12, 16), Conv1D(12, 16)]
+    calls = []
+    for layer in layers:
+        a, g = torch.randn(5, 3, 16), torch.randn(5, 3, 12)
+        bound = bookkeeping.norm_bound(layer, a, g)
+        calls.append((layer, a, g, torch.rand(5, dtype=torch.float64), bound))
+    for (layer, a, g, factor, bound), together in zip(calls, bookkeeping.clipped_sums_of(calls)):
+        alone = bookkeeping.clipped_sums(layer, a, g, factor, bound)
+        assert together.keys() == alone.keys()
+        for p in alone:
+            torch.testing.assert_close(together[p], alone[p], rtol=1e-6, atol=1e-6)
+            assert together[p].untyped_storage().nbytes() == together[p].numel() * together[p].element_size()
+
+
+@pytest.mark.parametrize("name", ["conv2d_per_example", "conv2d_groups_dilation", "conv2d_dead_taps",
+                                  "conv1d_per_example"])  # fmt: skip
+def test_per_example_convolution_norms_in_chunks_equal_one_at_a_time(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    build, shape = LAYERS[name]
+    torch.manual_seed(9)
+    layer = build()
+    a = torch.randn(5, *shape)
+    g = torch.randn_like(layer(a))
+    one_at_a_time = torch.stack([
+        bookkeeping.norm_upper_bound(bookkeeping_conv._conv_weight_grad(layer, g[i : i + 1], a[i : i + 1]))
+        for i in range(5)
+    ])  # fmt: skip
+    for entries in (1, 2 * layer.weight.numel(), 1 << 22):  # one example, two, all at once
+        monkeypatch.setattr(bookkeeping_conv, "PER_EXAMPLE_ENTRIES", entries)
+        torch.testing.assert_close(bookkeeping_conv._per_example_weight_norms(layer, a, g), one_at_a_time,
+                                   rtol=1e-5, atol=0)  # fmt: skip

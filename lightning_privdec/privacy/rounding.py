@@ -5,6 +5,7 @@ matrix products run in float32 (docs/privacy.md, "What clipping guarantees")."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,18 +35,19 @@ def tiny(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).smallest_normal) * torch.finfo(dtype).eps
 
 
-def _precision_switches() -> list[tuple[object, str, object]]:
+@functools.cache
+def _precision_switches() -> tuple[tuple[object, str, object], ...]:
     """(object, attribute, full-precision value) of every switch that lets float32 products use TF32 or bfloat16:
     torch's per-backend ``fp32_precision`` where it exists (torch >= 2.9; cuDNN convolutions default to "tf32"),
-    else the older ``allow_tf32`` flags and the matmul precision."""
+    else the older ``allow_tf32`` flags and the matmul precision; found once (the objects are torch's own)."""
     conv = getattr(torch.backends.cudnn, "conv", None)
     if conv is not None and hasattr(conv, "fp32_precision"):
         switches = [(conv, "fp32_precision", "ieee"), (torch.backends.cuda.matmul, "fp32_precision", "ieee")]
         mkldnn_matmul = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
         if mkldnn_matmul is not None and hasattr(mkldnn_matmul, "fp32_precision"):
             switches.append((mkldnn_matmul, "fp32_precision", "ieee"))
-        return switches
-    return [(torch.backends.cudnn, "allow_tf32", False), (torch.backends.cuda.matmul, "allow_tf32", False)]
+        return tuple(switches)
+    return ((torch.backends.cudnn, "allow_tf32", False), (torch.backends.cuda.matmul, "allow_tf32", False))
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from lightning_privdec.privacy.per_sample.replay import (
 )
 from lightning_privdec.privacy.rounding import (
     SUM_BLOCK,
+    full_precision,
     norm_upper_bound,
     sum_rounding,
     weighted_row_sum,
@@ -77,7 +78,7 @@ class _PerSampleArithmetic:
             for r in records:
                 if r.kind == "rule":
                     activations, backprops = rule_inputs(r, self.batch_first)
-                    params = [p for p in r.module.parameters(recurse=False) if p.requires_grad]
+                    params = _own_trainable(r.module)
                     calls.append(_Call(r, r.module, "rule", params, activations, backprops, int(backprops.shape[0])))
                 else:
                     params = [p for p in r.module.parameters(recurse=r.kind == "replay") if p.requires_grad]
@@ -225,8 +226,9 @@ class _PerSampleArithmetic:
         parameters jointly; returns the norms (float32 or wider), one per example of every backward pass."""
         sums: dict[nn.Parameter, Tensor] = {}
         all_norms = []
-        for records in self.passes():
-            all_norms.append(self._clip_and_sum_pass(records, max_grad_norm, sums))
+        with full_precision():  # once for every layer's arithmetic (each also enters it; then it costs nothing)
+            for records in self.passes():
+                all_norms.append(self._clip_and_sum_pass(records, max_grad_norm, sums))
         for p in params:
             summed = sums.get(p)
             if summed is None:
@@ -264,7 +266,7 @@ class _PerSampleArithmetic:
         # included (bookkeeping.NormBound; materialised gradients: the very rows that are summed, plus their sum's
         # rounding), accumulated in float64
         squared = torch.zeros(batch, dtype=torch.float64, device=reference.device)
-        bounds = [bookkeeping.norm_bound(r.module, r.activations[0], r.backprops, defer_exact=True) for r in bookkept]
+        bounds = bookkeeping.norm_bounds([(r.module, r.activations[0], r.backprops) for r in bookkept])
         marked = [b.exact.any() for b in bounds if b.exact is not None]
         if marked and bool(torch.stack(marked).any()):
             # ill-conditioned examples somewhere (one host synchronisation per pass): computed apart in float64
@@ -276,10 +278,13 @@ class _PerSampleArithmetic:
             squared[: gs.shape[0]] += (rows * (1 + sum_rounding(SUM_BLOCK, _sum_dtype(gs)))).square()
         norms = squared.sqrt()
         factor = clip_factor(norms, max_grad_norm)
-        for r, bound in zip(bookkept, bounds):  # sum_i c_i grad_i: one weight-gradient computation per layer
-            g = r.backprops
-            summed = bookkeeping.clipped_sums(r.module, r.activations[0], g, factor[: g.shape[0]], bound)
-            for p, value in summed.items():
+        # sum_i c_i grad_i: one weight-gradient computation per layer (layers of one shape batched)
+        summed = bookkeeping.clipped_sums_of([
+            (r.module, r.activations[0], r.backprops, factor[: r.backprops.shape[0]], bound)
+            for r, bound in zip(bookkept, bounds)
+        ])  # fmt: skip
+        for layer_sums in summed:
+            for p, value in layer_sums.items():
                 _accumulate(sums, p, value)
         for p, gs in materialised.items():
             _accumulate(sums, p, weighted_row_sum(factor[: gs.shape[0]], gs))
@@ -337,6 +342,11 @@ def _zero_nonfinite_rows(calls: list[_Call], batch: int) -> int:
             c.backprops = _zero_rows(c.backprops, bad_backprops)
             c.activations = [a if bad is None else _zero_rows(a, bad) for a, bad in zip(c.activations, bad_inputs)]
     return count
+
+
+def _own_trainable(module: nn.Module) -> list[nn.Parameter]:
+    """``module.parameters(recurse=False)`` that require grad, read from the module's own table (no walk)."""
+    return [p for p in dict.fromkeys(module._parameters.values()) if p is not None and p.requires_grad]
 
 
 def _uses(records: list[_Call]) -> dict[int, int]:

@@ -146,9 +146,57 @@ def norm_bound(
         upper = mass * sum_rounding(rows, work) + (estimate + rows * _tiny(work) * math.sqrt(_numel(module)))
         # an example whose terms are large against its norm would round the whole batch's sum: computed apart
         isolate = mass * (u * math.sqrt(rows) * 1e3) > estimate
-        exact = loose | isolate | ~torch.isfinite(upper)
+        # an example whose output gradients are all exactly 0 adds exactly 0 (its finite inputs times 0; a non-finite
+        # input makes its bound non-finite): its gradient is known exactly, though its bound is all rounding floors
+        zero = (g == 0).flatten(1).all(dim=1)
+        exact = ((loose | isolate) & ~zero) | ~torch.isfinite(upper)
     bound = NormBound(upper, exact)
     return bound if defer_exact else compute_exact(module, a, g, bound)
+
+
+#: layer calls of one shape are stacked for :func:`norm_bounds` while their inputs and output gradients together hold
+#: at most this many entries (past it a call's own arithmetic costs more than its operations' fixed costs)
+STACK_ENTRIES = 1 << 20
+
+
+def _shape_key(module: nn.Module, a: Tensor, g: Tensor) -> tuple | None:
+    """What :func:`norm_bound` reads of a call besides its examples' values: calls with equal keys get the same
+    arithmetic per example, whether alone or stacked along the batch dimension; None: not stacked."""
+    weight, bias = module.weight, module.bias
+    if a.numel() + g.numel() > STACK_ENTRIES or a.dim() < 2:
+        return None
+    key = (type(module), weight.shape, weight.dtype, weight.requires_grad, bias is not None and bias.requires_grad,
+           a.shape[1:], a.dtype, g.shape[1:], g.dtype, g.device)
+    if _is_linear(module):
+        return key
+    return key + (module.stride, module.padding, module.dilation, module.groups)
+
+
+def norm_bounds(calls: list[tuple[nn.Module, Tensor, Tensor]]) -> list[NormBound]:
+    """:func:`norm_bound` (``defer_exact``) of each ``(module, a, g)``, the calls of one shape (:func:`_shape_key`:
+    the query, key and value projections of every layer of a transformer) computed together, stacked along the
+    batch dimension: every quantity of the bound is per example, so each example's bound is what its call alone
+    would give (up to the rounding of its own products, which the bound covers), in a few operations instead of a
+    few per call."""
+    groups: dict[tuple, list[int]] = {}
+    for k, (module, a, g) in enumerate(calls):
+        key = _shape_key(module, a, g)
+        groups.setdefault((k,) if key is None else key, []).append(k)
+    out: list[NormBound | None] = [None] * len(calls)
+    for members in groups.values():
+        if len(members) == 1:
+            module, a, g = calls[members[0]]
+            out[members[0]] = norm_bound(module, a, g, defer_exact=True)
+            continue
+        module = calls[members[0]][0]
+        a = torch.cat([calls[k][1] for k in members])
+        stacked = norm_bound(module, a, torch.cat([calls[k][2] for k in members]), defer_exact=True)
+        start = 0
+        for k in members:
+            rows = slice(start, start + calls[k][2].shape[0])
+            start = rows.stop
+            out[k] = NormBound(stacked.upper[rows], None if stacked.exact is None else stacked.exact[rows])
+    return out  # type: ignore[return-value]
 
 
 def compute_exact(module: nn.Module, a: Tensor, g: Tensor, bound: NormBound) -> NormBound:
@@ -184,6 +232,46 @@ def clipped_sums(
     if exact is not None:
         for p, grads in bound.exact_grads.items():
             out[p] = out[p] + torch.einsum("k,k...->...", factor[exact], grads).to(out[p].dtype)
+    return out
+
+
+def clipped_sums_of(
+    calls: list[tuple[nn.Module, Tensor, Tensor, Tensor, NormBound]],
+) -> list[dict[nn.Parameter, Tensor]]:
+    """:func:`clipped_sums` of each ``(module, a, g, factor, bound)``; the nn.Linear calls of one shape
+    (:func:`_shape_key`) whose examples fit one block and have none computed apart, in one batched product: each
+    layer's sum is the same B T-row product as alone (the bound's gamma holds for any order of its terms)."""
+    groups: dict[tuple, list[int]] = {}
+    for k, (module, a, g, _, bound) in enumerate(calls):
+        key = _shape_key(module, a, g)
+        one_block = g.shape[0] <= block_examples(_steps(module, g))
+        stack = key is not None and _is_linear(module) and one_block and not bound.exact_grads and g.dim() > 1
+        groups.setdefault(key if stack else (k,), []).append(k)
+    out: list[dict[nn.Parameter, Tensor]] = [{} for _ in calls]
+    for members in groups.values():
+        if len(members) == 1:
+            module, a, g, factor, bound = calls[members[0]]
+            out[members[0]] = clipped_sums(module, a, g, factor, bound)
+            continue
+        module, a, g = calls[members[0]][:3]
+        work = _work_dtype(module, g)
+        with full_precision():
+            inputs = torch.stack([calls[k][1].to(work).reshape(-1, a.shape[-1]) for k in members])  # (L, B T, p)
+            ones = [1] * (g.dim() - 1)
+            weighted = torch.stack([
+                (calls[k][2].to(work) * calls[k][3].to(g.device, torch.float64).to(work).view(-1, *ones))
+                .reshape(-1, g.shape[-1]) for k in members
+            ])  # (L, B T, d_out)  fmt: skip
+            if module.weight.requires_grad:
+                weights = (torch.bmm(inputs.transpose(1, 2), weighted) if is_transposed_linear(module)
+                           else torch.bmm(weighted.transpose(1, 2), inputs))  # fmt: skip
+            biases = weighted.sum(dim=1) if module.bias is not None and module.bias.requires_grad else None
+        for j, k in enumerate(members):  # own memory: they become the parameters' .grad
+            layer = calls[k][0]
+            if layer.weight.requires_grad:
+                out[k][layer.weight] = weights[j].clone()
+            if biases is not None:
+                out[k][layer.bias] = biases[j].clone()
     return out
 
 
@@ -270,7 +358,7 @@ def _linear_estimates(
             squared += torch.minimum(estimate.clamp_min(0) + error, weight_mass.square() * (1 + 1e-9))
             loose |= ~(error <= 0.1 * estimate)  # also when the estimate is not finite
         else:
-            norms = torch.stack([norm_upper_bound(g[i].t() @ a[i]) for i in range(batch)])
+            norms = _per_example_weight_norms(g, a)
             error = gamma(steps, u) * weight_mass + steps * tiny * math.sqrt(d_out * p)
             squared += (norms + error).square()
             loose |= ~(error <= 0.05 * norms)
@@ -281,6 +369,20 @@ def _linear_estimates(
         loose |= bias_loose
         mass += bias_mass
     return squared.sqrt() * (1 + 1e-12), mass, loose, block_examples(steps) * steps
+
+
+#: entries of the per-example weight gradients that :func:`_per_example_weight_norms` holds at once
+PER_EXAMPLE_ENTRIES = 1 << 22
+
+
+def _per_example_weight_norms(g: Tensor, a: Tensor) -> Tensor:
+    """:func:`norm_upper_bound` of each example's weight gradient ``g_i^T a_i`` (g (B, T, d_out), a (B, T, p)),
+    computed for as many examples at once as :data:`PER_EXAMPLE_ENTRIES` allows (each example's product and norm
+    are the same operations as one at a time)."""
+    batch, d_out, p = g.shape[0], g.shape[-1], a.shape[-1]
+    chunk = max(1, PER_EXAMPLE_ENTRIES // max(d_out * p, 1))
+    return torch.cat([norm_upper_bound(torch.bmm(g[i : i + chunk].transpose(1, 2), a[i : i + chunk]), dim=(1, 2))
+                      for i in range(0, batch, chunk)])  # fmt: skip
 
 
 def exact_rows(module: nn.Module, a: Tensor, g: Tensor, samples: dict[nn.Parameter, Tensor]) -> dict:

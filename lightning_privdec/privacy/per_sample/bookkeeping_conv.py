@@ -25,17 +25,21 @@ from lightning_privdec.privacy.rounding import (
 from lightning_privdec.privacy.rounding import tiny as _tiny
 
 
-def _conv_weight_grad(module: nn.Module, g: Tensor, a: Tensor) -> Tensor:
+def _conv_weight_grad(module: nn.Module, g: Tensor, a: Tensor, examples: int = 1) -> Tensor:
     """The weight gradient of ``module``'s convolution for input ``a`` and output gradient ``g`` (summed over the
     batch), by the same kernel autograd uses. Kernel taps that read only zero padding at every output position
     (a 3x3 kernel on a 1x1 map keeps only its centre) get gradient 0 without being computed: the live taps' gradient
-    is that of a cropped kernel on the explicitly padded input."""
+    is that of a cropped kernel on the explicitly padded input. ``examples`` > 1: ``a`` and ``g`` hold that many
+    examples' channels one after the other in one batch row, and the result is their ``examples`` weight gradients
+    one after the other (a convolution with ``examples`` times the groups)."""
     dims, weight = module.weight.dim() - 2, module.weight.detach().to(g.dtype)  # no autograd graph on the result
+    if examples > 1:
+        weight = weight.repeat(examples, *([1] * (dims + 1)))
     live = _live_taps(module, a.shape[2:], g.shape[2:])
     if live is None:
         return torch.ops.aten.convolution_backward(
             g, a, weight, None, list(module.stride), list(module.padding), list(module.dilation), False,
-            [0] * dims, module.groups, [False, True, False],
+            [0] * dims, module.groups * examples, [False, True, False],
         )[1]
     pads: list[int] = []
     for (first, last), size, out, pad, stride, dilation in zip(
@@ -47,7 +51,7 @@ def _conv_weight_grad(module: nn.Module, g: Tensor, a: Tensor) -> Tensor:
     window = (..., *[slice(first, last + 1) for first, last in live])
     cropped = torch.ops.aten.convolution_backward(
         g, nn.functional.pad(a, pads), weight[window], None, list(module.stride), [0] * dims,
-        list(module.dilation), False, [0] * dims, module.groups, [False, True, False],
+        list(module.dilation), False, [0] * dims, module.groups * examples, [False, True, False],
     )[1]
     full = torch.zeros_like(weight, dtype=cropped.dtype)
     full[window] = cropped
@@ -68,6 +72,24 @@ def _live_taps(module: nn.Module, in_size: torch.Size, out_size: torch.Size) -> 
     if all(last - first + 1 == kernel for (first, last), kernel in zip(live, module.kernel_size)):
         return None
     return live
+
+
+#: entries of the per-example weight gradients that :func:`_per_example_weight_norms` holds at once
+PER_EXAMPLE_ENTRIES = 1 << 22
+
+
+def _per_example_weight_norms(module: nn.Module, a: Tensor, g: Tensor) -> Tensor:
+    """:func:`norm_upper_bound` of each example's weight gradient, as many examples per convolution as
+    :data:`PER_EXAMPLE_ENTRIES` allows (each example's gradient is the same sum over its positions as alone)."""
+    batch = g.shape[0]
+    chunk = max(1, PER_EXAMPLE_ENTRIES // module.weight.numel())
+    norms = []
+    for start in range(0, batch, chunk):
+        rows = slice(start, start + chunk)
+        k = min(chunk, batch - start)
+        grads = _conv_weight_grad(module, g[rows].reshape(1, -1, *g.shape[2:]), a[rows].reshape(1, -1, *a.shape[2:]), k)
+        norms.append(norm_upper_bound(grads.reshape(k, -1), dim=1))
+    return torch.cat(norms)
 
 
 def _conv_estimates(
@@ -103,10 +125,7 @@ def _conv_estimates(
             squared += bounded
             loose |= ~(error.sum(dim=1) <= 0.1 * estimate.sum(dim=1))
         else:
-            norms = torch.stack([
-                norm_upper_bound(_conv_weight_grad(module, g[i : i + 1], a[i : i + 1]))
-                for i in range(batch)
-            ])  # fmt: skip
+            norms = _per_example_weight_norms(module, a, g)
             error = gamma(steps + p, u) * group_mass.sum(dim=1) + steps * tiny * math.sqrt(module.weight.numel())
             squared += (norms + error).square()
             loose |= ~(error <= 0.05 * norms)

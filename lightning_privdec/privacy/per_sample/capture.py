@@ -315,7 +315,7 @@ class Recorder:
         if not self._recording(module):
             return
         state = self._pending[id(module)].pop() if kind == "replay" else (None, None)
-        leaves, _ = tree_flatten(output)
+        leaves = [output] if type(output) is Tensor else tree_flatten(output)[0]  # (the common case, without pytree)
         if any(isinstance(leaf, PackedSequence) for leaf in leaves) or isinstance(output, PackedSequence):
             raise PrivacyConfigError(
                 recurrent.PACKED_SEQUENCE_ERROR.format(name=name or "<root>", type=type(module).__name__)
@@ -331,7 +331,7 @@ class Recorder:
             args, kwargs = (args[0].detach(),), {}
         else:
             args, kwargs = tree_map(_detach, (args, kwargs))
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        inputs = list(args) if kind == "rule" else [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         record = Record(
             name, module, kind, args, kwargs, [(t, t._version) for t in inputs], positions, self._forward_pass,
             rng=state[0], autocast=state[1],

@@ -168,11 +168,9 @@ class SharedCapture(TorchFunctionMode):
             return func(*args, **kwargs)
         tensors = _tensors(args, kwargs)
         free = [t for t in tensors if id(t) in self.free]
-        for t in tensors:
-            if isinstance(t, nn.Parameter) and id(t) not in self.free:
-                owner = self.owners.get(id(t))
-                if owner is None:
-                    continue
+        for t in tensors:  # the dictionary first: nn.Parameter's isinstance check is slow, and most tensors are not
+            owner = self.owners.get(id(t))
+            if owner is not None and isinstance(t, nn.Parameter) and id(t) not in self.free:
                 call = next((c for c in reversed(self.calls) if c.module is owner), None)
                 if call is not None:  # a shared layer's own parameter: a batch-free root
                     self.free[id(t)] = (t, call)
