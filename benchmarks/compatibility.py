@@ -303,6 +303,11 @@ def cases() -> dict[str, Case]:
 # ---------------------------------------------------------------------------------------------------------------------
 # child: every cell, in the same 2 processes
 # ---------------------------------------------------------------------------------------------------------------------
+def _first_sentence(error: BaseException) -> str:
+    """A refusal's first sentence on one line (the matrix's footnotes and the ratio column quote it)."""
+    return " ".join(str(error).split(". ")[0].split())
+
+
 def _first_line(error: BaseException) -> str:
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text}"[:200]
@@ -321,7 +326,7 @@ def run_cell(name: str, case: Case, strategy: str, mode: str, args: argparse.Nam
         built = PRIVATE_STRATEGIES[strategy](grad_sample_mode=mode, fix_model=case.fix_model, noise_seed=0,
                                              peer_timeout=120, **STRATEGY_ARGUMENTS[strategy])
     except PrivacyConfigError as refused:
-        return " ".join(f"refused: {str(refused).split('. ')[0]}".split())[:200]
+        return f"refused: {_first_sentence(refused)}"[:200]
     module = case.module(mode == "ghost")
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=built, max_steps=args.steps, logger=False,
@@ -331,7 +336,7 @@ def run_cell(name: str, case: Case, strategy: str, mode: str, args: argparse.Nam
     try:
         trainer.fit(module, DataLoader(case.data(), batch_size=16))
     except PrivacyConfigError as refused:
-        return " ".join(f"refused: {str(refused).split('. ')[0]}".split())[:200]
+        return f"refused: {_first_sentence(refused)}"[:200]
     except Exception as error:  # noqa: BLE001 - the failure is the result
         return f"fails: {_first_line(error)}"
     finite = all(torch.isfinite(p).all() for p in module.parameters())
@@ -551,7 +556,7 @@ def main(argv: list[str] | None = None) -> None:
                 plain, private = step_time_ratio(zoo[name], args.ratio_steps or 5, time.process_time)
                 ratios[name] = f"{private / plain:.2f}x ({private:.0f} / {plain:.0f} ms)"
             except PrivacyConfigError as refused:
-                ratios[name] = " ".join(f"refused: {str(refused).split('. ')[0]}".split())[:200]
+                ratios[name] = f"refused: {_first_sentence(refused)}"[:200]
             except Exception as error:  # noqa: BLE001
                 ratios[name] = f"fails: {_first_line(error)}"
     total = time.perf_counter() - started
@@ -583,7 +588,7 @@ def run_ratios(args: argparse.Namespace) -> None:
         try:
             plain, private = step_time_ratio(zoo[name], args.ratio_steps or 20, time.process_time)
         except PrivacyConfigError as refused:  # a model the library refuses (Lightning's LSTM demo) has no ratio
-            measured[name] = {"refused": " ".join(str(refused).split(". ")[0].split())[:200]}
+            measured[name] = {"refused": _first_sentence(refused)[:192]}
             print(f"{name}: refused", flush=True)
             continue
         measured[name] = {"plain_ms": plain, "private_ms": private, "ratio": private / plain}

@@ -178,12 +178,8 @@ def norm_bounds(calls: list[tuple[nn.Module, Tensor, Tensor]]) -> list[NormBound
     batch dimension: every quantity of the bound is per example, so each example's bound is what its call alone
     would give (up to the rounding of its own products, which the bound covers), in a few operations instead of a
     few per call."""
-    groups: dict[tuple, list[int]] = {}
-    for k, (module, a, g) in enumerate(calls):
-        key = _shape_key(module, a, g)
-        groups.setdefault((k,) if key is None else key, []).append(k)
     out: list[NormBound | None] = [None] * len(calls)
-    for members in groups.values():
+    for members in _groups([_shape_key(module, a, g) for module, a, g in calls]):
         if len(members) == 1:
             module, a, g = calls[members[0]]
             out[members[0]] = norm_bound(module, a, g, defer_exact=True)
@@ -224,7 +220,7 @@ def clipped_sums(
         a = a.to(work) if a.is_floating_point() else a
         g = g.to(work)
         batch_factor = factor if exact is None else torch.where(exact, 0.0, factor)
-        weighted = g * batch_factor.to(work).view(-1, *([1] * (g.dim() - 1)))
+        weighted = _weighted(g, batch_factor, work)
         # blocks of block_examples(T) examples: the bound's gamma, hence every clip factor, does not depend on how
         # many examples the batch holds
         out = sum_by_blocks(g.shape[0], block_examples(_steps(module, g)),
@@ -241,14 +237,14 @@ def clipped_sums_of(
     """:func:`clipped_sums` of each ``(module, a, g, factor, bound)``; the nn.Linear calls of one shape
     (:func:`_shape_key`) whose examples fit one block and have none computed apart, in one batched product: each
     layer's sum is the same B T-row product as alone (the bound's gamma holds for any order of its terms)."""
-    groups: dict[tuple, list[int]] = {}
-    for k, (module, a, g, _, bound) in enumerate(calls):
+    keys = []
+    for module, a, g, _, bound in calls:
         key = _shape_key(module, a, g)
         one_block = g.shape[0] <= block_examples(_steps(module, g))
         stack = key is not None and _is_linear(module) and one_block and not bound.exact_grads and g.dim() > 1
-        groups.setdefault(key if stack else (k,), []).append(k)
+        keys.append(key if stack else None)
     out: list[dict[nn.Parameter, Tensor]] = [{} for _ in calls]
-    for members in groups.values():
+    for members in _groups(keys):
         if len(members) == 1:
             module, a, g, factor, bound = calls[members[0]]
             out[members[0]] = clipped_sums(module, a, g, factor, bound)
@@ -257,18 +253,13 @@ def clipped_sums_of(
         work = _work_dtype(module, g)
         with full_precision():
             inputs = torch.stack([calls[k][1].to(work).reshape(-1, a.shape[-1]) for k in members])  # (L, B T, p)
-            ones = [1] * (g.dim() - 1)
             weighted = torch.stack([
-                (calls[k][2].to(work) * calls[k][3].to(g.device, torch.float64).to(work).view(-1, *ones))
-                .reshape(-1, g.shape[-1]) for k in members
+                _weighted(calls[k][2], calls[k][3], work).reshape(-1, g.shape[-1]) for k in members
             ])  # (L, B T, d_out)  fmt: skip
-            if module.weight.requires_grad:
-                weights = (torch.bmm(inputs.transpose(1, 2), weighted) if is_transposed_linear(module)
-                           else torch.bmm(weighted.transpose(1, 2), inputs))  # fmt: skip
-            biases = weighted.sum(dim=1) if module.bias is not None and module.bias.requires_grad else None
+            weights, biases = _linear_grads(module, inputs, weighted)
         for j, k in enumerate(members):  # own memory: they become the parameters' .grad
             layer = calls[k][0]
-            if layer.weight.requires_grad:
+            if weights is not None:
                 out[k][layer.weight] = weights[j].clone()
             if biases is not None:
                 out[k][layer.bias] = biases[j].clone()
@@ -281,17 +272,37 @@ def _weight_gradient(module: nn.Module, a: Tensor, weighted: Tensor) -> dict[nn.
     weight, bias = module.weight, module.bias
     out: dict[nn.Parameter, Tensor] = {}
     if _is_linear(module):
-        a, weighted = a.reshape(-1, a.shape[-1]), weighted.reshape(-1, weighted.shape[-1])
-        if weight.requires_grad:
-            out[weight] = a.t() @ weighted if is_transposed_linear(module) else weighted.t() @ a
-        if bias is not None and bias.requires_grad:
-            out[bias] = weighted.sum(dim=0)
-        return out
+        grads = _linear_grads(module, a.reshape(-1, a.shape[-1]), weighted.reshape(-1, weighted.shape[-1]))
+        return {p: grad for p, grad in zip((weight, bias), grads) if grad is not None}
     if weight.requires_grad:
         out[weight] = _conv_weight_grad(module, weighted, a)
     if bias is not None and bias.requires_grad:
         out[bias] = weighted.sum(dim=[0, *range(2, weighted.dim())])
     return out
+
+
+def _linear_grads(module: nn.Module, a: Tensor, weighted: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """An nn.Linear's (or Conv1D's) weight and bias gradients, None where frozen, for rows ``a`` (..., R, p) and
+    ``weighted`` (..., R, d_out) summed over the R rows; a leading dimension holds layers stacked."""
+    weight, bias = module.weight, module.bias
+    weights = None
+    if weight.requires_grad:
+        weights = a.mT @ weighted if is_transposed_linear(module) else weighted.mT @ a
+    biases = weighted.sum(dim=-2) if bias is not None and bias.requires_grad else None
+    return weights, biases
+
+
+def _weighted(g: Tensor, factor: Tensor, work: torch.dtype) -> Tensor:
+    """Each example's output gradients times its factor (float64, cast once), in ``work``."""
+    return g.to(work) * factor.to(g.device, torch.float64).to(work).view(-1, *([1] * (g.dim() - 1)))
+
+
+def _groups(keys: list[tuple | None]) -> list[list[int]]:
+    """The indices of equal keys together, in first-seen order; a None key alone."""
+    groups: dict[tuple, list[int]] = {}
+    for k, key in enumerate(keys):
+        groups.setdefault((k,) if key is None else key, []).append(k)
+    return list(groups.values())
 
 
 def norm_method(module: nn.Module, a: Tensor, g: Tensor) -> str:

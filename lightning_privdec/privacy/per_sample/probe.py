@@ -110,7 +110,8 @@ def check_examples(per_sample: PerSampleGradients, backward: Callable[[Sequence[
             first = probe.run(full, seed=0)
             if first is None:
                 return "batch-dimension probe skipped: training_step returned no loss"
-            removed = int(torch.stack(list(first.values())).square().sum(0).argmax())  # the largest gradient
+            squares = torch.stack(list(first.values())).square().sum(0)  # each example's, over every call
+            removed = int(squares.argmax())  # the largest gradient
             second = probe.run([i for i in full if i != removed], seed=0)
             if second is None:
                 return "batch-dimension probe skipped: training_step returned no loss"
@@ -127,7 +128,7 @@ def check_examples(per_sample: PerSampleGradients, backward: Callable[[Sequence[
             # per batch size (a GPU's convolution algorithms) round the same example differently at m and m - 1;
             # at one size they do not, while a coupling (a batch statistic, a token mean over examples of other
             # lengths, in-batch negatives) still moves the others
-            stand_in = int(torch.stack(list(first.values())).square().sum(0).argmin())
+            stand_in = int(squares.argmin())
             stand_in = stand_in if stand_in != removed else (removed + 1) % examples
             replaced = probe.run([stand_in if i == removed else i for i in full], seed=0)
             if replaced is None:
