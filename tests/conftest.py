@@ -20,10 +20,14 @@ def _stop(signum: int, frame: object) -> None:
 
 signal.signal(signal.SIGTERM, _stop)
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
+#: intra-op threads of an xdist worker (None: torch's default, one per core)
+WORKER_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else None
+if WORKER_THREADS is not None:
     # pytest-xdist runs one worker per core (README: -n 2 on 2 cores): intra-op threads in each would oversubscribe
-    # them. A test that needs several threads sets them itself.
-    torch.set_num_threads(1)
+    # them, and OpenMP's threads then wait for each other at every parallel op (10-30x slower). OMP_NUM_THREADS also
+    # stops Lightning's launchers from raising the count to one per core at every in-process fit.
+    os.environ["OMP_NUM_THREADS"] = str(WORKER_THREADS)
+    torch.set_num_threads(WORKER_THREADS)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -53,7 +57,9 @@ def accelerator(device: torch.device) -> str:
 @pytest.fixture(autouse=True)
 def isolate_distributed_state():
     environment = dict(os.environ)
+    threads = torch.get_num_threads()
     yield
+    torch.set_num_threads(threads)  # a test (or a Trainer it ran) that changed them does not slow the next ones
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     os.environ.clear()
