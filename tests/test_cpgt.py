@@ -427,19 +427,19 @@ def test_whole_run_accountings_refuse_mini_batches_and_a_batch_above_the_shard_m
 
     from tests.test_write_ahead_ledger import make_cpgt_node
 
-    def engine():
+    def dp():
         return make_cpgt_node(noise_x=1.0, noise_y=1.0, accounting=accounting)
 
     data = TensorDataset(torch.randn(50, 3), torch.randn(50))
-    full = engine()
+    full = dp()
     full.private_dataloader(DataLoader(data, batch_size=64), planned_steps=10)
     assert full.sample_rate == 1.0 and full.expected_batch_size == 50
     mini = DataLoader(data, batch_size=5)
     if accounting == "finite":
-        assert engine().private_dataloader(mini, planned_steps=10) is not None
+        assert dp().private_dataloader(mini, planned_steps=10) is not None
     else:
         with pytest.raises(PrivacyConfigError, match="needs full batches .* sample 5 of its 50 examples per step"):
-            engine().private_dataloader(mini, planned_steps=10)
+            dp().private_dataloader(mini, planned_steps=10)
 
 
 # ---- defaults: noise_decay="auto", lipschitz required ------------------------------------------------------------
@@ -512,16 +512,16 @@ def test_tracker_noise_offset_is_the_norm_of_the_mean_accumulated_y_noise_and_th
     strategy = CPGTStrategy(lipschitz=0.25, max_grad_norm=1.0, target_epsilon=3.0)
     monkeypatch.setattr(CPGTStrategy, "world_size", property(lambda self: 4))
     monkeypatch.setattr(rank_zero_only, "rank", 0)  # another test's Trainer may have left a rank behind
-    engine = SimpleNamespace(noise_y=0.3677, noise_decay=0.7595, dimension=4810)  # the digits quick start at eps 3
+    dp = SimpleNamespace(noise_y=0.3677, noise_decay=0.7595, dimension=4810)  # the digits quick start at eps 3
     with pytest.raises(PrivacyConfigError, match=r"expected norm 27.7 .* no fixed point, .* raise target_epsilon to about 83"):
-        strategy._warn_about_the_tracker_noise(engine)  # calibrated from the budget alone: refused
+        strategy._warn_about_the_tracker_noise(dp)  # calibrated from the budget alone: refused
     by_hand = CPGTStrategy(lipschitz=0.25, max_grad_norm=1.0, noise_x=0.3677, noise_y=0.3677, noise_decay=0.7595)
     with pytest.warns(UserWarning, match=r"no fixed point, .* lower noise_y to about 0.0133"):
-        by_hand._warn_about_the_tracker_noise(engine)  # noise set by hand: the user is warned
-    engine.noise_y = 0.3677 / 40  # epsilon 120: offset 0.69 C, trains (no warning)
+        by_hand._warn_about_the_tracker_noise(dp)  # noise set by hand: the user is warned
+    dp.noise_y = 0.3677 / 40  # epsilon 120: offset 0.69 C, trains (no warning)
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        strategy._warn_about_the_tracker_noise(engine)
+        strategy._warn_about_the_tracker_noise(dp)
 
 

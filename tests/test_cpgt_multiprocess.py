@@ -27,7 +27,7 @@ def test_cpgt_trains_digits_reports_its_epsilon_and_resumes_every_nodes_state(tm
         assert node["global_step"] == node["rounds"] == node["ledger_steps"] == 50  # full batch (B >= every shard, q = 1): 1 step per epoch
         # the only messages: two uncompressed float32 differences to each of the 2 ring neighbours per round
         assert node["bytes_sent"] == 50 * 2 * 2 * 4 * dimension
-        # the epsilon the engine reports is Theorem 2's bound for this run: alpha = lr, adjacency 2C / (qJ)
+        # the epsilon the node's privacy reports is Theorem 2's bound for this run: alpha = lr, adjacency 2C / (qJ)
         assert node["sample_rate"] == 1.0  # B >= every shard: the whole shard each step (1,347 examples = 3 x 337 + 336)
         shard = node["expected_batch_size"]
         assert shard in (336, 337)

@@ -89,21 +89,21 @@ def test_the_ldp_and_cdp_baselines_are_calibrated_from_the_same_budget():
     from lightning_privdec.algorithms.decor import DecorNode, DecorOptions
 
     def planned(baseline: str | None) -> DecorNode:
-        engine = DecorNode(
+        dp = DecorNode(
             PrivacyParameters(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5), graph=nx.cycle_graph(4),
             options=DecorOptions(adversary="eavesdropper", clipping="per_sample", baseline=baseline),
             rank=0, device=torch.device("cpu"),
         )
-        engine.sample_rate = 0.1
-        engine.plan_noise(110)
-        return engine
+        dp.sample_rate = 0.1
+        dp.plan_noise(110)
+        return dp
 
     decor, ldp, cdp = planned(None), planned("ldp"), planned("cdp")
     assert ldp.sigma_cor == 0 and cdp.sigma_cor == 0 and decor.sigma_cor > 0
     assert ldp.sigma_cdp > decor.sigma_cdp  # the correlated noise lets Decor's independent noise be smaller
     assert cdp.sigma_cdp == pytest.approx(ldp.sigma_cdp / 2, rel=1e-6)  # sigma_LDP / sqrt(n), n = 4
-    for engine in (decor, ldp, cdp):
-        assert 2.9 < engine.ledger.epsilon_after(110, engine.next_release()) <= 3.0
+    for dp in (decor, ldp, cdp):
+        assert 2.9 < dp.ledger.epsilon_after(110, dp.next_release()) <= 3.0
 
 
 @pytest.mark.multiprocess
@@ -125,18 +125,18 @@ def test_the_budget_check_counts_the_steps_that_fit_and_agrees_with_the_accounta
     from lightning_privdec.privacy import PrivacyParameters
     from lightning_privdec.algorithms.decor import DecorNode, DecorOptions
 
-    engine = DecorNode(
+    dp = DecorNode(
         PrivacyParameters(max_grad_norm=1.0, target_epsilon=2.0, target_delta=1e-5), graph=nx.cycle_graph(4),
         options=DecorOptions(sigma_cdp=20.0, sigma_cor=0.5, clipping="user"), rank=0, device=torch.device("cpu"),
     )
-    engine.plan_noise(5)  # 16 steps fit: the search doubles past the plan, then bisects
+    dp.plan_noise(5)  # 16 steps fit: the search doubles past the plan, then bisects
     answers = []
     for steps in range(60):
-        assert engine.steps == steps
-        direct = engine.ledger.epsilon_after(1, engine.next_release()) > 2.0  # one more round
-        assert engine.next_step_exceeds_budget() == direct, steps
+        assert dp.steps == steps
+        direct = dp.ledger.epsilon_after(1, dp.next_release()) > 2.0  # one more round
+        assert dp.next_step_exceeds_budget() == direct, steps
         answers.append(direct)
-        engine.ledger.record(engine.next_release())  # one more released round
+        dp.ledger.record(dp.next_release())  # one more released round
     assert not answers[0] and answers[-1]  # the boundary lies inside the range checked
 
 

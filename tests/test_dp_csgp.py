@@ -20,7 +20,7 @@ from lightning_privdec.privacy import PrivacyParameters, epsilon_for
 from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
 
 
-def engine(seed: int | None = None, **params) -> DPCSGPNode:
+def dp(seed: int | None = None, **params) -> DPCSGPNode:
     params.setdefault("max_grad_norm", 1.0)
     return DPCSGPNode(PrivacyParameters(**params), rank=1, device=torch.device("cpu"), noise_seed=seed)
 
@@ -32,7 +32,7 @@ def loader(n: int = 100, batch_size: int = 10, world_size: int = 4, rank: int = 
 
 
 def test_each_node_poisson_samples_its_own_shard_at_q_equal_b_over_j():
-    e = engine(target_epsilon=3.0, target_delta=1e-5)
+    e = dp(target_epsilon=3.0, target_delta=1e-5)
     private = e.private_dataloader(loader(n=103), planned_steps=30, world_size=4)
     assert len(private.dataset) == 26  # rank 1's strided shard of 103 examples, without DistributedSampler padding
     assert e.sample_rate == pytest.approx(10 / 26)
@@ -43,8 +43,8 @@ def test_each_node_poisson_samples_its_own_shard_at_q_equal_b_over_j():
 def test_a_loader_without_a_distributed_sampler_is_refused_unless_the_data_is_node_local():
     plain = DataLoader(TensorDataset(torch.randn(50, 3)), batch_size=5)
     with pytest.raises(PrivacyConfigError, match="node_local_data"):
-        engine(noise_multiplier=1.0).private_dataloader(plain, planned_steps=10, world_size=4)
-    e = engine(noise_multiplier=1.0)
+        dp(noise_multiplier=1.0).private_dataloader(plain, planned_steps=10, world_size=4)
+    e = dp(noise_multiplier=1.0)
     e.private_dataloader(plain, planned_steps=10, world_size=4, node_local_data=True)
     assert e.sample_rate == pytest.approx(5 / 50)
 
@@ -55,24 +55,24 @@ def test_node_local_data_is_the_whole_loader_even_when_lightning_adds_a_distribu
     node_local_data and is refused."""
     from lightning_privdec.data.partition import DirichletPartitionSampler
 
-    e = engine(noise_multiplier=1.0)
+    e = dp(noise_multiplier=1.0)
     private = e.private_dataloader(loader(n=103), planned_steps=10, world_size=4, node_local_data=True)
     assert len(private.dataset) == 103 and e.sample_rate == pytest.approx(10 / 103)
     dataset = TensorDataset(torch.randn(40, 3), torch.arange(40) % 2)
     partition = DirichletPartitionSampler(torch.arange(40) % 2, alpha=1.0, num_replicas=2, rank=1, seed=0)
     with pytest.raises(PrivacyConfigError, match="node_local_data=False"):
-        engine(noise_multiplier=1.0).private_dataloader(DataLoader(dataset, batch_size=4, sampler=partition),
+        dp(noise_multiplier=1.0).private_dataloader(DataLoader(dataset, batch_size=4, sampler=partition),
                                                         planned_steps=10, world_size=2, node_local_data=True)
 
 
 def test_batch_size_larger_than_the_shard_is_refused():
     with pytest.raises(PrivacyConfigError, match="shard"):
-        engine(noise_multiplier=1.0).private_dataloader(loader(n=20, batch_size=10), planned_steps=5, world_size=4)
+        dp(noise_multiplier=1.0).private_dataloader(loader(n=20, batch_size=10), planned_steps=5, world_size=4)
 
 
-def attached_engine(**params) -> tuple[DPCSGPNode, nn.Module]:
+def attached_node(**params) -> tuple[DPCSGPNode, nn.Module]:
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    e = engine(**params)
+    e = dp(**params)
     e.attach(model)
     return e, model
 
@@ -82,10 +82,10 @@ def one_step(e: DPCSGPNode, model: nn.Module, x: torch.Tensor, y: torch.Tensor) 
     private_step(e)
 
 
-def test_secure_engines_never_put_their_generators_in_a_checkpoint():
-    secure, _ = attached_engine(noise_multiplier=1.0)
+def test_secure_nodes_never_put_their_generators_in_a_checkpoint():
+    secure, _ = attached_node(noise_multiplier=1.0)
     assert "noise_generator" not in secure.state_dict() and "sampling_generator" not in secure.state_dict()
-    seeded, _ = attached_engine(noise_multiplier=1.0, seed=3)
+    seeded, _ = attached_node(noise_multiplier=1.0, seed=3)
     assert "noise_generator" in seeded.state_dict()  # tests only: the seed is known anyway
 
 
@@ -103,7 +103,7 @@ def test_private_strategy_arguments_are_checked_when_it_is_built():
 @pytest.mark.parametrize("accountant", ["rdp", "prv"])
 def test_budget_check_counts_steps_but_agrees_with_the_accountant_at_every_step(accountant):
     # a fixed sigma with a target: the budget runs out after some tens of steps
-    e = engine(noise_multiplier=1.5, target_epsilon=2.0, target_delta=1e-5, accountant=accountant)
+    e = dp(noise_multiplier=1.5, target_epsilon=2.0, target_delta=1e-5, accountant=accountant)
     e.private_dataloader(loader(n=400, batch_size=10), planned_steps=1000)  # q = 0.1: about 20 steps fit
     q, sigma = e.sample_rate, e.noise_multiplier
     for step in range(200):
@@ -116,7 +116,7 @@ def test_budget_check_counts_steps_but_agrees_with_the_accountant_at_every_step(
     assert e.epsilon() <= 2.0
     # a checkpointed ledger with fewer steps and another sigma: the count starts over
     saved = e.state_dict()
-    fresh = engine(noise_multiplier=1.5, target_epsilon=2.0, target_delta=1e-5, accountant=accountant)
+    fresh = dp(noise_multiplier=1.5, target_epsilon=2.0, target_delta=1e-5, accountant=accountant)
     fresh.private_dataloader(loader(n=400, batch_size=10), planned_steps=1000)
     assert not fresh.next_step_exceeds_budget()
     fresh.load_state_dict(saved)

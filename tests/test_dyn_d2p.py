@@ -1,4 +1,4 @@
-"""Dyn-D2P: the schedule (P0-P2), its two accountings, the engine's scheduled DP step, Algorithm 1 on loopback, CLI."""
+"""Dyn-D2P: the schedule (P0-P2), its two accountings, the node's scheduled DP step, Algorithm 1 on loopback, CLI."""
 
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ def test_prv_coarsening_dominates_and_prv_calibration_hits_the_target():
 def test_clt_is_optimistic_for_few_steps_at_a_large_rate_and_the_warning_fires_only_then():
     # few steps, large q: the published calibration spends far more than its CLT value
     with pytest.warns(OptimisticAccountingWarning, match="CLT"):
-        e = planned_engine(target_epsilon=1.0, calibration="paper", planned_steps=5, batch_size=10)
+        e = planned_node(target_epsilon=1.0, calibration="paper", planned_steps=5, batch_size=10)
     assert e.plan_paper_epsilon == pytest.approx(1.0, rel=1e-6)
     assert e.plan_epsilon > 1.2  # measured: 1.31 (RDP)
     assert e.certified_steps < 5  # the budget is enforced with the rigorous accountant: it stops early
@@ -194,12 +194,12 @@ def test_clt_is_optimistic_for_few_steps_at_a_large_rate_and_the_warning_fires_o
     # the rigorous calibration of the same plan stays within the target: no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error", OptimisticAccountingWarning)
-        rigorous = planned_engine(target_epsilon=1.0, calibration="rigorous", planned_steps=5, batch_size=10)
+        rigorous = planned_node(target_epsilon=1.0, calibration="rigorous", planned_steps=5, batch_size=10)
     assert rigorous.certified_steps == 5 and rigorous.plan_epsilon <= 1.0
     # without subsampling (q = 1) eq. (6) is pessimistic: sqrt(e^{mu^2} - 1) > mu, and nothing warns
     with warnings.catch_warnings():
         warnings.simplefilter("error", OptimisticAccountingWarning)
-        full = planned_engine(target_epsilon=8.0, calibration="paper", planned_steps=1, batch_size=25)
+        full = planned_node(target_epsilon=8.0, calibration="paper", planned_steps=1, batch_size=25)
     assert full.sample_rate == 1.0 and full.plan_epsilon < full.plan_paper_epsilon
 
 
@@ -264,32 +264,32 @@ def test_strategy_arguments_are_checked_when_it_is_built():
     assert strategy.topology_spec == "exponential-one-peer"
 
 
-# ---- the engine: clip C_k and noise sigma_k at step k --------------------------------------------------------------
+# ---- the node's privacy: clip C_k and noise sigma_k at step k --------------------------------------------------------------
 def node_loader(n: int = 100, batch_size: int = 5, world_size: int = 4, rank: int = 1, features: int = 3):
     dataset = TensorDataset(torch.randn(n, features), torch.randn(n, 1))
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 
-def planned_engine(*, planned_steps=10, batch_size=5, rank=1, seed=3, mode="hooks", model=None, target_epsilon=2.0,
+def planned_node(*, planned_steps=10, batch_size=5, rank=1, seed=3, mode="hooks", model=None, target_epsilon=2.0,
                    calibration="rigorous", variant="dyn", rho_c=4.0, rho_mu=2.0, max_grad_norm=2.0, features=3):
     params = PrivacyParameters(max_grad_norm=max_grad_norm, target_epsilon=target_epsilon, target_delta=1e-5)
     options = DynD2POptions(rho_c=rho_c, rho_mu=rho_mu, variant=variant, calibration=calibration)
-    engine = DynD2PNode(params, options=options, rank=rank, device=torch.device("cpu"), grad_sample_mode=mode,
+    dp = DynD2PNode(params, options=options, rank=rank, device=torch.device("cpu"), grad_sample_mode=mode,
                         noise_seed=seed)
     if model is not None:
-        engine.attach(model)
-    engine.private_dataloader(node_loader(batch_size=batch_size, rank=rank, features=features), planned_steps, 4)
-    return engine
+        dp.attach(model)
+    dp.private_dataloader(node_loader(batch_size=batch_size, rank=rank, features=features), planned_steps, 4)
+    return dp
 
 
-def take_step(engine, model, x, y, mode):
+def take_step(dp, model, x, y, mode):
     losses = 0.5 * (model(x) - y).pow(2).sum(1)
     if mode == "ghost":
-        engine.clipping.ghost_backward(losses)
+        dp.clipping.ghost_backward(losses)
     else:
         losses.mean().backward()
-    private_step(engine)
+    private_step(dp)
     grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     model.zero_grad(set_to_none=True)
     return grad
@@ -301,7 +301,7 @@ def test_one_huge_example_moves_the_update_by_exactly_c_k_over_qj(mode):
     model_a = nn.Linear(3, 2)
     model_b = nn.Linear(3, 2)
     model_b.load_state_dict(model_a.state_dict())
-    a, b = planned_engine(model=model_a, mode=mode), planned_engine(model=model_b, mode=mode)
+    a, b = planned_node(model=model_a, mode=mode), planned_node(model=model_b, mode=mode)
     x, y = torch.randn(4, 3), torch.randn(4, 2)
     huge_x, huge_y = torch.full((1, 3), 1e3), torch.full((1, 2), -1e3)
     qj = a.expected_batch_size
@@ -318,7 +318,7 @@ def test_one_huge_example_moves_the_update_by_exactly_c_k_over_qj(mode):
 
 def test_the_noise_std_follows_sigma_k():
     model = nn.Linear(200, 50)
-    e = planned_engine(model=model, planned_steps=6, features=200)
+    e = planned_node(model=model, planned_steps=6, features=200)
     sigmas = []
     for k in range(6):
         (0.0 * model(torch.randn(3, 200)).sum()).backward()  # zero per-sample gradients: p.grad is pure noise
@@ -331,9 +331,9 @@ def test_the_noise_std_follows_sigma_k():
     assert sigmas[-1] < 0.5 * sigmas[0]  # (rho_c rho_mu)^{-5/6} = 0.31
 
 
-def test_engine_epsilons_budget_and_resume():
+def test_node_epsilons_budget_and_resume():
     model = nn.Linear(3, 2)
-    e = planned_engine(model=model, planned_steps=8)
+    e = planned_node(model=model, planned_steps=8)
     assert e.certified_steps == 8 and 0.99 * 2.0 <= e.plan_epsilon <= 2.0
     x, y = torch.randn(4, 3), torch.randn(4, 2)
     for _ in range(3):
@@ -383,19 +383,19 @@ def test_the_update_is_algorithm_1_on_a_time_varying_directed_graph():
         model = nn.Linear(d, 1, bias=False)
         with torch.no_grad():
             model.weight.copy_(x0)
-        engine = planned_engine(model=model, rank=rank, seed=seed, planned_steps=steps, rho_c=3.0, rho_mu=2.0,
+        dp = planned_node(model=model, rank=rank, seed=seed, planned_steps=steps, rho_c=3.0, rho_mu=2.0,
                                 max_grad_norm=1.0)
         gossip = PushSumGossip(model.weight.detach().reshape(-1), rank=rank, topology=topology, exchange=exchange)
         for k in range(steps):
             features, targets = batches[rank][k]
             (0.5 * (model(features).squeeze(1) - targets).pow(2)).mean().backward()
-            private_step(engine)                                              # lines 3-9
+            private_step(dp)                                              # lines 3-9
             x_half = gossip.x - lr * model.weight.grad.reshape(-1)          # line 10
             model.weight.grad = None
             gossip.step(x_half)                                             # lines 11-13
             with torch.no_grad():
                 model.weight.copy_(gossip.z.view_as(model.weight))          # line 14
-        return gossip.z, engine.schedule, engine.expected_batch_size
+        return gossip.z, dp.schedule, dp.expected_batch_size
 
     results = LoopbackNetwork(n).run(node)
     schedule, qj = results[0][1], results[0][2]

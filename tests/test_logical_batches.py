@@ -40,20 +40,20 @@ def test_micro_batches_give_the_unsplit_batchs_privatized_gradient(mode: str) ->
 
     def privatized(chunks: list[slice]) -> list[torch.Tensor]:
         model = _model()
-        engine = DPCSGPNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.7), rank=0,
+        dp = DPCSGPNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=0.7), rank=0,
                                    device=torch.device("cpu"), grad_sample_mode=mode, noise_seed=5)
-        engine.attach(model)
-        engine.noise_multiplier, engine.sample_rate, engine.expected_batch_size = 0.7, 0.5, 20.0
+        dp.attach(model)
+        dp.noise_multiplier, dp.sample_rate, dp.expected_batch_size = 0.7, 0.5, 20.0
         for i, chunk in enumerate(chunks):
             losses = F.cross_entropy(model(x[chunk]), y[chunk], reduction="none")
             if mode == "ghost":
-                engine.clipping.ghost_backward(losses)
+                dp.clipping.ghost_backward(losses)
             else:
                 losses.mean().backward()
             if i < len(chunks) - 1:
-                engine.clipping.accumulate_micro_batch()
-        stats = private_step(engine)
-        assert stats.batch_size == 23 and engine.ledger.steps == 1  # one ledger entry for the logical batch
+                dp.clipping.accumulate_micro_batch()
+        stats = private_step(dp)
+        assert stats.batch_size == 23 and dp.ledger.steps == 1  # one ledger entry for the logical batch
         return [p.grad.clone() for p in model.parameters()]
 
     whole = privatized([slice(0, 23)])
@@ -117,6 +117,6 @@ def test_accumulate_grad_batches_trains_exactly_like_the_unsplit_batch(make, tmp
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def test_engines_that_need_the_whole_batch_refuse_micro_batches(tmp_path) -> None:
+def test_nodes_that_need_the_whole_batch_refuse_micro_batches(tmp_path) -> None:
     with pytest.raises(PrivacyConfigError, match="PrivSGP-VR .* accumulate_grad_batches=1"):
         _fit(PrivSGPVRStrategy(max_grad_norm=1.0, noise_multiplier=1.0), 8, 4, tmp_path)

@@ -61,10 +61,10 @@ def simulate(name: str, key_dir: Path) -> list[dict]:
 def test_a_paper_privatizes_and_the_node_step_records_the_release_it_announced_and_writes_it_ahead(tmp_path):
     """A paper's privatize() only clips and noises; private_step records next_release() as taken before the call
     (Dyn-D2P's moves on with every step) and writes the accounting state before anything could leave the node."""
-    from tests.test_dyn_d2p import planned_engine, take_step
-    from tests.test_dp_csgp import attached_engine, loader
+    from tests.test_dyn_d2p import planned_node, take_step
+    from tests.test_dp_csgp import attached_node, loader
 
-    e, model = attached_engine(target_epsilon=2.0, target_delta=1e-5, seed=5)
+    e, model = attached_node(target_epsilon=2.0, target_delta=1e-5, seed=5)
     e.private_dataloader(loader(), planned_steps=20, world_size=4)
     torch.nn.functional.cross_entropy(model(torch.randn(4, 3)), torch.randint(0, 2, (4,))).backward()
     e.privatize()
@@ -76,7 +76,7 @@ def test_a_paper_privatizes_and_the_node_step_records_the_release_it_announced_a
     assert ledger.read()["steps"] == 1
 
     model = torch.nn.Linear(3, 1)
-    dyn = planned_engine(model=model)  # a schedule: every step releases its own sigma_k
+    dyn = planned_node(model=model)  # a schedule: every step releases its own sigma_k
     announced = []
     for _ in range(3):
         announced.append(dyn.next_release())

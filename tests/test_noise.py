@@ -243,8 +243,8 @@ def test_poisson_sampling_is_secret_per_node_and_reproducible_with_a_seed() -> N
 
 
 def test_every_private_strategy_draws_its_noise_from_chacha20_keys() -> None:
-    engine = DPCSGPNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0, device=torch.device("cpu"))
-    for generator in (engine.gaussian.generator, engine.sampler.generator):
+    dp = DPCSGPNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0, device=torch.device("cpu"))
+    for generator in (dp.gaussian.generator, dp.sampler.generator):
         assert isinstance(generator, NoiseGenerator) and not generator.seeded and len(generator._key) == 32
     secure = DPCSGPNode(PrivacyParameters(max_grad_norm=1.0, noise_multiplier=1.0), rank=0,
                                device=torch.device("cpu"), secure_mode=True)

@@ -172,21 +172,21 @@ def test_bookkeeping_backward_passes_guard_and_no_backward() -> None:
         torch.testing.assert_close(p.grad, expected, rtol=2e-3, atol=1e-4)
 
 
-def test_the_engine_defaults_to_bookkeeping_and_releases_what_hooks_release(device: torch.device) -> None:
+def test_the_node_defaults_to_bookkeeping_and_releases_what_hooks_release(device: torch.device) -> None:
     assert DEFAULT_GRAD_SAMPLE_MODE == "bookkeeping"
     x, y = (t.to(device) for t in _batch("mlp_root", 6))
     grads = {}
     for mode in ("bookkeeping", "hooks"):
         model = _model("mlp_root").to(device)
         kwargs = {} if mode == DEFAULT_GRAD_SAMPLE_MODE else {"grad_sample_mode": mode}
-        engine = DPCSGPNode(PrivacyParameters(max_grad_norm=0.5, noise_multiplier=1.0), rank=3,
+        dp = DPCSGPNode(PrivacyParameters(max_grad_norm=0.5, noise_multiplier=1.0), rank=3,
                                    device=device, noise_seed=7, **kwargs)
-        engine.attach(model)
-        assert engine.clipping.per_sample is not None and engine.clipping.per_sample.mode == mode
-        engine.noise_multiplier, engine.sample_rate, engine.expected_batch_size = 1.0, 0.1, 4.0
+        dp.attach(model)
+        assert dp.clipping.per_sample is not None and dp.clipping.per_sample.mode == mode
+        dp.noise_multiplier, dp.sample_rate, dp.expected_batch_size = 1.0, 0.1, 4.0
         F.cross_entropy(model(x), y).backward()
-        stats = private_step(engine)  # same noise stream (seed, rank): the released gradients must agree
-        assert stats.batch_size == 6 and engine.steps == 1
+        stats = private_step(dp)  # same noise stream (seed, rank): the released gradients must agree
+        assert stats.batch_size == 6 and dp.steps == 1
         grads[mode] = [p.grad.clone() for p in model.parameters()]
     for a, b in zip(grads["bookkeeping"], grads["hooks"]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=2e-3)  # the modes' norm bounds differ by their sums' rounding

@@ -235,12 +235,12 @@ def test_private_strategy_fit_in_one_process_with_empty_poisson_batches() -> Non
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[record])
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=1))  # q = 1/20: many batches are empty
-    engine = strategy.privacy
-    assert engine.sample_rate == pytest.approx(0.05)
-    assert engine.ledger.steps == trainer.global_step == 20
+    dp = strategy.privacy
+    assert dp.sample_rate == pytest.approx(0.05)
+    assert dp.ledger.steps == trainer.global_step == 20
     assert 0 in record.batch_sizes and max(record.batch_sizes) > 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert engine.epsilon() == pytest.approx(epsilon_for(1.0, 0.05, 20, 1e-5))
+    assert dp.epsilon() == pytest.approx(epsilon_for(1.0, 0.05, 20, 1e-5))
 
 
 # ============================================================================ configuration

@@ -77,32 +77,32 @@ def squared_loss(module: nn.Module, batch) -> torch.Tensor:  # noqa: ANN001
     return 0.5 * ((module(x) - y) ** 2).sum(1).mean()
 
 
-def make_engine(rank: int, C: float, noise: float, seed: int = 11, **options) -> PrivSGPVRNode:  # noqa: ANN003
+def make_node(rank: int, C: float, noise: float, seed: int = 11, **options) -> PrivSGPVRNode:  # noqa: ANN003
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # noise 0 warns that it is not private
         parameters = PrivacyParameters(max_grad_norm=C, noise_multiplier=noise, target_delta=DELTA)
         return PrivSGPVRNode(parameters, rank=rank, device=torch.device("cpu"), noise_seed=seed, **options)
 
 
-def attach_with_data(engine: PrivSGPVRNode, module: nn.Module, x, y, batch_size: int, steps: int):  # noqa: ANN001, ANN201
-    engine.attach(module)
+def attach_with_data(dp: PrivSGPVRNode, module: nn.Module, x, y, batch_size: int, steps: int):  # noqa: ANN001, ANN201
+    dp.attach(module)
     dataset = TensorDataset(x, y, torch.arange(len(y)))
-    return engine.private_dataloader(DataLoader(dataset, batch_size=batch_size), planned_steps=steps)
+    return dp.private_dataloader(DataLoader(dataset, batch_size=batch_size), planned_steps=steps)
 
 
-def fill(engine: PrivSGPVRNode, module: nn.Module) -> None:
+def fill(dp: PrivSGPVRNode, module: nn.Module) -> None:
     def backward(batch) -> bool:  # noqa: ANN001
         squared_loss(module, batch).backward()
         return True
 
-    engine.fill_table(backward)
+    dp.fill_table(backward)
 
 
-def train(engine: PrivSGPVRNode, module: nn.Module, loader, lr: float) -> None:  # noqa: ANN001
+def train(dp: PrivSGPVRNode, module: nn.Module, loader, lr: float) -> None:  # noqa: ANN001
     """One pass over ``loader``: the private step, then plain SGD on the released gradient."""
     for batch in loader:
         squared_loss(module, batch).backward()
-        private_step(engine)
+        private_step(dp)
         with torch.no_grad():
             for p in module.parameters():
                 p -= lr * p.grad
@@ -125,9 +125,9 @@ def test_the_private_step_and_push_sum_follow_a_transcription_of_algorithm_1_on_
     def node(rank, exchange):  # noqa: ANN001, ANN202
         module = nn.Linear(3, 2)
         set_flat(module, x0)
-        engine = make_engine(rank, C, noise)
-        loader = attach_with_data(engine, module, *node_data(rank, J), batch_size=B, steps=steps)
-        fill(engine, module)
+        dp = make_node(rank, C, noise)
+        loader = attach_with_data(dp, module, *node_data(rank, J), batch_size=B, steps=steps)
+        fill(dp, module)
         gossip = PushSumGossip(x0.clone(), rank=rank, topology=topology, exchange=exchange)
         record = []
         for batch in (b for _ in range(steps) for b in loader):
@@ -135,13 +135,13 @@ def test_the_private_step_and_push_sum_follow_a_transcription_of_algorithm_1_on_
                 break
             module.zero_grad(set_to_none=True)
             squared_loss(module, batch).backward()
-            private_step(engine)
+            private_step(dp)
             released = torch.cat([p.grad.reshape(-1) for p in module.parameters()]).clone()
-            mean_ok = torch.allclose(engine.table.mean, engine.table.rows.double().mean(0), atol=1e-6)
+            mean_ok = torch.allclose(dp.table.mean, dp.table.rows.double().mean(0), atol=1e-6)
             record.append((batch[2].tolist(), released, mean_ok))
             gossip.step(gossip.x - lr * released)  # line 9, then lines 10-13
             set_flat(module, gossip.z)  # line 14
-        return record, gossip.z.clone(), engine
+        return record, gossip.z.clone(), dp
 
     results = LoopbackNetwork(n).run(node)
 
@@ -184,15 +184,15 @@ def test_the_first_step_after_the_full_pass_releases_the_full_clipped_gradient_a
     x, y = node_data(0, J, scale=3.0)
     module = nn.Linear(3, 2)
     set_flat(module, common_start())
-    engine = make_engine(0, C, 0.0)
-    loader = attach_with_data(engine, module, x, y, batch_size=3, steps=5)
-    fill(engine, module)
+    dp = make_node(0, C, 0.0)
+    loader = attach_with_data(dp, module, x, y, batch_size=3, steps=5)
+    fill(dp, module)
     z0 = common_start().double()
     full = sum(clip(per_example_gradient(z0, x[j].double(), y[j].double()), C) for j in range(J)) / J
-    assert torch.allclose(engine.table.mean, full, atol=1e-6)
+    assert torch.allclose(dp.table.mean, full, atol=1e-6)
     batch = next(iter(loader))  # whichever examples it holds, c = table for them at z^0
     squared_loss(module, batch).backward()
-    private_step(engine)
+    private_step(dp)
     released = torch.cat([p.grad.reshape(-1) for p in module.parameters()]).double()
     assert torch.allclose(released, full, atol=1e-5)
 
@@ -202,17 +202,17 @@ def test_every_table_entry_is_clipped_to_C_also_in_reduced_precision(dtype):
     J, C = 12, 0.25
     x, y = node_data(1, J, scale=50.0)  # per-example gradients far above C
     module = nn.Linear(3, 2)
-    engine = make_engine(0, C, 1.0, table_dtype=dtype)
-    loader = attach_with_data(engine, module, x, y, batch_size=4, steps=9)
+    dp = make_node(0, C, 1.0, table_dtype=dtype)
+    loader = attach_with_data(dp, module, x, y, batch_size=4, steps=9)
     raw = [per_example_gradient(common_start().double(), x[j].double(), y[j].double()).norm() for j in range(J)]
     assert min(raw) > 10 * C  # every example's gradient is far above the bound
     set_flat(module, common_start())
-    fill(engine, module)
-    train(engine, module, loader, lr=0.1)
-    norms = torch.linalg.vector_norm(engine.table.rows.float(), dim=1)
+    fill(dp, module)
+    train(dp, module, loader, lr=0.1)
+    norms = torch.linalg.vector_norm(dp.table.rows.float(), dim=1)
     assert float(norms.max()) <= C
     assert float(norms.min()) > 0.9 * C  # clipped, not zeroed
-    assert torch.allclose(engine.table.total, engine.table.rows.double().sum(0), atol=1e-4)
+    assert torch.allclose(dp.table.total, dp.table.rows.double().sum(0), atol=1e-4)
 
 
 def test_the_saga_gradient_is_unbiased_for_any_table():
@@ -320,14 +320,14 @@ def test_a_lightning_fit_stores_each_examples_gradient_in_its_own_row(table_init
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     # a worker process: the loader draws batches from the sampler ahead of the training step
     trainer.fit(model, DataLoader(TensorDataset(torch.eye(J)), batch_size=3, num_workers=1))
-    engine = strategy.privacy
-    assert trainer.global_step == engine.steps == 3 * 8
+    dp = strategy.privacy
+    assert trainer.global_step == dp.steps == 3 * 8
     expected = torch.zeros(J, J)
     rows = range(J) if table_init == "full" else sorted(model.seen)
     expected[list(rows), list(rows)] = 1.0
     assert 0 < len(model.seen) < J or table_init == "full"
-    assert torch.allclose(engine.table.rows, expected, atol=1e-5)
-    assert torch.allclose(engine.table.total.float(), expected.sum(0), atol=1e-5)
+    assert torch.allclose(dp.table.rows, expected, atol=1e-5)
+    assert torch.allclose(dp.table.total.float(), expected.sum(0), atol=1e-5)
 
 
 def test_the_sampler_records_its_batches_in_order_and_a_new_epoch_drops_prefetched_ones():
@@ -341,46 +341,46 @@ def test_the_sampler_records_its_batches_in_order_and_a_new_epoch_drops_prefetch
     assert list(fifo) == [third]
 
 
-def test_the_engine_refuses_a_step_whose_gradients_do_not_match_the_sampled_examples():
+def test_the_node_refuses_a_step_whose_gradients_do_not_match_the_sampled_examples():
     module = nn.Linear(3, 2)
-    engine = make_engine(0, 1.0, 1.0)
-    loader = attach_with_data(engine, module, *node_data(0, 8), batch_size=6, steps=4)
-    fill(engine, module)
+    dp = make_node(0, 1.0, 1.0)
+    loader = attach_with_data(dp, module, *node_data(0, 8), batch_size=6, steps=4)
+    fill(dp, module)
     batch = next(iter(loader))
     assert len(batch[2]) > 0
     squared_loss(module, (torch.cat([batch[0], batch[0][:1]]), torch.cat([batch[1], batch[1][:1]]))).backward()
     with pytest.raises(RuntimeError, match="do not match"):
-        private_step(engine)
+        private_step(dp)
 
 
 # ---- accounting ----------------------------------------------------------------------------------------------------
-def test_the_engine_epsilon_is_the_opacus_composition_of_its_two_mechanisms():
+def test_the_node_epsilon_is_the_opacus_composition_of_its_two_mechanisms():
     J, B, steps, noise = 8, 2, 6, 2.5
     module = nn.Linear(3, 2)
-    engine = make_engine(0, 1.0, noise)
-    loader = attach_with_data(engine, module, *node_data(0, J), batch_size=B, steps=steps)
-    fill(engine, module)
+    dp = make_node(0, 1.0, noise)
+    loader = attach_with_data(dp, module, *node_data(0, J), batch_size=B, steps=steps)
+    fill(dp, module)
     done = 0
     while done < steps:
         for batch in loader:
             squared_loss(module, batch).backward()
-            private_step(engine)
+            private_step(dp)
             done += 1
             if done == steps:
                 break
-    q, rho = B / J, engine.split
+    q, rho = B / J, dp.split
     assert rho is not None and 0 < rho < 1  # at q = 1/4 the split analysis is the tighter one
     hand = RDPAccountant()
     hand.history = [(noise * math.sqrt(rho) / 2, q, steps), (noise * math.sqrt(1 - rho) / q, 1.0, steps)]
-    assert engine.epsilon() == pytest.approx(hand.get_epsilon(DELTA), rel=1e-12)
-    assert engine.steps == steps and len(engine.ledger.history) == 2
-    assert saga_epsilon(noise, q, steps, DELTA, split=rho) == pytest.approx(engine.epsilon(), rel=1e-12)
+    assert dp.epsilon() == pytest.approx(hand.get_epsilon(DELTA), rel=1e-12)
+    assert dp.steps == steps and len(dp.ledger.history) == 2
+    assert saga_epsilon(noise, q, steps, DELTA, split=rho) == pytest.approx(dp.epsilon(), rel=1e-12)
     assert rho == pytest.approx(optimal_split(noise, q, steps, DELTA), abs=1e-9)
     joint = RDPAccountant()
     joint.history = [(noise / (2 - q), 1.0, steps)]
-    assert engine.epsilon() < joint.get_epsilon(DELTA)
-    report = engine.report()
-    assert report["epsilon"] == engine.epsilon() == report["epsilon_sound_formula"]
+    assert dp.epsilon() < joint.get_epsilon(DELTA)
+    report = dp.report()
+    assert report["epsilon"] == dp.epsilon() == report["epsilon_sound_formula"]
     assert report["epsilon_paper_formula"] == pytest.approx(epsilon_for(noise / 3, q, steps, DELTA), rel=1e-12)
 
 
@@ -459,15 +459,15 @@ def test_calibration_with_a_history_spends_the_rest_of_the_budget():
 
 def test_the_paper_accounting_warns_that_it_is_not_a_guarantee():
     with pytest.warns(UserWarning, match="not a guarantee"):
-        engine = make_engine(0, 1.0, 2.0, accounting="paper")
-        attach_with_data(engine, nn.Linear(3, 2), *node_data(0, 8), batch_size=2, steps=4)
+        dp = make_node(0, 1.0, 2.0, accounting="paper")
+        attach_with_data(dp, nn.Linear(3, 2), *node_data(0, 8), batch_size=2, steps=4)
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------------
 def test_a_table_above_the_memory_budget_is_refused_before_training_with_its_size_and_the_fix():
-    engine = make_engine(0, 1.0, 1.0, max_table_bytes=100)
+    dp = make_node(0, 1.0, 1.0, max_table_bytes=100)
     with pytest.raises(PrivacyConfigError) as err:
-        attach_with_data(engine, nn.Linear(3, 2), *node_data(0, 8), batch_size=2, steps=4)
+        attach_with_data(dp, nn.Linear(3, 2), *node_data(0, 8), batch_size=2, steps=4)
     message = str(err.value)
     assert "8 x 8 x 4" in message and "256 bytes" in message and "max_table_bytes" in message
     assert "bfloat16" in message and "PrivSGPStrategy" in message

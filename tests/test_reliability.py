@@ -262,13 +262,13 @@ def test_max_time_replans_sigma_so_the_budget_is_spent_by_the_time_limit(tmp_pat
     run = trainer(tmp_path, strategy, checkpoints=False, max_steps=-1, max_epochs=100, max_time={"seconds": 5})
     with caplog.at_level("INFO"):
         run.fit(SlowClassifier(), data())
-    engine = strategy.privacy
+    dp = strategy.privacy
     planned_by_epochs = 100 * 16
     replanned = next(r.getMessage() for r in caplog.records if "max_time allows about" in r.getMessage())
     assert f"not the {planned_by_epochs} planned" in replanned
-    assert engine.planned_steps < planned_by_epochs / 5  # at most 5 s / 0.05 s = 100 steps, not 1600
-    assert engine.noise_multiplier < engine.ledger.history[0][0]  # less noise after the re-plan
-    assert engine.ledger.history[-1][0] in (engine.ledger.history[0][0], engine.noise_multiplier)  # (a loaded machine
+    assert dp.planned_steps < planned_by_epochs / 5  # at most 5 s / 0.05 s = 100 steps, not 1600
+    assert dp.noise_multiplier < dp.ledger.history[0][0]  # less noise after the re-plan
+    assert dp.ledger.history[-1][0] in (dp.ledger.history[0][0], dp.noise_multiplier)  # (a loaded machine
     # may reach max_time before a step at the new sigma)
-    assert run.global_step < planned_by_epochs and engine.epsilon() <= 3.0
+    assert run.global_step < planned_by_epochs and dp.epsilon() <= 3.0
     assert not any("default of max_epochs=1000" in r.getMessage() for r in caplog.records)

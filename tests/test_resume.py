@@ -26,14 +26,14 @@ from lightning_privdec.privacy.accounting import GaussianRelease
 from lightning_privdec.strategies import PrivSGPVRStrategy
 from lightning_privdec.topology import build_topology
 from tests.small_classifier import Classifier
-from tests.test_dp_csgp import attached_engine, loader, one_step
+from tests.test_dp_csgp import attached_node, loader, one_step
 from tests.test_overlap import LR, in_flight_mass, run
 from tests.test_pairwise import _run_with_key_files, edges, ring
 from tests.test_privsgp_vr import (
     attach_with_data,
     clip,
     fill,
-    make_engine,
+    make_node,
     node_data,
     per_example_gradient,
     tensors_in,
@@ -83,11 +83,11 @@ class KeepPerSampleGradients(pl.Callback):
         self.live: object = None
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = trainer.strategy.privacy
+        dp = trainer.strategy.privacy
         if trainer.global_step == 2 and self.live is None:
-            table = getattr(engine, "table", None)
+            table = getattr(dp, "table", None)
             self.live = {"table": table.rows.clone()} if table is not None else {
-                "grads": [g.clone() for g in engine.clipping.per_sample.per_sample_grads()]}
+                "grads": [g.clone() for g in dp.clipping.per_sample.per_sample_grads()]}
 
 
 BUDGET = dict(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, noise_seed=0)
@@ -111,7 +111,7 @@ def _resume_with_max_epochs_4(tmp_path: Path, checkpoint: Path, **kwargs: object
 
 
 def test_resume_continues_the_ledger_keeps_sigma_and_never_rolls_back():
-    e, model = attached_engine(target_epsilon=2.0, target_delta=1e-5, seed=5)
+    e, model = attached_node(target_epsilon=2.0, target_delta=1e-5, seed=5)
     e.private_dataloader(loader(), planned_steps=20, world_size=4)
     sigma = e.noise_multiplier
     for _ in range(3):
@@ -121,13 +121,13 @@ def test_resume_continues_the_ledger_keeps_sigma_and_never_rolls_back():
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
 
-    resumed, _ = attached_engine(target_epsilon=2.0, target_delta=1e-5, seed=5)
+    resumed, _ = attached_node(target_epsilon=2.0, target_delta=1e-5, seed=5)
     resumed.load_state_dict(saved)
     resumed.private_dataloader(loader(), planned_steps=20, world_size=4)
     assert resumed.ledger.steps == 3 and resumed.noise_multiplier == sigma  # same plan: same sigma
     assert resumed.epsilon() == pytest.approx(e.epsilon())
 
-    longer, _ = attached_engine(target_epsilon=2.0, target_delta=1e-5, seed=5)
+    longer, _ = attached_node(target_epsilon=2.0, target_delta=1e-5, seed=5)
     longer.load_state_dict(saved)
     longer.private_dataloader(loader(), planned_steps=40, world_size=4)  # a longer plan: more noise per step
     assert longer.noise_multiplier > sigma
@@ -215,10 +215,10 @@ def test_the_resume_warning_prints_the_epsilon_the_ledger_holds_before_the_noise
     import warnings
 
     from lightning_privdec.privacy.write_ahead import WriteAheadLedger
-    from tests.test_write_ahead_ledger import cpgt_engine, make_cpgt_node
+    from tests.test_write_ahead_ledger import cpgt_node, make_cpgt_node
 
     ledger = WriteAheadLedger(tmp_path, "run", rank=0)
-    crashed = cpgt_engine(accounting)  # noise_x = noise_y = 1, alpha = 0.1, q = 0.9, planned for 10 rounds
+    crashed = cpgt_node(accounting)  # noise_x = noise_y = 1, alpha = 0.1, q = 0.9, planned for 10 rounds
     crashed.ledger.record(crashed.next_release())
     ledger.write(crashed)
     buffer = io.BytesIO()
@@ -248,28 +248,28 @@ def test_the_resume_warning_prints_the_epsilon_the_ledger_holds_before_the_noise
     assert printed == pytest.approx(resumed.epsilon(), abs=5e-5)  # the ledger's epsilon, before and after the plan
 
 
-def test_checkpoints_hold_no_table_and_a_resumed_engine_rebuilds_it_at_the_resumed_parameters():
+def test_checkpoints_hold_no_table_and_a_resumed_node_rebuilds_it_at_the_resumed_parameters():
     J = 8
     x, y = node_data(0, J)
     module = nn.Linear(3, 2)
-    engine = make_engine(0, 1.0, 1.5)
-    loader = attach_with_data(engine, module, x, y, batch_size=2, steps=8)
-    fill(engine, module)
-    train(engine, module, loader, lr=0.5)
-    state = engine.state_dict()
+    dp = make_node(0, 1.0, 1.5)
+    loader = attach_with_data(dp, module, x, y, batch_size=2, steps=8)
+    fill(dp, module)
+    train(dp, module, loader, lr=0.5)
+    state = dp.state_dict()
     assert "table" not in state and not any(t.is_floating_point() for t in tensors_in(state))
 
-    engine.clipping.detach()
-    resumed = make_engine(0, 1.0, 1.5)
+    dp.clipping.detach()
+    resumed = make_node(0, 1.0, 1.5)
     resumed.load_state_dict(state)
-    assert resumed.steps == engine.steps == 4 and resumed.epsilon() == pytest.approx(engine.epsilon(), rel=1e-12)
+    assert resumed.steps == dp.steps == 4 and resumed.epsilon() == pytest.approx(dp.epsilon(), rel=1e-12)
     attach_with_data(resumed, module, x, y, batch_size=2, steps=8)
     assert not resumed.table_ready
     fill(resumed, module)
     z = torch.nn.utils.parameters_to_vector(module.parameters()).detach().double()
     expected = torch.stack([clip(per_example_gradient(z, x[j].double(), y[j].double()), 1.0) for j in range(J)])
     assert torch.allclose(resumed.table.rows.double(), expected, atol=1e-5)
-    other = make_engine(0, 1.0, 1.5, accounting="no_amplification")
+    other = make_node(0, 1.0, 1.5, accounting="no_amplification")
     with pytest.raises(PrivacyConfigError, match="same accounting"):
         other.load_state_dict(state)
 

@@ -129,8 +129,8 @@ def test_decor_secrets_reach_no_checkpoint_log_console_repr_or_error_and_a_resum
     for d in first + resumed:
         for what, text in (*d["reprs"].items(), *d["errors"].items()):
             assert leaks(text.encode(), needles) == [], what
-        assert "cannot be pickled" in d["errors"]["pickle the privacy engine"]
-        assert "cannot be pickled" in d["errors"]["deepcopy the privacy engine"]
+        assert "cannot be pickled" in d["errors"]["pickle the node privacy"]
+        assert "cannot be pickled" in d["errors"]["deepcopy the node privacy"]
 
 
 # ---- the child: one node of both fits --------------------------------------------------------------------------------
@@ -160,13 +160,13 @@ def _fit(argv: list[str]) -> None:
 
         def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:  # also after no step
             strategy = trainer.strategy
-            engine = strategy.privacy
-            secrets, correlated = engine.secrets, engine.correlated
+            dp = strategy.privacy
+            secrets, correlated = dp.secrets, dp.correlated
             assert correlated is not None, "the correlated noise must be on for this test"
             errors = {}
             for what, action in (
-                ("pickle the privacy engine", lambda: pickle.dumps(engine)),
-                ("deepcopy the privacy engine", lambda: copy.deepcopy(engine)),
+                ("pickle the node privacy", lambda: pickle.dumps(dp)),
+                ("deepcopy the node privacy", lambda: copy.deepcopy(dp)),
                 ("secret of a non-neighbour", lambda: secrets.secret(NODES + 5)),
             ):
                 try:
@@ -178,18 +178,18 @@ def _fit(argv: list[str]) -> None:
             key_file = None if self.key_dir is None else Path(self.key_dir) / f"node_{rank}.key"
             dump = {
                 "rank": rank,
-                "steps": engine.steps,
+                "steps": dp.steps,
                 "pairwise": {j: secrets.secret(j) for j in secrets.neighbours},
                 "stream_keys": {(j, t): correlated._stream_key(j, t)
                                 for j in secrets.neighbours for t in range(STEPS + 1)},
                 "private_key": None if key_file is None else key_file.read_bytes()[-32:],
-                "noise_key": engine.gaussian.generator._key,
-                "sampling_key": engine.sampler.generator._key,
+                "noise_key": dp.gaussian.generator._key,
+                "sampling_key": dp.sampler.generator._key,
                 "reprs": {
-                    "strategy": repr(strategy), "str(strategy)": str(strategy), "engine": repr(engine),
-                    "vars(strategy)": repr(vars(strategy)), "vars(engine)": repr(vars(engine)),
+                    "strategy": repr(strategy), "str(strategy)": str(strategy), "dp": repr(dp),
+                    "vars(strategy)": repr(vars(strategy)), "vars(dp)": repr(vars(dp)),
                     "secrets": repr(secrets), "state_dict(secrets)": repr(secrets.state_dict()),
-                    "correlated": repr(correlated), "state_dict(engine)": repr(engine.state_dict()),
+                    "correlated": repr(correlated), "state_dict(dp)": repr(dp.state_dict()),
                 },
                 "errors": errors,
             }

@@ -1,6 +1,6 @@
 """Every private strategy trains with every grad_sample_mode it accepts, and uses the mode it was given.
 
-(Decor once built its engine with the default mode whatever the user passed: with "ghost" the backward pass got a
+(Decor once built its dp with the default mode whatever the user passed: with "ghost" the backward pass got a
 per-sample loss vector and failed with an unrelated error.)
 """
 
@@ -52,14 +52,14 @@ class PerSampleLossClassifier(pl.LightningModule):
 
 
 class ModeProbe(pl.Callback):
-    """Records which per-sample machinery the node's engine ran each step."""
+    """Records which per-sample machinery the node's privacy ran each step."""
 
     def __init__(self) -> None:
         self.used: set[str] = set()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        engine = trainer.strategy.privacy
-        self.used.add("ghost" if engine.clipping.ghost is not None else engine.clipping.per_sample.mode)
+        dp = trainer.strategy.privacy
+        self.used.add("ghost" if dp.clipping.ghost is not None else dp.clipping.per_sample.mode)
 
 
 def _loader() -> DataLoader:

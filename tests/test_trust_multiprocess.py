@@ -261,9 +261,9 @@ class LedgerAtCheckpoints(Callback):
         self.saved: dict[int, dict] = {}
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:  # noqa: ANN001
-        engine = trainer.strategy.privacy
-        self.saved[trainer.global_step] = {"steps": engine.steps, "ledger": copy.deepcopy(engine.ledger.state_dict()),
-                                           "epsilon": engine.epsilon()}
+        dp = trainer.strategy.privacy
+        self.saved[trainer.global_step] = {"steps": dp.steps, "ledger": copy.deepcopy(dp.ledger.state_dict()),
+                                           "epsilon": dp.epsilon()}
 
 
 def fit_node(rank: int, run: Path, keys: Path, max_steps: int, resume: Path | None = None, attack: str | None = None,
@@ -287,9 +287,9 @@ def fit_node(rank: int, run: Path, keys: Path, max_steps: int, resume: Path | No
         trainer.fit(DigitsClassifier(lr=0.3), datamodule=DigitsDataModule(batch_size=32), ckpt_path=resume)
     except Exception as exc:  # noqa: BLE001 - the outcome is what is recorded
         error = f"{type(exc).__name__}: {exc}"
-    engine = strategy.privacy
-    return {"error": error, "saved": recorder.saved, "steps": engine.steps if engine else 0,
-            "epsilon": engine.epsilon() if engine is not None and engine.steps else 0.0}
+    dp = strategy.privacy
+    return {"error": error, "saved": recorder.saved, "steps": dp.steps if dp else 0,
+            "epsilon": dp.epsilon() if dp is not None and dp.steps else 0.0}
 
 
 def checkpoint_at(run: Path, step: int) -> Path:

@@ -14,28 +14,28 @@ from lightning_privdec.privacy import PrivacyConfigError, epsilon_for
 from lightning_privdec.privacy.accounting import GaussianRelease
 from lightning_privdec.privacy.write_ahead import GENERATOR_KEYS, WriteAheadLedger
 from tests.multiprocess import fit_digits_in_one_launch
-from tests.test_dyn_d2p import planned_engine, take_step
-from tests.test_dp_csgp import attached_engine, loader, one_step
+from tests.test_dyn_d2p import planned_node, take_step
+from tests.test_dp_csgp import attached_node, loader, one_step
 
 
-def checkpoint(engine) -> dict:
+def checkpoint(dp) -> dict:
     buffer = io.BytesIO()
-    torch.save(engine.state_dict(), buffer)
+    torch.save(dp.state_dict(), buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
 
 
-def steps_until_budget(engine) -> int:
+def steps_until_budget(dp) -> int:
     taken = 0
-    while not engine.next_step_exceeds_budget():
-        engine.ledger.record(engine.next_release())  # what privatize() records
+    while not dp.next_step_exceeds_budget():
+        dp.ledger.record(dp.next_release())  # what privatize() records
         taken += 1
     return taken
 
 
-def test_a_resumed_engine_counts_the_steps_released_after_its_checkpoint(tmp_path):
+def test_a_resumed_node_counts_the_steps_released_after_its_checkpoint(tmp_path):
     ledger = WriteAheadLedger(tmp_path, "run", rank=1)
-    e, model = attached_engine(target_epsilon=2.0, target_delta=1e-5)  # secure: OS entropy
+    e, model = attached_node(target_epsilon=2.0, target_delta=1e-5)  # secure: OS entropy
     e.private_dataloader(loader(), planned_steps=20, world_size=4)
     sigma, q = e.noise_multiplier, e.sample_rate
     saved = None
@@ -45,7 +45,7 @@ def test_a_resumed_engine_counts_the_steps_released_after_its_checkpoint(tmp_pat
         if k == 5:
             saved = checkpoint(e)  # the last checkpoint; steps 6..12 are released, then the run crashes
 
-    resumed, _ = attached_engine(target_epsilon=2.0, target_delta=1e-5)
+    resumed, _ = attached_node(target_epsilon=2.0, target_delta=1e-5)
     resumed.load_state_dict(saved)
     assert resumed.steps == 5
     with pytest.warns(UserWarning, match=r"node 1: 7 private steps were released after the checkpoint") as warned:
@@ -57,20 +57,20 @@ def test_a_resumed_engine_counts_the_steps_released_after_its_checkpoint(tmp_pat
     # the budget now includes the lost steps: the resumed run stops 7 steps earlier than one that forgot them
     resumed.private_dataloader(loader(), planned_steps=20, world_size=4)
     assert resumed.noise_multiplier == sigma  # the same plan keeps its sigma
-    forgetful, _ = attached_engine(target_epsilon=2.0, target_delta=1e-5)
+    forgetful, _ = attached_node(target_epsilon=2.0, target_delta=1e-5)
     forgetful.load_state_dict(saved)
     forgetful.private_dataloader(loader(), planned_steps=20, world_size=4)
     assert steps_until_budget(resumed) == steps_until_budget(forgetful) - 7
     assert resumed.epsilon() <= 2.0 < resumed.ledger.epsilon_after(1, GaussianRelease(sigma, q))
 
     # a file that is not as far as the checkpoint changes nothing; the checkpoint's own count never rolls back
-    again, _ = attached_engine(target_epsilon=2.0, target_delta=1e-5)
+    again, _ = attached_node(target_epsilon=2.0, target_delta=1e-5)
     again.load_state_dict(resumed.state_dict())
     assert WriteAheadLedger(tmp_path, "run", rank=1).recover(again) == 0 and again.steps == resumed.steps
 
 
 def test_the_file_holds_accounting_only_never_generator_states_and_is_replaced_atomically(tmp_path):
-    e, model = attached_engine(noise_multiplier=1.0, seed=1234)  # even a seeded engine writes no generator state
+    e, model = attached_node(noise_multiplier=1.0, seed=1234)  # even a seeded node writes no generator state
     e.private_dataloader(loader(), planned_steps=10, world_size=4)
     assert "noise_generator" in e.state_dict()
     ledger = WriteAheadLedger(tmp_path, "abc", rank=1)
@@ -96,7 +96,7 @@ def test_the_file_holds_accounting_only_never_generator_states_and_is_replaced_a
 
 def test_dyn_d2p_resumes_its_schedule_at_the_released_step(tmp_path):
     model = nn.Linear(3, 2)
-    e = planned_engine(model=model, planned_steps=8, seed=None)
+    e = planned_node(model=model, planned_steps=8, seed=None)
     ledger = WriteAheadLedger(tmp_path, "run", rank=1)
     x, y = torch.randn(4, 3), torch.randn(4, 2)
     take_step(e, model, x, y, "hooks")
@@ -104,7 +104,7 @@ def test_dyn_d2p_resumes_its_schedule_at_the_released_step(tmp_path):
     for _ in range(4):
         take_step(e, model, x, y, "hooks")
         ledger.write(e)
-    resumed = planned_engine(model=nn.Linear(3, 2), planned_steps=8, seed=None)
+    resumed = planned_node(model=nn.Linear(3, 2), planned_steps=8, seed=None)
     resumed.load_state_dict(saved)
     with pytest.warns(UserWarning, match="4 private steps were released"):
         ledger.recover(resumed)
@@ -123,7 +123,7 @@ def make_cpgt_node(**options):  # noqa: ANN201
     return e
 
 
-def cpgt_engine(accounting: str = "finite", target_epsilon: float | None = None):
+def cpgt_node(accounting: str = "finite", target_epsilon: float | None = None):
     noise = dict(noise_x=1.0, noise_y=1.0) if target_epsilon is None else dict(noise_x=None, noise_y=None)
     e = make_cpgt_node(accounting=accounting, target_epsilon=target_epsilon, **noise)
     data = torch.utils.data.TensorDataset(torch.randn(50, 3), torch.randn(50))
@@ -134,7 +134,7 @@ def cpgt_engine(accounting: str = "finite", target_epsilon: float | None = None)
 
 def _cpgt_round_terms(e, rounds: int) -> list[float]:
     """The coupling's per-round epsilon terms of Theorem 2's proof, one per round, computed independently of the
-    engine from its parameters (Assumption 4 unless accounting='finite')."""
+    node from its parameters (Assumption 4 unless accounting='finite')."""
     from lightning_privdec.privacy.accounting.cpgt import cpgt_epsilon_after
 
     common = dict(alpha=e.alpha, lipschitz=e.lipschitz, q=e.noise_decay, noise_x=e.noise_x, noise_y=e.noise_y,
@@ -152,17 +152,17 @@ def test_cpgt_charges_every_round_a_resume_sends_again(tmp_path, accounting):
 
     ledger = WriteAheadLedger(tmp_path, "run", rank=0)
 
-    def advance(engine, rounds):
+    def advance(dp, rounds):
         for _ in range(rounds):
-            engine.ledger.record(engine.next_release())  # what privatize() records, then the write before the message leaves
-            ledger.write(engine)
+            dp.ledger.record(dp.next_release())  # what privatize() records, then the write before the message leaves
+            ledger.write(dp)
 
-    e = cpgt_engine(accounting)
+    e = cpgt_node(accounting)
     advance(e, 1)
     at_round_1 = checkpoint(e)
     advance(e, 5)
     uninterrupted = e.epsilon()
-    resumed = cpgt_engine(accounting)
+    resumed = cpgt_node(accounting)
     resumed.load_state_dict(at_round_1)
     with pytest.warns(UserWarning, match="5 private steps were released"):
         ledger.recover(resumed)
@@ -181,7 +181,7 @@ def test_cpgt_charges_every_round_a_resume_sends_again(tmp_path, accounting):
     advance(resumed, 1)
     at_round_2 = checkpoint(resumed)
     advance(resumed, 1)  # round 3 released, then a second crash
-    again = cpgt_engine(accounting)
+    again = cpgt_node(accounting)
     again.load_state_dict(at_round_2)
     with pytest.warns(UserWarning, match="1 private steps were released"):
         ledger.recover(again)
@@ -193,7 +193,7 @@ def test_cpgt_charges_every_round_a_resume_sends_again(tmp_path, accounting):
 def test_cpgt_refuses_to_resume_past_its_target_once_replays_are_charged(tmp_path):
     """A calibrated whole-run bound spends exactly the target: any replayed round takes the node past it."""
     ledger = WriteAheadLedger(tmp_path, "run", rank=0)
-    e = cpgt_engine("sound", target_epsilon=2.0)
+    e = cpgt_node("sound", target_epsilon=2.0)
     assert e.epsilon() == 0.0 and not e.next_step_exceeds_budget()
     e.ledger.rounds = 1
     ledger.write(e)
@@ -201,14 +201,14 @@ def test_cpgt_refuses_to_resume_past_its_target_once_replays_are_charged(tmp_pat
     e.ledger.rounds = 4
     ledger.write(e)
     assert e.epsilon() == pytest.approx(2.0) and not e.next_step_exceeds_budget()
-    resumed = cpgt_engine("sound", target_epsilon=2.0)
+    resumed = cpgt_node("sound", target_epsilon=2.0)
     resumed.load_state_dict(saved)
     with pytest.warns(UserWarning, match="3 private steps were released"):
         ledger.recover(resumed)
     assert resumed.epsilon() > 2.0 and resumed.next_step_exceeds_budget()
 
 
-def decor_engine():
+def decor_node():
     import networkx as nx
 
     from lightning_privdec.privacy import PrivacyParameters
@@ -221,8 +221,8 @@ def decor_engine():
     return e
 
 
-@pytest.mark.parametrize("make", [cpgt_engine, decor_engine])
-def test_engines_that_count_steps_resume_at_the_released_count(tmp_path, make):
+@pytest.mark.parametrize("make", [cpgt_node, decor_node])
+def test_nodes_that_count_steps_resume_at_the_released_count(tmp_path, make):
     """CPGT (accounting='finite') and Decor (SecLDP) price the number of steps taken: the lost ones count too."""
     e = make()
     saved = checkpoint(e)  # after 0 steps
@@ -238,7 +238,7 @@ def test_engines_that_count_steps_resume_at_the_released_count(tmp_path, make):
 
 
 def test_the_write_costs_little_per_step(tmp_path):
-    e, model = attached_engine(noise_multiplier=1.0)
+    e, model = attached_node(noise_multiplier=1.0)
     e.private_dataloader(loader(), planned_steps=100, world_size=4)
     one_step(e, model, torch.randn(4, 3), torch.randint(0, 2, (4,)))
     ledger = WriteAheadLedger(tmp_path, "run", rank=1)

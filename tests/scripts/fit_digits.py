@@ -74,17 +74,17 @@ class WriteResult(Callback):
             "rounds": gossip.round if gossip is not None else None,
             "collectives": collectives,
         }
-        engine = getattr(strategy, "privacy", None)
-        if engine is not None:
+        dp = getattr(strategy, "privacy", None)
+        if dp is not None:
             result.update(
-                epsilon=engine.epsilon(),
-                ledger_steps=engine.steps,
-                sigma_cdp=getattr(engine, "sigma_cdp", None),
-                sigma_cor=getattr(engine, "sigma_cor", None),
-                noise_split=getattr(engine, "split", None),
-                noise_multiplier=engine.noise_multiplier,
-                sample_rate=engine.sample_rate,
-                expected_batch_size=engine.expected_batch_size,
+                epsilon=dp.epsilon(),
+                ledger_steps=dp.steps,
+                sigma_cdp=getattr(dp, "sigma_cdp", None),
+                sigma_cor=getattr(dp, "sigma_cor", None),
+                noise_split=getattr(dp, "split", None),
+                noise_multiplier=dp.noise_multiplier,
+                sample_rate=dp.sample_rate,
+                expected_batch_size=dp.expected_batch_size,
                 stopped_at_step=next(
                     (c.stopped_at_step for c in trainer.callbacks if isinstance(c, PrivacyBudgetCallback)), None
                 ),

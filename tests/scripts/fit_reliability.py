@@ -80,9 +80,9 @@ class Record(Callback):
 
     def on_fit_end(self, trainer, pl_module) -> None:  # noqa: ANN001
         params = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
-        engine = getattr(trainer.strategy, "privacy", None)
-        privacy = {} if engine is None else {"sample_rate": engine.sample_rate, "epsilon": engine.epsilon(),
-                                             "private_steps": engine.steps}
+        dp = getattr(trainer.strategy, "privacy", None)
+        privacy = {} if dp is None else {"sample_rate": dp.sample_rate, "epsilon": dp.epsilon(),
+                                             "private_steps": dp.steps}
         torch.save({"rank": trainer.global_rank, "params": params, "global_step": trainer.global_step,
                     "steps_per_epoch": trainer.strategy.steps_per_epoch, "epochs": trainer.current_epoch, **privacy},
                    self.out / f"rank{trainer.global_rank}_run{self.run}.pt")
