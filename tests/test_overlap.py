@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -148,13 +150,18 @@ def _gloo_node(rank: int, world: int, init: str, out: str, device: str = "cpu") 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     topology = build_topology("exponential-one-peer", world, weights="push-sum")
     results = {}
-    for staleness in (0, 1, 2):  # 0: blocking rounds through the exchange's reused per-peer buffers
-        exchange = TorchDistributedExchange(torch.device(device))
+    # 0: blocking rounds through the exchange's reused per-peer buffers; (tau, "deferred"): each round posted only
+    # after the next step's collective, as the strategies post it after Lightning's per-step broadcast
+    for staleness in (0, 1, 2, (1, "deferred"), (2, "deferred")):
+        tau, deferred = staleness if isinstance(staleness, tuple) else (staleness, None)
+        exchange = TorchDistributedExchange(torch.device(device), defer_posts=deferred is not None)
         gossip = PushSumGossip(start_points(world)[rank].to(device), rank=rank, topology=topology,
-                               exchange=exchange, staleness=staleness)
+                               exchange=exchange, staleness=tau)
         for k in range(25):
             gossip.step(gossip.x - LR * update(rank, k).to(device))
+            assert bool(exchange._deferred) == (deferred is not None)  # the round is posted now or after the collective
             dist.all_reduce(torch.ones(1))  # a collective while messages are in flight, as Lightning does per step
+            exchange.post_deferred()
         assert gossip.x.device.type == torch.device(device).type and exchange.wire_device == torch.device("cpu")
         assert (exchange.wire_device != exchange.device) == (device != "cpu")  # staged through host buffers
         results[staleness] = (gossip.x.cpu(), gossip.y.cpu(), in_flight_mass(gossip))
@@ -179,8 +186,9 @@ def test_gloo_processes_mix_exactly_like_the_loopback_simulation(device: str, tm
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return torch.allclose(a, b, rtol=1e-5, atol=1e-6) if device == "cuda" else torch.equal(a, b)
 
-    for staleness in (0, 1, 2):
-        simulated = run(world, topology, range(25), staleness=staleness, lr=LR)
+    for staleness in (0, 1, 2, (1, "deferred"), (2, "deferred")):
+        tau = staleness[0] if isinstance(staleness, tuple) else staleness
+        simulated = run(world, topology, range(25), staleness=tau, lr=LR)
         for rank, g in enumerate(simulated):
             x, y, (in_x, in_y) = torch.load(tmp_path / f"rank{rank}.pt")[staleness]
             assert same(x, g.x) and same(y, g.y)
@@ -199,3 +207,19 @@ def test_lightning_overlap_trains_and_resumes_with_messages_in_flight_exactly(tm
         assert a["bytes_sent"] == a["rounds"] * (4 * d + 8)  # one dense message (x and y) per round
         assert torch.equal(a["params"], b["params"]), f"node {a['rank']} diverged after resume"
     assert relative_consensus_distance(straight) < 0.02
+
+
+def test_an_overlapping_strategy_posts_each_round_at_the_next_batch_start(tmp_path):
+    """With overlap the strategy's exchange defers a step's round until the next batch starts: after Lightning's
+    per-step broadcast from rank 0, so that the broadcast never waits behind the round's bytes on a busy link."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    overlapping, blocking = DecentralizedPushSumStrategy(overlap=True), DecentralizedPushSumStrategy()
+    for strategy in (overlapping, blocking):
+        strategy.parallel_devices = [torch.device("cpu")]
+    exchange = overlapping.make_exchange()
+    assert exchange.defer_posts and not blocking.make_exchange().defer_posts
+    posted = []
+    exchange.post_deferred = lambda: posted.append(True)
+    overlapping.gossip = SimpleNamespace(exchange=exchange)
+    overlapping.on_train_batch_start(batch=None, batch_idx=0)
+    assert posted == [True]

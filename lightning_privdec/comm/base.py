@@ -107,6 +107,10 @@ class Exchange(abc.ABC):
         received = {peer: [t.clone() for t in tensors] for peer, tensors in self.exchange(outgoing, incoming).items()}
         return PendingRound(lambda: received)
 
+    def post_deferred(self) -> None:
+        """Post the rounds :meth:`start` has left unposted, oldest first (an exchange that defers them; nothing by
+        default)."""
+
     def close(self) -> None:
         """Release the connections this exchange holds (nothing by default); no round may follow."""
 

@@ -11,7 +11,7 @@ and the compressor, so no header travels.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -93,10 +93,16 @@ class TorchDistributedExchange(Exchange):
     ``wire_device``: where the bytes travel from and to: the rank's device, except on gloo with a CUDA device, whose
     send and receive take raw host pointers; there each message is copied to pinned host memory before its round
     and the received bytes back to the device after it.
+
+    ``defer_posts``: ``start`` packs a round's messages at once but posts them at the next :meth:`post_deferred` (or
+    when a round is waited for). The Lightning strategies post at the next batch's start, after Lightning's per-step
+    broadcast from rank 0 (a collective of the same default group), which would otherwise queue behind the round's
+    bytes on rank 0's link and hold every node for the whole transfer.
     """
 
     def __init__(
-        self, device: torch.device, group: dist.ProcessGroup | None = None, timeout: timedelta | None = None
+        self, device: torch.device, group: dist.ProcessGroup | None = None, timeout: timedelta | None = None,
+        defer_posts: bool = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchDistributedExchange needs an initialised torch.distributed process group")
@@ -106,23 +112,32 @@ class TorchDistributedExchange(Exchange):
         self.group = group
         self.timeout = timeout
         self._reused: dict[tuple[str, int], Tensor] = {}  # ("send" | "recv", k-th message) -> its last buffer
+        self.defer_posts = defer_posts
+        self._deferred: list[Callable[[], None]] = []  # started rounds not yet posted, oldest first
 
     def exchange(self, outgoing: Outgoing, incoming: Incoming) -> Received:
         round = self.traffic.rounds
-        works, send_buffers, recv_buffers = self._post(outgoing, incoming, tag=0, own_buffers=False)
-        for work in works:
+        self.post_deferred()
+        send_buffers, recv_buffers = self._buffers(outgoing, incoming, own_buffers=False)
+        for work in self._post(send_buffers, recv_buffers, tag=0):
             work.wait()
         self._record(send_buffers, recv_buffers)
         received = {peer: unpack(recv_buffers[peer].to(self.device), specs) for peer, specs in incoming.items()}
         return check_finite(self.rank, received, round)
 
     def start(self, outgoing: Outgoing, incoming: Incoming, tag: int = 0) -> PendingRound:
-        """The same ``batch_isend_irecv`` without waiting: gloo's and NCCL's own threads move the bytes meanwhile."""
+        """The same ``batch_isend_irecv`` without waiting: gloo's and NCCL's own threads move the bytes meanwhile
+        (posted now, or at the next :meth:`post_deferred` with ``defer_posts``)."""
         round = self.traffic.rounds
-        works, send_buffers, recv_buffers = self._post(outgoing, incoming, tag=tag, own_buffers=True)
+        send_buffers, recv_buffers = self._buffers(outgoing, incoming, own_buffers=True)
         self._record(send_buffers, recv_buffers)
+        works: list[Any] = []
+        self._deferred.append(lambda: works.extend(self._post(send_buffers, recv_buffers, tag=tag)))
+        if not self.defer_posts:
+            self.post_deferred()
 
         def complete() -> Received:
+            self.post_deferred()
             for work in works:
                 work.wait()
             received = {peer: unpack(recv_buffers[peer].to(self.device), s) for peer, s in incoming.items()}
@@ -130,14 +145,15 @@ class TorchDistributedExchange(Exchange):
 
         return PendingRound(complete)
 
-    def _post(
-        self,
-        outgoing: Outgoing,
-        incoming: Incoming,
-        *,
-        tag: int,
-        own_buffers: bool,
-    ) -> tuple[list[Any], dict[int, Tensor], dict[int, Tensor]]:
+    def post_deferred(self) -> None:
+        while self._deferred:
+            self._deferred.pop(0)()
+
+    def _buffers(
+        self, outgoing: Outgoing, incoming: Incoming, *, own_buffers: bool
+    ) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+        """A round's packed send buffers and its receive buffers: fresh ones (``own_buffers``, a round in flight) or
+        those kept per message slot."""
         self._check_peers(outgoing, incoming)
         staged = self.wire_device != self.device
         if own_buffers:  # a send still in flight must not read a tensor the caller goes on to change
@@ -162,14 +178,17 @@ class TorchDistributedExchange(Exchange):
             recv_buffers = {
                 peer: self._buffer("recv", slot, message_nbytes(specs)) for slot, (peer, specs) in enumerate(incoming.items())
             }
+        return send_buffers, recv_buffers
+
+    def _post(self, send_buffers: Mapping[int, Tensor], recv_buffers: Mapping[int, Tensor], tag: int) -> list[Any]:
+        """One ``batch_isend_irecv`` of a round's buffers; its work handles."""
         ops = [dist.P2POp(dist.isend, buf, peer, self.group, tag) for peer, buf in send_buffers.items()]
         ops += [dist.P2POp(dist.irecv, buf, peer, self.group, tag) for peer, buf in recv_buffers.items()]
-        peers = sorted({*outgoing, *incoming})
+        peers = sorted({*send_buffers, *recv_buffers})
         try:
-            works = [_Guarded(w, self.rank, peers, self.timeout) for w in dist.batch_isend_irecv(ops)] if ops else []
+            return [_Guarded(w, self.rank, peers, self.timeout) for w in dist.batch_isend_irecv(ops)] if ops else []
         except RuntimeError as exc:  # a send to a peer whose connection is already closed fails at once
             raise PeerFailureError.during_round(self.rank, peers, exc) from exc
-        return works, send_buffers, recv_buffers
 
     def _buffer(self, kind: str, slot: int, nbytes: int) -> Tensor:
         """The byte buffer kept for the ``slot``-th message of a round, reallocated only when its size changes."""

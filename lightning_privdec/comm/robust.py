@@ -47,6 +47,9 @@ class ClippedExchange(Exchange):
         pending = self.inner.start(outgoing, incoming, tag)
         return PendingRound(lambda: self._clip(pending.wait(), own))
 
+    def post_deferred(self) -> None:
+        self.inner.post_deferred()
+
     def close(self) -> None:
         self.inner.close()
 

@@ -150,6 +150,9 @@ class SealedExchange(Exchange):
         target = self.device or buffer.device
         return unpack(plain if target.type == "cpu" else plain.to(target), specs)
 
+    def post_deferred(self) -> None:
+        self.inner.post_deferred()
+
     def close(self) -> None:
         self.inner.close()
 

@@ -80,8 +80,8 @@ class DecentralizedStrategy(ProcessGroupStrategy):
             level. A number in (0, 1] is used as given.
         seed: shared by all nodes; keys compressor randomness and random graphs.
         overlap: SGP's overlap: each round's messages travel during the next ``staleness`` forward/backward passes
-            and are mixed in ``staleness`` steps late (exact push-sum only; see
-            :mod:`lightning_privdec.algorithms.mixing`).
+            (posted after Lightning's per-step broadcast, which would otherwise wait behind them) and are mixed in
+            ``staleness`` steps late (exact push-sum only; see :mod:`lightning_privdec.algorithms.mixing`).
         staleness: tau >= 1, the steps a message is late with ``overlap=True``.
         divergence_guard: stop every node with :class:`~lightning_privdec.strategies.divergence.DivergenceError`
             when the gossip correction or the training loss grows without bound (checked every 10 steps with one
@@ -184,8 +184,7 @@ class DecentralizedStrategy(ProcessGroupStrategy):
 
     @property
     def consensus_step(self) -> float | str:
-        """gamma in use once the gossip is built (the number given, or the one ``"auto"`` chose); before, what was
-        asked for."""
+        """gamma in use once the gossip is built (given, or chosen by ``"auto"``); before, what was asked for."""
         gamma = getattr(self.gossip, "gamma", None)
         return self._consensus_step if gamma is None else gamma
 
@@ -196,9 +195,8 @@ class DecentralizedStrategy(ProcessGroupStrategy):
         return topology
 
     def setup_environment(self) -> None:
-        # Validate the graph against the world size before the process group exists: every rank fails the same
-        # way and nobody waits on a rendezvous that will never complete. Every rank prints its own error here: none
-        # knows yet whether the others fail alike (raised_on_every_node would hide a node the others wait for).
+        # Validate the graph before the process group exists: every rank fails alike, nobody waits on a rendezvous
+        # that will never complete, and each prints its own error (none knows yet whether the others fail too).
         world_size = self.num_nodes * self.num_processes
         self.topology = self.make_topology(world_size)
         if world_size == 1:
@@ -215,8 +213,7 @@ class DecentralizedStrategy(ProcessGroupStrategy):
         self.authenticate_members()
 
     def configuration(self) -> dict[str, Any]:
-        """What every node must agree on: strategy arguments, the graph, the model's shapes and the Trainer's
-        training limits. Compared across nodes at setup by :meth:`check_same_configuration`."""
+        """What every node must agree on (arguments, graph, model shapes, Trainer limits); compared at setup."""
         topology = self.topology
         graph = topology and [sorted(topology.graph(k).edges) for k in range(topology.period)]
         if topology is not None and topology.weight_rule == "custom":  # the user's own matrices, compared too
@@ -278,9 +275,9 @@ class DecentralizedStrategy(ProcessGroupStrategy):
         return X25519PrivateKey.generate()
 
     def make_exchange(self) -> Exchange:
-        """The gossip's point-to-point exchange (:func:`~lightning_privdec.strategies.membership.make_exchange`)."""
+        """The gossip's exchange (:func:`.membership.make_exchange`); overlapped rounds posted at the next batch."""
         return make_exchange(self.root_device, self.peer_timeout or self._timeout, self._seal_keys,
-                             self.robust_radius if self.robust == "clip" else None)
+                             self.robust_radius if self.robust == "clip" else None, defer_posts=bool(self.staleness))
 
     def configure_node(self) -> None:
         """At setup, in place of DDP's wrapping: common public initialisation, flat parameters, exchange, gossip and
@@ -350,9 +347,8 @@ class DecentralizedStrategy(ProcessGroupStrategy):
             )
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Before training: every node must have training data and take the same number of steps per epoch (one
-        gossip round each). Nodes whose loaders differ in length (unequal shards) or have none (an IterableDataset)
-        take node 0's epoch, or ``max_steps``, each cycling its own data (:class:`CycledLoader`); stated once."""
+        """Every node takes node 0's steps per epoch (a gossip round each), or ``max_steps``: a node whose loader is
+        shorter, longer or unsized (IterableDataset) cycles its own data (:class:`CycledLoader`); said once."""
         module = self.lightning_module
         trainer = getattr(module, "_trainer", None)
         if trainer is not None and trainer.training and trainer.limit_train_batches != 0:
@@ -373,8 +369,7 @@ class DecentralizedStrategy(ProcessGroupStrategy):
         return loss
 
     def step_options(self) -> dict[str, Any]:
-        """What a strategy adds to the node's step (:meth:`NodeRunner.step`): the write-ahead ledger, the
-        GradScaler's rescaling (private strategies)."""
+        """What a strategy adds to :meth:`NodeRunner.step` (private ones: the write-ahead ledger, GradScaler)."""
         return {}
 
     def step_refused(self) -> bool:
@@ -417,6 +412,13 @@ class DecentralizedStrategy(ProcessGroupStrategy):
             assert self.topology is not None and self.flat is not None
             auto = choose_consensus_step(self.compressor, self.topology, self.flat.numel).gamma
         return likely_cause(lrs, self.compressor, float(self.consensus_step), auto)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Post the overlapped round the last step started, after Lightning's per-step broadcast from rank 0."""
+        super().on_train_batch_start(batch, batch_idx)
+        exchange = getattr(self.gossip, "exchange", None)
+        if exchange is not None:
+            exchange.post_deferred()
 
     def teardown(self) -> None:
         exchange = getattr(self.gossip, "exchange", None)

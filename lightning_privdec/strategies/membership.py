@@ -85,16 +85,17 @@ def authenticate(
 
 def make_exchange(
     device: torch.device, timeout: timedelta | None, sealing: SealKeys | None = None,
-    robust_radius: float | None = None,
+    robust_radius: float | None = None, defer_posts: bool = False,
 ) -> Exchange:
-    """The gossip's point-to-point exchange: over torch.distributed; with ``sealing`` keys sealed per edge and
-    carried length-framed over TCP (so that no message size can abort the receiver; sealed and sent from the host);
-    with ``robust_radius`` clipped around the node's own model (:mod:`lightning_privdec.comm.robust`)."""
+    """The gossip's point-to-point exchange: over torch.distributed (overlapped rounds posted at
+    ``post_deferred`` with ``defer_posts``); with ``sealing`` keys sealed per edge and carried length-framed over TCP
+    (so that no message size can abort the receiver; sealed and sent from the host); with ``robust_radius`` clipped
+    around the node's own model (:mod:`lightning_privdec.comm.robust`)."""
     exchange: Exchange
     if sealing is not None:
         exchange = SealedExchange(FramedExchange(torch.device("cpu"), sealing, timeout), sealing, device=device)
     else:
-        exchange = TorchDistributedExchange(device, timeout=timeout)
+        exchange = TorchDistributedExchange(device, timeout=timeout, defer_posts=defer_posts)
     return exchange if robust_radius is None else ClippedExchange(exchange, robust_radius)
 
 
