@@ -186,8 +186,8 @@ def noise_ns_per_coordinate(threads: int, numel: int, repeats: int = 5) -> tuple
 
 
 def randk_draw_and_read_ms(d: int, repeats: int = 15) -> tuple[float, float]:
-    """(a received RandK(0.1) message's index draw, reading it: copying its k values out of the receive buffer and
-    adding them into the sender's public copy), medians in ms, one thread."""
+    """(a received RandK(0.1) message's draw of its kept coordinates, reading it: adding its k values into the
+    sender's public copy, which includes the draw), medians in ms, one thread."""
     import torch
 
     from lightning_privdec.compression import RandK
@@ -195,22 +195,18 @@ def randk_draw_and_read_ms(d: int, repeats: int = 15) -> tuple[float, float]:
     torch.set_num_threads(1)
     compressor = RandK(0.1)
     k = compressor.num_kept(d)
-    try:
-        from lightning_privdec.compression import Workspace
-
-        workspace = Workspace()
-        draw = lambda key: compressor.indices(d, key, "cpu", workspace)  # noqa: E731
-    except ImportError:  # before the workspace existed
+    if hasattr(compressor, "pieces"):  # the rotated comb: the draw is one keystream word and the comb's blocks
+        draw = lambda key: compressor.pieces(d, key)  # noqa: E731
+    else:  # one index per kept coordinate
         draw = lambda key: compressor.indices(d, key)  # noqa: E731
-    copy, wire, values = torch.zeros(d), torch.randn(k), torch.empty(k)
+    copy, wire = torch.zeros(d), torch.randn(k)
     draws, reads = [], []
     for key in range(repeats + 1):
         start = time.perf_counter()
-        idx = draw(1000 + key)
+        draw(1000 + key)
         draws.append(time.perf_counter() - start)
         start = time.perf_counter()
-        values.copy_(wire)
-        copy.index_add_(0, idx, values)
+        compressor.decode_add_([wire], copy, 1000 + key)
         reads.append(time.perf_counter() - start)
     return statistics.median(draws[1:]) * 1e3, statistics.median(reads[1:]) * 1e3
 
@@ -306,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
             lines.append(f"| {threads} | {cell(results[(threads, False)])} | {cell(results[(threads, True)])} |")
     draw, read = randk_draw_and_read_ms(9_670_666)
     lines += ["", f"RandK(0.1) on d = 9,670,666 (k = 967,066), one thread: a received message's index draw {draw:.1f} ms, "
-              f"reading it (its k values copied out of the receive buffer and added into the copy) {read:.1f} ms."]
+              f"reading it (decode_add_: the draw and its k values added into the copy) {read:.1f} ms."]
     lines.append(f"\nLoad average after: {os.getloadavg()[0]:.1f}. {machine_line()} {software_line()}")
     text = "\n".join(lines)
     print(text)
