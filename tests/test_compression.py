@@ -470,3 +470,19 @@ def test_qsgd_dithering_does_not_depend_on_the_chunk_size(monkeypatch: pytest.Mo
     expected = QSGD(8).encode(x, 99)
     monkeypatch.setattr(quantizers, "_QUANTIZE_CHUNK", 8)
     assert all(torch.equal(a, b) for a, b in zip(QSGD(8).encode(x, 99), expected))
+
+
+def test_public_randomness_is_the_documented_aes_128_ctr_keystream() -> None:
+    """RandK's shift and QSGD's dithering read the AES-128-CTR keystream under (the 63-bit seed, little-endian, then
+    the 8-byte domain tag), counter block 0: recomputed here from the cipher alone, so sender and receiver (and every
+    library version) agree on it."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    from lightning_privdec.compression.base import public_words
+
+    key = 2**62 + 12345
+    cipher = Cipher(algorithms.AES(key.to_bytes(8, "little") + b"lpd/cmp3"), modes.CTR(bytes(16))).encryptor()
+    expected = torch.frombuffer(bytearray(cipher.update(bytes(40))), dtype=torch.int64)
+    assert torch.equal(public_words(key | 2**63, 5), expected)  # the seed is the key's low 63 bits
+    d = 9_670_666
+    assert RandK(0.1).shift(d, key) == (int(expected[0]) & (2**53 - 1)) * d >> 53
