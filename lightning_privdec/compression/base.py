@@ -101,7 +101,7 @@ class Workspace:
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
 
-_STREAM_DOMAIN = b"lpd/cmp3"  # the AES key's last 8 bytes: a stream of this format, never of another key's
+_STREAM_DOMAIN = b"lpd/cmp3"  # the AES key's last 8 bytes: this format's tag (a new draw format gets a new tag)
 
 
 def public_stream(key: int):  # noqa: ANN201
