@@ -17,7 +17,8 @@ digits-shaped inputs, plain SGD, one intra-op thread unless ``--threads`` says o
   same after ``import lightning``, the least a rank of Lightning's DDP strategy holds (the private children import
   ``lightning_privdec``, whose strategies import Lightning: ~300 MiB of the resident set before any tensor).
 * ``--noise``: nanoseconds per coordinate of ``NoiseGenerator.normal`` (float32, 9.7M coordinates) with 1 and 2
-  intra-op threads, with the machine as it is and with one busy-looping process beside it; ``torch.randn`` alongside.
+  intra-op threads, with the machine as it is and with one busy-looping process beside it, in wall-clock and in
+  process CPU time (on a loaded machine the CPU time is the generator's own work); ``torch.randn`` alongside.
 
 Each timing is the median of ``--steps`` steps after ``--warmup`` in wall-clock and in process CPU time (on a
 loaded machine the CPU time says more; with one intra-op thread it is the step's own work); the baseline is always
@@ -155,10 +156,12 @@ def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -
     return times[warmup:]
 
 
-def noise_ns_per_coordinate(threads: int, numel: int, repeats: int = 5) -> tuple[float, float | None, float]:
-    """ns per float32 coordinate, medians over ``repeats``: ``NoiseGenerator.normal`` (reused output), its
-    ``add_normal_`` into a gradient-sized list as the DP step does (None where the library has none) and
-    ``torch.randn``."""
+def noise_ns_per_coordinate(
+    threads: int, numel: int, repeats: int = 5
+) -> tuple[tuple[float, float | None, float], tuple[float, float | None, float]]:
+    """ns per float32 coordinate, medians over ``repeats``, in wall-clock and in process CPU time:
+    ``NoiseGenerator.normal`` (reused output), its ``add_normal_`` into a gradient-sized list as the DP step does
+    (None where the library has none) and ``torch.randn``."""
     import torch
 
     from lightning_privdec.privacy.noise import node_noise_generator
@@ -168,26 +171,30 @@ def noise_ns_per_coordinate(threads: int, numel: int, repeats: int = 5) -> tuple
     model = build_net(WIDE_HIDDEN)
     grads = [torch.zeros_like(p) for p in model.parameters()]
     assert sum(g.numel() for g in grads) == numel
-    ours, added, baseline = [], [], []
     out = torch.empty(numel)
+    calls = [lambda: generator.normal(numel, 1.0, torch.float32, reuse_output=True),
+             (lambda: generator.add_normal_(grads, 1.0, grads, 0.5)) if hasattr(generator, "add_normal_") else None,
+             lambda: torch.randn(numel, out=out)]
+    wall: list[list[float]] = [[] for _ in calls]
+    cpu: list[list[float]] = [[] for _ in calls]
     for _ in range(repeats + 1):
-        start = time.perf_counter()
-        generator.normal(numel, 1.0, torch.float32, reuse_output=True)
-        ours.append(time.perf_counter() - start)
-        if hasattr(generator, "add_normal_"):
-            start = time.perf_counter()
-            generator.add_normal_(grads, 1.0, grads, 0.5)
-            added.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        torch.randn(numel, out=out)
-        baseline.append(time.perf_counter() - start)
-    per = [statistics.median(t[1:]) / numel * 1e9 if t else None for t in (ours, added, baseline)]
-    return per[0], per[1], per[2]  # type: ignore[return-value]
+        for call, w, c in zip(calls, wall, cpu):
+            if call is not None:
+                start, cpu_start = time.perf_counter(), time.process_time()
+                call()
+                w.append(time.perf_counter() - start)
+                c.append(time.process_time() - cpu_start)
+
+    def per(times: list[list[float]]) -> tuple[float, float | None, float]:
+        values = [statistics.median(t[1:]) / numel * 1e9 if t else None for t in times]
+        return values[0], values[1], values[2]  # type: ignore[return-value]
+
+    return per(wall), per(cpu)
 
 
 def randk_draw_and_read_ms(d: int, repeats: int = 15) -> tuple[float, float]:
-    """(a received RandK(0.1) message's index draw, reading it: copying its k values out of the receive buffer and
-    adding them into the sender's public copy), medians in ms, one thread."""
+    """(a received RandK(0.1) message's draw of its kept coordinates, reading it: adding its k values into the
+    sender's public copy, which includes the draw), medians in ms, one thread."""
     import torch
 
     from lightning_privdec.compression import RandK
@@ -195,22 +202,18 @@ def randk_draw_and_read_ms(d: int, repeats: int = 15) -> tuple[float, float]:
     torch.set_num_threads(1)
     compressor = RandK(0.1)
     k = compressor.num_kept(d)
-    try:
-        from lightning_privdec.compression import Workspace
-
-        workspace = Workspace()
-        draw = lambda key: compressor.indices(d, key, "cpu", workspace)  # noqa: E731
-    except ImportError:  # before the workspace existed
+    if hasattr(compressor, "pieces"):  # the rotated comb: the draw is one keystream word and the comb's blocks
+        draw = lambda key: compressor.pieces(d, key)  # noqa: E731
+    else:  # one index per kept coordinate
         draw = lambda key: compressor.indices(d, key)  # noqa: E731
-    copy, wire, values = torch.zeros(d), torch.randn(k), torch.empty(k)
+    copy, wire = torch.zeros(d), torch.randn(k)
     draws, reads = [], []
     for key in range(repeats + 1):
         start = time.perf_counter()
-        idx = draw(1000 + key)
+        draw(1000 + key)
         draws.append(time.perf_counter() - start)
         start = time.perf_counter()
-        values.copy_(wire)
-        copy.index_add_(0, idx, values)
+        compressor.decode_add_([wire], copy, 1000 + key)
         reads.append(time.perf_counter() - start)
     return statistics.median(draws[1:]) * 1e3, statistics.median(reads[1:]) * 1e3
 
@@ -281,8 +284,8 @@ def main(argv: list[str] | None = None) -> None:
 
         numel = 9_670_666
         lines += ["", f"Noise: ns per float32 coordinate, {numel:,} coordinates (the wide MLP's gradients), median "
-                  "of 5: NoiseGenerator.normal (reused output) / add_normal_ into the gradients (the DP step's "
-                  "path; n/a before it existed) / torch.randn", "",
+                  "of 5, wall-clock (process CPU time): NoiseGenerator.normal (reused output) / add_normal_ into the "
+                  "gradients (the DP step's path; n/a before it existed) / torch.randn", "",
                   "| threads | machine as is | one busy process beside |", "|---:|---:|---:|"]
         results = {}
         for busy in (False, True):
@@ -300,13 +303,14 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
         def cell(values: tuple) -> str:  # noqa: ANN001
-            return " / ".join("n/a" if v is None else f"{v:.2f}" for v in values)
+            wall, cpu = values
+            return " / ".join("n/a" if w is None else f"{w:.2f} ({c:.2f})" for w, c in zip(wall, cpu))
 
         for threads in (1, 2):
             lines.append(f"| {threads} | {cell(results[(threads, False)])} | {cell(results[(threads, True)])} |")
     draw, read = randk_draw_and_read_ms(9_670_666)
     lines += ["", f"RandK(0.1) on d = 9,670,666 (k = 967,066), one thread: a received message's index draw {draw:.1f} ms, "
-              f"reading it (its k values copied out of the receive buffer and added into the copy) {read:.1f} ms."]
+              f"reading it (decode_add_: the draw and its k values added into the copy) {read:.1f} ms."]
     lines.append(f"\nLoad average after: {os.getloadavg()[0]:.1f}. {machine_line()} {software_line()}")
     text = "\n".join(lines)
     print(text)

@@ -217,14 +217,47 @@ def test_randk_keeps_every_coordinate_with_probability_k_over_d_when_k_does_not_
     assert ((counts - expected).abs() < 4 * math.sqrt(expected)).all(), counts  # 4 sigma per coordinate
 
 
-@pytest.mark.parametrize("d", [1, 2, 9, 10, 11, 1000, 100_003])
-def test_randk_draws_k_distinct_coordinates_and_a_workspace_draws_the_same(d: int) -> None:
-    comp, workspace = RandK(0.1), Workspace()
-    for key in (0, 1, 2**62 + 7):
-        fresh = comp.indices(d, key)
-        assert fresh.numel() == comp.num_kept(d) == fresh.unique().numel()
-        assert 0 <= int(fresh.min()) and int(fresh.max()) < d
-        assert torch.equal(comp.indices(d, key, workspace=workspace), fresh)
+@pytest.mark.parametrize("ratio", [0.1, 0.31, 1.0])
+@pytest.mark.parametrize("d", [1, 2, 9, 10, 11, 13, 1000, 100_003])
+def test_randk_keeps_the_rotated_comb_in_payload_order(d: int, ratio: float) -> None:
+    """The kept coordinates are the comb's runs (run j: L consecutive coordinates from j B, the last run the rest)
+    shifted by c modulo d, k distinct ones, and the payload carries x at them in that order, including the run that
+    the wrap at d cuts."""
+    comp = RandK(ratio)
+    k = comp.num_kept(d)
+    runs, length, spacing = comp.comb(d)
+    assert runs * spacing <= d and (runs == 1 or spacing >= length) and (runs - 1) * length < k <= runs * length
+    x = torch.randn(d)
+    for key in (0, 1, 5, 2**62 + 7):
+        c = comp.shift(d, key)
+        expected = torch.tensor([(j * spacing + t + c) % d for j in range(runs) for t in range(length)][:k])
+        idx = comp.indices(d, key)
+        assert torch.equal(idx, expected) and idx.unique().numel() == k
+        (values,) = comp.encode(x, key)
+        assert torch.equal(values, x[expected])
+        assert torch.equal(comp.decode([values], d, key), torch.zeros(d).index_put_((expected,), x[expected]))
+
+
+@pytest.mark.parametrize(("ratio", "comb"), [(0.5, (3, 64, 100)), (0.9, (9, 32, 33)), (0.1, (1, 30, 301))])
+def test_randk_comb_wraps_at_every_shift(monkeypatch: pytest.MonkeyPatch, ratio: float, comb: tuple) -> None:
+    """Every shift c, so that every way the wrap at d cuts the comb is met (between runs, inside a full run, inside
+    the last run): k distinct coordinates each time, each coordinate kept by exactly k of the d shifts (P = k/d),
+    and the in-place error feedback reads and writes exactly those."""
+    comp, d = RandK(ratio), 301  # k = 150: runs of 64, 64, 22; k = 270: runs of 64 do not fit, 8 of 32 and 14
+    k = comp.num_kept(d)
+    assert comp.comb(d) == comb
+    monkeypatch.setattr(RandK, "shift", staticmethod(lambda d, key: key))  # the key is the shift
+    counts = torch.zeros(d, dtype=torch.int64)
+    x, copy = torch.randn(d), torch.randn(d)
+    for c in range(d):
+        kept = comp.indices(d, c)
+        assert kept.unique().numel() == k and 0 <= int(kept.min()) and int(kept.max()) < d
+        counts[kept] += 1
+        before = copy.clone()
+        (values,) = comp.encode_feedback_(x, copy, c)
+        assert torch.equal(values, x[kept] - before[kept])
+        assert torch.equal(copy, before.index_put_((kept,), before[kept] + values))
+    assert torch.equal(counts, torch.full((d,), k))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -437,3 +470,19 @@ def test_qsgd_dithering_does_not_depend_on_the_chunk_size(monkeypatch: pytest.Mo
     expected = QSGD(8).encode(x, 99)
     monkeypatch.setattr(quantizers, "_QUANTIZE_CHUNK", 8)
     assert all(torch.equal(a, b) for a, b in zip(QSGD(8).encode(x, 99), expected))
+
+
+def test_public_randomness_is_the_documented_aes_128_ctr_keystream() -> None:
+    """RandK's shift and QSGD's dithering read the AES-128-CTR keystream under (the 63-bit seed, little-endian, then
+    the 8-byte domain tag), counter block 0: recomputed here from the cipher alone, so sender and receiver (and every
+    library version) agree on it."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    from lightning_privdec.compression.base import public_words
+
+    key = 2**62 + 12345
+    cipher = Cipher(algorithms.AES(key.to_bytes(8, "little") + b"lpd/cmp3"), modes.CTR(bytes(16))).encryptor()
+    expected = torch.frombuffer(bytearray(cipher.update(bytes(40))), dtype=torch.int64)
+    assert torch.equal(public_words(key | 2**63, 5), expected)  # the seed is the key's low 63 bits
+    d = 9_670_666
+    assert RandK(0.1).shift(d, key) == (int(expected[0]) & (2**53 - 1)) * d >> 53

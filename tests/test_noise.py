@@ -106,8 +106,8 @@ def test_gaussian_noise_has_the_right_mean_std_and_tails(
 def _narrow_reference(key: bytes, numel: int, std: float) -> tuple[np.ndarray, np.ndarray]:
     """(the float64 values, the radius r of each entry's pair) of the first draw of a generator under ``key`` in the
     narrow format, recomputed from the raw keystreams as the module documents it: u1 from the 64-bit words under the
-    draw's nonce, the angle a 2 pi 2^-24 from the top 24 bits of the signed 32-bit words under the nonce whose last
-    word is 1; the cosines of all pairs first, then the sines."""
+    draw's nonce, the angle a 2 pi 2^-32 from the signed 32-bit words a under the nonce whose last word is 1; the
+    cosines of all pairs first, then the sines."""
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
     pairs = (numel + 1) // 2
@@ -115,7 +115,7 @@ def _narrow_reference(key: bytes, numel: int, std: float) -> tuple[np.ndarray, n
     u1 = (np.frombuffer(raw, dtype="<u8") >> np.uint64(11)).astype(np.float64) * 2.0**-53
     angle_nonce = bytes(12) + (1).to_bytes(4, "little")
     raw = Cipher(algorithms.ChaCha20(key, angle_nonce), mode=None).encryptor().update(bytes(4 * pairs))
-    theta = (np.frombuffer(raw, dtype="<i4") >> 8).astype(np.float64) * (2 * np.pi * 2.0**-24)
+    theta = np.frombuffer(raw, dtype="<i4").astype(np.float64) * (2 * np.pi * 2.0**-32)
     r = std * np.sqrt(-2.0 * np.log1p(-u1))
     sines = numel - pairs
     return (np.concatenate([r * np.cos(theta), (r * np.sin(theta))[:sines]]), np.concatenate([r, r[:sines]]))

@@ -8,7 +8,7 @@ Sec. 3 examples "top_k" / "rand_k"; DP-CSGP Assumption 4 with rand_a).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -22,9 +22,8 @@ _FLOOR_EPS = 1e-9
 # TopK looks for its k-th largest magnitude in a strided sample of this many elements before the exact top-k
 _TOPK_SAMPLE = 16384
 _MASK_53 = (1 << 53) - 1
-#: RandK's error feedback gathers and writes back the kept coordinates in runs of this many picks (~2.6 MB of the
-#: vector at ratio 0.1: both passes over the copy's cache lines hit the cache once)
-_FEEDBACK_CHUNK = 1 << 16
+#: RandK keeps its coordinates in runs of this many consecutive ones (:class:`RandK`)
+_RUN = 64
 
 
 def _check_ratio(ratio: float, cls: str) -> float:
@@ -133,121 +132,123 @@ class RandK(_Sparsifier):
     """Keep k random coordinates, WITHOUT 1/ratio rescaling: the biased, contractive rand_k of CHOCO-SGD (Koloskova
     et al. 2019, Sec. 3) / DP-CSGP's rand_a, ``E||Q(x) - x||^2 = (1 - k/d) ||x||^2``.
 
-    The draw (a *rotated stratified* sample, O(k)): the coordinates are cut into k consecutive blocks
-    ``[floor(j d / k), floor((j + 1) d / k))`` of ``floor(d/k)`` or ``ceil(d/k)`` coordinates; one uniform offset
-    per block picks one coordinate in it; a uniform cyclic shift ``c`` in ``[0, d)`` then moves every pick to
-    ``(pick + c) mod d``. Every coordinate is kept with probability ``k/d`` (the shift puts it in block b with
-    probability ``size_b / d``, and b keeps it with probability ``1 / size_b``), which is all the contraction above
-    needs: ``E||Q(x) - x||^2 = sum_i P(i dropped) x_i^2`` (up to the offsets' rounding below). The k coordinates
-    are distinct and spread over the whole vector (one per block), and the list is a rotation of an ascending list,
-    so gathers and scatters run through memory in order. The shift is ``floor(u d)`` of a 53-bit uniform u, the offsets ``floor(r size / 2^b)`` of
-    b-bit uniform integers r (int32 arithmetic with b >= 24 for blocks of up to 127 coordinates, else int64 with
-    b <= 53): each offset's probability is within ``size 2^-b`` of ``1 / size`` relative, which :meth:`omega2`
-    accounts for (RandK(0.1) on 9.7M coordinates: 8e-8).
-
-    The randomness is the message's public keystream (:func:`~.base.public_words`, ChaCha20 keyed by ``key``, which
-    sender and receiver agree on), so only the k values travel: ``[values (k,) x.dtype]``; a receiver's draw costs
-    about as much as adding the k values in. The keystream is made on the host, so every device type picks the
-    same coordinates for the same key.
+    The draw (a *rotated comb*): the k kept coordinates are m = ceil(k / L) runs of L consecutive coordinates (the
+    last run holds the k - (m - 1) L left over), run j starting at ``j B`` with ``B = floor(d / m) >= L``; the whole
+    comb is then shifted by one uniform ``c`` in ``[0, d)``, modulo d. That is all the randomness, and all that
+    ``E||Q(x) - x||^2 = sum_i P(i dropped) x_i^2`` needs: any fixed set S0 of k coordinates, rotated by a uniform c,
+    keeps every coordinate i with probability ``P(c in i - S0) = k/d`` exactly (up to c's rounding below). The runs make
+    the gathers and scatters contiguous: the sender and each receiver read and write about k/d of the vector's
+    memory, in strided blocks, not every cache line of it as one pick per ``d/k`` coordinates would. L is
+    :data:`_RUN` (64 float32 values, four cache lines), halved while the runs would not fit in their blocks.
+    ``c = floor(u d)`` of a 53-bit uniform u from the message's public keystream (:func:`~.base.public_words`, keyed
+    by ``key``, which sender and receiver agree on): each c has probability within ``d 2^-53`` relative of 1/d,
+    which :meth:`omega2` accounts for. Only the k values travel, in the order of the runs: ``[values (k,) x.dtype]``;
+    a receiver's draw is one keystream word.
     """
 
     name = "randk"
 
-    def __init__(self, ratio: float) -> None:
-        super().__init__(ratio)
-        self._last_indices: tuple[tuple[int, int, str], torch.Tensor] | None = None
-        self._blocks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
-
-    def _block_table(self, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(first coordinate, size) of each of the k blocks, kept per (d, device), and the bits b of the offsets'
-        uniforms. int32 (8 k bytes, uniforms of b = 31 - bits(largest block) >= 24 bits, so that ``r size`` and
-        every index fit) while d < 2^30 and blocks hold at most 127 coordinates; else int64 and b <= 53."""
-        table = self._blocks.get((d, str(device)))
-        if table is None:
-            k = self.num_kept(d)
-            bounds = torch.div(torch.arange(k + 1, dtype=torch.int64, device=device) * d, k, rounding_mode="floor")
-            largest = (-(-d // k)).bit_length()
-            narrow = d < 2**30 and 31 - largest >= 24
-            dtype, bits = (torch.int32, 31 - largest) if narrow else (torch.int64, min(53, 63 - largest))
-            table = (bounds[:-1].to(dtype), (bounds[1:] - bounds[:-1]).to(dtype), bits)
-            self._blocks[(d, str(device))] = table  # one assignment: safe when simulated nodes share the compressor
-        return table
-
     def omega2(self, d: int) -> float:
-        """``1 - k/d``, less the offsets' rounding: every coordinate is kept with probability at least
-        ``k/d (1 - ceil(d/k) 2^-b)`` (b >= 24 bits, the class docstring), so ``1 - k/d (1 - ceil(d/k) 2^-b)``."""
-        k = self.num_kept(d)
-        _, _, bits = self._block_table(d, torch.device("cpu"))
-        return 1.0 - k / d * (1.0 - (-(-d // k)) * 2.0**-bits)
+        """``1 - k/d``, less the shift's rounding: every coordinate is kept with probability at least
+        ``k/d (1 - d 2^-53)`` (the class docstring), so ``1 - k/d (1 - d 2^-53)``."""
+        return 1.0 - self.num_kept(d) / d * (1.0 - d * 2.0**-53)
 
-    def indices(
-        self, d: int, key: int, device: torch.device | str = "cpu", workspace: Workspace | None = None
-    ) -> torch.Tensor:
-        """The k kept coordinates (int32 or int64: :meth:`_block_table`) for a d-vector and ``key`` on ``device``.
-
-        Without ``workspace`` the result is a fresh tensor and the last draw is remembered (a sender's encode and its
-        own decode of one message draw once); with one it is written into the workspace's reused buffers (valid
-        until the next draw with that workspace).
-        """
-        device = torch.device(device)
-        cache_key = (d, key, str(device))
-        if workspace is None:
-            last = self._last_indices  # one read: safe when simulated nodes share the compressor across threads
-            if last is not None and last[0] == cache_key:
-                return last[1]
+    def comb(self, d: int) -> tuple[int, int, int]:
+        """(m runs, run length L, run spacing B) of the comb for a d-vector (the class docstring)."""
         k = self.num_kept(d)
-        starts, sizes, bits = self._block_table(d, device)
-        per_word = 8 // starts.element_size()  # uniforms per 64-bit keystream word
-        # the message's public keystream: one word for the shift, then one uniform per block
-        words = public_words(key, 1 + -(-k // per_word), workspace)
-        shift = (int(words[0]) & _MASK_53) * d >> 53  # floor(u d), u a 53-bit uniform
-        offsets = words[1:].view(starts.dtype)[:k].bitwise_and_((1 << bits) - 1)  # b-bit uniform integers r
-        if device != offsets.device:
-            offsets = offsets.to(device, non_blocking=True)
-        # floor(r size / 2^b) < size, in place; then the block's first coordinate and the shift (all below 2^31)
-        idx = offsets.mul_(sizes).bitwise_right_shift_(bits).add_(starts).add_(shift)
-        wrapped = int(torch.searchsorted(idx, d))  # ascending before the wrap: the picks past d are a tail
-        idx[wrapped:].sub_(d)
-        if workspace is None:
-            self._last_indices = (cache_key, idx)
-        return idx
+        length = _RUN
+        while length > 1 and -(-k // length) > 1 and d // -(-k // length) < length:
+            length //= 2
+        runs = -(-k // length)
+        return runs, min(length, k), d // runs
+
+    @staticmethod
+    def shift(d: int, key: int) -> int:
+        """The comb's uniform shift c in [0, d) for ``key``: ``floor(u d)``, u the keystream's first 53-bit uniform."""
+        return (int(public_words(key, 1)[0]) & _MASK_53) * d >> 53
+
+    def pieces(self, d: int, key: int) -> list[tuple[int, int, int, int]]:
+        """The kept coordinates as strided blocks ``(start, rows, length, first)``: coordinates ``start + r B + t``
+        (r < rows, t < length: B the comb's spacing) carry the payload's entries ``first + r length + t``. At most
+        six blocks: the full runs and the last run, each before and after the wrap at d, and a run cut by it."""
+        runs, length, spacing = self.comb(d)
+        k, c = self.num_kept(d), self.shift(d, key)
+        blocks = []
+        groups = [(0, runs - 1, length), (runs - 1, runs, k - (runs - 1) * length)]  # full runs, then the last
+        for first_run, end_run, size in groups:
+            j = first_run
+            while j < end_run:
+                start = j * spacing + c
+                if start >= d:  # this run and the rest wrapped around: one block
+                    blocks.append((start - d, end_run - j, size, j * length))
+                    break
+                if start + size > d:  # cut by the wrap: its two parts
+                    cut = d - start
+                    blocks += [(start, 1, cut, j * length), (0, 1, size - cut, j * length + cut)]
+                    j += 1
+                    continue
+                intact = min(end_run, j + (d - size - start) // spacing + 1)  # the runs that end before d
+                blocks.append((start, intact - j, size, j * length))
+                j = intact
+        return [b for b in blocks if b[1] and b[2]]
+
+    def indices(self, d: int, key: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The k kept coordinates (int64, on ``device``) in payload order for a d-vector and ``key``."""
+        _, _, spacing = self.comb(d)
+        parts = [(start + spacing * torch.arange(rows)[:, None] + torch.arange(length)).reshape(-1)
+                 for start, rows, length, _ in self.pieces(d, key)]
+        return torch.cat(parts).to(device)
+
+    def _views(
+        self, d: int, key: int, vectors: Sequence[torch.Tensor], values: torch.Tensor
+    ) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
+        """For each block of :meth:`pieces`: the kept coordinates of each of ``vectors`` (contiguous d-vectors) as
+        strided (rows, length) views, and the matching (rows, length) view of the payload ``values``."""
+        _, _, spacing = self.comb(d)
+        for start, rows, length, first in self.pieces(d, key):
+            kept = [v.as_strided((rows, length), (spacing, 1), v.storage_offset() + start) for v in vectors]
+            yield kept, values[first : first + rows * length].view(rows, length)
 
     def payload_spec(self, d: int, dtype: torch.dtype = torch.float32) -> PayloadSpec:
         return [((self.num_kept(d),), dtype)]
 
     def encode(self, x: torch.Tensor, key: int) -> list[torch.Tensor]:
         x = self._check_input(x)
-        idx = self.indices(x.numel(), key, x.device)
-        return [x[idx]]
+        values = torch.empty(self.num_kept(x.numel()), dtype=x.dtype, device=x.device)
+        for (kept,), out in self._views(x.numel(), key, [x], values):
+            out.copy_(kept)
+        return [values]
 
     def encode_difference(
         self, x: torch.Tensor, reference: torch.Tensor, key: int, workspace: Workspace | None = None
     ) -> list[torch.Tensor]:
         """``encode(x - reference)`` reading only the k kept coordinates of each."""
-        idx = self.indices(x.numel(), key, x.device, workspace)
-        return [torch.index_select(x, 0, idx).sub_(torch.index_select(reference, 0, idx))]
+        x, reference = x.contiguous(), reference.contiguous()
+        values = torch.empty(self.num_kept(x.numel()), dtype=x.dtype, device=x.device)
+        for (kept_x, kept_ref), out in self._views(x.numel(), key, [x, reference], values):
+            torch.sub(kept_x, kept_ref, out=out)
+        return [values]
 
     def decode_add_(
         self, payload: Sequence[torch.Tensor], out: torch.Tensor, key: int, workspace: Workspace | None = None
     ) -> torch.Tensor:
         self._check_payload(payload, out.numel(), out.dtype)
-        idx = self.indices(out.numel(), key, out.device, workspace)
-        return out.index_add_(0, idx, payload[0])  # distinct indices: out[i] + v_i, the rounding of out + decode(...)
+        if not out.is_contiguous():
+            return super().decode_add_(payload, out, key, workspace)
+        for (kept,), values in self._views(out.numel(), key, [out], payload[0]):
+            kept.add_(values)  # out[i] + v_i: the rounding of out + decode(...)
+        return out
 
     def encode_feedback_(
         self, x: torch.Tensor, copy: torch.Tensor, key: int, workspace: Workspace | None = None
     ) -> list[torch.Tensor]:
-        idx = self.indices(x.numel(), key, x.device, workspace)  # drawn once for both lines
-        values = torch.empty(idx.numel(), dtype=x.dtype, device=x.device)
-        kept = (workspace or Workspace()).at_least("randk_kept", min(idx.numel(), _FEEDBACK_CHUNK), copy.dtype,
-                                                   copy.device)
-        # in runs of consecutive picks (the list ascends but for one wrap): the copy's cache lines that the gather
-        # reads are still in the cache when the same coordinates are written back
-        for start in range(0, idx.numel(), _FEEDBACK_CHUNK):
-            run = idx[start : start + _FEEDBACK_CHUNK]
-            chunk = torch.index_select(x, 0, run, out=values[start : start + run.numel()])
-            chunk.sub_(torch.index_select(copy, 0, run, out=kept[: run.numel()]))
-            copy.index_add_(0, run, chunk)
+        if not copy.is_contiguous():
+            return super().encode_feedback_(x, copy, key, workspace)
+        x = x.contiguous()
+        values = torch.empty(self.num_kept(x.numel()), dtype=x.dtype, device=x.device)
+        for (kept_x, kept_copy), out in self._views(x.numel(), key, [x, copy], values):
+            torch.sub(kept_x, kept_copy, out=out)
+            kept_copy.add_(out)
         return [values]
 
     def decode(
@@ -259,7 +260,7 @@ class RandK(_Sparsifier):
     ) -> torch.Tensor:
         self._check_payload(payload, d, dtype)
         (values,) = payload
-        idx = self.indices(d, key, values.device)
         out = torch.zeros(d, dtype=dtype, device=values.device)
-        out[idx] = values
+        for (kept,), part in self._views(d, key, [out], values):
+            kept.copy_(part)
         return out

@@ -12,7 +12,7 @@ become 53-bit uniforms ``u = (w >> 11) 2^-53`` in [0, 1), then
 * standard normals by Box-Muller: ``sqrt(-2 log(1 - u1)) (cos t, sin t)``, ``t = 2 pi u2``. The radius, which sets
   the tails (up to sqrt(2 ln 2^53) ~ 8.6 sigma) and the density near 0, always comes from a 53-bit u1
   (``1 - u1 = m 2^-53`` with m an exact integer). float64 draws are computed in float64 and rounded once. float32
-  and narrower ones take their angle from a separate keystream under the same key (nonce k, last word 1), 24 bits
+  and narrower ones take their angle from a separate keystream under the same key (nonce k, last word 1), 32 bits
   per pair: 12 keystream bytes per pair instead of 16; the square root, the angle and its cosine and sine are
   float32, and on the host so is the logarithm of ``fl32(m) 2^-53`` (float32 holds 2^-53, so the tail keeps its
   reach; the logarithm is float64 where r is near 0, u1 <= 2^-12). Each entry is within ``r 2^-21`` (the angle's
@@ -64,7 +64,7 @@ _SEED_DOMAIN = b"lightning_privdec.privacy.noise"
 #: chunks somewhat larger than the core's L2 are fastest); its values never depend on it
 _CHUNK_WORDS = 1 << 17
 _MASK_53 = (1 << 53) - 1
-_ANGLE_SCALE32 = 2.0 * math.pi * 2.0**-24  # a narrow draw's angle per unit of its 24-bit integer
+_ANGLE_SCALE32 = 2.0 * math.pi * 2.0**-32  # a narrow draw's angle per unit of its signed 32-bit integer
 #: a narrow draw whose fl32(1 - u1) is at least this (every u1 <= 2^-12) has its logarithm taken in float64
 #: (:func:`_narrow_box_muller`)
 _NEAR_ONE32 = np.float32(1.0 - 2.0**-12)
@@ -140,9 +140,8 @@ def _narrow_box_muller(
         radius[near] = np.log(words[near] * 2.0**-53)  # float64 from the exact m, rounded once
     np.multiply(radius, np.float32(-2.0 * scale * scale), out=radius)  # r^2 scale^2
     np.sqrt(radius, out=radius)
-    np.right_shift(angles, 8, out=angles)  # a: the top 24 bits, signed, exact in float32
-    np.copyto(theta, angles, casting="unsafe")
-    np.multiply(theta, np.float32(_ANGLE_SCALE32), out=theta)  # t = 2 pi a 2^-24, rounded once
+    np.copyto(theta, angles, casting="unsafe")  # fl32(a): a relative 2^-24
+    np.multiply(theta, np.float32(_ANGLE_SCALE32), out=theta)  # t = 2 pi a 2^-32, rounded twice in all
     np.cos(theta, out=cosine)
     np.sin(theta, out=theta)
     np.multiply(radius, cosine, out=cosines)
@@ -159,9 +158,10 @@ class _KeyStream:
     * **wide** (float64 draws, and :func:`keyed_standard_normal`'s documented format): u1 and u2 are consecutive
       64-bit words of this keystream, both 53-bit uniforms, ``t = 2 pi u2``; the draws are interleaved
       ``r1 cos t1, r1 sin t1, r2 cos t2, ...``; all in float64.
-    * **narrow** (float32 and narrower draws): u1 is the next 64-bit word of this keystream, u2 the top 24 bits of
-      the next 32-bit word of the angle keystream (:func:`_angle_nonce`), a signed integer a, ``t = 2 pi a 2^-24``
-      in [-pi, pi): 12 keystream bytes per pair instead of 16. Of n draws (h = ceil(n / 2) pairs) entries [0, h)
+    * **narrow** (float32 and narrower draws): u1 is the next 64-bit word of this keystream, u2 the next 32-bit
+      word of the angle keystream (:func:`_angle_nonce`), a signed integer a, ``t = 2 pi a 2^-32`` in [-pi, pi),
+      computed as ``fl32(fl32(a) fl32(2 pi 2^-32))``: within ``pi 2^-24 + 2^-23 < 2^-21`` of 2 pi a 2^-32 (a's
+      rounding to float32, then the product's): 12 keystream bytes per pair instead of 16. Of n draws (h = ceil(n / 2) pairs) entries [0, h)
       are the cosines and [h, n) the sines of the first n - h pairs (contiguous writes); r's square root, t and its
       cosine and sine are float32; on the host the logarithm too, except near r = 0 (:func:`_narrow_box_muller`),
       on other devices it is float64.
@@ -308,7 +308,7 @@ class _KeyStream:
         radius, theta, cosine = work[0, :p], work[1, :p], work[2, :p]
         radius.copy_(square).sqrt_()
         if narrow:
-            theta.copy_(angle_words.bitwise_right_shift_(8)).mul_(_ANGLE_SCALE32)
+            theta.copy_(angle_words).mul_(_ANGLE_SCALE32)
         else:
             theta.copy_(angle_words.bitwise_right_shift_(11).bitwise_and_(_MASK_53)).mul_(2.0 * math.pi * 2.0**-53)
         torch.cos(theta, out=cosine)
