@@ -288,7 +288,6 @@ def throughput_child(args: argparse.Namespace) -> dict[str, Any]:
 
 def measure_step(model: str, precision: str, kind: str, device: Any, quick: bool, deadline: float) -> dict[str, Any]:
     """Samples/s of ``kind``'s training step on ``model`` under ``precision``; peak GPU memory; or the error."""
-    import torch
     from step_time import build_problem
 
     problem = MODELS[model]["quick" if quick else "full"]
