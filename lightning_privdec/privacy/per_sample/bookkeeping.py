@@ -375,7 +375,7 @@ def _linear_estimates(
             loose |= ~(error <= 0.05 * norms)
         mass += weight_mass
     if module.bias is not None and module.bias.requires_grad:
-        bias_bound, bias_mass, bias_loose = _bias_bound(gn, g.sum(dim=1), u)
+        bias_bound, bias_mass, bias_loose = _bias_bound(gn, g.sum(dim=1), u, squared)
         squared += bias_bound.square()
         loose |= bias_loose
         mass += bias_mass

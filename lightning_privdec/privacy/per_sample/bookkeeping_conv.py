@@ -132,7 +132,7 @@ def _conv_estimates(
         mass += group_mass.sum(dim=1)
     if module.bias is not None and module.bias.requires_grad:
         token_norms = norm_upper_bound(g.reshape(batch, -1, steps), dim=1)  # whole output vectors per position
-        bias_bound, bias_mass, bias_loose = _bias_bound(token_norms, g.flatten(2).sum(dim=2), u)
+        bias_bound, bias_mass, bias_loose = _bias_bound(token_norms, g.flatten(2).sum(dim=2), u, squared)
         squared += bias_bound.square()
         loose |= bias_loose
         mass += bias_mass
