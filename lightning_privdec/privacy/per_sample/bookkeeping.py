@@ -375,10 +375,14 @@ def _linear_estimates(
             loose |= ~(error <= 0.05 * norms)
         mass += weight_mass
     if module.bias is not None and module.bias.requires_grad:
-        bias_bound, bias_mass, bias_loose = _bias_bound(gn, g.sum(dim=1), u, squared)
-        squared += bias_bound.square()
-        loose |= bias_loose
-        mass += bias_mass
+        if steps == 1:  # the bias gradient is g itself, one term: gn bounds its norm, with no sum to round
+            squared += gn[:, 0].square()
+            mass += gn[:, 0]
+        else:
+            bias_bound, bias_mass, bias_loose = _bias_bound(gn, g.sum(dim=1), u, squared)
+            squared += bias_bound.square()
+            loose |= bias_loose
+            mass += bias_mass
     return squared.sqrt() * (1 + 1e-12), mass, loose, block_examples(steps) * steps
 
 
