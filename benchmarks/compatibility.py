@@ -612,8 +612,9 @@ def run_interleaved_ratios(args: argparse.Namespace) -> None:
         for round_ in range(args.rounds):
             for side in ("before", "after"):
                 out = Path(tmp) / f"{side}_{round_}.json"
-                command = [sys.executable, os.path.abspath(__file__), "--ratios-only", "--models", ",".join(args.model_list),
-                           "--ratio-steps", str(args.ratio_steps or 20), "--json", str(out)]
+                command = [sys.executable, os.path.abspath(__file__), "--ratios-only",
+                           "--models", ",".join(args.model_list), "--ratio-steps", str(args.ratio_steps or 20),
+                           "--json", str(out)]
                 if side == "before":
                     command += ["--library", str(args.before.resolve())]
                 subprocess.run(command, check=True, stdout=subprocess.DEVNULL)

@@ -339,7 +339,7 @@ def test_per_example_convolution_norms_in_chunks_equal_one_at_a_time(name: str, 
         (lambda: nn.Conv2d(3, 5, 3, stride=2, padding=1), (3, 7, 7)),
     ],
 )
-def test_patch_norms_bound_the_patches_norms(build, shape) -> None:  # noqa: ANN001
+def test_patch_norms_bound_the_patches_norms(build, shape) -> None:
     """Each output position's input-patch norm (per example and group) is bounded from above, tightly, whichever way
     its squares are summed: against the float64 sum of the unfolded patches."""
     torch.manual_seed(5)

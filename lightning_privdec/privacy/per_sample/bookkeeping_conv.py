@@ -143,22 +143,24 @@ def _patch_norms(module: nn.Module, a: Tensor, out_size: torch.Size) -> Tensor:
     """Upper bounds of ``||u_t||``, the norm of the input patch each output position t reads, per example and
     group, shape (B, groups, T), in float64: the input's squares summed over each patch, in float32, by a
     convolution with a kernel of ones or, for a 1 x 1 kernel and where most kernel taps read only padding (a 5 x 5
-    kernel on a 2 x 2 map), by :func:`_window_sums` of each group's channel sums. Rounding (p squares and their sum, in any order and
-    grouping: gamma_p <= gamma_{p+4}) and underflow (p times the smallest value) included."""
+    kernel on a 2 x 2 map), by :func:`_window_sums` of each group's channel sums. Rounding (p squares and their sum,
+    in any order and grouping: gamma_p <= gamma_{p+4}) and underflow (p times the smallest value) included."""
     batch, groups, dims = a.shape[0], module.groups, a.dim() - 2
     p = module.weight[0].numel()
     live = _live_taps(module, a.shape[2:], out_size)
     with full_precision():
         squares = a * a
         pointwise = all(k == 1 for k in module.kernel_size)
-        if pointwise or live is not None and 2 * math.prod(last - first + 1 for first, last in live) <= math.prod(module.kernel_size):
+        live_taps = None if live is None else math.prod(last - first + 1 for first, last in live)
+        mostly_padding = live_taps is not None and 2 * live_taps <= math.prod(module.kernel_size)
+        if pointwise or mostly_padding:
             per_group = squares.reshape(batch, groups, -1, *a.shape[2:]).sum(dim=2)
             summed = _window_sums(per_group, module.kernel_size, module.stride, module.padding, module.dilation)
         else:
             conv = (nn.functional.conv1d, nn.functional.conv2d, nn.functional.conv3d)[dims - 1]
             ones = torch.ones((groups, module.in_channels // groups, *module.kernel_size), dtype=a.dtype,
                               device=a.device)
-            summed = conv(squares, ones, None, module.stride, module.padding, module.dilation, groups)  # (B, groups, *out)
+            summed = conv(squares, ones, None, module.stride, module.padding, module.dilation, groups)
     assert tuple(summed.shape[2:]) == tuple(out_size)
     bound = summed.double() * (1 + gamma(p + 4, unit_roundoff(a.dtype))) + p * _tiny(a.dtype)
     return bound.sqrt().view(batch, groups, -1)

@@ -38,7 +38,9 @@ def _gram_error(d_out: int, p: int, u: float, steps: int) -> float:
     return (entry * (1 + sum_error) + sum_error) * (1 + 1e-9)
 
 
-def _bias_bound(token_norms: Tensor, summed: Tensor, u: float, weight_squared: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _bias_bound(
+    token_norms: Tensor, summed: Tensor, u: float, weight_squared: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """The bias gradient sum_t g_t of each example: an upper bound of its norm (the computed sum errs by at most
     gamma_{T-1} sum_t ||g_t||), that mass, and whether the bound is loose against the layer call's whole norm (the
     squared bound ``weight_squared`` of its weight's part and the bias's): a bias whose gradient cancels to about 0
