@@ -15,7 +15,7 @@ private strategy and each ``grad_sample_mode`` it accepts. A cell reads
 It also times one private step (book-keeping) against one non-private step per model in one process and thread (CPU
 time, forward + backward [+ clip + noise], the two alternating) and writes the table to docs/models.md
 (``--no-record``: print only; ``--ratios-only``: only these times, e.g. ``--library`` of an older tree against this
-one's).
+one's, or ``--before TREE --rounds N``: both, in alternating processes, medians side by side).
 
     python benchmarks/compatibility.py                                 # everything (about 20 minutes on 2 cores)
     python benchmarks/compatibility.py --models resnet18,gpt2 --strategies dp_csgp --modes bookkeeping --no-record
@@ -469,6 +469,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--library", type=Path, default=None,
                         help="import lightning_privdec from this tree (e.g. a git worktree of an older commit) to "
                         "compare its ratios with this checkout's on the same models")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="with --ratios-only: alternate processes of this tree's library (e.g. a git worktree of "
+                        "an older commit) and this checkout's, --rounds times, and print the medians side by side")
+    parser.add_argument("--rounds", type=int, default=3, help="with --before: rounds of (before, after) processes")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "models.md")
     parser.add_argument("--no-record", action="store_true", help="print only; do not write docs/models.md")
@@ -515,7 +519,7 @@ def main(argv: list[str] | None = None) -> None:
         run_child(args)
         return
     if args.ratios_only:
-        run_ratios(args)
+        (run_interleaved_ratios if args.before is not None else run_ratios)(args)
         return
     command_line = "python benchmarks/compatibility.py" + ("" if argv is None else " " + " ".join(argv))
     if args.merge:
@@ -596,6 +600,51 @@ def run_ratios(args: argparse.Namespace) -> None:
     if args.json is not None:
         args.json.write_text(json.dumps({"library": str(Path(lightning_privdec.__file__).parent),
                                          "ratios": measured}, indent=1))
+
+
+def run_interleaved_ratios(args: argparse.Namespace) -> None:
+    """``--ratios-only --before TREE``: :func:`run_ratios` in alternating processes, TREE's library then this
+    checkout's, ``--rounds`` times (a shared machine's load moves each process's figures; alternating lets both trees
+    see the same load on average); prints each model's median over the rounds of the private and non-private
+    milliseconds and of the ratio (taken within each process), and every round's ratio."""
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for side in ("before", "after"):
+                out = Path(tmp) / f"{side}_{round_}.json"
+                command = [sys.executable, os.path.abspath(__file__), "--ratios-only",
+                           "--models", ",".join(args.model_list), "--ratio-steps", str(args.ratio_steps or 20),
+                           "--json", str(out)]
+                if side == "before":
+                    command += ["--library", str(args.before.resolve())]
+                subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+                runs[side].append(json.loads(out.read_text()))
+                print(f"round {round_ + 1} {side}: {runs[side][-1]['library']}", flush=True)
+    table: dict[str, dict] = {}
+    print("| model | before: private / non-private ms | before | after: private / non-private ms | after | "
+          "after / before (private ms) | ratios per round (before; after) |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name in args.model_list:
+        row: dict[str, Any] = {}
+        for side, measured in runs.items():
+            rounds = [run["ratios"][name] for run in measured if "ratio" in run["ratios"].get(name, {})]
+            if not rounds:
+                row[side] = {"refused": measured[0]["ratios"].get(name, {}).get("refused", "no figure")}
+                continue
+            row[side] = {key: statistics.median(r[key] for r in rounds) for key in ("private_ms", "plain_ms", "ratio")}
+            row[side]["rounds"] = [r["ratio"] for r in rounds]
+        table[name] = row
+        before, after = row["before"], row["after"]
+        if "ratio" not in before or "ratio" not in after:
+            print(f"| {name} | {before.get('refused', '')} | | {after.get('refused', '')} | | | |")
+            continue
+        print(f"| {name} | {before['private_ms']:.1f} / {before['plain_ms']:.1f} | {before['ratio']:.2f}x | "
+              f"{after['private_ms']:.1f} / {after['plain_ms']:.1f} | **{after['ratio']:.2f}x** | "
+              f"{after['private_ms'] / before['private_ms']:.2f} | "
+              f"{' '.join(f'{r:.2f}' for r in before['rounds'])}; {' '.join(f'{r:.2f}' for r in after['rounds'])} |")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"before": str(args.before), "rounds": args.rounds, "models": table,
+                                         "machine": [machine_line(), software_line(opacus=True)]}, indent=1))
 
 
 def record(results: dict[str, dict[str, str]], ratios: dict[str, str], total: float, commands: list[str],

@@ -35,6 +35,8 @@ LAYERS = {
     "conv2d_strided_dead_taps": (lambda: nn.Conv2d(6, 8, 3, stride=2, padding=1), (6, 2, 2)),
     "conv2d_dilated_dead_taps": (lambda: nn.Conv2d(4, 6, (3, 7), stride=(1, 3), padding=(2, 3), dilation=(2, 1)), (4, 1, 5)),
     "conv3d_dead_taps": (lambda: nn.Conv3d(2, 3, 3, padding=1), (2, 1, 1, 2)),
+    # MobileNetV3's late depthwise layers: a 5 x 5 kernel on a 2 x 2 map, two output channels per input channel
+    "conv2d_depthwise_dead_taps": (lambda: nn.Conv2d(6, 12, 5, stride=2, padding=2, groups=6), (6, 2, 2)),
     "hf_conv1d_ghost": (lambda: _hf_conv1d(24, 16), (3, 16)),  # GPT-2's transposed linear layer
     "hf_conv1d_2d": (lambda: _hf_conv1d(5, 7), (7,)),
 }
@@ -323,3 +325,32 @@ def test_per_example_convolution_norms_in_chunks_equal_one_at_a_time(name: str, 
         monkeypatch.setattr(bookkeeping_conv, "PER_EXAMPLE_ENTRIES", entries)
         torch.testing.assert_close(bookkeeping_conv._per_example_weight_norms(layer, a, g), one_at_a_time,
                                    rtol=1e-5, atol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "build, shape",
+    [
+        (lambda: nn.Conv2d(6, 12, 5, stride=2, padding=2, groups=6), (6, 2, 2)),  # window sums (most taps dead)
+        (lambda: nn.Conv2d(4, 4, 5, padding=2, groups=4), (4, 1, 1)),
+        (lambda: nn.Conv2d(4, 6, (3, 7), stride=(1, 3), padding=(2, 3), dilation=(2, 1)), (4, 1, 5)),
+        (lambda: nn.Conv3d(4, 4, 3, padding=1, groups=2), (4, 1, 1, 2)),
+        (lambda: nn.Conv1d(4, 4, 7, padding=3, groups=4), (4, 2)),
+        (lambda: nn.Conv2d(8, 8, 3, padding=1, groups=8), (8, 6, 6)),  # every tap live: a convolution of ones
+        (lambda: nn.Conv2d(3, 5, 3, stride=2, padding=1), (3, 7, 7)),
+    ],
+)
+def test_patch_norms_bound_the_patches_norms(build, shape) -> None:
+    """Each output position's input-patch norm (per example and group) is bounded from above, tightly, whichever way
+    its squares are summed: against the float64 sum of the unfolded patches."""
+    torch.manual_seed(5)
+    layer = build()
+    x = torch.randn(3, *shape) * torch.logspace(-10, 10, 3).view(3, *[1] * len(shape))
+    out = layer(x)
+    ones = torch.ones((layer.groups, layer.in_channels // layer.groups, *layer.kernel_size), dtype=torch.float64)
+    conv = {1: nn.functional.conv1d, 2: nn.functional.conv2d, 3: nn.functional.conv3d}[x.dim() - 2]
+    exact = conv(x.double().square(), ones, None, layer.stride, layer.padding, layer.dilation, layer.groups)
+    exact = exact.sqrt().view(3, layer.groups, -1)
+    got = bookkeeping_conv._patch_norms(layer, x, out.shape[2:])
+    assert got.dtype == torch.float64 and got.shape == exact.shape
+    assert (got >= exact).all()
+    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-30)

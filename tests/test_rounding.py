@@ -28,8 +28,9 @@ def test_norm_upper_bound_is_above_the_exact_norm_and_tight(shape, dim, dtype) -
     assert bool((bound <= exact * (1 + 1e-3) + 1e-30).all())
 
 
-def test_norm_upper_bound_of_underflowing_entries_is_not_zero() -> None:
-    x = torch.full((3, 50), 1e-30, dtype=torch.float32)  # squares underflow float32
+@pytest.mark.parametrize("shape", [(3, 50), (3, 50, 2)])  # the last dimension reduced, or an outer one only
+def test_norm_upper_bound_of_underflowing_entries_is_not_zero(shape) -> None:
+    x = torch.full(shape, 1e-30, dtype=torch.float32)  # squares underflow float32
     exact = torch.linalg.vector_norm(x.double(), dim=1)
     assert bool((norm_upper_bound(x, dim=1) >= exact).all())
 

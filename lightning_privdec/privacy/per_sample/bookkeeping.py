@@ -148,7 +148,7 @@ def norm_bound(
         isolate = mass * (u * math.sqrt(rows) * 1e3) > estimate
         # an example whose output gradients are all exactly 0 adds exactly 0 (its finite inputs times 0; a non-finite
         # input makes its bound non-finite): its gradient is known exactly, though its bound is all rounding floors
-        zero = (g == 0).flatten(1).all(dim=1)
+        zero = g.flatten(1).abs().amax(dim=1) == 0  # (NaN: not zero)
         exact = ((loose | isolate) & ~zero) | ~torch.isfinite(upper)
     bound = NormBound(upper, exact)
     return bound if defer_exact else compute_exact(module, a, g, bound)
@@ -375,10 +375,14 @@ def _linear_estimates(
             loose |= ~(error <= 0.05 * norms)
         mass += weight_mass
     if module.bias is not None and module.bias.requires_grad:
-        bias_bound, bias_mass, bias_loose = _bias_bound(gn, g.sum(dim=1), u)
-        squared += bias_bound.square()
-        loose |= bias_loose
-        mass += bias_mass
+        if steps == 1:  # the bias gradient is g itself, one term: gn bounds its norm, with no sum to round
+            squared += gn[:, 0].square()
+            mass += gn[:, 0]
+        else:
+            bias_bound, bias_mass, bias_loose = _bias_bound(gn, g.sum(dim=1), u, squared)
+            squared += bias_bound.square()
+            loose |= bias_loose
+            mass += bias_mass
     return squared.sqrt() * (1 + 1e-12), mass, loose, block_examples(steps) * steps
 
 

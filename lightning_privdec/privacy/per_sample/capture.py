@@ -342,9 +342,7 @@ class Recorder:
             if first.dim() > record.batch_dims[0]:
                 self._pass_batch = int(first.shape[record.batch_dims[0]])
         self.records.append(record)
-        record.grad_hook = register_multi_grad_hook(
-            [leaves[k] for k in positions], partial(self._after_backward, record), mode="all"
-        )
+        record.grad_hook = _on_gradients([leaves[k] for k in positions], partial(self._after_backward, record))
 
     def record_projection(
         self, name: str, layer: nn.Module, a: Tensor, output: Tensor | list[Tensor],
@@ -377,7 +375,7 @@ class Recorder:
                 grads = (gradient(grads[0]),)
             self._after_backward(record, grads)
 
-        record.grad_hook = register_multi_grad_hook(live, arrived, mode="all")
+        record.grad_hook = _on_gradients(live, arrived)
 
     def _count_unit(self, delta: int, module: nn.Module, *_: Any) -> None:
         self._active[id(module)] = self._active.get(id(module), 0) + delta
@@ -494,6 +492,19 @@ class Recorder:
         self._handles = []
         self.forget()
         self._hidden_now, self._hidden_before = [], []
+
+
+def _on_gradients(tensors: list[Tensor], fn: Callable[[tuple], None]) -> Any:
+    """Call ``fn`` with the gradients of ``tensors`` once the backward pass has computed all of them
+    (``register_multi_grad_hook``); one tensor (most layers) gets its own tensor hook, which is the same hook
+    without the multi-tensor bookkeeping (~20 us per layer call)."""
+    if len(tensors) == 1:
+        return tensors[0].register_hook(partial(_single_gradient, fn))
+    return register_multi_grad_hook(tensors, fn, mode="all")
+
+
+def _single_gradient(fn: Callable[[tuple], None], grad: Tensor) -> None:
+    fn((grad,))
 
 
 def _detach(value: Any) -> Any:

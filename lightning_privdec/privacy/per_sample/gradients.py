@@ -271,6 +271,8 @@ class PerSampleGradients:
         self._arithmetic.mean_loss_multipliers.clear()
         self._hooks.forget()
         self._batch_grads = {}
+        if self.mode == "bookkeeping":
+            return  # (its per_sample_grads never set p.grad_sample)
         for p in self.module.parameters():
             if hasattr(p, "grad_sample"):
                 p.grad_sample = None
