@@ -103,28 +103,6 @@ def layer_units(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
     return units
 
 
-def describe_units(units: list[tuple[str, nn.Module, str]], mode: str) -> str:
-    """One line: how many layers of each type use which mechanism (the setup report)."""
-    counts: dict[tuple[str, str], int] = {}
-    for _, module, kind in units:
-        if attention.is_projection(module):
-            continue  # reported as its nn.MultiheadAttention
-        if kind == "attention":
-            kind, module_covered = "rule", True
-        else:
-            module_covered = bookkeeping.covers(module)
-        mechanism = {"rule": "functorch vmap" if mode == "functorch" else "closed form", "shared": "broadcast",
-                     "unrolled": "unrolled"}.get(kind, "replay")
-        if kind == "rule" and mode in ("bookkeeping", "ghost") and module_covered:
-            mechanism = "book-keeping"
-        key = (type(module).__name__, mechanism)
-        counts[key] = counts.get(key, 0) + 1
-    by_mechanism: dict[str, list[str]] = {}
-    for (name, mechanism), n in counts.items():
-        by_mechanism.setdefault(mechanism, []).append(f"{n} {name}")
-    return "; ".join(f"{mechanism}: {', '.join(names)}" for mechanism, names in by_mechanism.items())
-
-
 @dataclass
 class Record:
     """One call of one layer: its inputs, the gradients of its outputs (``None`` until the backward pass reaches

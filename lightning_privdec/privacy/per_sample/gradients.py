@@ -27,15 +27,12 @@ from torch import Tensor, nn
 
 from lightning_privdec.privacy.dp_step import clip_and_accumulate
 from lightning_privdec.privacy.errors import PrivacyConfigError
+from lightning_privdec.privacy.per_sample import attention, bookkeeping
 from lightning_privdec.privacy.per_sample.arithmetic import (
     _PerSampleArithmetic,
     mean_loss_multiplier,
 )
-from lightning_privdec.privacy.per_sample.capture import (
-    Recorder,
-    describe_units,
-    layer_units,
-)
+from lightning_privdec.privacy.per_sample.capture import Recorder, layer_units
 from lightning_privdec.privacy.per_sample.checks import check_private_model
 from lightning_privdec.privacy.per_sample.probe import check_examples
 
@@ -48,6 +45,28 @@ GRAD_SAMPLE_MODES: tuple[str, ...] = ("bookkeeping", "hooks", "functorch", "ghos
 DEFAULT_GRAD_SAMPLE_MODE = "bookkeeping"
 _PER_SAMPLE_MODES = ("bookkeeping", "hooks", "functorch")  # modes of PerSampleGradients (ghost: GhostClipping)
 _ATTACHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules with hooks of this package
+
+
+def describe_units(units: list[tuple[str, nn.Module, str]], mode: str) -> str:
+    """One line: how many layers of each type use which mechanism (the setup report)."""
+    counts: dict[tuple[str, str], int] = {}
+    for _, module, kind in units:
+        if attention.is_projection(module):
+            continue  # reported as its nn.MultiheadAttention
+        if kind == "attention":
+            kind, module_covered = "rule", True
+        else:
+            module_covered = bookkeeping.covers(module)
+        mechanism = {"rule": "functorch vmap" if mode == "functorch" else "closed form", "shared": "broadcast",
+                     "unrolled": "unrolled"}.get(kind, "replay")
+        if kind == "rule" and mode in ("bookkeeping", "ghost") and module_covered:
+            mechanism = "book-keeping"
+        key = (type(module).__name__, mechanism)
+        counts[key] = counts.get(key, 0) + 1
+    by_mechanism: dict[str, list[str]] = {}
+    for (name, mechanism), n in counts.items():
+        by_mechanism.setdefault(mechanism, []).append(f"{n} {name}")
+    return "; ".join(f"{mechanism}: {', '.join(names)}" for mechanism, names in by_mechanism.items())
 
 
 class PerSampleGradients:
