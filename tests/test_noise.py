@@ -325,14 +325,18 @@ def test_the_host_transform_and_the_accelerator_transform_give_the_same_draws() 
 
 @pytest.mark.parametrize("secure_mode", [False, True])
 @pytest.mark.parametrize("chunk", [6, 1 << 17])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_noise_added_into_pieces_is_the_one_draw_split_over_them(
-    monkeypatch: pytest.MonkeyPatch, secure_mode: bool, chunk: int
+    monkeypatch: pytest.MonkeyPatch, secure_mode: bool, chunk: int, threads: int
 ) -> None:
     """add_normal_ (the DP step's noise, added into each parameter's gradient chunk by chunk) gives bit for bit
-    ``normal(total)`` split over the pieces plus the scaled sums, whatever the chunk size and the pieces' sizes."""
+    ``normal(total)`` split over the pieces plus the scaled sums, whatever the chunk size, the pieces' sizes and
+    the intra-op threads (with several, it adds in pieces small enough for torch to run on this thread)."""
     from lightning_privdec.privacy import noise
 
     monkeypatch.setattr(noise, "_CHUNK_WORDS", chunk)
+    torch.set_num_threads(threads)  # (tests/conftest.py restores the count)
+    monkeypatch.setattr(noise, "_SERIAL", 4)  # the several-thread path's pieces, small enough to split these sums
     sizes, std, scale = (5, 1, 12, 3, 40), 0.3, 0.25
     sums = [torch.randn(n) for n in sizes]
     expected = node_noise_generator("cpu", 4, 1, secure_mode=secure_mode).normal(sum(sizes), std).split(sizes)

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from lightning_privdec.algorithms import PushSumGossip
 from lightning_privdec.comm import LoopbackNetwork, TorchDistributedExchange
+from lightning_privdec.comm.distributed import PeerFailureError
 from lightning_privdec.strategies import (
     CorrelatedNoiseStrategy,
     CPGTStrategy,
@@ -223,3 +224,20 @@ def test_an_overlapping_strategy_posts_each_round_at_the_next_batch_start(tmp_pa
     overlapping.gossip = SimpleNamespace(exchange=exchange)
     overlapping.on_train_batch_start(batch=None, batch_idx=0)
     assert posted == [True]
+
+
+def test_a_deferred_round_whose_post_failed_fails_its_wait_too(tmp_path, monkeypatch):
+    """A round whose deferred post raised (a neighbour already gone) never hands back its empty receive buffers as
+    messages: its wait raises the same error."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    exchange = TorchDistributedExchange(torch.device("cpu"), defer_posts=True)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PeerFailureError.during_round(0, [1], RuntimeError("Connection closed by peer"))
+
+    monkeypatch.setattr(exchange, "_post", refuse)
+    pending = exchange.start({}, {})
+    with pytest.raises(PeerFailureError, match="lost contact"):
+        exchange.post_deferred()
+    with pytest.raises(PeerFailureError, match="lost contact"):
+        pending.wait()

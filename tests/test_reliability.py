@@ -24,6 +24,7 @@ from lightning_privdec import (
     PrivSGPStrategy,
     PrivSGPVRStrategy,
 )
+from lightning_privdec.compression import DRAW_FORMAT
 from lightning_privdec.privacy import PrivacyParameters
 from lightning_privdec.strategies import STRATEGIES, DecentralizedStrategy
 from tests.small_classifier import Classifier, dataset
@@ -100,9 +101,13 @@ def test_nodes_with_different_configurations_are_named_on_every_node() -> None:
         message = str(error.value)
         assert message.startswith(f"node {rank}: the 3 nodes were started with different configurations")
         assert "max_grad_norm -> ranks 0, 2: 1.0; rank 1: 2.0" in message
-        assert "compressor -> ranks 0, 2: RandK(ratio=0.5); rank 1: TopK(ratio=0.1)" in message.replace("'", "")
+        assert (f"compressor -> ranks 0, 2: RandK(ratio=0.5) (draw format {DRAW_FORMAT}); rank 1: TopK(ratio=0.1) "
+                f"(draw format {DRAW_FORMAT})") in message.replace("'", "")
         assert "noise_seed" not in message  # a per-node seed may differ; seeded vs OS entropy may not
         assert "same script and command line" in message
+    older = dict(base, compressor="'RandK(ratio=0.5)'")  # a version that drew the kept positions differently
+    with pytest.raises(NodeMismatchError, match=r"compressor -> rank 0: 'RandK\(ratio=0.5\) \(draw format"):
+        check_same_configuration([base, older], rank=0)
     secure = configuration(DPCSGPStrategy(max_grad_norm=1.0, noise_multiplier=1.0))
     with pytest.raises(NodeMismatchError, match="noise_seed -> rank 0: 'fixed seed'; rank 1: 'OS entropy'"):
         check_same_configuration([base, secure], rank=0)

@@ -55,6 +55,9 @@ class WireTap(Exchange):
         self._record(outgoing)
         return self.inner.start(outgoing, incoming, tag)
 
+    def post_deferred(self) -> None:
+        self.inner.post_deferred()
+
 
 def _compressor(compressor: Compressor | None) -> Compressor | None:
     return None if compressor is None or isinstance(compressor, Identity) else compressor

@@ -132,12 +132,23 @@ class TorchDistributedExchange(Exchange):
         send_buffers, recv_buffers = self._buffers(outgoing, incoming, own_buffers=True)
         self._record(send_buffers, recv_buffers)
         works: list[Any] = []
-        self._deferred.append(lambda: works.extend(self._post(send_buffers, recv_buffers, tag=tag)))
+        failed: list[PeerFailureError] = []  # a post that failed fails the round's wait too (its buffers hold nothing)
+
+        def post() -> None:
+            try:
+                works.extend(self._post(send_buffers, recv_buffers, tag=tag))
+            except PeerFailureError as exc:
+                failed.append(exc)
+                raise
+
+        self._deferred.append(post)
         if not self.defer_posts:
             self.post_deferred()
 
         def complete() -> Received:
             self.post_deferred()
+            if failed:
+                raise failed[0]
             for work in works:
                 work.wait()
             received = {peer: unpack(recv_buffers[peer].to(self.device), s) for peer, s in incoming.items()}

@@ -12,12 +12,13 @@ Use :func:`build_compressor` to create one from a CLI-style string such as
 
 from __future__ import annotations
 
-from .base import Compressor, Identity, PayloadSpec, Workspace, make_generator
+from .base import DRAW_FORMAT, Compressor, Identity, PayloadSpec, Workspace, make_generator
 from .bits import pack_bits, packed_nbytes, unpack_bits
 from .quantizers import QSGD, Sign
 from .sparsifiers import RandK, TopK
 
 __all__ = [
+    "DRAW_FORMAT",
     "Compressor",
     "Identity",
     "TopK",

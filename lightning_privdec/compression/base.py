@@ -102,6 +102,9 @@ class Workspace:
 
 
 _STREAM_DOMAIN = b"lpd/cmp3"  # the AES key's last 8 bytes: this format's tag (a new draw format gets a new tag)
+#: the compressors' draw format, compared between nodes at setup: nodes that draw differently (another version of
+#: this library) would disagree on every message's positions and dithering
+DRAW_FORMAT = _STREAM_DOMAIN.decode()
 
 
 def public_stream(key: int):  # noqa: ANN201

@@ -170,7 +170,7 @@ class RandK(_Sparsifier):
     def pieces(self, d: int, key: int) -> list[tuple[int, int, int, int]]:
         """The kept coordinates as strided blocks ``(start, rows, length, first)``: coordinates ``start + r B + t``
         (r < rows, t < length: B the comb's spacing) carry the payload's entries ``first + r length + t``. At most
-        six blocks: the full runs and the last run, each before and after the wrap at d, and a run cut by it."""
+        five blocks: the full runs before and after the wrap at d, the run it cuts (two) and the last run."""
         runs, length, spacing = self.comb(d)
         k, c = self.num_kept(d), self.shift(d, key)
         blocks = []

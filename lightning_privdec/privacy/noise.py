@@ -160,11 +160,11 @@ class _KeyStream:
       ``r1 cos t1, r1 sin t1, r2 cos t2, ...``; all in float64.
     * **narrow** (float32 and narrower draws): u1 is the next 64-bit word of this keystream, u2 the next 32-bit
       word of the angle keystream (:func:`_angle_nonce`), a signed integer a, ``t = 2 pi a 2^-32`` in [-pi, pi),
-      computed as ``fl32(fl32(a) fl32(2 pi 2^-32))``: within ``pi 2^-24 + 2^-23 < 2^-21`` of 2 pi a 2^-32 (a's
-      rounding to float32, then the product's): 12 keystream bytes per pair instead of 16. Of n draws (h = ceil(n / 2) pairs) entries [0, h)
-      are the cosines and [h, n) the sines of the first n - h pairs (contiguous writes); r's square root, t and its
-      cosine and sine are float32; on the host the logarithm too, except near r = 0 (:func:`_narrow_box_muller`),
-      on other devices it is float64.
+      computed as ``fl32(fl32(a) fl32(2 pi 2^-32))``: within ``pi 2^-25 + 1.5 2^-24 + 2^-23 < 2^-21`` of 2 pi a
+      2^-32 (the roundings of a, of the constant and of the product); 12 keystream bytes per pair instead of 16.
+      Of n draws (h = ceil(n / 2) pairs) entries [0, h) are the cosines and [h, n) the sines of the first n - h
+      pairs (contiguous writes); r's square root, t and its cosine and sine are float32; on the host the logarithm
+      too, except near r = 0 (:func:`_narrow_box_muller`), on other devices it is float64.
 
     A draw depends on the key, the nonce and its length only, never on the chunk size. On the host the transform
     runs in NumPy (its SIMD logarithm, sine and cosine are 2-3x torch's on one core, and it never spreads a chunk

@@ -43,7 +43,7 @@ from lightning_privdec.algorithms.sgp import SGPNode
 from lightning_privdec.comm import Exchange
 from lightning_privdec.comm.identity import AuthenticatedSetup, Roster, check_membership
 from lightning_privdec.comm.objects import gather_objects
-from lightning_privdec.compression import Compressor, build_compressor
+from lightning_privdec.compression import DRAW_FORMAT, Compressor, build_compressor
 from lightning_privdec.data.cycled import CycledLoader
 from lightning_privdec.strategies.checks import (
     batches_per_epoch, check_overlap, check_peer_timeout, check_robust, check_same_configuration,
@@ -224,7 +224,7 @@ class DecentralizedStrategy(ProcessGroupStrategy):
             "strategy": type(self).__name__,
             "world_size": self.world_size,
             "topology": (getattr(topology, "name", None), getattr(topology, "weight_rule", None), graph),
-            "compressor": self.compressor,
+            "compressor": self.compressor and f"{self.compressor} (draw format {DRAW_FORMAT})",
             "overlap": self.staleness > 0,
             "model": module and [(n, tuple(p.shape), p.dtype) for n, p in module.named_parameters() if p.requires_grad],
         }

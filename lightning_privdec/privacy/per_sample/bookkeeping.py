@@ -148,7 +148,7 @@ def norm_bound(
         isolate = mass * (u * math.sqrt(rows) * 1e3) > estimate
         # an example whose output gradients are all exactly 0 adds exactly 0 (its finite inputs times 0; a non-finite
         # input makes its bound non-finite): its gradient is known exactly, though its bound is all rounding floors
-        zero = g.flatten(1).abs().amax(dim=1) == 0  # (NaN: not zero)
+        zero = ~(g != 0).flatten(1).any(dim=1)  # (NaN: not zero; an example without entries: zero)
         exact = ((loose | isolate) & ~zero) | ~torch.isfinite(upper)
     bound = NormBound(upper, exact)
     return bound if defer_exact else compute_exact(module, a, g, bound)

@@ -1,8 +1,9 @@
 """What per-sample gradients need, captured without wrapping any layer's output.
 
 Every layer gets a forward hook that keeps its (detached) inputs and registers one gradient hook on its outputs
-(``register_multi_grad_hook``), which sees the output's gradient even when later code modifies that output in place
-(``ReLU(inplace=True)``, ``out += identity``), where Opacus's ``register_full_backward_hook`` views fail. A layer
+(a tensor hook on a single output, ``register_multi_grad_hook`` on several), which sees the output's gradient even
+when later code modifies that output in place (``ReLU(inplace=True)``, ``out += identity``), where Opacus's
+``register_full_backward_hook`` views fail. A layer
 call's inputs ``a`` and output gradients ``g`` become per-example gradients by:
 
 * ``"rule"`` - a closed form per layer type: Opacus's ``GRAD_SAMPLERS`` (Linear, Conv, Embedding, LayerNorm,
