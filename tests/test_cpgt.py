@@ -240,6 +240,7 @@ def load_benchmark():
     return load_script(ROOT / "benchmarks" / "cpgt_least_squares.py")
 
 
+@pytest.mark.slow  # two 300-round runs of the paper's experiment
 @pytest.mark.parametrize("name", ["DiaDSP", "CPGT-C2-1"])
 def test_least_squares_residual_decays_geometrically_at_the_noise_rate(name):
     bench = load_benchmark()

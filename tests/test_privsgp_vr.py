@@ -407,6 +407,7 @@ def test_the_optimal_split_is_no_worse_than_any_other_split(q, steps):
     assert saga_epsilon(m, q, steps, DELTA, split=1 - 1e-6) > 2 * best
 
 
+@pytest.mark.slow  # a sweep of RDP accountings
 def test_the_sound_accounting_versus_the_paper_formula():
     """q = 1: the split with its best rho = 2/3 ((2C)^2/s1^2 + C^2/s2^2 = 9C^2/s^2) is exactly the paper's sensitivity 3C,
     while the joint analysis sees that every example is in every batch (c - t + t = c: sensitivity C). With

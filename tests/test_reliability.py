@@ -261,6 +261,7 @@ class SlowClassifier(Classifier):
         return super().training_step(batch, batch_idx)
 
 
+@pytest.mark.slow  # runs until its wall-clock limit
 def test_max_time_replans_sigma_so_the_budget_is_spent_by_the_time_limit(tmp_path: Path, caplog) -> None:
     strategy = DPCSGPStrategy(max_grad_norm=1.0, target_epsilon=3.0, target_delta=1e-5, noise_seed=0)
     # 5 s: the Trainer's set-up and the re-plan's 5 warm-up steps fit in it on a loaded machine (3 s did not at load 9)

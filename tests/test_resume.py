@@ -110,6 +110,7 @@ def _resume_with_max_epochs_4(tmp_path: Path, checkpoint: Path, **kwargs: object
     return resumed, strategy
 
 
+@pytest.mark.slow  # three Lightning fits
 def test_resume_continues_the_ledger_keeps_sigma_and_never_rolls_back():
     e, model = attached_node(target_epsilon=2.0, target_delta=1e-5, seed=5)
     e.private_dataloader(loader(), planned_steps=20, world_size=4)

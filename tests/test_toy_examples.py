@@ -40,6 +40,7 @@ def test_the_cpgt_toy_learns_and_its_agents_agree_within_the_pure_epsilon_budget
     assert printed.count("pure epsilon-DP (delta = 0)") == 3 and "after 60 steps" in printed
 
 
+@pytest.mark.slow  # a whole toy experiment
 def test_the_privsgp_vr_toy_experiment_learns_and_spends_what_its_accountant_says(capsys) -> None:
     result = load("toy_privsgp_vr").main(["--nodes", "3", "--steps", "40", "--epsilon", "3"])
     printed = capsys.readouterr().out
@@ -52,6 +53,7 @@ def test_the_privsgp_vr_toy_experiment_learns_and_spends_what_its_accountant_say
     assert printed.count("node ") == 3 and "consensus distance" in printed
 
 
+@pytest.mark.slow  # a whole toy experiment
 def test_the_decor_toy_spends_what_the_secldp_formula_gives_for_its_noise(capsys) -> None:
     """The epsilon the toy prints is Thm. 6's slope for its calibrated pair, amplified and composed over its rounds."""
     import networkx as nx
