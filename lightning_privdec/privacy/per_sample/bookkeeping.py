@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from lightning_privdec.privacy.per_sample.bookkeeping_conv import (
+from lightning_privdec.privacy.per_sample.bookkeeping_conv import (  # one chunk size for both per-example paths
+    PER_EXAMPLE_ENTRIES,
     _conv_estimates,
     _conv_weight_grad,
     _patch_norms,
@@ -384,10 +385,6 @@ def _linear_estimates(
             loose |= bias_loose
             mass += bias_mass
     return squared.sqrt() * (1 + 1e-12), mass, loose, block_examples(steps) * steps
-
-
-#: entries of the per-example weight gradients that :func:`_per_example_weight_norms` holds at once
-PER_EXAMPLE_ENTRIES = 1 << 22
 
 
 def _per_example_weight_norms(g: Tensor, a: Tensor) -> Tensor:
