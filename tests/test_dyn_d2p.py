@@ -331,42 +331,6 @@ def test_the_noise_std_follows_sigma_k():
     assert sigmas[-1] < 0.5 * sigmas[0]  # (rho_c rho_mu)^{-5/6} = 0.31
 
 
-def test_node_epsilons_budget_and_resume():
-    model = nn.Linear(3, 2)
-    e = planned_node(model=model, planned_steps=8)
-    assert e.certified_steps == 8 and 0.99 * 2.0 <= e.plan_epsilon <= 2.0
-    x, y = torch.randn(4, 3), torch.randn(4, 2)
-    for _ in range(3):
-        take_step(e, model, x, y, "hooks")
-    assert e.epsilon() == pytest.approx(e.schedule.rigorous_epsilon(1e-5, steps=3), rel=1e-12)
-    assert e.paper_epsilon() == pytest.approx(e.schedule.clt_epsilon(1e-5, steps=3), rel=1e-9)
-    assert e.current_clip == e.schedule.clip(3) and e.noise_multiplier == e.schedule.noise_multiplier(3)
-    buffer = io.BytesIO()
-    torch.save(e.state_dict(), buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
-
-    same = DynD2PNode(e.parameters, options=DynD2POptions(rho_c=4.0, rho_mu=2.0), rank=1, device=torch.device("cpu"), noise_seed=3)
-    same.attach(nn.Linear(3, 2))
-    same.load_state_dict(saved)
-    same.private_dataloader(node_loader(), 8, 4)  # the same plan: the schedule continues at step 3
-    assert same.schedule == e.schedule and same.steps == 3 and same.epsilon() == e.epsilon()
-    assert same.current_clip == e.schedule.clip(3)
-
-    longer = DynD2PNode(e.parameters, options=DynD2POptions(rho_c=4.0, rho_mu=2.0), rank=1, device=torch.device("cpu"), noise_seed=3)
-    longer.attach(nn.Linear(3, 2))
-    longer.load_state_dict(saved)
-    with pytest.warns(UserWarning, match="re-planned"):
-        longer.private_dataloader(node_loader(), 16, 4)  # a longer plan: re-calibrated over the remaining steps
-    assert longer.schedule.steps == 16 and longer.steps == 3
-    assert 0.99 * 2.0 <= longer.plan_epsilon <= 2.0 and longer.certified_steps == 16
-    assert longer.schedule.noise_multiplier(3) > e.schedule.noise_multiplier(3)  # more steps: more noise each
-
-    for _ in range(5):
-        take_step(e, model, x, y, "hooks")
-    assert e.next_step_exceeds_budget() and e.epsilon() <= 2.0
-    with pytest.raises(PrivacyConfigError, match="forget spent privacy"):
-        e.load_state_dict(saved)
 
 
 # ---- Algorithm 1 on the loopback exchange vs a direct transcription ----------------------------------------------

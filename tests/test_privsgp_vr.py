@@ -514,18 +514,6 @@ STATE = {
 }
 
 
-def test_a_checkpoint_resumes_with_its_epsilon_and_plan_and_never_rolls_back():
-    parameters = PrivacyParameters(max_grad_norm=1.0, target_epsilon=3.0, target_delta=DELTA)
-    node = PrivSGPVRNode(parameters, rank=0, device=torch.device("cpu"))
-    node.load_state_dict(STATE)
-    assert node.steps == 4 and node.epsilon() == pytest.approx(2.2140620521134196, rel=1e-12)
-    assert (node.noise_multiplier, node.split) == (STATE["noise_multiplier"], STATE["split"])
-    attach_with_data(node, nn.Linear(3, 2), *node_data(0, 8), batch_size=2, steps=8)
-    assert node.noise_multiplier == STATE["noise_multiplier"]  # the plan it was calibrated for: kept
-    assert node.ledger.state_dict()["steps"] == 4
-    node.ledger.record(node.next_release())
-    with pytest.raises(PrivacyConfigError, match="has 4 steps but 5"):
-        node.load_state_dict(STATE)  # never rolls back
 
 
 def test_a_checkpoint_round_trips():

@@ -19,9 +19,12 @@ from torch import nn
 
 from lightning_privdec import DPCSGPStrategy, PrivacyConfigError
 from lightning_privdec.algorithms import PushSumGossip
+from lightning_privdec.algorithms.dyn_d2p import DynD2PNode, DynD2POptions
+from lightning_privdec.algorithms.privsgp_vr import PrivSGPVRNode
 from lightning_privdec.comm.loopback import LoopbackNetwork
 from lightning_privdec.compression import RandK
 from lightning_privdec.privacy.pairwise import CorrelatedNoise, simulate_key_agreement
+from lightning_privdec.privacy import PrivacyParameters
 from lightning_privdec.privacy.accounting import GaussianRelease
 from lightning_privdec.strategies import PrivSGPVRStrategy
 from lightning_privdec.topology import build_topology
@@ -29,7 +32,10 @@ from tests.small_classifier import Classifier
 from tests.test_dp_csgp import attached_node, loader, one_step
 from tests.test_overlap import LR, in_flight_mass, run
 from tests.test_pairwise import _run_with_key_files, edges, ring
+from tests.test_dyn_d2p import node_loader, planned_node, take_step
 from tests.test_privsgp_vr import (
+    DELTA,
+    STATE,
     attach_with_data,
     clip,
     fill,
@@ -410,3 +416,55 @@ def test_a_resume_with_a_noise_multiplier_given_by_hand_uses_it(end_of_a_two_epo
         resumed = trainer(tmp_path / choice, strategy, checkpoints=False, max_steps=-1, max_epochs=3)
         resumed.fit(Classifier(), data(), ckpt_path=checkpoint)
         assert strategy.privacy.noise_multiplier == 3 * old_sigma and resumed.global_step == 3 * 16
+
+
+def test_a_checkpoint_resumes_with_its_epsilon_and_plan_and_never_rolls_back():
+    parameters = PrivacyParameters(max_grad_norm=1.0, target_epsilon=3.0, target_delta=DELTA)
+    node = PrivSGPVRNode(parameters, rank=0, device=torch.device("cpu"))
+    node.load_state_dict(STATE)
+    assert node.steps == 4 and node.epsilon() == pytest.approx(2.2140620521134196, rel=1e-12)
+    assert (node.noise_multiplier, node.split) == (STATE["noise_multiplier"], STATE["split"])
+    attach_with_data(node, nn.Linear(3, 2), *node_data(0, 8), batch_size=2, steps=8)
+    assert node.noise_multiplier == STATE["noise_multiplier"]  # the plan it was calibrated for: kept
+    assert node.ledger.state_dict()["steps"] == 4
+    node.ledger.record(node.next_release())
+    with pytest.raises(PrivacyConfigError, match="has 4 steps but 5"):
+        node.load_state_dict(STATE)  # never rolls back
+
+
+def test_node_epsilons_budget_and_resume():
+    model = nn.Linear(3, 2)
+    e = planned_node(model=model, planned_steps=8)
+    assert e.certified_steps == 8 and 0.99 * 2.0 <= e.plan_epsilon <= 2.0
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    for _ in range(3):
+        take_step(e, model, x, y, "hooks")
+    assert e.epsilon() == pytest.approx(e.schedule.rigorous_epsilon(1e-5, steps=3), rel=1e-12)
+    assert e.paper_epsilon() == pytest.approx(e.schedule.clt_epsilon(1e-5, steps=3), rel=1e-9)
+    assert e.current_clip == e.schedule.clip(3) and e.noise_multiplier == e.schedule.noise_multiplier(3)
+    buffer = io.BytesIO()
+    torch.save(e.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+
+    same = DynD2PNode(e.parameters, options=DynD2POptions(rho_c=4.0, rho_mu=2.0), rank=1, device=torch.device("cpu"), noise_seed=3)
+    same.attach(nn.Linear(3, 2))
+    same.load_state_dict(saved)
+    same.private_dataloader(node_loader(), 8, 4)  # the same plan: the schedule continues at step 3
+    assert same.schedule == e.schedule and same.steps == 3 and same.epsilon() == e.epsilon()
+    assert same.current_clip == e.schedule.clip(3)
+
+    longer = DynD2PNode(e.parameters, options=DynD2POptions(rho_c=4.0, rho_mu=2.0), rank=1, device=torch.device("cpu"), noise_seed=3)
+    longer.attach(nn.Linear(3, 2))
+    longer.load_state_dict(saved)
+    with pytest.warns(UserWarning, match="re-planned"):
+        longer.private_dataloader(node_loader(), 16, 4)  # a longer plan: re-calibrated over the remaining steps
+    assert longer.schedule.steps == 16 and longer.steps == 3
+    assert 0.99 * 2.0 <= longer.plan_epsilon <= 2.0 and longer.certified_steps == 16
+    assert longer.schedule.noise_multiplier(3) > e.schedule.noise_multiplier(3)  # more steps: more noise each
+
+    for _ in range(5):
+        take_step(e, model, x, y, "hooks")
+    assert e.next_step_exceeds_budget() and e.epsilon() <= 2.0
+    with pytest.raises(PrivacyConfigError, match="forget spent privacy"):
+        e.load_state_dict(saved)
