@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +122,7 @@ def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -
         return times[warmup:]
 
     from lightning_privdec.algorithms.dp_csgp import DPCSGPNode
-    from lightning_privdec.algorithms.node import private_step
+    from lightning_privdec.algorithms.node import NodeRunner
     from lightning_privdec.algorithms.flat_parameters import FlatParameters
     from lightning_privdec.compression import build_compressor
     from lightning_privdec.privacy.config import PrivacyParameters
@@ -139,17 +140,20 @@ def run_steps(config: str, steps: int, warmup: int, width: int, seed: int = 0) -
     )
     optimizer = torch.optim.SGD(flat.parameters, lr=0.01)
     loader = node.private_dataloader(DataLoader(data, batch_size=BATCH), steps + warmup, NODES, node_local_data=True)
+    runner = NodeRunner(model, flat, gossip, node, rank=NODE)  # the step the Trainer's strategies run
     while len(times) < steps + warmup:
         for x, y in loader:
             start, cpu_start = time.perf_counter(), time.process_time()
             optimizer.zero_grad(set_to_none=True)
-            if len(x):
-                F.cross_entropy(model(x), y).backward()
-            private_step(node)
-            flat.buffer.copy_(gossip.x)
-            optimizer.step()
-            gossip.step(flat.buffer)
-            gossip.debias_into(flat.buffer)
+
+            def gradients(x: Any = x, y: Any = y) -> Any:
+                if len(x):
+                    loss = F.cross_entropy(model(x), y)
+                    loss.backward()
+                    return loss
+                return None
+
+            runner.step(optimizer, gradients, step=len(times))
             _record(times, start, cpu_start)
             if len(times) == steps + warmup:
                 break

@@ -129,3 +129,63 @@ def test_invalid_consensus_step_is_refused():
     network = LoopbackNetwork(3)
     with pytest.raises(ValueError, match="consensus_step"):
         PushSumGossip(torch.zeros(3), rank=0, topology=topology, exchange=network.exchanges[0], consensus_step=1.5)
+
+
+def runner_trajectories(topology, n: int, steps: int, *, touch_at: int | None = None) -> list[dict]:
+    """Every node's NodeRunner steps (a linear model, SGD, a fixed least-squares loss per node): its final
+    parameters and x, and at which steps the parameters already held x (the load before the optimizer skipped).
+    ``touch_at``: after that step, an in-place write to node 0's weight (which loading x must undo)."""
+    from lightning_privdec.algorithms.flat_parameters import FlatParameters
+    from lightning_privdec.algorithms.node import NodeRunner
+
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(6, 3) for _ in range(n)]
+    data = [(torch.randn(16, 6), torch.randn(16, 3)) for _ in range(n)]
+
+    def node(rank, exchange):
+        model, (inputs, targets) = models[rank], data[rank]
+        flat = FlatParameters(model)
+        gossip = PushSumGossip(flat.buffer, rank=rank, topology=topology, exchange=exchange)
+        runner = NodeRunner(model, flat, gossip, rank=rank)
+        optimizer = torch.optim.SGD(flat.parameters, lr=0.1)
+        held, unit_weight = [], []
+        for step in range(steps):
+            held.append(runner._holds_x is not None and runner._holds_x == runner._state_version())
+            optimizer.zero_grad()
+
+            def gradients():
+                loss = torch.nn.functional.mse_loss(model(inputs), targets)
+                loss.backward()
+                return loss
+
+            runner.step(optimizer, gradients, step=step)
+            unit_weight.append(float(gossip.y) == 1.0)
+            if step == touch_at and rank == 0:
+                with torch.no_grad():
+                    model.weight.add_(1.0)
+        return {"buffer": flat.buffer.clone(), "x": gossip.x.clone(), "held": held, "unit_weight": unit_weight}
+
+    return LoopbackNetwork(n).run(node)
+
+
+def test_the_step_loads_x_into_the_parameters_only_when_they_may_not_hold_it(monkeypatch):
+    """With y = 1 the de-biasing writes x itself, and the next step's optimizer updates the parameters without
+    loading x first: bit for bit the trajectory that loads it every step, also when a parameter is written in place
+    between steps (the next gradients are taken there, then the write is undone, either way). With y != 1 x is always loaded."""
+    doubly = build_topology("exponential-one-peer", 4, weights="push-sum")  # 4 = 2^2 nodes: y stays 1
+    skipped = runner_trajectories(doubly, 4, steps=6)
+    touched = runner_trajectories(doubly, 4, steps=6, touch_at=2)
+    monkeypatch.setattr(PushSumGossip, "debias_is_identity", lambda self: False)
+    loaded = runner_trajectories(doubly, 4, steps=6)
+    loaded_touched = runner_trajectories(doubly, 4, steps=6, touch_at=2)
+    for a, b, c, d in zip(skipped, touched, loaded, loaded_touched):
+        for key in ("buffer", "x"):
+            assert torch.equal(a[key], c[key]) and torch.equal(b[key], d[key])
+        assert not torch.equal(a["x"], b["x"])  # the write moved where step 3's gradients were taken
+        assert not any(c["held"])
+    assert all(node["held"][1:] == [True] * 5 for node in skipped)  # every step after the first skipped the load
+    assert touched[0]["held"][3] is False and touched[0]["held"][4] is True  # the write was seen, once
+    monkeypatch.undo()
+    irregular = runner_trajectories(build_topology(irregular_digraph(5), 5, weights="push-sum"), 5, steps=4)
+    assert not all(all(node["unit_weight"]) for node in irregular)
+    assert all(node["held"][1:] == node["unit_weight"][:-1] for node in irregular)

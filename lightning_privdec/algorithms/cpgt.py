@@ -378,6 +378,9 @@ class CPGTGossip:
         """Write x_i(k) into ``out`` (the module's parameters): gradients are taken at the clean state."""
         out.copy_(self.x)
 
+    def debias_is_identity(self) -> bool:
+        return True
+
     def track(self, grad: Tensor) -> Tensor:
         """y_i(k) = u_i(k) + grad f_i(x_i(k)) (line 10, second half, with y_i(0) = grad f_i(x_i(0))); returns y_i(k)."""
         self._grad = grad.detach().to(self.x.dtype).clone()

@@ -35,3 +35,8 @@ class FlatParameters:
                 view.copy_(p)
                 p.data = view
                 offset += p.numel()
+
+    def version(self) -> int:
+        """A count that grows with every in-place write to the buffer or to a parameter (their version counters);
+        a write through ``p.data`` is not counted."""
+        return self.buffer._version + sum(p._version for p in self.parameters)

@@ -205,7 +205,15 @@ class PushSumGossip:
 
     def debias_into(self, out: Tensor) -> None:
         """Write z_i = x_i / y_i into ``out`` (the module's parameter buffer) without allocating."""
-        torch.div(self.x, self.y.to(self.x.dtype), out=out)
+        if self.debias_is_identity():
+            out.copy_(self.x)  # x / 1, bit for bit, at the cost of a copy
+        else:
+            torch.div(self.x, self.y.to(self.x.dtype), out=out)
+
+    def debias_is_identity(self) -> bool:
+        """Whether :meth:`debias_into` writes x itself, bit for bit: y = 1 (every doubly-stochastic graph; x / 1 is
+        exact), checked on the host only (no device sync)."""
+        return self.x.device.type == "cpu" and float(self.y) == 1.0
 
     @property
     def dimension(self) -> int:

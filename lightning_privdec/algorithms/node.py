@@ -10,7 +10,8 @@ Per step, on the node's flat parameters (:class:`~.flat_parameters.FlatParameter
     node.ledger.record(release)    the accountant counts the release: here, for every paper
     write_ahead.write(node)        the accounting state on disk before anything leaves the node
     finite check                   a NaN/inf gradient (or loss) stops the node: no update, no message
-    x <- the user's optimizer      on the push-sum numerator x (the parameters are loaded with x first)
+    x <- the user's optimizer      on the push-sum numerator x (the parameters are loaded with x first, unless
+                                   the de-biasing wrote x itself, y = 1, and nothing has written to either since)
     gossip.step(x)                 the round's messages (the bytes sent) and the mixing
     gossip.debias_into(z)          the node's model for the next forward
 
@@ -101,6 +102,7 @@ class NodeRunner:
         self.check_loss = node is None if check_loss is None else check_loss
         self._time_limit_start = 0  # the node's steps when this fit began (plan_time_limit)
         self._time_replan_at: int | None = None  # the node's step at which sigma is re-planned for a time limit
+        self._holds_x: tuple[int, int, int] | None = None  # _state_version() while the parameters hold x itself
 
     def check_finite(self, loss: Any, step: int) -> None:
         """Stop at the first NaN or infinite gradient (or loss), before the update or the gossip."""
@@ -158,7 +160,8 @@ class NodeRunner:
                 if after_privatize is not None:
                     after_privatize()
             self.check_finite(loss, step)  # nothing non-finite ever reaches the numerator or a neighbour
-            self.flat.buffer.copy_(self.gossip.x)  # the optimizer updates the numerator x
+            if self._holds_x != self._state_version():  # the optimizer updates the numerator x
+                self.flat.buffer.copy_(self.gossip.x)
             return loss
 
         output = update(closure) if update is not None else optimizer.step(closure)
@@ -166,7 +169,14 @@ class NodeRunner:
         if after_gossip is not None:
             after_gossip(output)
         self.gossip.debias_into(self.flat.buffer)  # the module holds z = x / y for the next forward
+        self._holds_x = self._state_version() if self.gossip.debias_is_identity() else None
         return output
+
+    def _state_version(self) -> tuple[int, int, int]:
+        """Changes with every write to x or to the parameters (or x's replacement): while it is what it was after a
+        de-biasing that wrote x itself, the parameters hold x bit for bit and need not be loaded with it."""
+        x = self.gossip.x
+        return x.data_ptr(), x._version, self.flat.version()
 
     # ---- the privacy policy around the steps ------------------------------------------------------------------------
     def plan(
