@@ -145,9 +145,9 @@ def test_narrow_noise_on_the_host_takes_the_logarithm_in_float64_only_near_r_0()
     the tail's reach, and r within a relative 2^-25 / |log(1 - u1)| + 2^-22 of the float64 radius; below u1 = 2^-12
     (r^2 < ~2^-11) the float64 logarithm of the exact m takes over: r within 2^-22 there. Crafted uniforms at both
     ends, on both sides of that boundary, and with m halfway between two float32 values (the largest rounding)."""
-    from lightning_privdec.privacy.noise import KeystreamBuffers, _KeyStream
+    from lightning_privdec.privacy.keystream import KeyStream, KeystreamBuffers
 
-    stream = _KeyStream(bytes(32), bytes(16), KeystreamBuffers("cpu"))
+    stream = KeyStream(bytes(32), bytes(16), KeystreamBuffers("cpu"))
     stream._buffers.reserve(16)
     k = np.array([0, 1, 2, 3, 2**41 - 2**28, 2**41 - 1, 2**41, 2**41 + 2**28 + 1, 2**45 + 2**27, 2**52 + 2**28,
                   2**53 - 2**30, 2**53 - 2, 2**53 - 1])
@@ -172,9 +172,9 @@ def test_narrow_noise_on_the_host_takes_the_logarithm_in_float64_only_near_r_0()
 def test_the_radius_has_the_tails_and_the_small_values_of_53_bit_uniforms(transform: str, narrow: bool) -> None:
     """Crafted keystream words: u1 = 0 gives r = 0, u1 = 2^-53 gives r = 2^-26 (the density near 0 is resolved),
     u1 = 1 - 2^-53 gives the largest draw sqrt(2 ln 2^53) ~ 8.57 (the tail); angle 0 puts all of r in the cosine."""
-    from lightning_privdec.privacy.noise import KeystreamBuffers, _KeyStream
+    from lightning_privdec.privacy.keystream import KeyStream, KeystreamBuffers
 
-    stream = _KeyStream(bytes(32), bytes(16), KeystreamBuffers("cpu"))
+    stream = KeyStream(bytes(32), bytes(16), KeystreamBuffers("cpu"))
     stream._buffers.reserve(8)
     top = (1 << 53) - 1
     # the words as int64 (two's complement); their top 53 bits k = 0, 1, 2^53 - 1
@@ -225,10 +225,10 @@ def test_a_fixed_seed_is_reproducible_and_its_state_continues_the_stream() -> No
 
 
 def test_draws_do_not_depend_on_the_chunk_size(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
-    from lightning_privdec.privacy import noise
+    from lightning_privdec.privacy import keystream
 
     expected = node_noise_generator(device, 3, 0).normal(1001, 1.0, torch.float64)
-    monkeypatch.setattr(noise, "_CHUNK_WORDS", 6)
+    monkeypatch.setattr(keystream, "CHUNK_WORDS", 6)
     assert torch.equal(node_noise_generator(device, 3, 0).normal(1001, 1.0, torch.float64), expected)
 
 
@@ -310,13 +310,13 @@ def test_a_copied_seeded_generator_continues_the_same_stream() -> None:
 def test_the_host_transform_and_the_accelerator_transform_give_the_same_draws() -> None:
     """The host's NumPy transform and the torch transform that accelerators run (here on CPU tensors) compute the
     same Box-Muller draws from the same keystream, to float rounding, for even and odd sizes and both widths."""
-    from lightning_privdec.privacy.noise import KeystreamBuffers, _KeyStream
+    from lightning_privdec.privacy.keystream import KeyStream, KeystreamBuffers
 
     key = bytes(range(32))
     for numel, dtype in ((1000, torch.float64), (1001, torch.float64), (1001, torch.float32)):
         host, device = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)
-        _KeyStream(key, bytes(16), KeystreamBuffers("cpu")).standard_normal_into(host, 0.5)
-        accelerator = _KeyStream(key, bytes(16), KeystreamBuffers("cpu"))
+        KeyStream(key, bytes(16), KeystreamBuffers("cpu")).standard_normal_into(host, 0.5)
+        accelerator = KeyStream(key, bytes(16), KeystreamBuffers("cpu"))
         accelerator._box_muller = accelerator._box_muller_torch
         accelerator.standard_normal_into(device, 0.5)
         tolerance = 1e-12 if dtype == torch.float64 else 2e-6
@@ -332,9 +332,9 @@ def test_noise_added_into_pieces_is_the_one_draw_split_over_them(
     """add_normal_ (the DP step's noise, added into each parameter's gradient chunk by chunk) gives bit for bit
     ``normal(total)`` split over the pieces plus the scaled sums, whatever the chunk size, the pieces' sizes and
     the intra-op threads (with several, it adds in pieces small enough for torch to run on this thread)."""
-    from lightning_privdec.privacy import noise
+    from lightning_privdec.privacy import keystream, noise
 
-    monkeypatch.setattr(noise, "_CHUNK_WORDS", chunk)
+    monkeypatch.setattr(keystream, "CHUNK_WORDS", chunk)
     torch.set_num_threads(threads)  # (tests/conftest.py restores the count)
     monkeypatch.setattr(noise, "_SERIAL", 4)  # the several-thread path's pieces, small enough to split these sums
     sizes, std, scale = (5, 1, 12, 3, 40), 0.3, 0.25
@@ -346,3 +346,26 @@ def test_noise_added_into_pieces_is_the_one_draw_split_over_them(
     node_noise_generator("cpu", 4, 1, secure_mode=secure_mode).add_normal_(outs, std, inputs, scale)
     for out, noise_piece, summed in zip(outs, expected, sums):
         assert torch.equal(out, torch.add(noise_piece, summed, alpha=scale))
+
+
+@pytest.mark.parametrize("chunk", [6, 64])
+def test_float32_draws_shared_by_several_threads_are_the_one_thread_draws(monkeypatch: pytest.MonkeyPatch,
+                                                                          chunk: int) -> None:
+    """Each chunk of a float32 draw reads its own keystream offsets (unaligned ones too: 6 pairs are 48 bytes of
+    radius words), so neither the threads that share the chunks nor the chunk size change a value: ``normal`` and
+    ``add_normal_`` on 3 threads with small chunks equal one thread's draws in the default chunks, bit for bit."""
+    from lightning_privdec.privacy import keystream
+
+    def draws(threads: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        torch.set_num_threads(threads)  # (tests/conftest.py restores the count)
+        generator = node_noise_generator("cpu", 5, 0)
+        first = generator.normal(1001, 0.5).clone()
+        outs, sums = [torch.zeros(700), torch.zeros(301)], [torch.ones(700), torch.ones(301)]
+        generator.add_normal_(outs, 0.5, sums, 0.25)
+        return first, torch.cat(outs), len(generator._helper_buffers)
+
+    expected = draws(1)
+    monkeypatch.setattr(keystream, "CHUNK_WORDS", chunk)
+    shared = draws(3)
+    assert expected[2] == 0 and shared[2] == 2  # two more threads drew chunks
+    assert torch.equal(shared[0], expected[0]) and torch.equal(shared[1], expected[1])

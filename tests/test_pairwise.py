@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_privdec.privacy import noise, pairwise
+from lightning_privdec.privacy import keystream, pairwise
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.pairwise import (
     CorrelatedNoise,
@@ -229,7 +229,7 @@ def test_random_access_and_chunking(monkeypatch):
     assert torch.equal(warm.sum_for_round(10, numel), cold)  # and is reproducible
     prefix = edge_noise(warm, 1, 2, 7)
     assert torch.equal(edge_noise(warm, 1, 2, numel)[:7], prefix)  # coordinates do not depend on numel
-    monkeypatch.setattr(noise, "_CHUNK_WORDS", 6)
+    monkeypatch.setattr(keystream, "CHUNK_WORDS", 6)
     assert torch.equal(warm.sum_for_round(10, numel), cold)  # nor on the chunk size
 
 

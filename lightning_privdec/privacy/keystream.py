@@ -1,0 +1,327 @@
+"""The ChaCha20 keystream of one draw, read chunk by chunk and turned into uniforms and standard normals.
+
+The formats (53-bit uniforms, the wide and the narrow Box-Muller draws) are :mod:`lightning_privdec.privacy.noise`'s,
+documented there and in :class:`KeyStream`; :class:`~lightning_privdec.privacy.noise.NoiseGenerator` keys and numbers
+the draws. A chunk of a narrow draw reads its own keystream offsets, so the chunks of one draw can be drawn on several
+threads (:meth:`KeyStream.narrow_host_draw`) with the values of one sequential read.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from torch import Tensor
+
+#: 64-bit keystream words per chunk (a wide draw's entries, a narrow draw's pairs): a draw is read and transformed
+#: chunk by chunk in reused buffers (~3 MB for a narrow chunk: NumPy's calls cost a microsecond or more each, so
+#: chunks somewhat larger than the core's L2 are fastest); its values never depend on it
+CHUNK_WORDS = 1 << 17
+_MASK_53 = (1 << 53) - 1
+_ANGLE_SCALE32 = 2.0 * math.pi * 2.0**-32  # a narrow draw's angle per unit of its signed 32-bit integer
+#: a narrow draw whose fl32(1 - u1) is at least this (every u1 <= 2^-12) has its logarithm taken in float64
+#: (:func:`_narrow_box_muller`)
+_NEAR_ONE32 = np.float32(1.0 - 2.0**-12)
+
+
+def _angle_nonce(nonce: bytes) -> bytes:
+    """The nonce of a narrow draw's angle keystream: the draw's own nonce with its last 32-bit word XOR 1 (0 in
+    every nonce NoiseGenerator draws with), i.e. a second keystream under the same key that no draw reads otherwise."""
+    return nonce[:12] + (int.from_bytes(nonce[12:], "little") ^ 1).to_bytes(4, "little")
+
+
+class KeystreamBuffers:
+    """Host and device buffers for reading keystreams and transforming them chunk by chunk, kept across draws (fresh
+    large allocations are slow). They grow to the largest chunk asked for, at most ``CHUNK_WORDS`` 64-bit words
+    (a wide chunk's entries, a narrow chunk's pairs)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.size = 0
+
+    def reserve(self, words: int) -> None:
+        words = min(max(words, 1), CHUNK_WORDS)
+        if words > self.size:
+            self.zeros = bytes(8 * words)
+            self.raw = bytearray(8 * words)  # the draw's keystream, 64-bit words
+            self.words = torch.frombuffer(self.raw, dtype=torch.int64)
+            self.angle_raw = bytearray(4 * words)  # a narrow draw's angle keystream, 32-bit words
+            self.angle_words = torch.frombuffer(self.angle_raw, dtype=torch.int32)
+            self.uniform = torch.empty(words, dtype=torch.float64, device=self.device)
+            # the transform's per-pair work (squared radius or r, angle, cosine; a narrow chunk has one pair per
+            # word, a wide one per two) and a chunk of output (two entries per narrow pair), per width
+            widths = (torch.float64, torch.float32)
+            self.work = {dt: torch.empty(3, words, dtype=dt, device=self.device) for dt in widths}
+            self.out = {dt: torch.empty(2 * words, dtype=dt, device=self.device) for dt in widths}
+            if self.device.type == "cpu":  # the same memory as NumPy arrays, for the host transform
+                self.np_work = {dt: w.numpy() for dt, w in self.work.items()}
+                self.np_words, self.np_angles = self.words.numpy(), self.angle_words.numpy()
+                self.np_mask = np.empty(words, dtype=bool)
+                self.np_out32 = self.out[torch.float32].numpy()
+            self.size = words
+
+
+def _narrow_box_muller(
+    words: np.ndarray, angles: np.ndarray, cosines: np.ndarray, sines: np.ndarray, buffers: KeystreamBuffers,
+    scale: float,
+) -> None:
+    """The narrow format on the host (:class:`KeyStream`): ``cosines = scale r cos t``, ``sines = scale r sin t``
+    (the first ``len(sines)`` pairs) in float32 from the pairs' int64 radius words and int32 angle words, in place in
+    the words and the buffers' work arrays, one NumPy pass each.
+
+    The squared radius ``-2 log(1 - u1)`` is float32's logarithm of ``v = fl32(m) 2^-53`` with ``m = 2^53 (1 - u1)``
+    the exact integer in [1, 2^53]: v keeps m's exponent (down to 2^-53: the largest draw is sqrt(2 ln 2^53) ~ 8.57
+    as in float64) and a relative error of at most 2^-24, i.e. ``|log fl32(v) - log v| <= 2^-24`` plus the float32
+    logarithm's own rounding. That is float32 precision wherever |log v| is not small. Where it is (r near 0:
+    ``fl32(v) >= 1 - 2^-12``, which holds for every u1 <= 2^-12, about one pair in 4,096) the logarithm is taken in
+    float64 from the exact m, so the density near 0 stays resolved down to r = 2^-26 (u1 = 2^-53) as with a float64
+    radius. Elsewhere r is within a relative ``2^-25 / |log v| + 2^-22`` of the float64 radius: at most ~2^-13 (at
+    r ~ 2^-5.5), an absolute error below ``2^-24 / r`` per unit of scale, under the float32 output's own rounding
+    for r >= 1. In distribution: the radius's CDF moves by at most the probability of its rounding intervals,
+    ~2^-24, and the tails (r > 5.5, u1 > 1 - 2^-21.8) keep a relative precision of 2^-22."""
+    p, q = len(cosines), len(sines)
+    radius, theta, cosine = buffers.np_work[torch.float32][:, :p]
+    np.right_shift(words.view(np.uint64), 11, out=words.view(np.uint64))  # k: u1 = k 2^-53
+    np.subtract(1 << 53, words, out=words)  # m = 2^53 (1 - u1), an integer in [1, 2^53]
+    np.copyto(radius, words, casting="unsafe")  # fl32(m): relative error <= 2^-24
+    np.multiply(radius, np.float32(2.0**-53), out=radius)  # v, exact (a power of two; float32 reaches 2^-126)
+    near = np.flatnonzero(np.greater_equal(radius, _NEAR_ONE32, out=buffers.np_mask[:p]))
+    np.log(radius, out=radius)
+    if near.size:
+        radius[near] = np.log(words[near] * 2.0**-53)  # float64 from the exact m, rounded once
+    np.multiply(radius, np.float32(-2.0 * scale * scale), out=radius)  # r^2 scale^2
+    np.sqrt(radius, out=radius)
+    np.copyto(theta, angles, casting="unsafe")  # fl32(a): a relative 2^-24
+    np.multiply(theta, np.float32(_ANGLE_SCALE32), out=theta)  # t = 2 pi a 2^-32, rounded twice in all
+    np.cos(theta, out=cosine)
+    np.sin(theta, out=theta)
+    np.multiply(radius, cosine, out=cosines)
+    np.multiply(radius[:q], theta[:q], out=sines)
+
+
+class KeyStream:
+    """The ChaCha20 keystream under (key, nonce), read as 53-bit uniforms and as standard normals.
+
+    Box-Muller turns a pair (u1, u2) into ``r cos t, r sin t`` with ``r^2 = -2 log(1 - u1)``, u1 a 53-bit uniform
+    (``1 - u1 >= 2^-53`` sets the tails, up to ~8.6 sigma; ``1 - u1`` is exact, its logarithm and r^2 are float64),
+    in one of two formats:
+
+    * **wide** (float64 draws, and :func:`keyed_standard_normal`'s documented format): u1 and u2 are consecutive
+      64-bit words of this keystream, both 53-bit uniforms, ``t = 2 pi u2``; the draws are interleaved
+      ``r1 cos t1, r1 sin t1, r2 cos t2, ...``; all in float64.
+    * **narrow** (float32 and narrower draws): u1 is the next 64-bit word of this keystream, u2 the next 32-bit
+      word of the angle keystream (:func:`_angle_nonce`), a signed integer a, ``t = 2 pi a 2^-32`` in [-pi, pi),
+      computed as ``fl32(fl32(a) fl32(2 pi 2^-32))``: within ``pi 2^-25 + 1.5 2^-24 + 2^-23 < 2^-21`` of 2 pi a
+      2^-32 (the roundings of a, of the constant and of the product); 12 keystream bytes per pair instead of 16.
+      Of n draws (h = ceil(n / 2) pairs) entries [0, h) are the cosines and [h, n) the sines of the first n - h
+      pairs (contiguous writes); r's square root, t and its cosine and sine are float32; on the host the logarithm
+      too, except near r = 0 (:func:`_narrow_box_muller`), on other devices it is float64.
+
+    A draw depends on the key, the nonce and its length only, never on the chunk size. On the host the transform
+    runs in NumPy (its SIMD logarithm, sine and cosine are 2-3x torch's on one core, and it never spreads a chunk
+    over threads that may be busy); on other devices in torch.
+    """
+
+    def __init__(self, key: bytes, nonce: bytes, buffers: KeystreamBuffers) -> None:
+        self._encryptor = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
+        self._key, self._nonce = key, nonce
+        self._angles: Any = None  # the angle keystream's encryptor, made at the first narrow chunk
+        self._buffers = buffers
+        self._box_muller = self._box_muller_host if buffers.device.type == "cpu" else self._box_muller_torch
+
+    def _read_pairs(self, first: int, p: int, buffers: KeystreamBuffers) -> None:
+        """Pairs [first, first + p) of a narrow draw, read at their own offsets (ChaCha20's block counter is the
+        nonce's first word) into ``buffers``' ``raw`` and ``angle_raw``: a chunk needs no earlier chunk's reads, so
+        chunks can be drawn on any thread in any order, with the values of one sequential read."""
+        buffers.reserve(p)
+        for nonce, width, raw in ((self._nonce, 8, buffers.raw), (_angle_nonce(self._nonce), 4, buffers.angle_raw)):
+            block, skip = divmod(width * first, 64)
+            counter = int.from_bytes(nonce[:4], "little") + block
+            if counter >= 1 << 32:
+                raise ValueError("a draw of more than 2^35 pairs exceeds ChaCha20's 32-bit block counter")
+            encryptor = Cipher(algorithms.ChaCha20(self._key, counter.to_bytes(4, "little") + nonce[4:]),
+                               mode=None).encryptor()
+            if skip:
+                encryptor.update(bytes(skip))
+            encryptor.update_into(memoryview(buffers.zeros)[: width * p], raw)
+
+    def narrow_host_chunk(
+        self, first: int, p: int, q: int, scale: float, buffers: KeystreamBuffers, target: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Pairs [first, first + p) of a narrow draw on the host, q of their sines: into ``target`` (the draw's
+        float32 vector, cosines at [first, first + p), sines at [half + first, half + first + q)) when given, else
+        into ``buffers``' output; returns (cosines, sines), float32 NumPy arrays."""
+        self._read_pairs(first, p, buffers)
+        if target is not None:
+            half = (len(target) + 1) // 2
+            cosines, sines = target[first : first + p], target[half + first : half + first + q]
+        else:
+            out = buffers.np_out32
+            cosines, sines = out[:p], out[p : p + q]
+        _narrow_box_muller(buffers.np_words[:p], buffers.np_angles[:p], cosines, sines, buffers, scale)
+        return cosines, sines
+
+    def narrow_host_draw(
+        self, numel: int, scale: float, buffers: Sequence[KeystreamBuffers], target: np.ndarray | None,
+        consume: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
+    ) -> None:
+        """One narrow draw of ``numel`` on the host, its chunks shared by ``len(buffers)`` threads (this one and
+        ``len(buffers) - 1`` more, one buffer set each): into ``target`` (a float32 NumPy vector) or, chunk by chunk
+        on the thread that drew it, ``consume(first, cosines, sines)`` (entries [first, ..) and [half + first, ..)).
+        The values are those of one sequential read whatever the threads: each chunk reads its own keystream offsets,
+        and ChaCha20 and NumPy's loops run without the GIL."""
+        half = (numel + 1) // 2
+        chunks = iter(range(0, half, CHUNK_WORDS))  # shared: each thread takes the next chunk not yet taken
+        failures: list[BaseException] = []
+
+        def work(own: KeystreamBuffers) -> None:
+            try:
+                for first in chunks:
+                    p = min(CHUNK_WORDS, half - first)
+                    cosines, sines = self.narrow_host_chunk(first, p, max(0, min(p, numel - half - first)), scale,
+                                                            own, target)
+                    if consume is not None:
+                        consume(first, cosines, sines)
+            except BaseException as error:  # noqa: BLE001 - re-raised on the calling thread
+                failures.append(error)
+
+        helpers = [threading.Thread(target=work, args=(b,), daemon=True) for b in buffers[1:]]
+        for thread in helpers:
+            thread.start()
+        work(buffers[0])
+        for thread in helpers:
+            thread.join()
+        if failures:
+            raise failures[0]
+
+    def _read(self, n: int) -> Tensor:
+        """The next ``n <= CHUNK_WORDS`` 64-bit words of the keystream (int64 on the host, a reused buffer)."""
+        b = self._buffers
+        b.reserve(n)
+        self._encryptor.update_into(memoryview(b.zeros)[: 8 * n], b.raw)
+        return b.words[:n]
+
+    def _read_angles(self, n: int) -> Tensor:
+        """The next ``n <= CHUNK_WORDS`` 32-bit words of the angle keystream (int32 on the host, a reused buffer)."""
+        if self._angles is None:
+            self._angles = Cipher(algorithms.ChaCha20(self._key, _angle_nonce(self._nonce)), mode=None).encryptor()
+        b = self._buffers
+        b.reserve(n)
+        self._angles.update_into(memoryview(b.zeros)[: 4 * n], b.angle_raw)
+        return b.angle_words[:n]
+
+    def uniform(self, n: int) -> Tensor:
+        """The next ``n <= CHUNK_WORDS`` uniforms in [0, 1): float64 on the buffers' device, a view of a reused
+        buffer (valid until the next read)."""
+        words = self._read(n)
+        words.bitwise_right_shift_(11).bitwise_and_(_MASK_53)  # arithmetic shift: mask off the sign's copies
+        out = self._buffers.uniform[:n]
+        out.copy_(words)  # exact: 53-bit integers fit float64
+        return out.mul_(2.0**-53)
+
+    def standard_normal_into(self, out: Tensor, scale: float = 1.0) -> Tensor:
+        """Fill the flat floating tensor ``out`` with one draw of ``out.numel()`` entries ``scale`` N(0, 1)."""
+        for _ in self.normal_segments(out.numel(), scale, out.dtype, out):
+            pass
+        return out
+
+    def normal_segments(
+        self, numel: int, scale: float, dtype: torch.dtype, out: Tensor | None = None
+    ) -> Iterator[tuple[int, Tensor]]:
+        """One draw of ``numel`` entries ``scale`` N(0, 1) of ``dtype`` (the wide format for float64, else the
+        narrow one), chunk by chunk, as ``(start, values)``: entries ``start ..`` of the draw. With ``out`` (the whole
+        flat vector, on the buffers' device) the values are written there; else they are views of a reused chunk
+        buffer (valid until the next segment but one)."""
+        b = self._buffers
+        if dtype == torch.float64:
+            for start in range(0, numel, CHUNK_WORDS):
+                m = min(CHUNK_WORDS, numel - start)
+                pairs = (m + 1) // 2
+                words = self._read(2 * pairs).view(pairs, 2)
+                direct = out is not None and m % 2 == 0
+                dest = (out[start : start + m] if direct else b.out[dtype][: 2 * pairs]).view(pairs, 2)
+                self._box_muller(words[:, 0], words[:, 1], dest[:, 0], dest[:, 1], scale)
+                values = dest.view(-1)[:m]  # an odd m drops the last pair's sine
+                if out is not None and not direct:
+                    values = out[start : start + m].copy_(values)
+                yield start, values
+            return
+        half = (numel + 1) // 2  # pairs: their cosines fill [0, half), the sines [half, numel)
+        direct = out is not None and out.dtype == torch.float32
+        host = self._buffers.device.type == "cpu"
+        target = out.numpy() if direct and host else None  # the host loop writes through NumPy views
+        for first in range(0, half, CHUNK_WORDS):
+            p = min(CHUNK_WORDS, half - first)  # pairs in this chunk
+            q = max(0, min(p, numel - half - first))  # this chunk's sines
+            if host:
+                cosines, sines = map(torch.from_numpy, self.narrow_host_chunk(first, p, q, scale, b, target))
+            else:
+                if direct:
+                    cosines, sines = out[first : first + p], out[half + first : half + first + q]
+                else:
+                    b.reserve(p)
+                    cosines, sines = b.out[torch.float32][:p], b.out[torch.float32][p : p + q]
+                self._box_muller(self._read(p), self._read_angles(p), cosines, sines, scale)
+            if out is not None and not direct:  # bfloat16, float16: rounded from float32
+                cosines = out[first : first + p].copy_(cosines)
+                sines = out[half + first : half + first + q].copy_(sines)
+            elif dtype != torch.float32:
+                cosines, sines = cosines.to(dtype), sines.to(dtype)
+            yield first, cosines
+            if q:
+                yield half + first, sines
+
+    def _box_muller_host(
+        self, radius_words: Tensor, angle_words: Tensor, cosines: Tensor, sines: Tensor, scale: float
+    ) -> None:
+        """``cosines = scale r cos t`` and ``sines = scale r sin t`` (the first ``sines.numel()`` pairs) from the
+        pairs' keystream words, in NumPy, in place in the words and the buffers (the class docstring's formats: int32
+        angle words are narrow, int64 ones wide)."""
+        if angle_words.dtype == torch.int32:
+            _narrow_box_muller(radius_words.numpy(), angle_words.numpy(), cosines.numpy(), sines.numpy(),
+                               self._buffers, scale)
+            return
+        p, q = cosines.numel(), sines.numel()
+        radius, theta, cosine = self._buffers.np_work[torch.float64][:, :p]
+        words = radius_words.numpy()
+        np.right_shift(words.view(np.uint64), 11, out=words.view(np.uint64))  # k: u1 = k 2^-53
+        np.subtract(1 << 53, words, out=words)  # m = 2^53 (1 - u1), an integer in [1, 2^53]
+        np.copyto(radius, words, casting="unsafe")  # exact: at most 2^53
+        np.multiply(radius, 2.0**-53, out=radius)  # 1 - u1, exact
+        np.log(radius, out=radius)
+        np.multiply(radius, -2.0 * scale * scale, out=radius)  # r^2 scale^2
+        np.sqrt(radius, out=radius)
+        angles = angle_words.numpy().view(np.uint64)
+        np.right_shift(angles, 11, out=angles)
+        np.copyto(theta, angles, casting="unsafe")
+        np.multiply(theta, 2.0 * math.pi * 2.0**-53, out=theta)  # t = 2 pi u2, rounded once
+        np.cos(theta, out=cosine)
+        np.sin(theta, out=theta)
+        np.multiply(radius, cosine, out=cosines.numpy())
+        np.multiply(radius[:q], theta[:q], out=sines.numpy())
+
+    def _box_muller_torch(
+        self, radius_words: Tensor, angle_words: Tensor, cosines: Tensor, sines: Tensor, scale: float
+    ) -> None:
+        """:meth:`_box_muller_host` in torch on the buffers' device (the keystream words are on the host)."""
+        p, q = cosines.numel(), sines.numel()
+        narrow = angle_words.dtype == torch.int32
+        work64, work = self._buffers.work[torch.float64], self._buffers.work[cosines.dtype]
+        radius_words.bitwise_right_shift_(11).bitwise_and_(_MASK_53).neg_().add_(1 << 53)  # 2^53 (1 - u1)
+        square = work64[0, :p].copy_(radius_words)  # exact
+        square.mul_(2.0**-53).log_().mul_(-2.0 * scale * scale)
+        radius, theta, cosine = work[0, :p], work[1, :p], work[2, :p]
+        radius.copy_(square).sqrt_()
+        if narrow:
+            theta.copy_(angle_words).mul_(_ANGLE_SCALE32)
+        else:
+            theta.copy_(angle_words.bitwise_right_shift_(11).bitwise_and_(_MASK_53)).mul_(2.0 * math.pi * 2.0**-53)
+        torch.cos(theta, out=cosine)
+        theta.sin_()
+        torch.mul(radius, cosine, out=cosines)
+        torch.mul(radius[:q], theta[:q], out=sines)
