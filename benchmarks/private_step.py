@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         return child(args)
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this checkout's library, as in the children
     from machine_info import append_results, machine_line, software_line
 
     configs = args.configs.split(",")
