@@ -18,6 +18,7 @@ then train every configuration in turn (a fresh Trainer, model and seed each), s
     ddp                Lightning's DDPStrategy (ring all-reduce of the gradients)
     push_sum           DecentralizedPushSumStrategy, exponential-one-peer graph (one message per node per step)
     push_sum_overlap   the same with overlap=True (the message travels during the next forward/backward)
+    push_sum_overlap2  overlap=True, staleness=2 (two rounds in flight, each mixed two steps late)
     push_sum_sealed    push_sum with a roster (roster=, identity_key=): signed setup, every message sealed with
                        ChaCha20-Poly1305 and sent length-framed over TCP (+16 + 8 bytes); keys made for the run in its
                        temporary directory
@@ -96,8 +97,8 @@ SUBNET = "10.217.0"
 MASTER_PORT = 29517
 TOPOLOGY = "exponential-one-peer"
 CLIP, SIGMA, LR = 1.0, 1.0, 0.05
-CONFIGS = ("ddp", "push_sum", "push_sum_overlap", "push_sum_sealed", "privsgp", "dp_csgp_randk0.1", "dp_csgp_qsgd8",
-           "decor")
+CONFIGS = ("ddp", "push_sum", "push_sum_overlap", "push_sum_overlap2", "push_sum_sealed", "privsgp", "dp_csgp_randk0.1",
+           "dp_csgp_qsgd8", "decor")
 BATCH = {"mlp": 32, "wide": 32, "resnet18": 4}  # per node; ResNet-18's is small so the CPUs keep up with the network
 WIDE_HIDDEN = 3072
 PUSH_SUM_TARGET, RANDK_TARGET, LIMIT_TARGET, ACCURACY_SPEEDUP = 0.6, 0.15, 1.3, 2.0  # issue 17's targets
@@ -281,8 +282,9 @@ def build_strategy(config: str, peer_timeout: float, identities: Path | None = N
     private = dict(max_grad_norm=CLIP, seed=0, peer_timeout=peer_timeout)
     if config == "ddp":
         return DDPStrategy()
-    if config in ("push_sum", "push_sum_overlap"):
-        return DecentralizedPushSumStrategy(topology=TOPOLOGY, seed=0, overlap=config == "push_sum_overlap",
+    if config in ("push_sum", "push_sum_overlap", "push_sum_overlap2"):
+        return DecentralizedPushSumStrategy(topology=TOPOLOGY, seed=0, overlap=config != "push_sum",
+                                            staleness=2 if config == "push_sum_overlap2" else 1,
                                             peer_timeout=peer_timeout)  # fmt: skip
     if config == "push_sum_sealed":
         assert identities is not None
