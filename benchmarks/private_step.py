@@ -40,8 +40,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDE_HIDDEN, INPUTS, CLASSES, BATCH, SHARD = 3072, 64, 10, 32, 1024

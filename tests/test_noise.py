@@ -224,12 +224,14 @@ def test_a_fixed_seed_is_reproducible_and_its_state_continues_the_stream() -> No
     assert all(not torch.equal(o.normal(300, 1.0), draws(node_noise_generator("cpu", 7, 2))[0]) for o in others)
 
 
-def test_draws_do_not_depend_on_the_chunk_size(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_draws_do_not_depend_on_the_chunk_size(monkeypatch: pytest.MonkeyPatch, device: torch.device,
+                                               dtype: torch.dtype) -> None:
     from lightning_privdec.privacy import keystream
 
-    expected = node_noise_generator(device, 3, 0).normal(1001, 1.0, torch.float64)
+    expected = node_noise_generator(device, 3, 0).normal(1001, 1.0, dtype)
     monkeypatch.setattr(keystream, "CHUNK_WORDS", 6)
-    assert torch.equal(node_noise_generator(device, 3, 0).normal(1001, 1.0, torch.float64), expected)
+    assert torch.equal(node_noise_generator(device, 3, 0).normal(1001, 1.0, dtype), expected)
 
 
 def test_poisson_sampling_is_secret_per_node_and_reproducible_with_a_seed() -> None:
@@ -353,19 +355,70 @@ def test_float32_draws_shared_by_several_threads_are_the_one_thread_draws(monkey
                                                                           chunk: int) -> None:
     """Each chunk of a float32 draw reads its own keystream offsets (unaligned ones too: 6 pairs are 48 bytes of
     radius words), so neither the threads that share the chunks nor the chunk size change a value: ``normal`` and
-    ``add_normal_`` on 3 threads with small chunks equal one thread's draws in the default chunks, bit for bit."""
+    ``add_normal_`` on 3 threads with small chunks equal one thread's draws in the default chunks, bit for bit; each
+    thread drew chunks with its own buffers."""
+    import threading
+
     from lightning_privdec.privacy import keystream
 
-    def draws(threads: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    drawn_by: set[tuple[int, int]] = set()
+    chunk_function, lock = keystream.KeyStream.narrow_host_chunk, threading.Lock()
+    first_thread: list[int] = []
+    second_thread = threading.Event()
+
+    def spied(self, first, p, q, scale, buffers, target):  # noqa: ANN001, ANN202
+        me = threading.get_ident()
+        with lock:
+            drawn_by.add((me, id(buffers)))
+            first_thread[:] = first_thread or [me]
+        if me != first_thread[0]:
+            second_thread.set()
+        elif not second_thread.wait(timeout=30):  # the first thread's chunks wait until another thread draws one
+            raise AssertionError("no second thread drew a chunk")
+        return chunk_function(self, first, p, q, scale, buffers, target)
+
+    def shared_by_threads() -> bool:  # the last draw's chunks: several threads, each with its own buffers
+        threads, buffers = {t for t, _ in drawn_by}, {b for _, b in drawn_by}
+        drawn_by.clear()
+        first_thread.clear()
+        second_thread.clear()
+        return len(threads) > 1 and len(buffers) == len(threads)
+
+    def draws(threads: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         torch.set_num_threads(threads)  # (tests/conftest.py restores the count)
         generator = node_noise_generator("cpu", 5, 0)
         first = generator.normal(1001, 0.5).clone()
+        shared = shared_by_threads()
         outs, sums = [torch.zeros(700), torch.zeros(301)], [torch.ones(700), torch.ones(301)]
         generator.add_normal_(outs, 0.5, sums, 0.25)
-        return first, torch.cat(outs), len(generator._helper_buffers)
+        return first, torch.cat(outs), shared and shared_by_threads()
 
     expected = draws(1)
     monkeypatch.setattr(keystream, "CHUNK_WORDS", chunk)
+    monkeypatch.setattr(keystream.KeyStream, "narrow_host_chunk", spied)
     shared = draws(3)
-    assert expected[2] == 0 and shared[2] == 2  # two more threads drew chunks
+    assert shared[2]
     assert torch.equal(shared[0], expected[0]) and torch.equal(shared[1], expected[1])
+
+
+def test_a_failing_chunk_stops_the_draw_and_is_raised_after_every_thread_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from lightning_privdec.privacy import keystream
+
+    chunk_function, calls = keystream.KeyStream.narrow_host_chunk, []
+
+    def failing(self, first, p, q, scale, buffers, target):  # noqa: ANN001, ANN202
+        calls.append(first)
+        if first == 3 * 8:
+            raise MemoryError("chunk 3")
+        return chunk_function(self, first, p, q, scale, buffers, target)
+
+    monkeypatch.setattr(keystream, "CHUNK_WORDS", 8)
+    monkeypatch.setattr(keystream.KeyStream, "narrow_host_chunk", failing)
+    torch.set_num_threads(3)
+    before = threading.active_count()
+    with pytest.raises(MemoryError, match="chunk 3"):
+        node_noise_generator("cpu", 5, 0).add_normal_([torch.zeros(1600)], 1.0, [torch.zeros(1600)], 1.0)
+    assert threading.active_count() == before  # every helper ended
+    assert len(calls) < 100  # 100 chunks: the others stopped taking new ones

@@ -133,8 +133,9 @@ def test_invalid_consensus_step_is_refused():
 
 def runner_trajectories(topology, n: int, steps: int, *, touch_at: int | None = None) -> list[dict]:
     """Every node's NodeRunner steps (a linear model, SGD, a fixed least-squares loss per node): its final
-    parameters and x, and at which steps the parameters already held x (the load before the optimizer skipped).
-    ``touch_at``: after that step, an in-place write to node 0's weight (which loading x must undo)."""
+    parameters and x, whether each step loaded x into the parameters (the flat buffer written between the backward
+    pass and the optimizer), and whether y was 1 after each step. ``touch_at``: after that step, an in-place write
+    to node 0's weight (which loading x must undo)."""
     from lightning_privdec.algorithms.flat_parameters import FlatParameters
     from lightning_privdec.algorithms.node import NodeRunner
 
@@ -148,22 +149,30 @@ def runner_trajectories(topology, n: int, steps: int, *, touch_at: int | None = 
         gossip = PushSumGossip(flat.buffer, rank=rank, topology=topology, exchange=exchange)
         runner = NodeRunner(model, flat, gossip, rank=rank)
         optimizer = torch.optim.SGD(flat.parameters, lr=0.1)
-        held, unit_weight = [], []
-        for step in range(steps):
-            held.append(runner._holds_x is not None and runner._holds_x == runner._state_version())
-            optimizer.zero_grad()
+        loaded, unit_weight, after_backward = [], [], []
 
-            def gradients():
-                loss = torch.nn.functional.mse_loss(model(inputs), targets)
-                loss.backward()
+        def gradients():
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            loss.backward()
+            after_backward.append(flat.buffer._version)
+            return loss
+
+        def update(closure):
+            def recorded():
+                loss = closure()
+                loaded.append(flat.buffer._version != after_backward[-1])
                 return loss
 
-            runner.step(optimizer, gradients, step=step)
+            return optimizer.step(recorded)
+
+        for step in range(steps):
+            optimizer.zero_grad()
+            runner.step(optimizer, gradients, step=step, update=update)
             unit_weight.append(float(gossip.y) == 1.0)
             if step == touch_at and rank == 0:
                 with torch.no_grad():
                     model.weight.add_(1.0)
-        return {"buffer": flat.buffer.clone(), "x": gossip.x.clone(), "held": held, "unit_weight": unit_weight}
+        return {"buffer": flat.buffer.clone(), "x": gossip.x.clone(), "loaded": loaded, "unit_weight": unit_weight}
 
     return LoopbackNetwork(n).run(node)
 
@@ -171,7 +180,8 @@ def runner_trajectories(topology, n: int, steps: int, *, touch_at: int | None = 
 def test_the_step_loads_x_into_the_parameters_only_when_they_may_not_hold_it(monkeypatch):
     """With y = 1 the de-biasing writes x itself, and the next step's optimizer updates the parameters without
     loading x first: bit for bit the trajectory that loads it every step, also when a parameter is written in place
-    between steps (the next gradients are taken there, then the write is undone, either way). With y != 1 x is always loaded."""
+    between steps (the next gradients are taken there, then the write is undone, either way). With y != 1 x is
+    always loaded."""
     doubly = build_topology("exponential-one-peer", 4, weights="push-sum")  # 4 = 2^2 nodes: y stays 1
     skipped = runner_trajectories(doubly, 4, steps=6)
     touched = runner_trajectories(doubly, 4, steps=6, touch_at=2)
@@ -182,10 +192,10 @@ def test_the_step_loads_x_into_the_parameters_only_when_they_may_not_hold_it(mon
         for key in ("buffer", "x"):
             assert torch.equal(a[key], c[key]) and torch.equal(b[key], d[key])
         assert not torch.equal(a["x"], b["x"])  # the write moved where step 3's gradients were taken
-        assert not any(c["held"])
-    assert all(node["held"][1:] == [True] * 5 for node in skipped)  # every step after the first skipped the load
-    assert touched[0]["held"][3] is False and touched[0]["held"][4] is True  # the write was seen, once
+        assert c["loaded"] == [True] * 6 and d["loaded"] == [True] * 6
+    assert all(node["loaded"] == [True] + [False] * 5 for node in skipped)  # only the first step loaded x
+    assert touched[0]["loaded"] == [True, False, False, True, False, False]  # the write was seen, once
     monkeypatch.undo()
     irregular = runner_trajectories(build_topology(irregular_digraph(5), 5, weights="push-sum"), 5, steps=4)
     assert not all(all(node["unit_weight"]) for node in irregular)
-    assert all(node["held"][1:] == node["unit_weight"][:-1] for node in irregular)
+    assert all(node["loaded"][1:] == [not unit for unit in node["unit_weight"][:-1]] for node in irregular)

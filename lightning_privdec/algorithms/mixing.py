@@ -211,8 +211,9 @@ class PushSumGossip:
             torch.div(self.x, self.y.to(self.x.dtype), out=out)
 
     def debias_is_identity(self) -> bool:
-        """Whether :meth:`debias_into` writes x itself, bit for bit: y = 1 (every doubly-stochastic graph; x / 1 is
-        exact), checked on the host only (no device sync)."""
+        """Whether :meth:`debias_into` writes x itself, bit for bit: y = 1.0 exactly (x / 1 is exact), which holds
+        where the mixing weights' float64 sums are exactly 1 (the one-peer exponential graph on 2^k nodes, rings,
+        D-PSGD without the weight); checked on the host only (no device sync)."""
         return self.x.device.type == "cpu" and float(self.y) == 1.0
 
     @property

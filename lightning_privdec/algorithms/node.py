@@ -11,7 +11,9 @@ Per step, on the node's flat parameters (:class:`~.flat_parameters.FlatParameter
     write_ahead.write(node)        the accounting state on disk before anything leaves the node
     finite check                   a NaN/inf gradient (or loss) stops the node: no update, no message
     x <- the user's optimizer      on the push-sum numerator x (the parameters are loaded with x first, unless
-                                   the de-biasing wrote x itself, y = 1, and nothing has written to either since)
+                                   the de-biasing wrote x itself, y = 1, and nothing has written to either since;
+                                   writes that bump no version counter, through ``p.data``, NumPy views or
+                                   torch.distributed collectives, are not seen and then stay in x)
     gossip.step(x)                 the round's messages (the bytes sent) and the mixing
     gossip.debias_into(z)          the node's model for the next forward
 
@@ -169,7 +171,8 @@ class NodeRunner:
         if after_gossip is not None:
             after_gossip(output)
         self.gossip.debias_into(self.flat.buffer)  # the module holds z = x / y for the next forward
-        self._holds_x = self._state_version() if self.gossip.debias_is_identity() else None
+        identity = getattr(self.gossip, "debias_is_identity", None)  # a gossip without it: always load x
+        self._holds_x = self._state_version() if identity is not None and identity() else None
         return output
 
     def _state_version(self) -> tuple[int, int, int]:

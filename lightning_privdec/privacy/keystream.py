@@ -29,6 +29,14 @@ _ANGLE_SCALE32 = 2.0 * math.pi * 2.0**-32  # a narrow draw's angle per unit of i
 _NEAR_ONE32 = np.float32(1.0 - 2.0**-12)
 
 
+def _chunk_pairs(numel: int, first: int) -> tuple[int, int]:
+    """(p, q) of the narrow chunk of a draw of ``numel`` whose pairs start at ``first``: its pairs, and how many of
+    them give a sine (the draw's cosines fill [0, half), its sines [half, numel), half = its number of pairs)."""
+    half = (numel + 1) // 2
+    p = min(CHUNK_WORDS, half - first)
+    return p, max(0, min(p, numel - half - first))
+
+
 def _angle_nonce(nonce: bytes) -> bytes:
     """The nonce of a narrow draw's angle keystream: the draw's own nonce with its last 32-bit word XOR 1 (0 in
     every nonce NoiseGenerator draws with), i.e. a second keystream under the same key that no draw reads otherwise."""
@@ -40,8 +48,9 @@ class KeystreamBuffers:
     large allocations are slow). They grow to the largest chunk asked for, at most ``CHUNK_WORDS`` 64-bit words
     (a wide chunk's entries, a narrow chunk's pairs)."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", *, narrow_only: bool = False) -> None:
         self.device = torch.device(device)
+        self.widths = (torch.float32,) if narrow_only else (torch.float64, torch.float32)  # the draws' transforms
         self.size = 0
 
     def reserve(self, words: int) -> None:
@@ -52,12 +61,12 @@ class KeystreamBuffers:
             self.words = torch.frombuffer(self.raw, dtype=torch.int64)
             self.angle_raw = bytearray(4 * words)  # a narrow draw's angle keystream, 32-bit words
             self.angle_words = torch.frombuffer(self.angle_raw, dtype=torch.int32)
-            self.uniform = torch.empty(words, dtype=torch.float64, device=self.device)
+            if torch.float64 in self.widths:
+                self.uniform = torch.empty(words, dtype=torch.float64, device=self.device)
             # the transform's per-pair work (squared radius or r, angle, cosine; a narrow chunk has one pair per
             # word, a wide one per two) and a chunk of output (two entries per narrow pair), per width
-            widths = (torch.float64, torch.float32)
-            self.work = {dt: torch.empty(3, words, dtype=dt, device=self.device) for dt in widths}
-            self.out = {dt: torch.empty(2 * words, dtype=dt, device=self.device) for dt in widths}
+            self.work = {dt: torch.empty(3, words, dtype=dt, device=self.device) for dt in self.widths}
+            self.out = {dt: torch.empty(2 * words, dtype=dt, device=self.device) for dt in self.widths}
             if self.device.type == "cpu":  # the same memory as NumPy arrays, for the host transform
                 self.np_work = {dt: w.numpy() for dt, w in self.work.items()}
                 self.np_words, self.np_angles = self.words.numpy(), self.angle_words.numpy()
@@ -174,28 +183,41 @@ class KeyStream:
         ``len(buffers) - 1`` more, one buffer set each): into ``target`` (a float32 NumPy vector) or, chunk by chunk
         on the thread that drew it, ``consume(first, cosines, sines)`` (entries [first, ..) and [half + first, ..)).
         The values are those of one sequential read whatever the threads: each chunk reads its own keystream offsets,
-        and ChaCha20 and NumPy's loops run without the GIL."""
-        half = (numel + 1) // 2
-        chunks = iter(range(0, half, CHUNK_WORDS))  # shared: each thread takes the next chunk not yet taken
-        failures: list[BaseException] = []
+        and ChaCha20 and NumPy's loops run without the GIL. A thread takes the next chunk when it is done with its
+        last; the first failure stops every thread before its next chunk and is raised here, after all have ended."""
+        chunks = iter(range(0, (numel + 1) // 2, CHUNK_WORDS))
+        lock, failures = threading.Lock(), []
 
         def work(own: KeystreamBuffers) -> None:
             try:
-                for first in chunks:
-                    p = min(CHUNK_WORDS, half - first)
-                    cosines, sines = self.narrow_host_chunk(first, p, max(0, min(p, numel - half - first)), scale,
-                                                            own, target)
+                while True:
+                    with lock:
+                        first = None if failures else next(chunks, None)
+                    if first is None:
+                        return
+                    cosines, sines = self.narrow_host_chunk(first, *_chunk_pairs(numel, first), scale, own, target)
                     if consume is not None:
                         consume(first, cosines, sines)
             except BaseException as error:  # noqa: BLE001 - re-raised on the calling thread
-                failures.append(error)
+                with lock:
+                    failures.append(error)
 
-        helpers = [threading.Thread(target=work, args=(b,), daemon=True) for b in buffers[1:]]
-        for thread in helpers:
-            thread.start()
-        work(buffers[0])
-        for thread in helpers:
-            thread.join()
+        started: list[threading.Thread] = []
+        try:
+            for own in buffers[1:]:
+                started.append(threading.Thread(target=work, args=(own,), daemon=True))
+                started[-1].start()  # a thread that cannot start leaves its chunks to the others
+        except RuntimeError:
+            started.pop()
+        finally:
+            work(buffers[0])
+            for thread in started:
+                while thread.is_alive():
+                    try:
+                        thread.join()
+                    except BaseException as error:  # noqa: BLE001 - an interrupt while waiting: stop the others
+                        with lock:
+                            failures.append(error)
         if failures:
             raise failures[0]
 
@@ -256,8 +278,7 @@ class KeyStream:
         host = self._buffers.device.type == "cpu"
         target = out.numpy() if direct and host else None  # the host loop writes through NumPy views
         for first in range(0, half, CHUNK_WORDS):
-            p = min(CHUNK_WORDS, half - first)  # pairs in this chunk
-            q = max(0, min(p, numel - half - first))  # this chunk's sines
+            p, q = _chunk_pairs(numel, first)
             if host:
                 cosines, sines = map(torch.from_numpy, self.narrow_host_chunk(first, p, q, scale, b, target))
             else:

@@ -23,9 +23,10 @@ become 53-bit uniforms ``u = (w >> 11) 2^-53`` in [0, 1), then
 ``secure_mode=True`` adds Opacus's mitigation of floating-point attacks on the Gaussian sampler (Holohan and Braghin
 2021, Sec. 5.1): each coordinate is the sum of four float64 draws divided by 2, at four times the cost. The keystream
 is produced on the host in chunks (:mod:`.keystream`) and transformed by NumPy or, on another device, by torch, into
-reused buffers. A float32 draw on the host shares its chunks among torch's intra-op threads: each chunk reads its own
-keystream offsets, so the values do not depend on the threads, and no chunk waits for another thread (a thread that
-another process keeps busy delays only the chunk it took). ``normal(..., reuse_output=True)`` and
+reused buffers. A float32 draw on the host shares its chunks among torch's intra-op threads (up to 16): each chunk
+reads its own keystream offsets, so the values do not depend on the threads, and each thread takes the next chunk when
+it is done with its last (no barrier: a thread that another process keeps busy holds up only the chunk it took, and the
+draw's end). ``normal(..., reuse_output=True)`` and
 :meth:`NoiseGenerator.add_normal_` avoid a fresh output (``benchmarks/private_step.py`` times it).
 """
 
@@ -63,6 +64,8 @@ _SEED_DOMAIN = b"lightning_privdec.privacy.noise"
 #: torch runs an elementwise op of fewer elements than its grain size (32768) on the calling thread: pieces this
 #: small never wait for intra-op threads that another process keeps busy
 _SERIAL = 1 << 15
+#: the most threads a float32 draw on the host uses (torch's intra-op count, up to this)
+_THREADS = 16
 _SCRATCH = ("_buffers", "_helper_buffers", "_work", "_out")  # a generator's reused buffers: never pickled nor copied
 
 
@@ -158,8 +161,8 @@ class NoiseGenerator:
         """``out = N(0, std^2 I) + sums_scale * sum`` for each ``(out, sum)`` pair, the noise being ONE draw of
         ``sum(out.numel())`` entries split over the ``outs`` in order: bit for bit what :meth:`normal` (same std and
         dtype) followed by ``torch.add(noise, sum, alpha=sums_scale, out=out)`` per piece gives, without the
-        model-sized noise vector (each chunk is added while it is in the cache, in pieces that torch runs on this
-        thread). ``outs`` are contiguous tensors of one dtype; an ``out`` may be its ``sum``."""
+        model-sized noise vector (each chunk is added while it is in the cache, by the thread that drew it, in pieces
+        that torch runs on that thread). ``outs`` are contiguous tensors of one dtype; an ``out`` may be its ``sum``."""
         flat_outs = [o.view(-1) for o in outs]
         flat_sums = [t.reshape(-1) for t in sums]
         offsets = list(itertools.accumulate((o.numel() for o in flat_outs), initial=0))
@@ -194,11 +197,11 @@ class NoiseGenerator:
         return self.device.type == "cpu" and dtype == torch.float32 and not self.secure_mode
 
     def _thread_buffers_for(self, numel: int) -> list[KeystreamBuffers]:
-        """This generator's buffers, and one more set per further intra-op thread that a float32 draw of ``numel``
-        gives a chunk to (kept across draws)."""
-        threads = min(torch.get_num_threads(), -(-((numel + 1) // 2) // keystream.CHUNK_WORDS))
+        """This generator's buffers, and one more set per further intra-op thread (at most :data:`_THREADS` in
+        all) that a float32 draw of ``numel`` gives a chunk to (kept across draws: ~5 MB each)."""
+        threads = min(torch.get_num_threads(), _THREADS, -(-((numel + 1) // 2) // keystream.CHUNK_WORDS))
         while len(self._helper_buffers) < threads - 1:
-            self._helper_buffers.append(KeystreamBuffers(self.device))
+            self._helper_buffers.append(KeystreamBuffers(self.device, narrow_only=True))
         return [self._buffers, *self._helper_buffers[: max(0, threads - 1)]]
 
     def _normal_segments(
