@@ -27,20 +27,18 @@ from torch import Tensor
 from lightning_privdec.algorithms.cpgt import CHANNEL_X, CHANNEL_Y
 from lightning_privdec.algorithms.mixing import BROADCAST, message_key, plan_round
 from lightning_privdec.comm import Exchange
-from lightning_privdec.comm.base import Incoming, Outgoing, Received
+from lightning_privdec.comm.base import Incoming, Outgoing, Received, WrappedExchange
 from lightning_privdec.compression import Compressor, Identity
 from lightning_privdec.topology import Topology
 
 __all__ = ["WireTap", "cpgt_observations", "push_sum_released"]
 
 
-class WireTap(Exchange):
+class WireTap(WrappedExchange):
     """An :class:`Exchange` that records every message its node sends (one dict ``peer -> tensors`` per round)."""
 
     def __init__(self, inner: Exchange) -> None:
-        super().__init__(inner.rank, inner.world_size)
-        self.inner = inner
-        self.traffic = inner.traffic
+        super().__init__(inner)
         self.sent: list[dict[int, list[Tensor]]] = []
 
     def _record(self, outgoing: Outgoing) -> None:
@@ -54,9 +52,6 @@ class WireTap(Exchange):
         """A round posted without waiting (overlapping gossip) is recorded like any other."""
         self._record(outgoing)
         return self.inner.start(outgoing, incoming, tag)
-
-    def post_deferred(self) -> None:
-        self.inner.post_deferred()
 
 
 def _compressor(compressor: Compressor | None) -> Compressor | None:

@@ -120,6 +120,22 @@ class Exchange(abc.ABC):
                 raise ValueError(f"node {self.rank}: invalid peer {peer} (world size {self.world_size})")
 
 
+class WrappedExchange(Exchange):
+    """An exchange around ``inner`` (sealing, clipping, recording): the same node and rounds, ``inner``'s traffic
+    counter, and the rounds ``inner`` defers and the connections it holds handed to it."""
+
+    def __init__(self, inner: Exchange) -> None:
+        super().__init__(inner.rank, inner.world_size)
+        self.inner = inner
+        self.traffic = inner.traffic
+
+    def post_deferred(self) -> None:
+        self.inner.post_deferred()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class NonFiniteMessageError(FloatingPointError):
     """A neighbour's gossip message holds NaN or infinite values: refused before anything of it is mixed."""
 

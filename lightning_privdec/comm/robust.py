@@ -19,21 +19,20 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received
+from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received, WrappedExchange
 
 __all__ = ["ClippedExchange"]
 
 
-class ClippedExchange(Exchange):
+class ClippedExchange(WrappedExchange):
     """``inner`` with every received model clipped to within ``radius`` (L2) of this node's own; ``clipped[j]``
     counts the rounds in which neighbour j's message was clipped. Shares ``inner``'s traffic counter."""
 
     def __init__(self, inner: Exchange, radius: float) -> None:
-        super().__init__(inner.rank, inner.world_size)
+        super().__init__(inner)
         if isinstance(radius, bool) or not isinstance(radius, (int, float)) or not math.isfinite(radius) or radius <= 0:
             raise ValueError(f"the clipping radius must be a positive finite number, got {radius!r}")
-        self.inner, self.radius = inner, float(radius)
-        self.traffic = inner.traffic
+        self.radius = float(radius)
         self.clipped: dict[int, int] = {}
 
     def exchange(self, outgoing: Outgoing, incoming: Incoming) -> Received:
@@ -46,12 +45,6 @@ class ClippedExchange(Exchange):
             own = own.detach().clone()  # the caller may change it while the round is in flight
         pending = self.inner.start(outgoing, incoming, tag)
         return PendingRound(lambda: self._clip(pending.wait(), own))
-
-    def post_deferred(self) -> None:
-        self.inner.post_deferred()
-
-    def close(self) -> None:
-        self.inner.close()
 
     def _own_model(self, outgoing: Outgoing, incoming: Incoming) -> Tensor | None:
         messages = list(outgoing.values())

@@ -26,7 +26,9 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from torch import Tensor
 
-from lightning_privdec.comm.base import Exchange, Incoming, Outgoing, PendingRound, Received, check_finite
+from lightning_privdec.comm.base import (
+    Exchange, Incoming, Outgoing, PendingRound, Received, WrappedExchange, check_finite,
+)
 from lightning_privdec.comm.base import TensorSpec
 from lightning_privdec.comm.distributed import message_nbytes, pack, unpack
 
@@ -44,7 +46,7 @@ def _u64(value: int) -> bytes:
     return value.to_bytes(8, "big")
 
 
-class SealedExchange(Exchange):
+class SealedExchange(WrappedExchange):
     """``inner`` with every message sealed under the per-edge keys ``keys[peer] = (sending key, receiving key)``.
 
     Same interface and rounds as ``inner`` (``exchange`` and ``start``); shares its traffic counter, which counts the
@@ -54,10 +56,9 @@ class SealedExchange(Exchange):
 
     def __init__(self, inner: Exchange, keys: Mapping[int, tuple[bytes, bytes]],
                  device: torch.device | None = None) -> None:
-        super().__init__(inner.rank, inner.world_size)
-        self.inner, self.device = inner, device
+        super().__init__(inner)
+        self.device = device
         self._host_wire = getattr(inner, "device", None) == torch.device("cpu")
-        self.traffic = inner.traffic
         self._ciphers = {peer: (ChaCha20Poly1305(send), ChaCha20Poly1305(receive)) for peer, (send, receive) in keys.items()}
         self._sent: dict[int, int] = {}  # messages sealed so far to each peer
         self._opened: dict[int, int] = {}  # messages expected so far from each peer
@@ -149,12 +150,6 @@ class SealedExchange(Exchange):
             ) from None
         target = self.device or buffer.device
         return unpack(plain if target.type == "cpu" else plain.to(target), specs)
-
-    def post_deferred(self) -> None:
-        self.inner.post_deferred()
-
-    def close(self) -> None:
-        self.inner.close()
 
     def __getstate__(self) -> object:
         raise TypeError("SealedExchange holds the edge keys and cannot be pickled")

@@ -223,11 +223,7 @@ class RandK(_Sparsifier):
         self, x: torch.Tensor, reference: torch.Tensor, key: int, workspace: Workspace | None = None
     ) -> list[torch.Tensor]:
         """``encode(x - reference)`` reading only the k kept coordinates of each."""
-        x, reference = x.contiguous(), reference.contiguous()
-        values = torch.empty(self.num_kept(x.numel()), dtype=x.dtype, device=x.device)
-        for (kept_x, kept_ref), out in self._views(x.numel(), key, [x, reference], values):
-            torch.sub(kept_x, kept_ref, out=out)
-        return [values]
+        return [self._kept_difference(x, reference.contiguous(), key, feedback=False)]
 
     def decode_add_(
         self, payload: Sequence[torch.Tensor], out: torch.Tensor, key: int, workspace: Workspace | None = None
@@ -244,12 +240,18 @@ class RandK(_Sparsifier):
     ) -> list[torch.Tensor]:
         if not copy.is_contiguous():
             return super().encode_feedback_(x, copy, key, workspace)
+        return [self._kept_difference(x, copy, key, feedback=True)]
+
+    def _kept_difference(self, x: torch.Tensor, reference: torch.Tensor, key: int, *, feedback: bool) -> torch.Tensor:
+        """The payload of ``x - reference`` (``reference`` contiguous), reading only the kept coordinates; with
+        ``feedback`` each block's values are also added into ``reference`` while it is in the cache."""
         x = x.contiguous()
         values = torch.empty(self.num_kept(x.numel()), dtype=x.dtype, device=x.device)
-        for (kept_x, kept_copy), out in self._views(x.numel(), key, [x, copy], values):
-            torch.sub(kept_x, kept_copy, out=out)
-            kept_copy.add_(out)
-        return [values]
+        for (kept_x, kept_reference), out in self._views(x.numel(), key, [x, reference], values):
+            torch.sub(kept_x, kept_reference, out=out)
+            if feedback:
+                kept_reference.add_(out)
+        return values
 
     def decode(
         self,

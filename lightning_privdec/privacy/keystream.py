@@ -137,9 +137,10 @@ class KeyStream:
     """
 
     def __init__(self, key: bytes, nonce: bytes, buffers: KeystreamBuffers) -> None:
-        self._encryptor = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
         self._key, self._nonce = key, nonce
-        self._angles: Any = None  # the angle keystream's encryptor, made at the first narrow chunk
+        # the sequential reads' encryptors, made at their first read (a float32 draw on the host reads by offsets)
+        self._encryptor: Any = None
+        self._angles: Any = None
         self._buffers = buffers
         self._box_muller = self._box_muller_host if buffers.device.type == "cpu" else self._box_muller_torch
 
@@ -223,6 +224,8 @@ class KeyStream:
 
     def _read(self, n: int) -> Tensor:
         """The next ``n <= CHUNK_WORDS`` 64-bit words of the keystream (int64 on the host, a reused buffer)."""
+        if self._encryptor is None:
+            self._encryptor = Cipher(algorithms.ChaCha20(self._key, self._nonce), mode=None).encryptor()
         b = self._buffers
         b.reserve(n)
         self._encryptor.update_into(memoryview(b.zeros)[: 8 * n], b.raw)
