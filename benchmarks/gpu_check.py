@@ -17,10 +17,12 @@ section; a section that fails is recorded with its error and the others still ru
                 it before ``scaler.step``); and Opacus's ghost clipping (``PrivacyEngine.make_private(grad_sample_mode=
                 "ghost")``, its DPOptimizer's step). Models and data come from benchmarks/step_time.py's
                 ``build_problem``. A configuration that cannot run is a row with its error.
-``noise``       the ChaCha20 noise generator on the device: ns per coordinate for 11M (ResNet-18) and 124M (GPT-2
+``noise``       the ChaCha20 noise generator on the device (its keystream computed there, privacy/
+                device_keystream.py, where that works): ns per coordinate for 11M (ResNet-18) and 124M (GPT-2
                 small) float32 coordinates next to ``torch.randn`` on the same device, peak GPU memory, and the
-                distribution checks of the 11M draw (mean, standard deviation, Kolmogorov-Smirnov, 2/3/4-sigma tail
-                masses) plus equality (to 1e-12) with the CPU draws of the same key.
+                distribution checks of the 11M float32 draw (mean, standard deviation, Kolmogorov-Smirnov,
+                2/3/4-sigma tail masses), its equality bit for bit with the same key's draw from the host's keystream,
+                and float64 draws' equality (to 1e-12) with the CPU draws of the same key.
 ``ranks``       4 ranks sharing the one GPU over gloo (NCCL refuses two ranks on one GPU; the gossip's messages travel
                 through host memory): ``examples/cifar_resnet.py --synthetic`` for 20 steps (batch 32, 512 images)
                 with each private strategy, launched as 4 single-device processes (``--num-nodes 4 --devices 1``
@@ -37,20 +39,21 @@ How to run
 On the GPU machine (python3 3.12 with torch, lightning, torchvision, transformers, pytest; no internet). opacus and
 cryptography (with cffi and pycparser) travel as wheels: here, first ``bash benchmarks/gpu_wheels.sh`` fills the
 ignored folder ``.gpu_wheels`` (5.7 MiB; the working tree itself is about 2.5 MB, far under the 64 MiB that may
-travel). Then the device tool's ``run`` with ``carry: [".gpu_wheels"]``, ``timeout_s: 540`` and this command (the
+travel). Then the device tool's ``run`` with ``carry: [".gpu_wheels"]``, ``timeout_s: 570`` and this command (the
 project itself is put on PYTHONPATH, ahead of the wheels: opacus's wheel ships top-level ``benchmarks`` and
 ``examples`` packages)::
 
     set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
         --find-links .gpu_wheels opacus cryptography cffi pycparser && \
     export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 && \
-    python3 benchmarks/gpu_check.py --json $OUT/gpu_check.json --time-limit 465 2>&1 | tee $OUT/gpu_check.log
+    python3 benchmarks/gpu_check.py --json $OUT/gpu_check.json --time-limit 500 2>&1 | tee $OUT/gpu_check.log
 
-Time: ``--time-limit 465`` bounds the sections together (at most 150, 25, 145 and 150 s in the order tests, noise,
-throughput, ranks; a section past its time is cut and recorded as such, the tests with the outcomes pytest printed
-so far), the install takes seconds, so the command ends within 8 minutes; with the machine's start (1-2 minutes) that leaves about 4 minutes of a 15-minute budget to
-re-run what failed alone, e.g. ``--sections ranks --time-limit 180``. The JSON is rewritten after every section, so
-a killed run still returns what it finished. Its table (stdout, also in the log) is what goes into
+Time: ``--time-limit 500`` bounds the sections together (at most 30, 130, 180 and 160 s in the order noise, tests,
+ranks, throughput; a section past its time is cut and recorded as such, the tests with the outcomes pytest printed
+so far, a timed-out rank with its stacks), the install takes seconds, so the command ends within 8.5 minutes; with
+the machine's start (1-2 minutes) that leaves 3-4 minutes of a 15-minute budget to re-run what failed alone, e.g.
+``--sections ranks --time-limit 150``. The JSON is rewritten after every section, so a killed run still returns
+what it finished. Its table (stdout, also in the log) is what goes into
 benchmarks/RESULTS.md.
 
 The smoke run (CI: tests/test_gpu_check.py)::
@@ -90,12 +93,13 @@ sys.path.insert(0, str(ROOT))
 from gpu_throughput import EXTRA_KWARGS, device_name  # noqa: E402
 from machine_info import machine_line, software_line  # noqa: E402
 
-SECTIONS = ("tests", "noise", "throughput", "ranks")  # run in this order; "memory" is gathered from the others
+SECTIONS = ("noise", "tests", "ranks", "throughput")  # run in this order; "memory" is gathered from the others
 #: the tests that skip without CUDA, and the files whose tests take the ``device`` fixture (tests/conftest.py)
 CUDA_ONLY_TESTS = (
     "tests/test_compression.py::test_cuda_round_trip",
     "tests/test_noise.py::test_cuda_draws_equal_the_cpu_draws_of_the_same_key",
     "tests/test_overlap.py::test_gloo_processes_mix_exactly_like_the_loopback_simulation[cuda]",
+    "tests/test_device_keystream.py::test_cuda_draws_from_the_device_keystream_equal_those_from_the_host_keystream",
 )
 DEVICE_TEST_FILES = ("tests/test_per_sample_modes.py", "tests/test_noise.py", "tests/test_laplace.py",
                      "tests/test_strategy_modes.py")
@@ -125,7 +129,7 @@ NOISE_SIZES = {False: (11_173_962, 124_439_808), True: (100_000, 1_000_000)}  # 
 PRIVATE_STRATEGIES = ("dp_csgp", "privsgp", "dp2sgd", "decor", "dyn_d2p", "privsgp_vr", "cpgt")
 STEP_TARGET, OPACUS_TARGET, NOISE_TARGET_NS = 1.5, 1.0, 0.1
 #: seconds each section may take at most (the overall --time-limit cuts them further)
-SECTION_LIMITS = {"tests": 150.0, "noise": 25.0, "throughput": 145.0, "ranks": 150.0}
+SECTION_LIMITS = {"noise": 30.0, "tests": 130.0, "ranks": 180.0, "throughput": 160.0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -446,9 +450,11 @@ def noise_child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from scipy import stats
 
+    from lightning_privdec.privacy.keystream import KeystreamBuffers
     from lightning_privdec.privacy.noise import node_noise_generator
 
     device = torch_device(args.accelerator)
+    on_device = KeystreamBuffers(device).keystream_on_device  # computed there (device_keystream.py), or on the host
     rows = []
     for numel in NOISE_SIZES[args.quick]:
         generator = node_noise_generator(device, None, 0)
@@ -463,18 +469,27 @@ def noise_child(args: argparse.Namespace) -> dict[str, Any]:
 
         row = {"coordinates": numel, "ns_per_coordinate": 1e9 * median_seconds(ours, device, repeats) / numel,
                "torch_randn_ns_per_coordinate": 1e9 * median_seconds(reference, device, repeats) / numel,
-               "peak_memory_bytes": peak_bytes(device)}  # fmt: skip
+               "peak_memory_bytes": peak_bytes(device), "keystream_on_device": on_device}  # fmt: skip
         if args.accelerator == "gpu":
             row["target_met"] = row["ns_per_coordinate"] <= NOISE_TARGET_NS
         rows.append(row)
 
+    # the distribution of the draws timed above (float32); the same key's draws with the keystream read on the host
+    # (OpenSSL) through the same transform on the device must be equal bit for bit, and float64 draws to the CPU's
     numel, std = NOISE_SIZES[args.quick][0], 2.5
-    draws = node_noise_generator(device, 11, 0).normal(numel, std, torch.float64)
-    same_key_cpu = node_noise_generator("cpu", 11, 0).normal(numel, std, torch.float64)
-    z = (draws / std).cpu().numpy()
+    draws = node_noise_generator(device, 11, 0).normal(numel, std)
+    os.environ["PRIVDEC_DEVICE_KEYSTREAM"] = "0"
+    try:
+        host_keyed = node_noise_generator(device, 11, 0).normal(numel, std)
+    finally:
+        del os.environ["PRIVDEC_DEVICE_KEYSTREAM"]
+    wide = node_noise_generator(device, 12, 0).normal(numel, std, torch.float64)
+    same_key_cpu = node_noise_generator("cpu", 12, 0).normal(numel, std, torch.float64)
+    z = (draws.double() / std).cpu().numpy()
     checks: dict[str, Any] = {
-        "coordinates": numel, "device": str(draws.device),
-        "equals_cpu_draws": bool(torch.allclose(draws.cpu(), same_key_cpu, rtol=1e-12, atol=1e-12)),
+        "coordinates": numel, "device": str(draws.device), "dtype": "float32", "keystream_on_device": on_device,
+        "equals_host_keystream_draws": bool(torch.equal(draws, host_keyed)),
+        "equals_cpu_draws": bool(torch.allclose(wide.cpu(), same_key_cpu, rtol=1e-12, atol=1e-12)),
         "mean": float(z.mean()), "mean_bound": 5 / math.sqrt(numel),
         "std": float(z.std()), "ks_pvalue": float(stats.kstest(z[: 2_000_000], "norm").pvalue),
     }  # fmt: skip
@@ -485,8 +500,8 @@ def noise_child(args: argparse.Namespace) -> dict[str, Any]:
                          "ok": abs(observed - expected) <= 5 * math.sqrt(expected / numel) + 0.01 * expected}
     checks["tails"] = tails
     checks["passed"] = bool(
-        checks["equals_cpu_draws"] and abs(checks["mean"]) < checks["mean_bound"] and abs(checks["std"] - 1) < 0.01
-        and checks["ks_pvalue"] > 1e-4 and all(t["ok"] for t in tails.values())
+        checks["equals_cpu_draws"] and checks["equals_host_keystream_draws"]
+        and abs(checks["mean"]) < checks["mean_bound"] and abs(checks["std"] - 1) < 0.01 and checks["ks_pvalue"] > 1e-4 and all(t["ok"] for t in tails.values())
     )
     return {"rows": rows, "distribution": checks}
 
@@ -519,7 +534,32 @@ def run_ranks(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
         rows.append(row)
         print(f"  {strategy}: " + (row.get("error") or f"epsilon {row['epsilon_per_node']}, finite "
               f"{row['parameters_finite_per_node']} ({row['wall_s']:.0f} s)"), flush=True)  # fmt: skip
+        if "tails" in row:  # a timed-out run: where rank 0 was (its stacks, dumped on SIGUSR1)
+            print(row["tails"][0][-2500:], flush=True)
     return {"ranks": args.ranks, "steps": steps, "batch_size": batch, "synthetic_size": images, "rows": rows}
+
+
+#: ``python -c STACK_DUMPING_RUNNER script args...``: runs the script with faulthandler's stack dump on SIGUSR1, which
+#: a timed-out rank receives (:func:`dump_stacks`): the row then says where each rank was waiting
+STACK_DUMPING_RUNNER = (
+    "import faulthandler, runpy, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def dump_stacks(processes: list[subprocess.Popen]) -> None:
+    """SIGUSR1 to each launched rank (the child of tests/multiprocess.py's watchdog), then a moment for the dumps."""
+    import signal
+
+    for process in processes:
+        try:
+            children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        for pid in children:
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGUSR1)
+    time.sleep(3.0)
 
 
 def free_port() -> int:
@@ -539,7 +579,8 @@ def launch_example(args: argparse.Namespace, strategy: str, steps: int, batch: i
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu_check_ranks_") as tmp:
         command = [
-            sys.executable, str(ROOT / "examples" / "cifar_resnet.py"), "--synthetic", "--json",
+            sys.executable, "-c", STACK_DUMPING_RUNNER, str(ROOT / "examples" / "cifar_resnet.py"), "--synthetic",
+            "--json",
             "--strategy", strategy, "--accelerator", args.accelerator, "--devices", "1", "--num-nodes", str(args.ranks),
             "--max-steps", str(steps), "--batch-size", str(batch), "--synthetic-size", str(images),
             "--num-workers", "0", "--log-every-n-steps", str(steps), "--log-dir", tmp,
@@ -561,8 +602,9 @@ def launch_example(args: argparse.Namespace, strategy: str, steps: int, batch: i
             for process in processes:
                 process.wait(timeout=max(1.0, end - time.monotonic()))
         except subprocess.TimeoutExpired:
+            dump_stacks(processes)
             return {"strategy": strategy, "error": f"timed out after {timeout:.0f} s",
-                    "tail": logs[0].read_text()[-1500:], "wall_s": time.perf_counter() - started}  # fmt: skip
+                    "tails": [log.read_text()[-6000:] for log in logs], "wall_s": time.perf_counter() - started}
         finally:
             for process in processes:
                 stop_group(process, timeout=30)
@@ -711,18 +753,24 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append("")
     if "noise" in s:
         n = s["noise"]
-        lines += ["| noise coordinates | ChaCha20 ns/coordinate | torch.randn ns/coordinate | peak GPU MiB |",
-                  "|---:|---:|---:|---:|"]  # fmt: skip
+        lines += ["| noise coordinates | keystream | ChaCha20 ns/coordinate | torch.randn ns/coordinate "
+                  "| peak GPU MiB |",
+                  "|---:|---|---:|---:|---:|"]  # fmt: skip
         for r in n.get("rows", []):
             mem = _num(r.get("peak_memory_bytes") and r["peak_memory_bytes"] / 2**20, ",.0f")
-            lines.append(f"| {r['coordinates']:,} | {r['ns_per_coordinate']:.3f} | "
+            where = "device" if r.get("keystream_on_device") else "host"
+            lines.append(f"| {r['coordinates']:,} | {where} | {r['ns_per_coordinate']:.3f} | "
                          f"{r['torch_randn_ns_per_coordinate']:.3f} | {mem} |")  # fmt: skip
         d = n.get("distribution")
         if d:
-            lines.append(f"distribution of {d['coordinates']:,} draws on {d['device']}: mean {d['mean']:+.2e}, std "
+            lines.append(f"distribution of {d['coordinates']:,} {d.get('dtype', 'float64')} draws on {d['device']}: "
+                         "mean "
+                         f"{d['mean']:+.2e}, std "
                          f"{d['std']:.5f}, KS p {d['ks_pvalue']:.3g}, tails " + ", ".join(
                              f"{k} sigma {v['observed']:.2e} (expected {v['expected']:.2e})"
-                             for k, v in d["tails"].items()) + f", equal to the CPU draws: {d['equals_cpu_draws']} "
+                             for k, v in d["tails"].items()) + f", equal to the host keystream's draws: "
+                         f"{d.get('equals_host_keystream_draws')}, float64 draws equal to the CPU's: "
+                         f"{d['equals_cpu_draws']} "
                          f"-> {'PASSED' if d['passed'] else 'FAILED'}")  # fmt: skip
         if n.get("error"):
             lines.append(f"noise failed: {n['error']}")

@@ -18,6 +18,10 @@ import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from torch import Tensor
 
+from lightning_privdec.privacy.device_keystream import (
+    DEVICE_CHUNK_WORDS, DeviceChaCha20, buffer_words, device_keystream_available,
+)
+
 #: 64-bit keystream words per chunk (a wide draw's entries, a narrow draw's pairs): a draw is read and transformed
 #: chunk by chunk in reused buffers (~3 MB for a narrow chunk: NumPy's calls cost a microsecond or more each, so
 #: chunks somewhat larger than the core's L2 are fastest); its values never depend on it
@@ -29,11 +33,12 @@ _ANGLE_SCALE32 = 2.0 * math.pi * 2.0**-32  # a narrow draw's angle per unit of i
 _NEAR_ONE32 = np.float32(1.0 - 2.0**-12)
 
 
-def _chunk_pairs(numel: int, first: int) -> tuple[int, int]:
-    """(p, q) of the narrow chunk of a draw of ``numel`` whose pairs start at ``first``: its pairs, and how many of
-    them give a sine (the draw's cosines fill [0, half), its sines [half, numel), half = its number of pairs)."""
+def _chunk_pairs(numel: int, first: int, chunk: int | None = None) -> tuple[int, int]:
+    """(p, q) of the narrow chunk of a draw of ``numel`` whose pairs start at ``first``: its pairs (at most
+    ``chunk``, default :data:`CHUNK_WORDS`), and how many of them give a sine (the draw's cosines fill [0, half), its
+    sines [half, numel), half = its number of pairs)."""
     half = (numel + 1) // 2
-    p = min(CHUNK_WORDS, half - first)
+    p = min(chunk or CHUNK_WORDS, half - first)
     return p, max(0, min(p, numel - half - first))
 
 
@@ -45,22 +50,41 @@ def _angle_nonce(nonce: bytes) -> bytes:
 
 class KeystreamBuffers:
     """Host and device buffers for reading keystreams and transforming them chunk by chunk, kept across draws (fresh
-    large allocations are slow). They grow to the largest chunk asked for, at most ``CHUNK_WORDS`` 64-bit words
-    (a wide chunk's entries, a narrow chunk's pairs)."""
+    large allocations are slow). They grow to the largest chunk asked for, at most :attr:`chunk_words` 64-bit words
+    (a wide chunk's entries, a narrow chunk's pairs).
 
-    def __init__(self, device: torch.device | str = "cpu", *, narrow_only: bool = False) -> None:
+    ``keystream_on_device``: whether narrow draws compute their keystream on the device (:mod:`.device_keystream`,
+    by default on a CUDA device where its kernel works) instead of reading OpenSSL's on the host and copying it.
+    """
+
+    def __init__(
+        self, device: torch.device | str = "cpu", *, narrow_only: bool = False, keystream_on_device: bool | None = None
+    ) -> None:
         self.device = torch.device(device)
         self.widths = (torch.float32,) if narrow_only else (torch.float64, torch.float32)  # the draws' transforms
+        self.keystream_on_device = (device_keystream_available(self.device) if keystream_on_device is None
+                                    else keystream_on_device)  # fmt: skip
+        self.host_transform = self.device.type == "cpu" and not self.keystream_on_device  # NumPy's, else torch's
         self.size = 0
 
+    @property
+    def chunk_words(self) -> int:
+        """A chunk's 64-bit words: larger where the keystream is computed on the device (each chunk costs ~16 kernel
+        launches there) than on the host (where a chunk fits the core's cache)."""
+        return DEVICE_CHUNK_WORDS if self.keystream_on_device else CHUNK_WORDS
+
     def reserve(self, words: int) -> None:
-        words = min(max(words, 1), CHUNK_WORDS)
+        words = min(max(words, 1), self.chunk_words)
         if words > self.size:
-            self.zeros = bytes(8 * words)
-            self.raw = bytearray(8 * words)  # the draw's keystream, 64-bit words
+            host = min(words, CHUNK_WORDS)  # the host keystream is read in chunks of at most CHUNK_WORDS
+            self.zeros = bytes(8 * host)
+            self.raw = bytearray(8 * host)  # the draw's keystream, 64-bit words
             self.words = torch.frombuffer(self.raw, dtype=torch.int64)
-            self.angle_raw = bytearray(4 * words)  # a narrow draw's angle keystream, 32-bit words
+            self.angle_raw = bytearray(4 * host)  # a narrow draw's angle keystream, 32-bit words
             self.angle_words = torch.frombuffer(self.angle_raw, dtype=torch.int32)
+            if self.keystream_on_device:  # whole ChaCha20 blocks of a narrow chunk's two keystreams
+                self.device_words = torch.empty(buffer_words(8 * words), dtype=torch.int32, device=self.device)
+                self.device_angle_words = torch.empty(buffer_words(4 * words), dtype=torch.int32, device=self.device)
             if torch.float64 in self.widths:
                 self.uniform = torch.empty(words, dtype=torch.float64, device=self.device)
             # the transform's per-pair work (squared radius or r, angle, cosine; a narrow chunk has one pair per
@@ -141,8 +165,9 @@ class KeyStream:
         # the sequential reads' encryptors, made at their first read (a float32 draw on the host reads by offsets)
         self._encryptor: Any = None
         self._angles: Any = None
+        self._device_streams: tuple[DeviceChaCha20, DeviceChaCha20] | None = None  # on the device, at first read
         self._buffers = buffers
-        self._box_muller = self._box_muller_host if buffers.device.type == "cpu" else self._box_muller_torch
+        self._box_muller = self._box_muller_host if buffers.host_transform else self._box_muller_torch
 
     def _read_pairs(self, first: int, p: int, buffers: KeystreamBuffers) -> None:
         """Pairs [first, first + p) of a narrow draw, read at their own offsets (ChaCha20's block counter is the
@@ -231,6 +256,18 @@ class KeyStream:
         self._encryptor.update_into(memoryview(b.zeros)[: 8 * n], b.raw)
         return b.words[:n]
 
+    def _device_pairs(self, first: int, p: int) -> tuple[Tensor, Tensor]:
+        """A narrow draw's pairs [first, first + p) computed on the device: (int64 radius words, int32 angle words),
+        views of the buffers (valid until the next chunk), the same words as :meth:`_read` and :meth:`_read_angles`
+        would give at those offsets."""
+        b = self._buffers
+        if self._device_streams is None:
+            self._device_streams = (DeviceChaCha20(self._key, self._nonce, b.device),
+                                    DeviceChaCha20(self._key, _angle_nonce(self._nonce), b.device))
+        radius, angles = self._device_streams
+        return (radius.words(8 * first, 8 * p, b.device_words).view(torch.int64),
+                angles.words(4 * first, 4 * p, b.device_angle_words))
+
     def _read_angles(self, n: int) -> Tensor:
         """The next ``n <= CHUNK_WORDS`` 32-bit words of the angle keystream (int32 on the host, a reused buffer)."""
         if self._angles is None:
@@ -278,19 +315,21 @@ class KeyStream:
             return
         half = (numel + 1) // 2  # pairs: their cosines fill [0, half), the sines [half, numel)
         direct = out is not None and out.dtype == torch.float32
-        host = self._buffers.device.type == "cpu"
+        host = b.host_transform
         target = out.numpy() if direct and host else None  # the host loop writes through NumPy views
-        for first in range(0, half, CHUNK_WORDS):
-            p, q = _chunk_pairs(numel, first)
+        chunk = b.chunk_words
+        for first in range(0, half, chunk):
+            p, q = _chunk_pairs(numel, first, chunk)
             if host:
                 cosines, sines = map(torch.from_numpy, self.narrow_host_chunk(first, p, q, scale, b, target))
             else:
+                b.reserve(p)
                 if direct:
                     cosines, sines = out[first : first + p], out[half + first : half + first + q]
                 else:
-                    b.reserve(p)
                     cosines, sines = b.out[torch.float32][:p], b.out[torch.float32][p : p + q]
-                self._box_muller(self._read(p), self._read_angles(p), cosines, sines, scale)
+                words = self._device_pairs(first, p) if b.keystream_on_device else (self._read(p), self._read_angles(p))
+                self._box_muller(*words, cosines, sines, scale)
             if out is not None and not direct:  # bfloat16, float16: rounded from float32
                 cosines = out[first : first + p].copy_(cosines)
                 sines = out[half + first : half + first + q].copy_(sines)

@@ -194,7 +194,7 @@ class NoiseGenerator:
 
     def _threaded(self, dtype: torch.dtype) -> bool:
         """Whether a draw of ``dtype`` is a float32 draw on the host, whose chunks the intra-op threads share."""
-        return self.device.type == "cpu" and dtype == torch.float32 and not self.secure_mode
+        return self._buffers.host_transform and dtype == torch.float32 and not self.secure_mode
 
     def _thread_buffers_for(self, numel: int) -> list[KeystreamBuffers]:
         """This generator's buffers, and one more set per further intra-op thread (at most :data:`_THREADS` in
