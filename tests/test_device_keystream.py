@@ -46,8 +46,10 @@ INTERPRETED = textwrap.dedent(
     else:
         raise AssertionError("a read past the 32-bit block counter was not refused")
 
-    # narrow draws: chunks of 40 pairs, so the angle stream's chunks start inside a block
+    # narrow draws: chunks of 40 pairs, so the angle stream's chunks start inside a block (and wide ones of 40
+    # entries below)
     keystream.DEVICE_CHUNK_WORDS = 40
+    keystream.CHUNK_WORDS = 40  # the Laplace draws' chunks (their values depend on it)
     nonce = bytes(4) + (3).to_bytes(8, "little") + bytes(4)
     for numel in (1, 2, 243):  # 243: four chunks, the last one partial, an odd number of entries
         host_buffers = KeystreamBuffers("cpu", keystream_on_device=False)
@@ -61,6 +63,22 @@ INTERPRETED = textwrap.dedent(
         for start, values in KeyStream(key, nonce, device_buffers).normal_segments(numel, 0.7, torch.bfloat16):
             pieces[start : start + values.numel()] = values
         assert torch.equal(pieces, expected.bfloat16()), numel
+    # wide (float64) draws, uniforms and Laplace draws read the keystream in order: the same words from the kernel
+    for numel in (1, 83):  # 83: three chunks of 40 entries (20 pairs), the last one odd
+        host_buffers = KeystreamBuffers("cpu", keystream_on_device=False)
+        host_buffers.host_transform = False
+        expected = KeyStream(key, nonce, host_buffers).standard_normal_into(torch.empty(numel, dtype=torch.float64))
+        got = KeyStream(key, nonce, device_buffers).standard_normal_into(torch.empty(numel, dtype=torch.float64))
+        assert torch.equal(got, expected), numel
+    host, device = KeyStream(key, nonce, host_buffers), KeyStream(key, nonce, device_buffers)
+    for n in (3, 5, 40, 1):  # sequential reads that start inside a block
+        assert torch.equal(device.uniform(n), host.uniform(n)), n
+    from lightning_privdec.privacy.noise import NoiseGenerator
+
+    expected = NoiseGenerator(key, seeded=True).laplace(97, 0.5)  # its chunks pair uniforms: the host's chunk size
+    generator = NoiseGenerator(key, seeded=True)
+    generator._buffers = KeystreamBuffers("cpu", keystream_on_device=True)
+    assert torch.equal(generator.laplace(97, 0.5), expected)
     print("interpreted keystream ok")
     """
 )

@@ -157,7 +157,8 @@ class KeyStream:
 
     A draw depends on the key, the nonce and its length only, never on the chunk size. On the host the transform
     runs in NumPy (its SIMD logarithm, sine and cosine are 2-3x torch's on one core, and it never spreads a chunk
-    over threads that may be busy); on other devices in torch.
+    over threads that may be busy); on other devices in torch, from a keystream computed on the device where
+    :mod:`.device_keystream` works there (the same words), else read on the host and copied.
     """
 
     def __init__(self, key: bytes, nonce: bytes, buffers: KeystreamBuffers) -> None:
@@ -166,6 +167,7 @@ class KeyStream:
         self._encryptor: Any = None
         self._angles: Any = None
         self._device_streams: tuple[DeviceChaCha20, DeviceChaCha20] | None = None  # on the device, at first read
+        self._device_read = [0, 0]  # bytes of each keystream read so far by _read and _read_angles on the device
         self._buffers = buffers
         self._box_muller = self._box_muller_host if buffers.host_transform else self._box_muller_torch
 
@@ -248,38 +250,54 @@ class KeyStream:
             raise failures[0]
 
     def _read(self, n: int) -> Tensor:
-        """The next ``n <= CHUNK_WORDS`` 64-bit words of the keystream (int64 on the host, a reused buffer)."""
+        """The next ``n`` (at most the buffers' chunk) 64-bit words of the keystream: int64, a reused buffer, on the
+        device where the keystream is computed there, else on the host."""
+        b = self._buffers
+        if b.keystream_on_device:
+            b.reserve(n)
+            words = self._device_stream(0).words(self._device_read[0], 8 * n, b.device_words)
+            self._device_read[0] += 8 * n
+            return words.view(torch.int64)
         if self._encryptor is None:
             self._encryptor = Cipher(algorithms.ChaCha20(self._key, self._nonce), mode=None).encryptor()
-        b = self._buffers
         b.reserve(n)
         self._encryptor.update_into(memoryview(b.zeros)[: 8 * n], b.raw)
         return b.words[:n]
 
-    def _device_pairs(self, first: int, p: int) -> tuple[Tensor, Tensor]:
-        """A narrow draw's pairs [first, first + p) computed on the device: (int64 radius words, int32 angle words),
-        views of the buffers (valid until the next chunk), the same words as :meth:`_read` and :meth:`_read_angles`
-        would give at those offsets."""
-        b = self._buffers
+    def _device_stream(self, which: int) -> DeviceChaCha20:
+        """The keystream (0) or the angle keystream (1) computed on the buffers' device, made at its first read."""
         if self._device_streams is None:
-            self._device_streams = (DeviceChaCha20(self._key, self._nonce, b.device),
-                                    DeviceChaCha20(self._key, _angle_nonce(self._nonce), b.device))
-        radius, angles = self._device_streams
-        return (radius.words(8 * first, 8 * p, b.device_words).view(torch.int64),
-                angles.words(4 * first, 4 * p, b.device_angle_words))
+            device = self._buffers.device
+            self._device_streams = (DeviceChaCha20(self._key, self._nonce, device),
+                                    DeviceChaCha20(self._key, _angle_nonce(self._nonce), device))
+        return self._device_streams[which]
+
+    def _device_pairs(self, first: int, p: int) -> tuple[Tensor, Tensor]:
+        """A narrow draw's pairs [first, first + p) computed on the device at their own offsets: (int64 radius words,
+        int32 angle words), views of the buffers (valid until the next chunk)."""
+        b = self._buffers
+        b.reserve(p)
+        return (self._device_stream(0).words(8 * first, 8 * p, b.device_words).view(torch.int64),
+                self._device_stream(1).words(4 * first, 4 * p, b.device_angle_words))
 
     def _read_angles(self, n: int) -> Tensor:
-        """The next ``n <= CHUNK_WORDS`` 32-bit words of the angle keystream (int32 on the host, a reused buffer)."""
+        """The next ``n`` (at most the buffers' chunk) 32-bit words of the angle keystream (int32, a reused buffer,
+        where :meth:`_read`'s words are)."""
+        b = self._buffers
+        if b.keystream_on_device:
+            b.reserve(n)
+            words = self._device_stream(1).words(self._device_read[1], 4 * n, b.device_angle_words)
+            self._device_read[1] += 4 * n
+            return words
         if self._angles is None:
             self._angles = Cipher(algorithms.ChaCha20(self._key, _angle_nonce(self._nonce)), mode=None).encryptor()
-        b = self._buffers
         b.reserve(n)
         self._angles.update_into(memoryview(b.zeros)[: 4 * n], b.angle_raw)
         return b.angle_words[:n]
 
     def uniform(self, n: int) -> Tensor:
-        """The next ``n <= CHUNK_WORDS`` uniforms in [0, 1): float64 on the buffers' device, a view of a reused
-        buffer (valid until the next read)."""
+        """The next ``n`` (at most the buffers' chunk) uniforms in [0, 1): float64 on the buffers' device, a view of
+        a reused buffer (valid until the next read)."""
         words = self._read(n)
         words.bitwise_right_shift_(11).bitwise_and_(_MASK_53)  # arithmetic shift: mask off the sign's copies
         out = self._buffers.uniform[:n]
@@ -301,8 +319,9 @@ class KeyStream:
         buffer (valid until the next segment but one)."""
         b = self._buffers
         if dtype == torch.float64:
-            for start in range(0, numel, CHUNK_WORDS):
-                m = min(CHUNK_WORDS, numel - start)
+            chunk = b.chunk_words  # even
+            for start in range(0, numel, chunk):
+                m = min(chunk, numel - start)
                 pairs = (m + 1) // 2
                 words = self._read(2 * pairs).view(pairs, 2)
                 direct = out is not None and m % 2 == 0

@@ -22,7 +22,8 @@ become 53-bit uniforms ``u = (w >> 11) 2^-53`` in [0, 1), then
 
 ``secure_mode=True`` adds Opacus's mitigation of floating-point attacks on the Gaussian sampler (Holohan and Braghin
 2021, Sec. 5.1): each coordinate is the sum of four float64 draws divided by 2, at four times the cost. The keystream
-is produced on the host in chunks (:mod:`.keystream`) and transformed by NumPy or, on another device, by torch, into
+is produced on the host in chunks (:mod:`.keystream`), or on a CUDA device by a Triton kernel
+(:mod:`.device_keystream`, the same words), and transformed by NumPy on the host or by torch on another device, into
 reused buffers. A float32 draw on the host shares its chunks among torch's intra-op threads (up to 16): each chunk
 reads its own keystream offsets, so the values do not depend on the threads, and each thread takes the next chunk when
 it is done with its last (no barrier: a thread that another process keeps busy holds up only the chunk it took, and the
@@ -85,7 +86,8 @@ class NoiseGenerator:
 
     Build it with :func:`node_noise_generator`. Args:
         key: 32 bytes; from ``os.urandom`` unless ``seeded``.
-        device: where the draws are returned (the keystream is produced on the host).
+        device: where the draws are made (the keystream is computed on a CUDA device, :mod:`.device_keystream`, and
+            produced on the host for any other device).
         seeded: the key derives from a public seed (reproducible, not private); only then may the state be saved.
         secure_mode: Gaussian draws with the floating-point mitigation of Opacus's secure mode (4x the cost).
     """
@@ -127,8 +129,9 @@ class NoiseGenerator:
         """``numel`` i.i.d. uniforms in [0, 1), float64 on the generator's device (one draw)."""
         stream = self._stream()
         out = torch.empty(numel, dtype=torch.float64, device=self.device)
-        for start in range(0, numel, keystream.CHUNK_WORDS):
-            m = min(keystream.CHUNK_WORDS, numel - start)
+        chunk = self._buffers.chunk_words
+        for start in range(0, numel, chunk):
+            m = min(chunk, numel - start)
             out[start : start + m].copy_(stream.uniform(m))
         return out
 
@@ -230,7 +233,7 @@ class NoiseGenerator:
         """``numel`` i.i.d. Laplace(0, scale) entries: scale (E1 - E2), E = -log(1 - u) ~ Exp(1), in float64."""
         stream = self._stream()
         out = torch.empty(numel, dtype=dtype, device=self.device)
-        for start in range(0, numel, keystream.CHUNK_WORDS // 2):
+        for start in range(0, numel, keystream.CHUNK_WORDS // 2):  # fixed: a chunk pairs its first and second halves
             m = min(keystream.CHUNK_WORDS // 2, numel - start)
             u = stream.uniform(2 * m).view(2, m)
             e = torch.log1p(-u).neg_()
