@@ -48,6 +48,21 @@ def _angle_nonce(nonce: bytes) -> bytes:
     return nonce[:12] + (int.from_bytes(nonce[12:], "little") ^ 1).to_bytes(4, "little")
 
 
+def _top53_(words: Tensor, complement: bool = False) -> Tensor:
+    """In place, int64 keystream words -> their 53-bit uniforms' integers k = w >> 11 (u = k 2^-53), or with
+    ``complement`` m = 2^53 - k (1 - u = m 2^-53). Host words (an accelerator's keystream read on the host) go
+    through NumPy, which never spreads them over torch's intra-op threads: several processes sharing a machine's
+    cores would each wait for its threads on every chunk."""
+    if words.device.type == "cpu":
+        array = words.numpy()
+        np.right_shift(array.view(np.uint64), 11, out=array.view(np.uint64))
+        if complement:
+            np.subtract(1 << 53, array, out=array)
+        return words
+    words.bitwise_right_shift_(11).bitwise_and_(_MASK_53)  # arithmetic shift: mask off the sign's copies
+    return words.neg_().add_(1 << 53) if complement else words
+
+
 class KeystreamBuffers:
     """Host and device buffers for reading keystreams and transforming them chunk by chunk, kept across draws (fresh
     large allocations are slow). They grow to the largest chunk asked for, at most :attr:`chunk_words` 64-bit words
@@ -298,8 +313,7 @@ class KeyStream:
     def uniform(self, n: int) -> Tensor:
         """The next ``n`` (at most the buffers' chunk) uniforms in [0, 1): float64 on the buffers' device, a view of
         a reused buffer (valid until the next read)."""
-        words = self._read(n)
-        words.bitwise_right_shift_(11).bitwise_and_(_MASK_53)  # arithmetic shift: mask off the sign's copies
+        words = _top53_(self._read(n))
         out = self._buffers.uniform[:n]
         out.copy_(words)  # exact: 53-bit integers fit float64
         return out.mul_(2.0**-53)
@@ -394,7 +408,7 @@ class KeyStream:
         p, q = cosines.numel(), sines.numel()
         narrow = angle_words.dtype == torch.int32
         work64, work = self._buffers.work[torch.float64], self._buffers.work[cosines.dtype]
-        radius_words.bitwise_right_shift_(11).bitwise_and_(_MASK_53).neg_().add_(1 << 53)  # 2^53 (1 - u1)
+        _top53_(radius_words, complement=True)  # m = 2^53 (1 - u1)
         square = work64[0, :p].copy_(radius_words)  # exact
         square.mul_(2.0**-53).log_().mul_(-2.0 * scale * scale)
         radius, theta, cosine = work[0, :p], work[1, :p], work[2, :p]
@@ -402,7 +416,7 @@ class KeyStream:
         if narrow:
             theta.copy_(angle_words).mul_(_ANGLE_SCALE32)
         else:
-            theta.copy_(angle_words.bitwise_right_shift_(11).bitwise_and_(_MASK_53)).mul_(2.0 * math.pi * 2.0**-53)
+            theta.copy_(_top53_(angle_words)).mul_(2.0 * math.pi * 2.0**-53)
         torch.cos(theta, out=cosine)
         theta.sin_()
         torch.mul(radius, cosine, out=cosines)
