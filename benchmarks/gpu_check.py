@@ -28,6 +28,9 @@ section; a section that fails is recorded with its error and the others still ru
                 with each private strategy, launched as 4 single-device processes (``--num-nodes 4 --devices 1``
                 with the launch variables set per rank, as benchmarks/network.py does); each rank's epsilon, whether
                 its parameters are finite, and its peak GPU memory.
+``profile``     one fp32 private step of ResNet-18 (ghost) and GPT-2 small (book-keeping) under torch.profiler: wall
+                time, the device's busy time, kernels launched, host synchronisations and the operators taking the
+                most host time (what bounds the step on a GPU: launches or arithmetic).
 Peak GPU memory (``torch.cuda.max_memory_allocated``) is part of every throughput, noise and ranks row; the
 ``memory`` section gathers them per configuration (on CPU nothing is measured: null).
 
@@ -46,13 +49,14 @@ project itself is put on PYTHONPATH, ahead of the wheels: opacus's wheel ships t
     set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
         --find-links .gpu_wheels opacus cryptography cffi pycparser && \
     export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 && \
-    python3 benchmarks/gpu_check.py --json $OUT/gpu_check.json --time-limit 500 2>&1 | tee $OUT/gpu_check.log
+    python3 benchmarks/gpu_check.py --json $OUT/gpu_check.json --time-limit 510 2>&1 | tee $OUT/gpu_check.log
 
-Time: ``--time-limit 500`` bounds the sections together (at most 30, 130, 180 and 160 s in the order noise, tests,
-ranks, throughput; a section past its time is cut and recorded as such, the tests with the outcomes pytest printed
-so far, a timed-out rank with its stacks), the install takes seconds, so the command ends within 8.5 minutes; with
-the machine's start (1-2 minutes) that leaves 3-4 minutes of a 15-minute budget to re-run what failed alone, e.g.
-``--sections ranks --time-limit 150``. The JSON is rewritten after every section, so a killed run still returns
+Time: ``--time-limit 510`` bounds the sections together (at most 30, 110, 170, 160 and 40 s in the order noise,
+tests, ranks, throughput, profile; a section past its time is cut and recorded as such, the tests with the outcomes
+pytest printed so far, a timed-out rank with its stacks), the install takes seconds, so the command ends within 9
+minutes; with the machine's start (1-2 minutes) that leaves 3-4 minutes of a 15-minute budget to re-run what failed
+alone on the still warm machine (it goes back after 30 s idle), e.g. ``--sections ranks --strategies decor,cpgt
+--time-limit 150``. The JSON is rewritten after every section, so a killed run still returns
 what it finished. Its table (stdout, also in the log) is what goes into
 benchmarks/RESULTS.md.
 
@@ -93,7 +97,7 @@ sys.path.insert(0, str(ROOT))
 from gpu_throughput import EXTRA_KWARGS, device_name  # noqa: E402
 from machine_info import machine_line, software_line  # noqa: E402
 
-SECTIONS = ("noise", "tests", "ranks", "throughput")  # run in this order; "memory" is gathered from the others
+SECTIONS = ("noise", "tests", "ranks", "throughput", "profile")  # run in this order; "memory" is gathered from the others
 #: the tests that skip without CUDA, and the files whose tests take the ``device`` fixture (tests/conftest.py)
 CUDA_ONLY_TESTS = (
     "tests/test_compression.py::test_cuda_round_trip",
@@ -129,7 +133,9 @@ NOISE_SIZES = {False: (11_173_962, 124_439_808), True: (100_000, 1_000_000)}  # 
 PRIVATE_STRATEGIES = ("dp_csgp", "privsgp", "dp2sgd", "decor", "dyn_d2p", "privsgp_vr", "cpgt")
 STEP_TARGET, OPACUS_TARGET, NOISE_TARGET_NS = 1.5, 1.0, 0.1
 #: seconds each section may take at most (the overall --time-limit cuts them further)
-SECTION_LIMITS = {"noise": 30.0, "tests": 130.0, "ranks": 180.0, "throughput": 160.0}
+SECTION_LIMITS = {"noise": 30.0, "tests": 110.0, "ranks": 170.0, "throughput": 160.0, "profile": 40.0}
+#: the profiled private steps (fp32): model -> per-sample mode (each model's faster mode in the third GPU run)
+PROFILED = {"resnet18": "ghost", "gpt2": "bookkeeping"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -140,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=ROOT / "gpu_check.json", help="where the results go")
     p.add_argument("--time-limit", type=float, default=465.0, help="seconds for all sections together")
     p.add_argument("--ranks", type=int, default=None, help="processes of the ranks section (default 4; quick 2)")
+    p.add_argument("--strategies", default=None,
+                   help="comma list of the ranks section's strategies (default: every private one; quick: dp_csgp)")
     p.add_argument("--no-table", action="store_true", help="print no table")
     # internal: one section in a child process
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -443,6 +451,63 @@ def throughput_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# (f) profile: where one private step's time goes on the device
+# ---------------------------------------------------------------------------------------------------------------------
+def profile_child(args: argparse.Namespace) -> dict[str, Any]:
+    """One fp32 private step of each :data:`PROFILED` model under torch.profiler: its wall time, the device's busy
+    time (the sum of its kernels), the kernels launched, the host synchronisations, and the operators that take the
+    most host time (self time, with their calls): what bounds the step, launches or arithmetic."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from step_time import build_problem
+
+    warnings.filterwarnings("ignore")
+    device = torch_device(args.accelerator)
+    if args.quick:
+        torch.set_num_threads(1)
+    rows = []
+    for model, kind in PROFILED.items():
+        problem = MODELS[model]["quick" if args.quick else "full"]
+        row: dict[str, Any] = {"model": model, "kind": kind, "batch": problem["batch"]}
+        try:
+            fresh_model, inputs, targets, loss_fn = build_problem(
+                problem["name"], problem["batch"], seed=0, tokens=problem.get("tokens", 32),
+                image_size=QUICK_IMAGE_SIZE if args.quick else 32)  # fmt: skip
+            net = fresh_model().to(device)
+            step = build_step(kind, "fp32", net, inputs.to(device), targets.to(device), loss_fn, device,
+                              problem["batch"])  # fmt: skip
+            for _ in range(2):
+                step()
+            synchronize(device)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            start = time.perf_counter()
+            with profile(activities=activities) as prof:
+                step()
+                synchronize(device)
+            row["wall_ms"] = 1e3 * (time.perf_counter() - start)
+            events = prof.events()
+            kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+            row["kernels"] = len(kernels)
+            row["device_busy_ms"] = sum(e.device_time for e in kernels) / 1e3 if kernels else None
+            row["host_syncs"] = sum(1 for e in events if e.name in (
+                "cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense"))  # fmt: skip
+            averages = [a for a in prof.key_averages() if a.key.startswith("aten::")]
+            averages.sort(key=lambda a: a.self_cpu_time_total, reverse=True)
+            row["top_host_ops"] = [
+                {"op": a.key, "calls": a.count, "self_host_ms": a.self_cpu_time_total / 1e3,
+                 "self_device_ms": getattr(a, "self_device_time_total", 0.0) / 1e3} for a in averages[:12]
+            ]  # fmt: skip
+            row["aten_calls"] = sum(a.count for a in prof.key_averages() if a.key.startswith("aten::"))
+        except Exception as error:  # noqa: BLE001 - a configuration that cannot run is a result
+            row["error"] = error_text(error)
+        rows.append(row)
+        print(f"  {model} {kind}: " + (row.get("error") or f"{row['wall_ms']:.1f} ms, {row['kernels']} kernels, "
+              f"{row['aten_calls']} aten calls, {row['host_syncs']} host syncs"), flush=True)  # fmt: skip
+    return {"rows": rows}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # (c) noise
 # ---------------------------------------------------------------------------------------------------------------------
 def noise_child(args: argparse.Namespace) -> dict[str, Any]:
@@ -522,7 +587,8 @@ def median_seconds(fn, device: Any, repeats: int) -> float:  # noqa: ANN001
 # (d) ranks: 4 gloo processes sharing the GPU, the CIFAR example per private strategy
 # ---------------------------------------------------------------------------------------------------------------------
 def run_ranks(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
-    strategies = ("dp_csgp",) if args.quick else PRIVATE_STRATEGIES
+    strategies = (args.strategies.split(",") if args.strategies else ("dp_csgp",) if args.quick
+                  else PRIVATE_STRATEGIES)  # fmt: skip
     steps, batch, images = (1, 2, 16) if args.quick else (20, 32, 512)
     rows = []
     for strategy in strategies:
@@ -682,7 +748,7 @@ def memory_section(sections: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child is not None:
-        child = {"throughput": throughput_child, "noise": noise_child}[args.child]
+        child = {"throughput": throughput_child, "noise": noise_child, "profile": profile_child}[args.child]
         args.out.write_text(json.dumps(child(args)))
         return
     device = device_name(args.accelerator)
@@ -797,6 +863,18 @@ def format_table(result: dict[str, Any]) -> str:
                          f"{all(r['parameters_finite_per_node'])} | {_num(peak and max(peak) / 2**20, ',.0f')} | "
                          f"{r['samples_per_second_total']:,.1f} | {r['wall_s']:.0f} |")  # fmt: skip
         lines.append("")
+    if "profile" in s:
+        for r in s["profile"].get("rows", []):
+            if "error" in r:
+                lines.append(f"profile of {r['model']} ({r['kind']}): {r['error']}")
+                continue
+            lines += [f"profile of one fp32 private step, {r['model']} ({r['kind']}, batch {r['batch']}): "
+                      f"{r['wall_ms']:.1f} ms wall, device busy {_num(r['device_busy_ms'], '.1f')} ms, "
+                      f"{r['kernels']} kernels, {r['aten_calls']} aten calls, {r['host_syncs']} host syncs", "",
+                      "| operator | calls | self host ms | self device ms |", "|---|---:|---:|---:|"]  # fmt: skip
+            lines += [f"| {o['op']} | {o['calls']} | {o['self_host_ms']:.2f} | {o['self_device_ms']:.2f} |"
+                      for o in r["top_host_ops"]]  # fmt: skip
+            lines.append("")
     return "\n".join(lines)
 
 
