@@ -27,8 +27,8 @@ def test_the_quick_cpu_run_writes_every_section_with_plausible_numbers(tmp_path:
     result = json.loads(out.read_text())
     assert result["complete"] and result["device"].startswith("CPU: ") and result["accelerator"] == "cpu"
     sections = result["sections"]
-    assert set(sections) == {"tests", "noise", "throughput", "ranks", "memory"}
-    assert not any("error" in sections[name] for name in ("noise", "throughput", "ranks")), sections
+    assert set(sections) == {"tests", "noise", "throughput", "ranks", "profile", "memory"}
+    assert not any("error" in sections[name] for name in ("noise", "throughput", "ranks", "profile")), sections
     assert "## gpu_check.py" in done.stdout and result["device"] in done.stdout  # the table, with the device
 
     tests = sections["tests"]  # the device-fixture test passes on CPU; the CUDA-only one is counted as skipped
@@ -65,6 +65,12 @@ def test_the_quick_cpu_run_writes_every_section_with_plausible_numbers(tmp_path:
     assert run["nodes"] == 2 and run["steps"] == 1 and run["parameters_finite_per_node"] == [True, True]
     assert all(0 < eps <= 3.0 for eps in run["epsilon_per_node"]) and len(run["epsilon_per_node"]) == 2
     assert run["bytes_sent_node0"] > 0 and run["peak_gpu_memory_bytes_per_node"] is None
+
+    profiled = sections["profile"]["rows"]
+    assert [r["model"] for r in profiled] == ["resnet18", "gpt2"] and not any("error" in r for r in profiled)
+    for r in profiled:  # on the CPU: no kernels, the host's operators
+        assert r["wall_ms"] > 0 and r["kernels"] == 0 and r["device_busy_ms"] is None and r["aten_calls"] > 100
+        assert r["top_host_ops"] and all(o["calls"] >= 1 and o["self_host_ms"] >= 0 for o in r["top_host_ops"])
 
     memory = sections["memory"]["rows"]
     assert len(memory) == len(rows) + len(noise["rows"]) + 1
