@@ -27,7 +27,7 @@ INTERPRETED = textwrap.dedent(
     """
     import torch
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
-    from lightning_privdec.privacy import keystream
+    from lightning_privdec.privacy import device_keystream, keystream
     from lightning_privdec.privacy.device_keystream import DeviceChaCha20
     from lightning_privdec.privacy.keystream import KeyStream, KeystreamBuffers
 
@@ -39,6 +39,24 @@ INTERPRETED = textwrap.dedent(
         stream = DeviceChaCha20(key, nonce, torch.device("cpu"))
         for first, n in ((0, 64 * 30), (64 * 3 + 12, 64 * 7 + 4), (64 * 29 + 60, 4)):
             assert stream.words(first, n).numpy().tobytes() == expected[first : first + n], (counter, first, n)
+    nonce = (5).to_bytes(4, "little") + bytes(range(40, 52))
+    expected = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update(bytes(64 * 310))
+    stream = DeviceChaCha20(key, nonce, torch.device("cpu"))
+    first, n = 64 * 3 + 12, 64 * 300  # 301 blocks: two programs of 256 lanes
+    assert stream.words(first, n).numpy().tobytes() == expected[first : first + n]
+    try:  # a buffer too small for the blocks is refused before the kernel writes
+        stream.words(0, 64 * 3, torch.empty(40, dtype=torch.int32))
+    except ValueError as error:
+        assert "at least 48 words" in str(error)
+    else:
+        raise AssertionError("a buffer too small was not refused")
+    kernel = device_keystream._chacha20_blocks
+    device_keystream._chacha20_blocks = None  # a launch that fails: the same words, read on the host
+    try:
+        assert stream.words(first, n).numpy().tobytes() == expected[first : first + n]
+        assert device_keystream._launch_failed is not None
+    finally:
+        device_keystream._chacha20_blocks, device_keystream._launch_failed = kernel, None
     try:
         DeviceChaCha20(key, (2**32 - 2).to_bytes(4, "little") + bytes(12), torch.device("cpu")).words(0, 64 * 3)
     except ValueError as error:
@@ -49,7 +67,7 @@ INTERPRETED = textwrap.dedent(
     # narrow draws: chunks of 40 pairs, so the angle stream's chunks start inside a block (and wide ones of 40
     # entries below)
     keystream.DEVICE_CHUNK_WORDS = 40
-    keystream.CHUNK_WORDS = 40  # the Laplace draws' chunks (their values depend on it)
+    keystream.CHUNK_WORDS = 24  # the host keystream's chunks, and the Laplace draws' (their values depend on it)
     nonce = bytes(4) + (3).to_bytes(8, "little") + bytes(4)
     for numel in (1, 2, 243):  # 243: four chunks, the last one partial, an odd number of entries
         host_buffers = KeystreamBuffers("cpu", keystream_on_device=False)
@@ -57,6 +75,7 @@ INTERPRETED = textwrap.dedent(
         expected = KeyStream(key, nonce, host_buffers).standard_normal_into(torch.empty(numel), 0.7)
         device_buffers = KeystreamBuffers("cpu", keystream_on_device=True)
         assert not device_buffers.host_transform and device_buffers.chunk_words == 40
+        assert host_buffers.chunk_words == 24
         got = KeyStream(key, nonce, device_buffers).standard_normal_into(torch.empty(numel), 0.7)
         assert torch.equal(got, expected), numel
         pieces = torch.empty(numel, dtype=torch.bfloat16)
@@ -71,7 +90,7 @@ INTERPRETED = textwrap.dedent(
         got = KeyStream(key, nonce, device_buffers).standard_normal_into(torch.empty(numel, dtype=torch.float64))
         assert torch.equal(got, expected), numel
     host, device = KeyStream(key, nonce, host_buffers), KeyStream(key, nonce, device_buffers)
-    for n in (3, 5, 40, 1):  # sequential reads that start inside a block
+    for n in (3, 5, 20, 1):  # sequential reads that start inside a block (at most a chunk each)
         assert torch.equal(device.uniform(n), host.uniform(n)), n
     from lightning_privdec.privacy.noise import NoiseGenerator
 
@@ -95,10 +114,20 @@ def test_the_kernel_gives_openssls_words_and_the_host_keystreams_draws_in_triton
 def test_the_host_keeps_its_keystream_and_the_switch_turns_the_device_kernel_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from lightning_privdec.privacy import device_keystream
+
+    pytest.importorskip("triton")
     assert not device_keystream_available(torch.device("cpu"))
     assert KeystreamBuffers("cpu").host_transform
+
+    def known_answer(device: str) -> bool:
+        raise AssertionError("the kernel was tried")
+
+    monkeypatch.setattr(device_keystream, "_known_answer", known_answer)
+    with pytest.raises(AssertionError, match="tried"):  # without the switch, a CUDA device tries the kernel
+        device_keystream_available(torch.device("cuda", 0))
     monkeypatch.setenv("PRIVDEC_DEVICE_KEYSTREAM", "0")
-    assert not device_keystream_available(torch.device("cuda", 0))  # decided before any CUDA call
+    assert not device_keystream_available(torch.device("cuda", 0))  # decided before the kernel or any CUDA call
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

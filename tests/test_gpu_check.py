@@ -69,7 +69,8 @@ def test_the_quick_cpu_run_writes_every_section_with_plausible_numbers(tmp_path:
     profiled = sections["profile"]["rows"]
     assert [r["model"] for r in profiled] == ["resnet18", "gpt2"] and not any("error" in r for r in profiled)
     for r in profiled:  # on the CPU: no kernels, the host's operators
-        assert r["wall_ms"] > 0 and r["kernels"] == 0 and r["device_busy_ms"] is None and r["aten_calls"] > 100
+        assert r["wall_ms"] > 0 and r["device_activities"] == 0 and r["device_busy_ms"] is None
+        assert r["aten_calls"] > 100 and r["host_syncs"] >= 1  # the step's finite check reads one value
         assert r["top_host_ops"] and all(o["calls"] >= 1 and o["self_host_ms"] >= 0 for o in r["top_host_ops"])
 
     memory = sections["memory"]["rows"]

@@ -29,11 +29,11 @@ except ImportError:  # pragma: no cover - depends on the installation
 
 log = logging.getLogger(__name__)
 
-#: pairs per chunk of a narrow draw whose keystream is computed on the device (the host's chunks are far smaller:
-#: there the chunk must fit the core's cache, here each chunk costs ~16 kernel launches); ~100 MB of buffers
+#: pairs per chunk of a draw whose keystream is computed on the device (the host's chunks are far smaller: there the
+#: chunk must fit the core's cache, here each chunk costs ~16 kernel launches); ~160 MiB of buffers in all
+#: (:class:`~.keystream.KeystreamBuffers`: float64 and float32 work and output, the two keystreams)
 DEVICE_CHUNK_WORDS = 1 << 21
 _LANES = 256  # blocks per Triton program
-_SIGMA = b"expand 32-byte k"  # RFC 8439's constants, the state's first four words
 
 if triton is not None:
 
@@ -53,30 +53,38 @@ if triton is not None:
         b = _rotl(b ^ c, 7)
         return a, b, c, d
 
-    @triton.jit
-    def _chacha20_blocks(state_ptr, out_ptr, first_block, n_blocks, LANES: tl.constexpr):  # noqa: ANN001, ANN202
-        """Keystream blocks ``first_block + i`` (i < n_blocks) of the 16-word state at ``state_ptr`` (int32, the
-        counter in word 12) into ``out_ptr`` (int32, 16 words per block, in the keystream's order)."""
+    #: the scalar arguments are never specialised (Triton compiles a variant for an integer equal to 1 or divisible by
+    #: 16, which key words and block numbers are by chance): one compiled kernel serves every draw
+    _WORD_ARGUMENTS = ["k0", "k1", "k2", "k3", "k4", "k5", "k6", "k7", "counter", "n0", "n1", "n2"]
+
+    @triton.jit(do_not_specialize=[*_WORD_ARGUMENTS, "first_block", "n_blocks"])
+    def _chacha20_blocks(  # noqa: ANN202, PLR0913
+        out_ptr, k0, k1, k2, k3, k4, k5, k6, k7, counter, n0, n1, n2, first_block, n_blocks,  # noqa: ANN001
+        LANES: tl.constexpr,
+    ):
+        """Keystream blocks ``first_block + i`` (i < n_blocks) under the key words k0..k7, the block counter and the
+        nonce words n0..n2 (each a signed 32-bit integer holding the word's bits) into ``out_ptr`` (int32, 16 words
+        per block, in the keystream's order)."""
         lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
         live = lane < n_blocks
         zero = tl.zeros([LANES], dtype=tl.uint32)
-        s0 = tl.load(state_ptr + 0).to(tl.uint32, bitcast=True)
-        s1 = tl.load(state_ptr + 1).to(tl.uint32, bitcast=True)
-        s2 = tl.load(state_ptr + 2).to(tl.uint32, bitcast=True)
-        s3 = tl.load(state_ptr + 3).to(tl.uint32, bitcast=True)
-        s4 = tl.load(state_ptr + 4).to(tl.uint32, bitcast=True)
-        s5 = tl.load(state_ptr + 5).to(tl.uint32, bitcast=True)
-        s6 = tl.load(state_ptr + 6).to(tl.uint32, bitcast=True)
-        s7 = tl.load(state_ptr + 7).to(tl.uint32, bitcast=True)
-        s8 = tl.load(state_ptr + 8).to(tl.uint32, bitcast=True)
-        s9 = tl.load(state_ptr + 9).to(tl.uint32, bitcast=True)
-        s10 = tl.load(state_ptr + 10).to(tl.uint32, bitcast=True)
-        s11 = tl.load(state_ptr + 11).to(tl.uint32, bitcast=True)
-        s13 = tl.load(state_ptr + 13).to(tl.uint32, bitcast=True)
-        s14 = tl.load(state_ptr + 14).to(tl.uint32, bitcast=True)
-        s15 = tl.load(state_ptr + 15).to(tl.uint32, bitcast=True)
-        # the block counter: the state's plus the block's index (the caller keeps it below 2^32)
-        s12 = tl.load(state_ptr + 12).to(tl.uint32, bitcast=True) + (lane.to(tl.int64) + first_block).to(tl.uint32)
+        s0 = 0x61707865  # "expa", "nd 3", "2-by", "te k": RFC 8439's constants
+        s1 = 0x3320646E
+        s2 = 0x79622D32
+        s3 = 0x6B206574
+        s4 = k0.to(tl.uint32, bitcast=True)
+        s5 = k1.to(tl.uint32, bitcast=True)
+        s6 = k2.to(tl.uint32, bitcast=True)
+        s7 = k3.to(tl.uint32, bitcast=True)
+        s8 = k4.to(tl.uint32, bitcast=True)
+        s9 = k5.to(tl.uint32, bitcast=True)
+        s10 = k6.to(tl.uint32, bitcast=True)
+        s11 = k7.to(tl.uint32, bitcast=True)
+        s13 = n0.to(tl.uint32, bitcast=True)
+        s14 = n1.to(tl.uint32, bitcast=True)
+        s15 = n2.to(tl.uint32, bitcast=True)
+        # the block counter: the nonce's plus the block's index (the caller keeps it below 2^32)
+        s12 = counter.to(tl.uint32, bitcast=True) + (lane.to(tl.int64) + first_block).to(tl.uint32)
         x0, x1, x2, x3, x4, x5, x6, x7 = zero + s0, zero + s1, zero + s2, zero + s3, zero + s4, zero + s5, zero + s6, \
             zero + s7
         x8, x9, x10, x11, x12, x13, x14, x15 = zero + s8, zero + s9, zero + s10, zero + s11, s12, zero + s13, \
@@ -111,7 +119,7 @@ if triton is not None:
 
 def device_keystream_available(device: torch.device) -> bool:
     """Whether a draw on ``device`` computes its keystream there: a CUDA device with Triton, unless
-    ``PRIVDEC_DEVICE_KEYSTREAM=0``, and once per process and device only after the kernel reproduced a known answer
+    ``PRIVDEC_DEVICE_KEYSTREAM=0``, and once per process and device only after the kernel reproduced known answers
     there (RFC 8439's blocks, from ``cryptography``); a kernel that cannot build or gives other words leaves the
     keystream on the host (the same values), said once in the log."""
     if triton is None or device.type != "cuda" or os.environ.get("PRIVDEC_DEVICE_KEYSTREAM", "1") == "0":
@@ -121,42 +129,80 @@ def device_keystream_available(device: torch.device) -> bool:
 
 @functools.cache
 def _known_answer(device: str) -> bool:
-    key, nonce = bytes(range(1, 33)), (7).to_bytes(4, "little") + bytes(range(12))
-    expected = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update(bytes(64 * 3))
+    """The kernel's words against OpenSSL's: a read inside a block, over several programs (600 blocks), from a
+    counter of 7 and from a block past 2^31 (the arguments' widest values)."""
+    key = bytes(range(1, 33))
     try:
-        got = DeviceChaCha20(key, nonce, torch.device(device)).words(4, 64 * 3 - 4).cpu().numpy().tobytes()
+        for counter, first_byte, n_bytes in ((7, 64 * 5 + 4, 64 * 600), ((1 << 31) + 5, 8, 64 * 3)):
+            nonce = counter.to_bytes(4, "little") + bytes(range(12))
+            expected = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor().update(
+                bytes(first_byte + n_bytes))[first_byte:]  # fmt: skip
+            stream = DeviceChaCha20(key, nonce, torch.device(device), host_fallback=False)
+            if stream.words(first_byte, n_bytes).cpu().numpy().tobytes() != expected:
+                log.warning("the ChaCha20 keystream is computed on the host: the device kernel gave other words than "
+                            "OpenSSL on %s", device)
+                return False
     except Exception as error:  # noqa: BLE001 - no compiler, an unsupported device: the host keystream
         log.warning("the ChaCha20 keystream is computed on the host (~3.5 ns per coordinate on a GPU instead of "
-                    "~0.01): the device kernel failed on %s (%s: %s)", device, type(error).__name__, error)
-        return False
-    if got != expected[4:]:
-        log.warning("the ChaCha20 keystream is computed on the host: the device kernel gave other words than "
-                    "OpenSSL on %s", device)
+                    "~0.05): the device kernel failed on %s (%s: %s)", device, type(error).__name__, error)
         return False
     return True
+
+
+def _signed_words(data: bytes) -> list[int]:
+    """Little-endian 32-bit words as signed integers (the kernel's scalar arguments hold their bits)."""
+    return [int.from_bytes(data[i : i + 4], "little", signed=True) for i in range(0, len(data), 4)]
 
 
 class DeviceChaCha20:
     """The ChaCha20 keystream of one (key, nonce) on a device, read at any 4-byte aligned offset.
 
     ``nonce`` is ``cryptography``'s 16 bytes: the 32-bit little-endian block counter, then RFC 8439's 96-bit nonce.
+    The key and nonce travel as the kernel's scalar arguments (no copy to the device, which would wait for the
+    device's queue). Should a launch fail after the known-answer check (``host_fallback``), the same blocks come from
+    OpenSSL and are copied, from then on in this process, said once in the log.
     """
 
-    def __init__(self, key: bytes, nonce: bytes, device: torch.device) -> None:
-        self._state = torch.frombuffer(bytearray(_SIGMA + key + nonce), dtype=torch.int32).to(device)
+    def __init__(self, key: bytes, nonce: bytes, device: torch.device, *, host_fallback: bool = True) -> None:
+        self._key, self._nonce, self._device = key, nonce, device
+        self._words = (*_signed_words(key), *_signed_words(nonce))  # k0..k7, counter, n0..n2
         self._counter = int.from_bytes(nonce[:4], "little")
+        self._host_fallback = host_fallback
 
     def words(self, first_byte: int, n_bytes: int, out: Tensor | None = None) -> Tensor:
         """Keystream bytes [first_byte, first_byte + n_bytes) as int32 words (both multiples of 4), a view of
         ``out`` (int32 on the device, at least :func:`buffer_words` long) or of a new buffer."""
+        if first_byte % 4 or n_bytes % 4 or first_byte < 0 or n_bytes < 0:
+            raise ValueError(f"keystream reads are whole 32-bit words: got bytes {first_byte} + {n_bytes}")
         first_block, skip = divmod(first_byte, 64)
         n_blocks = -(-(skip + n_bytes) // 64)
         if self._counter + first_block + n_blocks > 1 << 32:
             raise ValueError("a draw of more than 2^38 keystream bytes exceeds ChaCha20's 32-bit block counter")
         if out is None:
-            out = torch.empty(16 * n_blocks, dtype=torch.int32, device=self._state.device)
-        _chacha20_blocks[(triton.cdiv(n_blocks, _LANES),)](self._state, out, first_block, n_blocks, LANES=_LANES)
+            out = torch.empty(16 * n_blocks, dtype=torch.int32, device=self._device)
+        if out.dtype != torch.int32 or not out.is_contiguous() or out.numel() < 16 * n_blocks:
+            raise ValueError(f"a buffer for {n_blocks} ChaCha20 blocks must be a contiguous int32 tensor of at least "
+                             f"{16 * n_blocks} words: got {out.dtype}, {out.numel()} words")
+        global _launch_failed
+        if _launch_failed is None:
+            try:
+                _chacha20_blocks[(triton.cdiv(n_blocks, _LANES),)](out, *self._words, first_block, n_blocks,
+                                                                   LANES=_LANES)  # fmt: skip
+            except Exception as error:  # noqa: BLE001 - the same words from the host below
+                if not self._host_fallback:
+                    raise
+                _launch_failed = f"{type(error).__name__}: {error}"
+                log.warning("the ChaCha20 keystream is read on the host from now on: the device kernel failed (%s)",
+                            _launch_failed)
+        if _launch_failed is not None:
+            counter = (self._counter + first_block).to_bytes(4, "little")
+            host = Cipher(algorithms.ChaCha20(self._key, counter + self._nonce[4:]), mode=None).encryptor().update(
+                bytes(64 * n_blocks))  # fmt: skip
+            out[: 16 * n_blocks].copy_(torch.frombuffer(bytearray(host), dtype=torch.int32))
         return out[skip // 4 : (skip + n_bytes) // 4]
+
+
+_launch_failed: str | None = None  # why the kernel failed at a launch after its known answers, if it did
 
 
 def buffer_words(n_bytes: int) -> int:

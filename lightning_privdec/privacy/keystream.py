@@ -182,7 +182,9 @@ class KeyStream:
         self._encryptor: Any = None
         self._angles: Any = None
         self._device_streams: tuple[DeviceChaCha20, DeviceChaCha20] | None = None  # on the device, at first read
-        self._device_read = [0, 0]  # bytes of each keystream read so far by _read and _read_angles on the device
+        # bytes of each keystream read so far by _read and _read_angles on the device (a KeyStream serves one draw:
+        # its sequential reads, or a narrow draw's reads at offsets, never both)
+        self._device_read = [0, 0]
         self._buffers = buffers
         self._box_muller = self._box_muller_host if buffers.host_transform else self._box_muller_torch
 

@@ -423,7 +423,7 @@ class CorrelatedNoise:
             raise PrivacyConfigError(f"sigma_cor must be finite and >= 0, got {sigma_cor!r}")
         self.secrets = secrets
         self.sigma_cor = float(sigma_cor)
-        self._buffers = KeystreamBuffers()
+        self._buffers: dict[torch.device, KeystreamBuffers] = {}  # per device, kept across rounds
 
     @property
     def rank(self) -> int:
@@ -440,7 +440,9 @@ class CorrelatedNoise:
 
     def _standard_normal(self, j: int, round: int, numel: int, device: torch.device) -> Tensor:
         """z_ij^(round) ~ N(0, I_numel) in float64 on ``device``, the same at both ends of the edge."""
-        return keyed_standard_normal(self._stream_key(j, round), numel, device, self._buffers)
+        device = torch.device(device)
+        buffers = self._buffers.get(device) or self._buffers.setdefault(device, KeystreamBuffers(device))
+        return keyed_standard_normal(self._stream_key(j, round), numel, device, buffers)
 
     def sum_for_round(
         self,
