@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 #: (:class:`~.keystream.KeystreamBuffers`: float64 and float32 work and output, the two keystreams)
 DEVICE_CHUNK_WORDS = 1 << 21
 _LANES = 256  # blocks per Triton program
+_SIGMA = b"expand 32-byte k"  # RFC 8439's constants, the state's first four words
 
 if triton is not None:
 
@@ -55,23 +56,24 @@ if triton is not None:
 
     #: the scalar arguments are never specialised (Triton compiles a variant for an integer equal to 1 or divisible by
     #: 16, which key words and block numbers are by chance): one compiled kernel serves every draw
-    _WORD_ARGUMENTS = ["k0", "k1", "k2", "k3", "k4", "k5", "k6", "k7", "counter", "n0", "n1", "n2"]
+    _WORD_ARGUMENTS = ["c0", "c1", "c2", "c3", "k0", "k1", "k2", "k3", "k4", "k5", "k6", "k7", "counter", "n0", "n1",
+                       "n2"]
 
     @triton.jit(do_not_specialize=[*_WORD_ARGUMENTS, "first_block", "n_blocks"])
     def _chacha20_blocks(  # noqa: ANN202, PLR0913
-        out_ptr, k0, k1, k2, k3, k4, k5, k6, k7, counter, n0, n1, n2, first_block, n_blocks,  # noqa: ANN001
-        LANES: tl.constexpr,
+        out_ptr, c0, c1, c2, c3, k0, k1, k2, k3, k4, k5, k6, k7, counter, n0, n1, n2,  # noqa: ANN001
+        first_block, n_blocks, LANES: tl.constexpr,  # noqa: ANN001
     ):
-        """Keystream blocks ``first_block + i`` (i < n_blocks) under the key words k0..k7, the block counter and the
-        nonce words n0..n2 (each a signed 32-bit integer holding the word's bits) into ``out_ptr`` (int32, 16 words
-        per block, in the keystream's order)."""
+        """Keystream blocks ``first_block + i`` (i < n_blocks) of the state c0..c3 (RFC 8439's constants), k0..k7
+        (the key), the block counter and n0..n2 (the nonce), each a signed 32-bit integer holding the word's bits,
+        into ``out_ptr`` (int32, 16 words per block, in the keystream's order)."""
         lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
         live = lane < n_blocks
         zero = tl.zeros([LANES], dtype=tl.uint32)
-        s0 = 0x61707865  # "expa", "nd 3", "2-by", "te k": RFC 8439's constants
-        s1 = 0x3320646E
-        s2 = 0x79622D32
-        s3 = 0x6B206574
+        s0 = c0.to(tl.uint32, bitcast=True)
+        s1 = c1.to(tl.uint32, bitcast=True)
+        s2 = c2.to(tl.uint32, bitcast=True)
+        s3 = c3.to(tl.uint32, bitcast=True)
         s4 = k0.to(tl.uint32, bitcast=True)
         s5 = k1.to(tl.uint32, bitcast=True)
         s6 = k2.to(tl.uint32, bitcast=True)
@@ -165,7 +167,7 @@ class DeviceChaCha20:
 
     def __init__(self, key: bytes, nonce: bytes, device: torch.device, *, host_fallback: bool = True) -> None:
         self._key, self._nonce, self._device = key, nonce, device
-        self._words = (*_signed_words(key), *_signed_words(nonce))  # k0..k7, counter, n0..n2
+        self._words = (*_signed_words(_SIGMA + key + nonce),)  # c0..c3, k0..k7, counter, n0..n2
         self._counter = int.from_bytes(nonce[:4], "little")
         self._host_fallback = host_fallback
 
