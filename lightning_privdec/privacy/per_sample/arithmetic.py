@@ -61,6 +61,7 @@ class _PerSampleArithmetic:
         #: and by :func:`mean_loss_multiplier` (half-precision autocast), per forward pass (micro-batches differ)
         self.mean_loss_multipliers: dict[int, float] = {}
         self.drop_nonfinite = False  # float16: zero an example's non-finite inputs/output gradients per layer call
+        self._sum_buffers: dict[nn.Parameter, Tensor] = {}  # the clipped sums' reused buffers (_sum_buffer)
         self.nonfinite_examples = 0  # examples with something zeroed, over the passes counted since the last take
         self._counted: set[int] = set()  # the passes already counted (passes() may run several times per pass)
         self.last_pass_nonfinite = 0  # examples with something zeroed in the last pass passes() built
@@ -228,12 +229,14 @@ class _PerSampleArithmetic:
         all_norms = []
         with full_precision():  # once for every layer's arithmetic (each also enters it; then it costs nothing)
             for records in self.passes():
-                all_norms.append(self._clip_and_sum_pass(records, max_grad_norm, sums))
+                all_norms.append(self._clip_and_sum_pass(records, max_grad_norm, sums, self._sum_buffer))
         for p in params:
             summed = sums.get(p)
             if summed is None:
                 summed = torch.zeros_like(p)  # no example reached this parameter
-            if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
+            if p.grad is not None and _same_memory(p.grad, summed):
+                pass  # its buffer already (the user's zero_grad kept last step's .grad, our buffer)
+            elif p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
                 p.grad.copy_(summed)
             else:
                 p.grad = summed
@@ -250,7 +253,17 @@ class _PerSampleArithmetic:
             return sums
         return {p: gs.sum(dim=0) for p, gs in self._grad_samples(calls).items()}
 
-    def _clip_and_sum_pass(self, records: list[_Call], max_grad_norm: float, sums: dict[nn.Parameter, Tensor]) -> Tensor:
+    def _sum_buffer(self, p: nn.Parameter) -> Tensor:
+        """The buffer p's clipped sum is written into, kept across steps (bookkeeping.Into): it becomes p.grad, which
+        the user's ``zero_grad(set_to_none=True)`` drops and the next step fills again, without a fresh allocation."""
+        buffer = self._sum_buffers.get(p)
+        if buffer is None or buffer.shape != p.shape or buffer.dtype != p.dtype or buffer.device != p.device:
+            buffer = self._sum_buffers[p] = torch.empty_like(p, memory_format=torch.contiguous_format)
+        return buffer
+
+    def _clip_and_sum_pass(
+        self, records: list[_Call], max_grad_norm: float, sums: dict[nn.Parameter, Tensor], into: bookkeeping.Into = None
+    ) -> Tensor:
         uses = _uses(records)
         bookkept = [
             r for r in records if _has_bookkeeping(r) and all(uses[id(p)] == 1 for p in r.params)
@@ -282,7 +295,7 @@ class _PerSampleArithmetic:
         summed = bookkeeping.clipped_sums_of([
             (r.module, r.activations[0], r.backprops, factor[: r.backprops.shape[0]], bound)
             for r, bound in zip(bookkept, bounds)
-        ])  # fmt: skip
+        ], None if into is None else lambda p: None if p in sums else into(p))  # a parameter's first pass only
         for layer_sums in summed:
             for p, value in layer_sums.items():
                 _accumulate(sums, p, value)
@@ -356,6 +369,11 @@ def _uses(records: list[_Call]) -> dict[int, int]:
         for p in r.params:
             uses[id(p)] = uses.get(id(p), 0) + 1
     return uses
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.device == b.device)  # fmt: skip
 
 
 def _accumulate(sums: dict[nn.Parameter, Tensor], p: nn.Parameter, value: Tensor) -> None:

@@ -30,6 +30,7 @@ float64 and added after the batch's product (:class:`NormBound`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -210,10 +211,12 @@ def compute_exact(module: nn.Module, a: Tensor, g: Tensor, bound: NormBound) -> 
 
 
 def clipped_sums(
-    module: nn.Module, a: Tensor, g: Tensor, factor: Tensor, bound: NormBound | None = None
+    module: nn.Module, a: Tensor, g: Tensor, factor: Tensor, bound: NormBound | None = None, into: Into = None
 ) -> dict[nn.Parameter, Tensor]:
     """``sum_i factor_i grad_i`` for each trainable parameter of ``module``: one weight-gradient computation over
-    the batch (in float32 at least, full precision), plus the examples ``bound`` computed apart (``bound.exact``)."""
+    the batch (in float32 at least, full precision), plus the examples ``bound`` computed apart (``bound.exact``).
+    ``into(p)``: a buffer of p's shape and dtype that p's sum may be written into (or None), when it is one
+    product."""
     work = _work_dtype(module, g)
     factor = factor.to(g.device, torch.float64)
     exact = bound.exact if bound is not None and bound.exact_grads else None
@@ -224,8 +227,9 @@ def clipped_sums(
         weighted = _weighted(g, batch_factor, work)
         # blocks of block_examples(T) examples: the bound's gamma, hence every clip factor, does not depend on how
         # many examples the batch holds
-        out = sum_by_blocks(g.shape[0], block_examples(_steps(module, g)),
-                            lambda block: _weight_gradient(module, a[block], weighted[block]))
+        block = block_examples(_steps(module, g))
+        into = into if g.shape[0] <= block and exact is None and work == module.weight.dtype else None
+        out = sum_by_blocks(g.shape[0], block, lambda rows: _weight_gradient(module, a[rows], weighted[rows], into))
     if exact is not None:
         for p, grads in bound.exact_grads.items():
             out[p] = out[p] + torch.einsum("k,k...->...", factor[exact], grads).to(out[p].dtype)
@@ -233,11 +237,11 @@ def clipped_sums(
 
 
 def clipped_sums_of(
-    calls: list[tuple[nn.Module, Tensor, Tensor, Tensor, NormBound]],
+    calls: list[tuple[nn.Module, Tensor, Tensor, Tensor, NormBound]], into: Into = None
 ) -> list[dict[nn.Parameter, Tensor]]:
-    """:func:`clipped_sums` of each ``(module, a, g, factor, bound)``; the nn.Linear calls of one shape
-    (:func:`_shape_key`) whose examples fit one block and have none computed apart, in one batched product: each
-    layer's sum is the same B T-row product as alone (the bound's gamma holds for any order of its terms)."""
+    """:func:`clipped_sums` of each ``(module, a, g, factor, bound)`` (``into`` as there); the nn.Linear calls of
+    one shape (:func:`_shape_key`) whose examples fit one block and have none computed apart, in one batched product:
+    each layer's sum is the same B T-row product as alone (the bound's gamma holds for any order of its terms)."""
     keys = []
     for module, a, g, _, bound in calls:
         key = _shape_key(module, a, g)
@@ -248,7 +252,7 @@ def clipped_sums_of(
     for members in _groups(keys):
         if len(members) == 1:
             module, a, g, factor, bound = calls[members[0]]
-            out[members[0]] = clipped_sums(module, a, g, factor, bound)
+            out[members[0]] = clipped_sums(module, a, g, factor, bound, into)
             continue
         module, a, g = calls[members[0]][:3]
         work = _work_dtype(module, g)
@@ -267,13 +271,14 @@ def clipped_sums_of(
     return out
 
 
-def _weight_gradient(module: nn.Module, a: Tensor, weighted: Tensor) -> dict[nn.Parameter, Tensor]:
+def _weight_gradient(module: nn.Module, a: Tensor, weighted: Tensor, into: Into = None) -> dict[nn.Parameter, Tensor]:
     """The layer's parameter gradients for input ``a`` and output gradient ``weighted``, summed over the examples:
-    one weight-gradient product."""
+    one weight-gradient product (an nn.Linear's weight written into ``into(weight)`` when that gives a buffer)."""
     weight, bias = module.weight, module.bias
     out: dict[nn.Parameter, Tensor] = {}
     if _is_linear(module):
-        grads = _linear_grads(module, a.reshape(-1, a.shape[-1]), weighted.reshape(-1, weighted.shape[-1]))
+        grads = _linear_grads(module, a.reshape(-1, a.shape[-1]), weighted.reshape(-1, weighted.shape[-1]),
+                              None if into is None or not weight.requires_grad else into(weight))  # fmt: skip
         return {p: grad for p, grad in zip((weight, bias), grads) if grad is not None}
     if weight.requires_grad:
         out[weight] = _conv_weight_grad(module, weighted, a)
@@ -282,15 +287,25 @@ def _weight_gradient(module: nn.Module, a: Tensor, weighted: Tensor) -> dict[nn.
     return out
 
 
-def _linear_grads(module: nn.Module, a: Tensor, weighted: Tensor) -> tuple[Tensor | None, Tensor | None]:
+def _linear_grads(
+    module: nn.Module, a: Tensor, weighted: Tensor, out: Tensor | None = None
+) -> tuple[Tensor | None, Tensor | None]:
     """An nn.Linear's (or Conv1D's) weight and bias gradients, None where frozen, for rows ``a`` (..., R, p) and
-    ``weighted`` (..., R, d_out) summed over the R rows; a leading dimension holds layers stacked."""
+    ``weighted`` (..., R, d_out) summed over the R rows; a leading dimension holds layers stacked. ``out``: where the
+    weight's product is written (the same product, without a fresh allocation)."""
     weight, bias = module.weight, module.bias
     weights = None
     if weight.requires_grad:
-        weights = a.mT @ weighted if is_transposed_linear(module) else weighted.mT @ a
+        left, right = (a.mT, weighted) if is_transposed_linear(module) else (weighted.mT, a)
+        weights = left @ right if out is None else torch.matmul(left, right, out=out)
     biases = weighted.sum(dim=-2) if bias is not None and bias.requires_grad else None
     return weights, biases
+
+
+#: where a parameter's clipped sum may be written: ``into(p)`` is a buffer of p's shape and dtype, or None (a fresh
+#: tensor); an allocation of tens of MB costs its page faults on every step on a CPU (16 ms of a 24 ms product for a
+#: 3072 x 3072 layer here), a reused buffer none
+Into = Callable[[nn.Parameter], "Tensor | None"] | None
 
 
 def _weighted(g: Tensor, factor: Tensor, work: torch.dtype) -> Tensor:
