@@ -371,10 +371,11 @@ def test_patch_norms_bound_the_patches_norms(build, shape) -> None:
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_clipped_sums_written_into_kept_buffers_equal_fresh_ones_over_steps_and_micro_batches(set_to_none: bool) -> None:
-    """An nn.Linear's clipped sum is written into a buffer kept across steps, which becomes its .grad (no allocation
-    of tens of MB, and its page faults, per step): bit for bit the sums of fresh tensors, over steps, with zero_grad
-    setting .grad to None or zeroing it, and with two backward passes (micro-batches) per step, whose sums add up
-    (the second pass must not write into the buffer that holds the first's)."""
+    """An nn.Linear's clipped sum is written into its .grad when there is one, else (on the host) into a buffer kept
+    across steps that becomes its .grad (no allocation of tens of MB, and its page faults, per step): bit for bit the
+    sums of fresh tensors, over steps, with zero_grad setting .grad to None or zeroing it, and with two backward
+    passes (micro-batches) per step, whose sums add up (the second pass must not write where the first's is). A .grad
+    that user code kept from an earlier step is never written: the sum then goes to a new buffer."""
     torch.manual_seed(5)
     model_a = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     model_b = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -382,8 +383,9 @@ def test_clipped_sums_written_into_kept_buffers_equal_fresh_ones_over_steps_and_
     kept = PerSampleGradients(model_a, "bookkeeping", allow_grad_accumulation=True)
     fresh = PerSampleGradients(model_b, "bookkeeping", allow_grad_accumulation=True)
     fresh._arithmetic._sum_buffer = lambda p: None  # every sum in a fresh tensor, as before the buffers
-    buffers = {}
-    for step in range(3):
+    seen: dict[str, int] = {}
+    held = None  # a .grad the "user" keeps from step 2 on
+    for step in range(5):
         micro_batches = [(torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(1 + step % 2)]
         for model, per in ((model_a, kept), (model_b, fresh)):
             model.zero_grad(set_to_none=set_to_none)
@@ -394,14 +396,22 @@ def test_clipped_sums_written_into_kept_buffers_equal_fresh_ones_over_steps_and_
         for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
             assert torch.equal(a.grad, b.grad), (step, name)
         middle = model_a[2].weight.grad
-        buffer = kept._arithmetic._sum_buffers[model_a[2].weight]
-        assert buffers.setdefault("buffer", buffer.data_ptr()) == buffer.data_ptr()  # one buffer, kept
         if not set_to_none:  # the .grad autograd made at the first step (before the layer's weight gradients are
             # skipped), zeroed by zero_grad and written into every step
-            assert buffers.setdefault("grad", middle.data_ptr()) == middle.data_ptr() != buffer.data_ptr()
-        elif step > 0 and len(micro_batches) == 1:  # one pass: the sum is the kept buffer itself
+            assert seen.setdefault("grad", middle.data_ptr()) == middle.data_ptr()
+            assert model_a[2].weight not in kept._arithmetic._sum_buffers
+            continue
+        buffer = kept._arithmetic._sum_buffers[model_a[2].weight][0] if step > 0 else None
+        if step in (2, 4):  # one pass: the sum is the kept buffer itself
             assert middle.data_ptr() == buffer.data_ptr()
-        elif step > 0:  # two passes: the first wrote the buffer, their sum is a fresh tensor
+            if step == 2:
+                seen["buffer"] = buffer.data_ptr()
+                held, released = middle, middle.clone()  # kept by the "user" across the next steps
+            else:  # step 2's buffer is still held: a new one
+                assert buffer.data_ptr() != seen["buffer"]
+        elif step == 1:  # two passes: the first wrote the buffer, their sum is a fresh tensor
             assert middle.data_ptr() != buffer.data_ptr()
+    if held is not None:
+        assert torch.equal(held, released)  # never overwritten by a later step's sum
     kept.detach()
     fresh.detach()

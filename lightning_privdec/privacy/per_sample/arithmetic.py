@@ -61,7 +61,8 @@ class _PerSampleArithmetic:
         #: and by :func:`mean_loss_multiplier` (half-precision autocast), per forward pass (micro-batches differ)
         self.mean_loss_multipliers: dict[int, float] = {}
         self.drop_nonfinite = False  # float16: zero an example's non-finite inputs/output gradients per layer call
-        self._sum_buffers: dict[nn.Parameter, Tensor] = {}  # the clipped sums' reused buffers (_sum_buffer)
+        # the clipped sums' kept buffers (_sum_buffer) and their storages' use counts while only the buffer holds them
+        self._sum_buffers: dict[nn.Parameter, tuple[Tensor, int | None]] = {}
         self.nonfinite_examples = 0  # examples with something zeroed, over the passes counted since the last take
         self._counted: set[int] = set()  # the passes already counted (passes() may run several times per pass)
         self.last_pass_nonfinite = 0  # examples with something zeroed in the last pass passes() built
@@ -253,12 +254,23 @@ class _PerSampleArithmetic:
             return sums
         return {p: gs.sum(dim=0) for p, gs in self._grad_samples(calls).items()}
 
-    def _sum_buffer(self, p: nn.Parameter) -> Tensor:
-        """The buffer p's clipped sum is written into, kept across steps (bookkeeping.Into): it becomes p.grad, which
-        the user's ``zero_grad(set_to_none=True)`` drops and the next step fills again, without a fresh allocation."""
-        buffer = self._sum_buffers.get(p)
-        if buffer is None or buffer.shape != p.shape or buffer.dtype != p.dtype or buffer.device != p.device:
-            buffer = self._sum_buffers[p] = torch.empty_like(p, memory_format=torch.contiguous_format)
+    def _sum_buffer(self, p: nn.Parameter) -> Tensor | None:
+        """Where p's clipped sum is written (bookkeeping.Into): p.grad when it can hold it (what the step would copy
+        into anyway); else, on the host, a buffer kept across steps that becomes p.grad (a fresh tensor of tens of MB
+        costs its page faults every step there) while nothing else holds its memory: a .grad that user code kept from
+        an earlier step keeps its released (noised) values, and the sum goes to a new buffer. On a device, None (its
+        caching allocator reuses memory without faults; a kept buffer would only add to the peak)."""
+        grad = p.grad
+        if (grad is not None and grad.shape == p.shape and grad.dtype == p.dtype and grad.device == p.device
+                and grad.is_contiguous()):  # fmt: skip
+            return grad
+        if p.device.type != "cpu":
+            return None
+        kept = self._sum_buffers.get(p)
+        if kept is not None and kept[0].shape == p.shape and kept[0].dtype == p.dtype and _sole_use(*kept):
+            return kept[0]
+        buffer = torch.empty(p.shape, dtype=p.dtype)
+        self._sum_buffers[p] = (buffer, _storage_uses(buffer))
         return buffer
 
     def _clip_and_sum_pass(
@@ -369,6 +381,18 @@ def _uses(records: list[_Call]) -> dict[int, int]:
         for p in r.params:
             uses[id(p)] = uses.get(id(p), 0) + 1
     return uses
+
+
+def _storage_uses(t: Tensor) -> int | None:
+    """How many tensors hold ``t``'s memory (views included), where torch tells (a private function: None without)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if use_count is None else int(use_count(t.untyped_storage()._cdata))
+
+
+def _sole_use(buffer: Tensor, alone: int | None) -> bool:
+    """Whether nothing but the kept ``buffer`` holds its memory now (``alone``: its count when it was made)."""
+    uses = _storage_uses(buffer)
+    return alone is not None and uses is not None and uses <= alone
 
 
 def _same_memory(a: Tensor, b: Tensor) -> bool:
