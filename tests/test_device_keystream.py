@@ -50,13 +50,15 @@ INTERPRETED = textwrap.dedent(
         assert "at least 48 words" in str(error)
     else:
         raise AssertionError("a buffer too small was not refused")
-    kernel = device_keystream._chacha20_blocks
-    device_keystream._chacha20_blocks = None  # a launch that fails: the same words, read on the host
+    from lightning_privdec.privacy import _chacha20_triton
+
+    kernel = _chacha20_triton.chacha20_blocks
+    _chacha20_triton.chacha20_blocks = None  # a launch that fails: the same words, read on the host
     try:
         assert stream.words(first, n).numpy().tobytes() == expected[first : first + n]
         assert device_keystream._launch_failed is not None
     finally:
-        device_keystream._chacha20_blocks, device_keystream._launch_failed = kernel, None
+        _chacha20_triton.chacha20_blocks, device_keystream._launch_failed = kernel, None
     try:
         DeviceChaCha20(key, (2**32 - 2).to_bytes(4, "little") + bytes(12), torch.device("cpu")).words(0, 64 * 3)
     except ValueError as error:
@@ -109,6 +111,18 @@ def test_the_kernel_gives_openssls_words_and_the_host_keystreams_draws_in_triton
     done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "interpreted keystream ok" in done.stdout
+
+
+def test_a_host_only_run_does_not_import_triton() -> None:
+    """The kernel's module is imported only where a draw's keystream is computed on a device (a host-only run never
+    builds the Triton functions, nor needs Triton)."""
+    code = ("import sys, torch; from lightning_privdec.privacy.noise import node_noise_generator; "
+            "node_noise_generator('cpu', 0, 0).normal(1000, 1.0); "
+            "print('triton' in sys.modules, 'lightning_privdec.privacy._chacha20_triton' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], env=os.environ | {"PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "False"
 
 
 def test_the_host_keeps_its_keystream_and_the_switch_turns_the_device_kernel_off(
