@@ -300,19 +300,13 @@ def throughput_child(args: argparse.Namespace) -> dict[str, Any]:
 
 def measure_step(model: str, precision: str, kind: str, device: Any, quick: bool, deadline: float) -> dict[str, Any]:
     """Samples/s of ``kind``'s training step on ``model`` under ``precision``; peak GPU memory; or the error."""
-    from step_time import build_problem
-
     problem = MODELS[model]["quick" if quick else "full"]
     batch = problem["batch"]
     row: dict[str, Any] = {"model": model, "precision": precision, "kind": kind, "batch": batch}
     reset_peak(device)
     try:
-        fresh_model, inputs, targets, loss_fn = build_problem(
-            problem["name"], batch, seed=0, tokens=problem.get("tokens", 32), image_size=QUICK_IMAGE_SIZE if quick
-            else 32)  # fmt: skip
-        net = fresh_model().to(device)
+        step, net = model_step(model, precision, kind, device, quick)
         row["parameters"] = sum(p.numel() for p in net.parameters())
-        step = build_step(kind, precision, net, inputs.to(device), targets.to(device), loss_fn, device, batch)
         warmup, least, most = (1, 1, 1) if quick else (2, 3, 20)
         for _ in range(warmup):
             step()
@@ -334,6 +328,20 @@ def measure_step(model: str, precision: str, kind: str, device: Any, quick: bool
         row["error"] = error_text(error)
     row["peak_memory_bytes"] = peak_bytes(device)
     return row
+
+
+def model_step(model: str, precision: str, kind: str, device: Any, quick: bool) -> tuple[Any, Any]:
+    """(the step function, the model) of ``kind`` on :data:`MODELS`' ``model`` (its problem from
+    benchmarks/step_time.py's ``build_problem``) under ``precision``, on ``device``."""
+    from step_time import build_problem
+
+    problem = MODELS[model]["quick" if quick else "full"]
+    fresh_model, inputs, targets, loss_fn = build_problem(
+        problem["name"], problem["batch"], seed=0, tokens=problem.get("tokens", 32),
+        image_size=QUICK_IMAGE_SIZE if quick else 32)  # fmt: skip
+    net = fresh_model().to(device)
+    step = build_step(kind, precision, net, inputs.to(device), targets.to(device), loss_fn, device, problem["batch"])
+    return step, net
 
 
 def build_step(kind, precision, net, x, y, loss_fn, device, batch):  # noqa: ANN001, ANN201, PLR0913
@@ -460,8 +468,6 @@ def profile_child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from step_time import build_problem
-
     warnings.filterwarnings("ignore")
     device = torch_device(args.accelerator)
     if args.quick:
@@ -471,12 +477,7 @@ def profile_child(args: argparse.Namespace) -> dict[str, Any]:
         problem = MODELS[model]["quick" if args.quick else "full"]
         row: dict[str, Any] = {"model": model, "kind": kind, "batch": problem["batch"]}
         try:
-            fresh_model, inputs, targets, loss_fn = build_problem(
-                problem["name"], problem["batch"], seed=0, tokens=problem.get("tokens", 32),
-                image_size=QUICK_IMAGE_SIZE if args.quick else 32)  # fmt: skip
-            net = fresh_model().to(device)
-            step = build_step(kind, "fp32", net, inputs.to(device), targets.to(device), loss_fn, device,
-                              problem["batch"])  # fmt: skip
+            step, _ = model_step(model, "fp32", kind, device, args.quick)
             for _ in range(2):
                 step()
             synchronize(device)

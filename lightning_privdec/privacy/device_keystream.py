@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import logging
 import os
+from typing import Any
 
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
@@ -97,7 +98,7 @@ class DeviceChaCha20:
         first_block, skip = divmod(first_byte, 64)
         n_blocks = -(-(skip + n_bytes) // 64)
         if self._counter + first_block + n_blocks > 1 << 32:
-            raise ValueError("a draw of more than 2^38 keystream bytes exceeds ChaCha20's 32-bit block counter")
+            raise ValueError(_PAST_THE_COUNTER)
         if out is None:
             out = torch.empty(16 * n_blocks, dtype=torch.int32, device=self._device)
         if out.dtype != torch.int32 or not out.is_contiguous() or out.numel() < 16 * n_blocks:
@@ -116,14 +117,24 @@ class DeviceChaCha20:
                 log.warning("the ChaCha20 keystream is read on the host from now on: the device kernel failed (%s)",
                             _launch_failed)
         if _launch_failed is not None:
-            counter = (self._counter + first_block).to_bytes(4, "little")
-            host = Cipher(algorithms.ChaCha20(self._key, counter + self._nonce[4:]), mode=None).encryptor().update(
-                bytes(64 * n_blocks))  # fmt: skip
+            host = encryptor_at_block(self._key, self._nonce, first_block).update(bytes(64 * n_blocks))
             out[: 16 * n_blocks].copy_(torch.frombuffer(bytearray(host), dtype=torch.int32))
         return out[skip // 4 : (skip + n_bytes) // 4]
 
 
 _launch_failed: str | None = None  # why the kernel failed at a launch after its known answers, if it did
+
+
+_PAST_THE_COUNTER = "a draw of more than 2^38 keystream bytes exceeds ChaCha20's 32-bit block counter"
+
+
+def encryptor_at_block(key: bytes, nonce: bytes, block: int) -> Any:
+    """OpenSSL's ChaCha20 encryptor of (key, nonce) at keystream block ``block`` (``nonce`` is ``cryptography``'s 16
+    bytes, the block counter first): any part of a keystream, read without the blocks before it."""
+    counter = int.from_bytes(nonce[:4], "little") + block
+    if counter >= 1 << 32:
+        raise ValueError(_PAST_THE_COUNTER)
+    return Cipher(algorithms.ChaCha20(key, counter.to_bytes(4, "little") + nonce[4:]), mode=None).encryptor()
 
 
 def buffer_words(n_bytes: int) -> int:

@@ -15,11 +15,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from torch import Tensor
 
 from lightning_privdec.privacy.device_keystream import (
-    DEVICE_CHUNK_WORDS, DeviceChaCha20, buffer_words, device_keystream_available,
+    DEVICE_CHUNK_WORDS, DeviceChaCha20, buffer_words, device_keystream_available, encryptor_at_block,
 )
 
 #: 64-bit keystream words per chunk (a wide draw's entries, a narrow draw's pairs): a draw is read and transformed
@@ -48,16 +47,22 @@ def _angle_nonce(nonce: bytes) -> bytes:
     return nonce[:12] + (int.from_bytes(nonce[12:], "little") ^ 1).to_bytes(4, "little")
 
 
+def _top53_np(words: np.ndarray, complement: bool = False) -> np.ndarray:
+    """:func:`_top53_` of an int64 NumPy array, in place: k = w >> 11 (u = k 2^-53), or m = 2^53 - k (1 - u =
+    m 2^-53, an integer in [1, 2^53])."""
+    np.right_shift(words.view(np.uint64), 11, out=words.view(np.uint64))
+    if complement:
+        np.subtract(1 << 53, words, out=words)
+    return words
+
+
 def _top53_(words: Tensor, complement: bool = False) -> Tensor:
     """In place, int64 keystream words -> their 53-bit uniforms' integers k = w >> 11 (u = k 2^-53), or with
     ``complement`` m = 2^53 - k (1 - u = m 2^-53). Host words (an accelerator's keystream read on the host) go
     through NumPy, which never spreads them over torch's intra-op threads: several processes sharing a machine's
     cores would each wait for its threads on every chunk."""
     if words.device.type == "cpu":
-        array = words.numpy()
-        np.right_shift(array.view(np.uint64), 11, out=array.view(np.uint64))
-        if complement:
-            np.subtract(1 << 53, array, out=array)
+        _top53_np(words.numpy(), complement)
         return words
     words.bitwise_right_shift_(11).bitwise_and_(_MASK_53)  # arithmetic shift: mask off the sign's copies
     return words.neg_().add_(1 << 53) if complement else words
@@ -134,8 +139,7 @@ def _narrow_box_muller(
     ~2^-24, and the tails (r > 5.5, u1 > 1 - 2^-21.8) keep a relative precision of 2^-22."""
     p, q = len(cosines), len(sines)
     radius, theta, cosine = buffers.np_work[torch.float32][:, :p]
-    np.right_shift(words.view(np.uint64), 11, out=words.view(np.uint64))  # k: u1 = k 2^-53
-    np.subtract(1 << 53, words, out=words)  # m = 2^53 (1 - u1), an integer in [1, 2^53]
+    _top53_np(words, complement=True)  # m = 2^53 (1 - u1)
     np.copyto(radius, words, casting="unsafe")  # fl32(m): relative error <= 2^-24
     np.multiply(radius, np.float32(2.0**-53), out=radius)  # v, exact (a power of two; float32 reaches 2^-126)
     near = np.flatnonzero(np.greater_equal(radius, _NEAR_ONE32, out=buffers.np_mask[:p]))
@@ -195,11 +199,7 @@ class KeyStream:
         buffers.reserve(p)
         for nonce, width, raw in ((self._nonce, 8, buffers.raw), (_angle_nonce(self._nonce), 4, buffers.angle_raw)):
             block, skip = divmod(width * first, 64)
-            counter = int.from_bytes(nonce[:4], "little") + block
-            if counter >= 1 << 32:
-                raise ValueError("a draw of more than 2^35 pairs exceeds ChaCha20's 32-bit block counter")
-            encryptor = Cipher(algorithms.ChaCha20(self._key, counter.to_bytes(4, "little") + nonce[4:]),
-                               mode=None).encryptor()
+            encryptor = encryptor_at_block(self._key, nonce, block)
             if skip:
                 encryptor.update(bytes(skip))
             encryptor.update_into(memoryview(buffers.zeros)[: width * p], raw)
@@ -276,7 +276,7 @@ class KeyStream:
             self._device_read[0] += 8 * n
             return words.view(torch.int64)
         if self._encryptor is None:
-            self._encryptor = Cipher(algorithms.ChaCha20(self._key, self._nonce), mode=None).encryptor()
+            self._encryptor = encryptor_at_block(self._key, self._nonce, 0)
         b.reserve(n)
         self._encryptor.update_into(memoryview(b.zeros)[: 8 * n], b.raw)
         return b.words[:n]
@@ -307,7 +307,7 @@ class KeyStream:
             self._device_read[1] += 4 * n
             return words
         if self._angles is None:
-            self._angles = Cipher(algorithms.ChaCha20(self._key, _angle_nonce(self._nonce)), mode=None).encryptor()
+            self._angles = encryptor_at_block(self._key, _angle_nonce(self._nonce), 0)
         b.reserve(n)
         self._angles.update_into(memoryview(b.zeros)[: 4 * n], b.angle_raw)
         return b.angle_words[:n]
@@ -386,17 +386,13 @@ class KeyStream:
             return
         p, q = cosines.numel(), sines.numel()
         radius, theta, cosine = self._buffers.np_work[torch.float64][:, :p]
-        words = radius_words.numpy()
-        np.right_shift(words.view(np.uint64), 11, out=words.view(np.uint64))  # k: u1 = k 2^-53
-        np.subtract(1 << 53, words, out=words)  # m = 2^53 (1 - u1), an integer in [1, 2^53]
+        words = _top53_np(radius_words.numpy(), complement=True)  # m = 2^53 (1 - u1)
         np.copyto(radius, words, casting="unsafe")  # exact: at most 2^53
         np.multiply(radius, 2.0**-53, out=radius)  # 1 - u1, exact
         np.log(radius, out=radius)
         np.multiply(radius, -2.0 * scale * scale, out=radius)  # r^2 scale^2
         np.sqrt(radius, out=radius)
-        angles = angle_words.numpy().view(np.uint64)
-        np.right_shift(angles, 11, out=angles)
-        np.copyto(theta, angles, casting="unsafe")
+        np.copyto(theta, _top53_np(angle_words.numpy()), casting="unsafe")  # u2 2^53
         np.multiply(theta, 2.0 * math.pi * 2.0**-53, out=theta)  # t = 2 pi u2, rounded once
         np.cos(theta, out=cosine)
         np.sin(theta, out=theta)
