@@ -415,3 +415,63 @@ def test_clipped_sums_written_into_kept_buffers_equal_fresh_ones_over_steps_and_
         assert torch.equal(held, released)  # never overwritten by a later step's sum
     kept.detach()
     fresh.detach()
+
+
+@pytest.mark.parametrize("name", ["conv2d_per_example", "conv2d_groups_dilation", "conv2d_dead_taps",
+                                  "conv2d_strided_dead_taps", "conv2d_dilated_dead_taps", "conv3d_dead_taps",
+                                  "conv2d_depthwise_dead_taps", "conv1d_per_example"])  # fmt: skip
+def test_a_convolution_weight_gradient_never_reads_the_weight_values(name: str) -> None:
+    """The weight-gradient kernel gets a stand-in of the (cropped or repeated) weight's shape, never a copy of its
+    values: with NaN weights the batch's and each example's gradients are still autograd's; a kept buffer holding
+    NaN gets the cropped kernel's gradient and zeros in its dead taps."""
+    build, shape = LAYERS[name]
+    torch.manual_seed(11)
+    layer = build()
+    a = torch.randn(4, *shape)
+    out = layer(a)
+    g = torch.randn_like(out)
+    expected = torch.autograd.grad(out, layer.weight, g)[0]
+    each = torch.stack([torch.autograd.grad(layer(a[i : i + 1]), layer.weight, g[i : i + 1])[0] for i in range(4)])
+    with torch.no_grad():
+        layer.weight.fill_(float("nan"))
+    torch.testing.assert_close(bookkeeping_conv._conv_weight_grad(layer, g, a), expected)
+    stacked = bookkeeping_conv._conv_weight_grad(layer, g.reshape(1, -1, *g.shape[2:]), a.reshape(1, -1, *a.shape[2:]), 4)
+    torch.testing.assert_close(stacked.reshape(each.shape), each)
+    if "dead_taps" in name:
+        buffer = torch.full_like(expected, float("nan"))
+        written = bookkeeping_conv._conv_weight_grad(layer, g, a, out=buffer)
+        assert written.data_ptr() == buffer.data_ptr()
+        torch.testing.assert_close(written, expected)
+
+
+def test_a_convolution_with_dead_taps_writes_its_clipped_sum_into_the_kept_buffer() -> None:
+    """A convolution whose dead taps are cropped writes its clipped sum into the buffer kept across steps (as an
+    nn.Linear does), bit for bit the fresh tensor's sum, its dead taps zero though the released .grad of the step
+    before held noise there."""
+    torch.manual_seed(12)
+
+    def model() -> nn.Module:
+        torch.manual_seed(13)
+        return nn.Sequential(nn.Conv2d(3, 4, 1), nn.Tanh(), nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                             nn.Linear(8, 3))  # the second convolution's weight gradient is skipped in the backward
+
+    model_a, model_b = model(), model()
+    kept = PerSampleGradients(model_a, "bookkeeping")
+    fresh = PerSampleGradients(model_b, "bookkeeping")
+    fresh._arithmetic._sum_buffer = lambda p: None
+    for step in range(3):
+        x, y = torch.randn(5, 3, 1, 1), torch.randint(0, 3, (5,))
+        for m, per in ((model_a, kept), (model_b, fresh)):
+            m.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(m(x), y, reduction="sum").backward()
+            per.clip_and_sum(0.5)
+            per.clear()
+        conv_a, conv_b = model_a[2].weight, model_b[2].weight
+        assert torch.equal(conv_a.grad, conv_b.grad), step
+        assert torch.count_nonzero(conv_a.grad[..., 1, 1]) > 0 and torch.count_nonzero(conv_a.grad[..., 0, :]) == 0
+        if step > 0:
+            assert conv_a.grad.data_ptr() == kept._arithmetic._sum_buffers[conv_a][0].data_ptr()
+        conv_a.grad.add_(1.0)  # the released gradient's noise, in the dead taps too
+        conv_b.grad.add_(1.0)
+    kept.detach()
+    fresh.detach()

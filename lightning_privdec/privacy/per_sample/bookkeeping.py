@@ -40,6 +40,7 @@ from lightning_privdec.privacy.per_sample.bookkeeping_conv import (  # one chunk
     PER_EXAMPLE_ENTRIES,
     _conv_estimates,
     _conv_weight_grad,
+    _live_taps,
     _patch_norms,
 )
 from lightning_privdec.privacy.per_sample.gram import (
@@ -273,7 +274,8 @@ def clipped_sums_of(
 
 def _weight_gradient(module: nn.Module, a: Tensor, weighted: Tensor, into: Into = None) -> dict[nn.Parameter, Tensor]:
     """The layer's parameter gradients for input ``a`` and output gradient ``weighted``, summed over the examples:
-    one weight-gradient product (an nn.Linear's weight written into ``into(weight)`` when that gives a buffer)."""
+    one weight-gradient product (an nn.Linear's weight, or a convolution's with dead taps, written into
+    ``into(weight)`` when that gives a buffer)."""
     weight, bias = module.weight, module.bias
     out: dict[nn.Parameter, Tensor] = {}
     if _is_linear(module):
@@ -281,7 +283,8 @@ def _weight_gradient(module: nn.Module, a: Tensor, weighted: Tensor, into: Into 
                               None if into is None or not weight.requires_grad else into(weight))  # fmt: skip
         return {p: grad for p, grad in zip((weight, bias), grads) if grad is not None}
     if weight.requires_grad:
-        out[weight] = _conv_weight_grad(module, weighted, a)
+        dead_taps = _live_taps(module, a.shape[2:], weighted.shape[2:]) is not None  # a cropped kernel: zeros + taps
+        out[weight] = _conv_weight_grad(module, weighted, a, out=into(weight) if into and dead_taps else None)
     if bias is not None and bias.requires_grad:
         out[bias] = weighted.sum(dim=[0, *range(2, weighted.dim())])
     return out
