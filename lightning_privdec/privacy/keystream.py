@@ -20,6 +20,7 @@ from torch import Tensor
 from lightning_privdec.privacy.device_keystream import (
     DEVICE_CHUNK_WORDS, DeviceChaCha20, buffer_words, device_keystream_available, encryptor_at_block,
 )
+from lightning_privdec.privacy.native_noise import native_transform
 
 #: 64-bit keystream words per chunk (a wide draw's entries, a narrow draw's pairs): a draw is read and transformed
 #: chunk by chunk in reused buffers (~3 MB for a narrow chunk: NumPy's calls cost a microsecond or more each, so
@@ -124,8 +125,27 @@ def _narrow_box_muller(
     scale: float,
 ) -> None:
     """The narrow format on the host (:class:`KeyStream`): ``cosines = scale r cos t``, ``sines = scale r sin t``
-    (the first ``len(sines)`` pairs) in float32 from the pairs' int64 radius words and int32 angle words, in place in
-    the words and the buffers' work arrays, one NumPy pass each.
+    (the first ``len(sines)`` pairs) in float32 from the pairs' int64 radius words and int32 angle words: in one
+    compiled loop (:mod:`.native_noise`, the same float32 arithmetic with glibc's vector logarithm, cosine and sine)
+    where it builds, else in NumPy (:func:`_narrow_box_muller_numpy`)."""
+    native = native_transform()
+    if native is None:
+        _narrow_box_muller_numpy(words, angles, cosines, sines, buffers, scale)
+    else:
+        native(words, angles, cosines, sines, *_narrow_constants(scale))
+
+
+def _narrow_constants(scale: float) -> tuple[float, float, float]:
+    """The narrow transform's float32 constants: fl32(-2 scale^2), the angle's scale and the float64 logarithm's
+    boundary (as Python floats of those float32 values)."""
+    return float(np.float32(-2.0 * scale * scale)), float(np.float32(_ANGLE_SCALE32)), float(_NEAR_ONE32)
+
+
+def _narrow_box_muller_numpy(
+    words: np.ndarray, angles: np.ndarray, cosines: np.ndarray, sines: np.ndarray, buffers: KeystreamBuffers,
+    scale: float,
+) -> None:
+    """:func:`_narrow_box_muller` in NumPy, in place in the words and the buffers' work arrays, one pass each.
 
     The squared radius ``-2 log(1 - u1)`` is float32's logarithm of ``v = fl32(m) 2^-53`` with ``m = 2^53 (1 - u1)``
     the exact integer in [1, 2^53]: v keeps m's exponent (down to 2^-53: the largest draw is sqrt(2 ln 2^53) ~ 8.57
@@ -146,10 +166,11 @@ def _narrow_box_muller(
     np.log(radius, out=radius)
     if near.size:
         radius[near] = np.log(words[near] * 2.0**-53)  # float64 from the exact m, rounded once
-    np.multiply(radius, np.float32(-2.0 * scale * scale), out=radius)  # r^2 scale^2
+    radius_factor, angle_scale, _ = _narrow_constants(scale)
+    np.multiply(radius, np.float32(radius_factor), out=radius)  # r^2 scale^2
     np.sqrt(radius, out=radius)
     np.copyto(theta, angles, casting="unsafe")  # fl32(a): a relative 2^-24
-    np.multiply(theta, np.float32(_ANGLE_SCALE32), out=theta)  # t = 2 pi a 2^-32, rounded twice in all
+    np.multiply(theta, np.float32(angle_scale), out=theta)  # t = 2 pi a 2^-32, rounded twice in all
     np.cos(theta, out=cosine)
     np.sin(theta, out=theta)
     np.multiply(radius, cosine, out=cosines)
@@ -174,9 +195,11 @@ class KeyStream:
       pairs (contiguous writes); r's square root, t and its cosine and sine are float32; on the host the logarithm
       too, except near r = 0 (:func:`_narrow_box_muller`), on other devices it is float64.
 
-    A draw depends on the key, the nonce and its length only, never on the chunk size. On the host the transform
-    runs in NumPy (its SIMD logarithm, sine and cosine are 2-3x torch's on one core, and it never spreads a chunk
-    over threads that may be busy); on other devices in torch, from a keystream computed on the device where
+    A draw depends on the key, the nonce and its length only, never on the chunk size. On the host a narrow draw's
+    transform runs in one compiled loop (:mod:`.native_noise`, where a C compiler and glibc's libmvec are found), else
+    in NumPy (its SIMD logarithm, sine and cosine are 2-3x torch's on one core), neither spreading a chunk over
+    threads that may be busy; the two differ in the last bits of those three functions only. A wide draw's transform
+    runs in NumPy. On other devices the transform runs in torch, from a keystream computed on the device where
     :mod:`.device_keystream` works there (the same words), else read on the host and copied.
     """
 

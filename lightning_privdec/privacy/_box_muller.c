@@ -1,0 +1,69 @@
+/* The narrow Box-Muller transform of lightning_privdec.privacy.keystream (KeyStream's narrow format), one fused
+ * loop per block of pairs. lightning_privdec/privacy/native_noise.py compiles it on first use for this machine
+ * (-O3 -march=native -fno-math-errno, glibc's libmvec: the vector logf, cosf and sinf) and checks it against the
+ * NumPy transform before using it.
+ *
+ * Pair i: m = 2^53 - (w_i >> 11) (the exact integer of 1 - u1 = m 2^-53, in [1, 2^53]), v = fl32(m) 2^-53,
+ * r = sqrt(log(v) * radius_factor) (radius_factor = fl32(-2 scale^2)), the logarithm taken in float64 from the
+ * exact m where v >= near_one (r near 0); t = fl32(a_i) * angle_scale; cosines[i] = r cos t for i < p,
+ * sines[i] = r sin t for i < q (q <= p). Every step is float32 but the float64 logarithm near r = 0, as in NumPy.
+ */
+#include <math.h>
+#include <stdint.h>
+
+__attribute__((simd("notinbranch"))) extern float logf(float);
+__attribute__((simd("notinbranch"))) extern float cosf(float);
+__attribute__((simd("notinbranch"))) extern float sinf(float);
+
+/* Pairs per block: its work arrays stay in the core's L1 cache. Every loop that calls logf, cosf or sinf runs over
+ * the whole block (a partial block's tail padded with r = 0, t = 0), so every entry goes through the same vector
+ * function: a scalar remainder loop (glibc's scalar logf, cosf, sinf) would give other last bits, and a draw's
+ * values would then depend on where its chunks and blocks start. */
+#define BLOCK 512
+
+static inline int64_t exact_m(int64_t word) { return (int64_t)(((uint64_t)1 << 53) - ((uint64_t)word >> 11)); }
+
+void narrow_box_muller(const int64_t *restrict words, const int32_t *restrict angles, float *restrict cosines,
+                       float *restrict sines, int64_t p, int64_t q, float radius_factor, float angle_scale,
+                       float near_one)
+{
+    float radius[BLOCK] __attribute__((aligned(64)));
+    float theta[BLOCK] __attribute__((aligned(64)));
+    float work[BLOCK] __attribute__((aligned(64)));
+    for (int64_t start = 0; start < p; start += BLOCK) {
+        const int64_t n = p - start < BLOCK ? p - start : BLOCK;
+        const int64_t *w = words + start;
+        const int32_t *a = angles + start;
+        int near = 0; /* any v >= near_one (r near 0, one pair in 4,096): its logarithm is float64, of the exact m */
+        for (int64_t i = 0; i < n; i++) {
+            radius[i] = (float)exact_m(w[i]) * 0x1p-53f; /* v = fl32(m) 2^-53, exact scaling */
+            theta[i] = (float)a[i] * angle_scale;
+            near |= radius[i] >= near_one;
+        }
+        for (int64_t i = n; i < BLOCK; i++) {
+            radius[i] = 1.0f;
+            theta[i] = 0.0f;
+        }
+        for (int i = 0; i < BLOCK; i++)
+            work[i] = logf(radius[i]);
+        if (near)
+            for (int64_t i = 0; i < n; i++)
+                if (radius[i] >= near_one)
+                    work[i] = (float)log((double)exact_m(w[i]) * 0x1p-53);
+        for (int i = 0; i < BLOCK; i++)
+            radius[i] = sqrtf(work[i] * radius_factor);
+        for (int i = 0; i < BLOCK; i++)
+            work[i] = cosf(theta[i]);
+        float *c = cosines + start;
+        for (int64_t i = 0; i < n; i++)
+            c[i] = radius[i] * work[i];
+        const int64_t with_sine = q - start < n ? q - start : n;
+        if (with_sine > 0) {
+            for (int i = 0; i < BLOCK; i++)
+                work[i] = sinf(theta[i]);
+            float *s = sines + start;
+            for (int64_t i = 0; i < with_sine; i++)
+                s[i] = radius[i] * work[i];
+        }
+    }
+}

@@ -1,0 +1,120 @@
+"""The compiled narrow Box-Muller transform (privacy/native_noise.py): NumPy's transform to float32 precision, the
+same values wherever a chunk or block starts, and NumPy's transform whenever it cannot be built or trusted."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from lightning_privdec.privacy import keystream, native_noise
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None or not sys.platform.startswith("linux"),
+    reason="needs a C compiler and glibc's libmvec (Linux)",
+)
+
+
+def _numpy(words: np.ndarray, angles: np.ndarray, q: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    buffers = keystream.KeystreamBuffers("cpu", narrow_only=True)
+    buffers.reserve(len(words))
+    cosines, sines = np.empty(len(words), np.float32), np.empty(q, np.float32)
+    keystream._narrow_box_muller_numpy(words.copy(), angles, cosines, sines, buffers, scale)
+    return cosines, sines
+
+
+def _native(words: np.ndarray, angles: np.ndarray, q: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    transform = native_noise.native_transform()
+    assert transform is not None
+    cosines, sines = np.full(len(words) + 1, np.nan, np.float32), np.full(q + 1, np.nan, np.float32)
+    transform(words.copy(), angles, cosines[:-1], sines[:-1], *keystream._narrow_constants(scale))
+    assert np.isnan(cosines[-1]) and np.isnan(sines[-1])  # nothing written past the outputs
+    return cosines[:-1], sines[:-1]
+
+
+@needs_compiler
+@pytest.mark.parametrize("scale", [1.0, 0.01, 40.0])
+def test_the_compiled_transform_gives_numpys_draws_to_float32_precision(scale: float) -> None:
+    """On crafted words (both ends of the radius, the float64 logarithm's boundary, the angles' ends) and 2^16
+    random ones, every entry is within 2^-19 of NumPy's relatively (the two libraries' float32 logarithm, cosine and
+    sine differ in their last bits) or within scale 2^-22 absolutely (near zero), and the tails are the same: the
+    largest radius 8.57 scale at m = 1."""
+    words, angles = native_noise.check_words(np.random.default_rng(3))
+    words = np.concatenate([words, np.random.default_rng(4).integers(-(1 << 63), (1 << 63) - 1, size=1 << 16)])
+    angles = np.concatenate([angles, np.random.default_rng(5).integers(-(1 << 31), (1 << 31) - 1, size=1 << 16,
+                                                                        dtype=np.int32)])  # fmt: skip
+    q = len(words) - 7
+    expected, got = _numpy(words, angles, q, scale), _native(words, angles, q, scale)
+    for e, g in zip(expected, got):
+        assert np.all(np.abs(g - e) <= 2.0**-19 * np.abs(e) + scale * 2.0**-22)
+    radius = np.hypot(got[0][:q].astype(np.float64), got[1].astype(np.float64))
+    assert radius[0] == pytest.approx(scale * np.sqrt(2 * 53 * np.log(2)), rel=1e-6)  # m = 1: the largest radius
+    assert radius[5] == 0.0  # m = 2^53: r = 0
+
+
+@needs_compiler
+def test_the_compiled_values_do_not_depend_on_where_a_chunk_or_block_starts() -> None:
+    """Any slice of the words gives, bit for bit, the same entries as the whole: every entry goes through the same
+    vector functions (a partial block is padded, never finished by scalar code), so a draw's values do not depend on
+    its chunk size or on the threads that share its chunks."""
+    rng = np.random.default_rng(6)
+    words = rng.integers(-(1 << 63), (1 << 63) - 1, size=5000)
+    angles = rng.integers(-(1 << 31), (1 << 31) - 1, size=5000, dtype=np.int32)
+    cosines, sines = _native(words, angles, 5000, 1.0)
+    for start, p, q in ((0, 5000, 4999), (1, 17, 3), (5, 1023, 1023), (511, 1030, 600), (4000, 1000, 0)):
+        part_c, part_s = _native(words[start : start + p], angles[start : start + p], q, 1.0)
+        assert np.array_equal(part_c, cosines[start : start + p]) and np.array_equal(part_s, sines[start : start + q])
+
+
+def test_numpys_transform_runs_when_switched_off_or_when_the_library_cannot_be_built_or_trusted(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``PRIVDEC_NATIVE_NOISE=0``, no compiler, a cache directory other users can write, or a library that fails
+    its check: None (NumPy's transform), said in the log with what to do, and draws still come."""
+    from lightning_privdec.privacy.noise import NoiseGenerator
+
+    monkeypatch.setenv("PRIVDEC_NATIVE_NOISE", "0")
+    assert native_noise.native_transform() is None
+    assert NoiseGenerator(bytes(32), seeded=True).normal(1001, 1.0).isfinite().all()
+    monkeypatch.delenv("PRIVDEC_NATIVE_NOISE")
+
+    monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setattr(native_noise, "_loaded", [])
+    with caplog.at_level(logging.INFO, logger=native_noise.__name__):
+        assert native_noise.native_transform() is None
+    assert "no C compiler (no-such-compiler-here)" in caplog.text and "libmvec" in caplog.text
+
+    monkeypatch.delenv("CC")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(shared))
+    monkeypatch.setattr(native_noise, "_loaded", [])
+    with pytest.raises(RuntimeError, match="not this user's alone"):
+        native_noise._cache_directory()
+    assert native_noise.native_transform() is None
+
+    if shutil.which("cc") is not None and sys.platform.startswith("linux"):
+        monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setattr(native_noise, "_loaded", [])
+        monkeypatch.setattr(native_noise, "_check", lambda transform: "gave 1.0 where NumPy's gives 2.0")
+        with caplog.at_level(logging.WARNING, logger=native_noise.__name__):
+            assert native_noise.native_transform() is None
+        assert "gave 1.0 where NumPy's gives 2.0" in caplog.text
+
+
+@needs_compiler
+def test_the_library_is_compiled_once_into_the_cache_and_checked(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A second build finds the first one's library (same path, not rewritten); the check passes on it."""
+    monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(tmp_path))
+    first = native_noise._compiled()
+    stamp = first.stat().st_mtime_ns
+    assert native_noise._compiled() == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left
+    monkeypatch.setattr(native_noise, "_loaded", [])
+    assert native_noise.native_transform() is not None
