@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 
 import pytest
 import torch
@@ -30,8 +32,15 @@ if WORKER_THREADS is not None:
     torch.set_num_threads(WORKER_THREADS)
 
 
+#: the noise's compiled transform (privacy/native_noise.py) is built into a directory of this session's, not the
+#: user's cache; processes the tests launch inherit it
+NATIVE_CACHE = os.environ.setdefault("PRIVDEC_NATIVE_CACHE", tempfile.mkdtemp(prefix="privdec-native-"))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     kill_process_groups()
+    if NATIVE_CACHE.startswith(tempfile.gettempdir()) and "privdec-native-" in NATIVE_CACHE:
+        shutil.rmtree(NATIVE_CACHE, ignore_errors=True)
 
 
 #: the device of the tests that take the ``device`` fixture (per-sample clipping, noise, mixed precision): ``cpu``,

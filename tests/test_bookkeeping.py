@@ -422,8 +422,8 @@ def test_clipped_sums_written_into_kept_buffers_equal_fresh_ones_over_steps_and_
                                   "conv2d_depthwise_dead_taps", "conv1d_per_example"])  # fmt: skip
 def test_a_convolution_weight_gradient_never_reads_the_weight_values(name: str) -> None:
     """The weight-gradient kernel gets a stand-in of the (cropped or repeated) weight's shape, never a copy of its
-    values: with NaN weights the batch's and each example's gradients are still autograd's; a kept buffer holding
-    NaN gets the cropped kernel's gradient and zeros in its dead taps."""
+    values: with NaN weights and NaN stand-ins the batch's and each example's gradients are still autograd's; a kept
+    buffer holding NaN gets the cropped kernel's gradient and zeros in its dead taps."""
     build, shape = LAYERS[name]
     torch.manual_seed(11)
     layer = build()
@@ -434,14 +434,22 @@ def test_a_convolution_weight_gradient_never_reads_the_weight_values(name: str) 
     each = torch.stack([torch.autograd.grad(layer(a[i : i + 1]), layer.weight, g[i : i + 1])[0] for i in range(4)])
     with torch.no_grad():
         layer.weight.fill_(float("nan"))
-    torch.testing.assert_close(bookkeeping_conv._conv_weight_grad(layer, g, a), expected)
-    stacked = bookkeeping_conv._conv_weight_grad(layer, g.reshape(1, -1, *g.shape[2:]), a.reshape(1, -1, *a.shape[2:]), 4)
-    torch.testing.assert_close(stacked.reshape(each.shape), each)
-    if "dead_taps" in name:
-        buffer = torch.full_like(expected, float("nan"))
-        written = bookkeeping_conv._conv_weight_grad(layer, g, a, out=buffer)
-        assert written.data_ptr() == buffer.data_ptr()
-        torch.testing.assert_close(written, expected)
+    deterministic, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)  # with fill_uninitialized_memory: torch.empty (the stand-in) holds NaN
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        torch.testing.assert_close(bookkeeping_conv._conv_weight_grad(layer, g, a), expected)
+        stacked = bookkeeping_conv._conv_weight_grad(
+            layer, g.reshape(1, -1, *g.shape[2:]), a.reshape(1, -1, *a.shape[2:]), 4)
+        torch.testing.assert_close(stacked.reshape(each.shape), each)
+        if "dead_taps" in name:
+            buffer = torch.full_like(expected, float("nan"))
+            written = bookkeeping_conv._conv_weight_grad(layer, g, a, out=buffer)
+            assert written.data_ptr() == buffer.data_ptr()
+            torch.testing.assert_close(written, expected)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def test_a_convolution_with_dead_taps_writes_its_clipped_sum_into_the_kept_buffer() -> None:

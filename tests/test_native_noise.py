@@ -3,6 +3,7 @@ same values wherever a chunk or block starts, and NumPy's transform whenever it 
 
 from __future__ import annotations
 
+import ctypes.util
 import logging
 import os
 import shutil
@@ -13,10 +14,10 @@ import pytest
 
 from lightning_privdec.privacy import keystream, native_noise
 
-needs_compiler = pytest.mark.skipif(
-    shutil.which(os.environ.get("CC", "cc")) is None or not sys.platform.startswith("linux"),
-    reason="needs a C compiler and glibc's libmvec (Linux)",
-)
+#: whether the compiled transform can be built here: a C compiler and glibc's libmvec (Linux)
+CAN_BUILD = (shutil.which(os.environ.get("CC", "cc").split()[0]) is not None and sys.platform.startswith("linux")
+             and ctypes.util.find_library("mvec") is not None)
+needs_compiler = pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and glibc's libmvec (Linux)")
 
 
 def _numpy(words: np.ndarray, angles: np.ndarray, q: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
@@ -99,13 +100,25 @@ def test_numpys_transform_runs_when_switched_off_or_when_the_library_cannot_be_b
         native_noise._cache_directory()
     assert native_noise.native_transform() is None
 
-    if shutil.which("cc") is not None and sys.platform.startswith("linux"):
+    link = tmp_path / "link"
+    (tmp_path / "cache").mkdir(mode=0o700, exist_ok=True)
+    link.symlink_to(tmp_path / "cache", target_is_directory=True)
+    monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(link))
+    with pytest.raises(RuntimeError, match="symbolic link"):
+        native_noise._cache_directory()
+
+    if CAN_BUILD:
         monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(tmp_path / "cache"))
-        monkeypatch.setattr(native_noise, "_loaded", [])
-        monkeypatch.setattr(native_noise, "_check", lambda transform: "gave 1.0 where NumPy's gives 2.0")
-        with caplog.at_level(logging.WARNING, logger=native_noise.__name__):
-            assert native_noise.native_transform() is None
-        assert "gave 1.0 where NumPy's gives 2.0" in caplog.text
+        for failing_check in (lambda transform: "gave 1.0 where NumPy's gives 2.0",
+                              lambda transform: np.nanargmax(np.full(3, np.nan))):  # a check that raises
+            monkeypatch.setattr(native_noise, "_loaded", [])
+            monkeypatch.setattr(native_noise, "_check", failing_check)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger=native_noise.__name__):
+                assert native_noise.native_transform() is None
+                assert native_noise.native_transform() is None  # decided once: no second build or check
+            assert caplog.text.count("NumPy's transform") == 1 and "PRIVDEC_NATIVE_NOISE=0" in caplog.text
+        assert "gave 1.0 where NumPy's gives 2.0" not in caplog.text and "All-NaN" in caplog.text
 
 
 @needs_compiler
@@ -118,3 +131,76 @@ def test_the_library_is_compiled_once_into_the_cache_and_checked(monkeypatch: py
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left
     monkeypatch.setattr(native_noise, "_loaded", [])
     assert native_noise.native_transform() is not None
+
+
+@needs_compiler
+def test_draws_on_the_host_go_through_the_compiled_transform(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 draw on the host runs the compiled transform (every chunk), and NumPy's when it is switched off."""
+    from lightning_privdec.privacy.noise import NoiseGenerator
+
+    calls = []
+    compiled = native_noise.native_transform()
+    assert compiled is not None
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        calls.append(len(args[2]))
+        return compiled(*args)
+
+    monkeypatch.setattr(keystream, "native_transform", lambda: counted)
+    NoiseGenerator(bytes(32), seeded=True).normal(300_001, 1.0)
+    assert sum(calls) == 150_001 and len(calls) == 2  # every pair, in chunks of CHUNK_WORDS = 2^17 pairs
+    monkeypatch.setattr(keystream, "native_transform", native_noise.native_transform)
+    monkeypatch.setenv("PRIVDEC_NATIVE_NOISE", "off")
+    spied, numpys = [], keystream._narrow_box_muller_numpy
+
+    def numpy_spy(*args):  # noqa: ANN002, ANN202
+        spied.append(len(args[2]))
+        return numpys(*args)
+
+    monkeypatch.setattr(keystream, "_narrow_box_muller_numpy", numpy_spy)
+    NoiseGenerator(bytes(32), seeded=True).normal(1001, 1.0)
+    assert spied == [501]
+
+
+@needs_compiler
+def test_the_compiled_transform_refuses_arrays_it_cannot_take() -> None:
+    """More sines than pairs, misaligned or shared memory, a wrong dtype or a read-only output: a clear error, never
+    a call into C with them."""
+    transform = native_noise.native_transform()
+    assert transform is not None
+    constants = keystream._narrow_constants(1.0)
+    words, angles = np.zeros(8, np.int64), np.zeros(8, np.int32)
+    cosines, sines = np.empty(8, np.float32), np.empty(8, np.float32)
+    with pytest.raises(ValueError, match="9 sines of 8 pairs"):
+        transform(words, angles, cosines, np.empty(9, np.float32), *constants)
+    with pytest.raises(ValueError, match="must not share memory"):
+        transform(words, angles, cosines, cosines[:4], *constants)
+    misaligned = np.frombuffer(bytearray(8 * 8 + 1), dtype=np.int64, count=8, offset=1)
+    assert not misaligned.flags.aligned
+    with pytest.raises(ValueError, match="aligned"):
+        transform(misaligned, angles, cosines, sines, *constants)
+    with pytest.raises(ValueError, match="int32"):
+        transform(words, angles.astype(np.int64), cosines, sines, *constants)
+    read_only = np.empty(8, np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        transform(words, angles, read_only, sines, *constants)
+
+
+@needs_compiler
+def test_a_library_others_may_write_is_not_loaded(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The cached library itself must be this user's alone: one that others may write is refused (and NumPy's
+    transform runs), as is a link in its place."""
+    monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(tmp_path))
+    library = native_noise._compiled()
+    library.chmod(0o777)
+    with pytest.raises(RuntimeError, match="not this user's alone"):
+        native_noise._load(library)
+    monkeypatch.setattr(native_noise, "_loaded", [])
+    assert native_noise.native_transform() is None
+    library.chmod(0o755)
+    moved = library.with_name("elsewhere.so")
+    library.rename(moved)
+    library.symlink_to(moved)
+    with pytest.raises(OSError):
+        native_noise._load(library)  # O_NOFOLLOW: a link is not opened

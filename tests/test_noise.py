@@ -121,7 +121,20 @@ def _narrow_reference(key: bytes, numel: int, std: float) -> tuple[np.ndarray, n
     return (np.concatenate([r * np.cos(theta), (r * np.sin(theta))[:sines]]), np.concatenate([r, r[:sines]]))
 
 
-def test_narrow_noise_is_box_muller_of_the_documented_keystream_words(device: torch.device) -> None:
+@pytest.fixture(params=["compiled", "numpy"])
+def host_transform(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with the host's compiled narrow transform (privacy/native_noise.py; skipped where it cannot be
+    built) and again with NumPy's (``PRIVDEC_NATIVE_NOISE=0``)."""
+    from lightning_privdec.privacy import native_noise
+
+    if request.param == "numpy":
+        monkeypatch.setenv("PRIVDEC_NATIVE_NOISE", "0")
+    elif native_noise.native_transform() is None:
+        pytest.skip("the compiled transform cannot be built here (no C compiler or libmvec)")
+    return request.param
+
+
+def test_narrow_noise_is_box_muller_of_the_documented_keystream_words(device: torch.device, host_transform: str) -> None:
     """float32/bfloat16 draws against a float64 re-computation of the documented format from the raw keystreams:
     every entry within r * 2^-21 (the angle's float32 rounding) plus two ulps of the float64 value, plus, where the
     host takes the radius's logarithm in float32, std^2 2^-24 / r (a relative 2^-24 of 1 - u1); entries with r below
@@ -140,7 +153,7 @@ def test_narrow_noise_is_box_muller_of_the_documented_keystream_words(device: to
         assert float((error <= ulp).float().mean()) > 0.5
 
 
-def test_narrow_noise_on_the_host_takes_the_logarithm_in_float64_only_near_r_0() -> None:
+def test_narrow_noise_on_the_host_takes_the_logarithm_in_float64_only_near_r_0(host_transform: str) -> None:
     """The float32 logarithm of 1 - u1 = m 2^-53 (m the exact integer, rounded to float32: a relative 2^-24) keeps
     the tail's reach, and r within a relative 2^-25 / |log(1 - u1)| + 2^-22 of the float64 radius; below u1 = 2^-12
     (r^2 < ~2^-11) the float64 logarithm of the exact m takes over: r within 2^-22 there. Crafted uniforms at both
@@ -226,7 +239,7 @@ def test_a_fixed_seed_is_reproducible_and_its_state_continues_the_stream() -> No
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_draws_do_not_depend_on_the_chunk_size(monkeypatch: pytest.MonkeyPatch, device: torch.device,
-                                               dtype: torch.dtype) -> None:
+                                               dtype: torch.dtype, host_transform: str) -> None:
     from lightning_privdec.privacy import keystream
 
     expected = node_noise_generator(device, 3, 0).normal(1001, 1.0, dtype)
@@ -352,7 +365,7 @@ def test_noise_added_into_pieces_is_the_one_draw_split_over_them(
 
 @pytest.mark.parametrize("chunk", [6, 64])
 def test_float32_draws_shared_by_several_threads_are_the_one_thread_draws(monkeypatch: pytest.MonkeyPatch,
-                                                                          chunk: int) -> None:
+                                                                          chunk: int, host_transform: str) -> None:
     """Each chunk of a float32 draw reads its own keystream offsets (unaligned ones too: 6 pairs are 48 bytes of
     radius words), so neither the threads that share the chunks nor the chunk size change a value: ``normal`` and
     ``add_normal_`` on 3 threads with small chunks equal one thread's draws in the default chunks, bit for bit; each

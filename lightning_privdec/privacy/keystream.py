@@ -195,7 +195,9 @@ class KeyStream:
       pairs (contiguous writes); r's square root, t and its cosine and sine are float32; on the host the logarithm
       too, except near r = 0 (:func:`_narrow_box_muller`), on other devices it is float64.
 
-    A draw depends on the key, the nonce and its length only, never on the chunk size. On the host a narrow draw's
+    A draw depends on the key, the nonce and its length only, never on the chunk size or the threads (a narrow draw
+    on the host also on the last bits of its transform's logarithm, cosine and sine: compiled or NumPy's, see
+    :mod:`.native_noise`). On the host a narrow draw's
     transform runs in one compiled loop (:mod:`.native_noise`, where a C compiler and glibc's libmvec are found), else
     in NumPy (its SIMD logarithm, sine and cosine are 2-3x torch's on one core), neither spreading a chunk over
     threads that may be busy; the two differ in the last bits of those three functions only. A wide draw's transform

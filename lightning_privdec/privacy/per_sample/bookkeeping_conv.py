@@ -67,13 +67,13 @@ def _conv_weight_grad(
 
 def _weight_shaped(weight: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """An uninitialised stand-in of ``shape`` for ``weight`` in a weight-gradient-only ``convolution_backward``, in
-    the weight's memory format (channels-last where the weight is). A view of the weight (cropped taps) or its
+    the weight's memory format (channels-last, 2-d or 3-d, where the weight is). A view of the weight (cropped taps) or its
     repetition would cost a copy of its values, which the kernel then ignores (3 ms for a cropped 512 x 256 x 3 x 3
     kernel on the host)."""
-    channels_last = weight.dim() == 4 and not weight.is_contiguous() and weight.is_contiguous(
-        memory_format=torch.channels_last)
-    return torch.empty(shape, dtype=dtype, device=weight.device,
-                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    layout = {4: torch.channels_last, 5: torch.channels_last_3d}.get(weight.dim())
+    if layout is None or weight.is_contiguous() or not weight.is_contiguous(memory_format=layout):
+        layout = torch.contiguous_format
+    return torch.empty(shape, dtype=dtype, device=weight.device, memory_format=layout)
 
 
 def _live_taps(module: nn.Module, in_size: torch.Size, out_size: torch.Size) -> list[tuple[int, int]] | None:
