@@ -204,3 +204,25 @@ def test_a_library_others_may_write_is_not_loaded(monkeypatch: pytest.MonkeyPatc
     library.symlink_to(moved)
     with pytest.raises(OSError):
         native_noise._load(library)  # O_NOFOLLOW: a link is not opened
+
+
+def _build_in_child() -> None:
+    if native_noise.native_transform() is None:
+        raise SystemExit(3)
+
+
+@needs_compiler
+def test_a_process_forked_while_another_thread_builds_can_build(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A fork copies the build lock as it is: taken, if another thread was building. The child gets a fresh lock and
+    builds instead of waiting forever."""
+    import multiprocessing
+
+    monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_noise, "_loaded", [])
+    with native_noise._lock:  # as if another thread were building when the process forks
+        child = multiprocessing.get_context("fork").Process(target=_build_in_child)
+        child.start()
+        child.join(timeout=120)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0

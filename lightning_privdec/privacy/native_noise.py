@@ -50,7 +50,18 @@ Transform = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, flo
 
 _lock = threading.Lock()
 _loaded: list[Transform | None] = []
-_OFF = ("0", "false", "off", "no")
+
+
+def _new_lock_in_child() -> None:
+    """A process forked while another thread builds holds a copy of the taken lock: a fresh one lets it build."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
+
+_OFF = ("0", "false", "off", "no")  # values of PRIVDEC_NATIVE_NOISE that switch the compiled transform off
 
 
 def native_transform() -> Transform | None:
