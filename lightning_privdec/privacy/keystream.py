@@ -196,10 +196,9 @@ class KeyStream:
       too, except near r = 0 (:func:`_narrow_box_muller`), on other devices it is float64.
 
     A draw depends on the key, the nonce and its length only, never on the chunk size or the threads (a narrow draw
-    on the host also on the last bits of its transform's logarithm, cosine and sine: compiled or NumPy's, see
-    :mod:`.native_noise`). On the host a narrow draw's
-    transform runs in one compiled loop (:mod:`.native_noise`, where a C compiler and glibc's libmvec are found), else
-    in NumPy (its SIMD logarithm, sine and cosine are 2-3x torch's on one core), neither spreading a chunk over
+    on the host also on the last bits of its transform's logarithm, cosine and sine). On the host a narrow draw's
+    transform runs in one compiled loop (:mod:`.native_noise`, where a C compiler and glibc's libmvec are found),
+    else in NumPy (its SIMD logarithm, sine and cosine are 2-3x torch's on one core), neither spreading a chunk over
     threads that may be busy; the two differ in the last bits of those three functions only. A wide draw's transform
     runs in NumPy. On other devices the transform runs in torch, from a keystream computed on the device where
     :mod:`.device_keystream` works there (the same words), else read on the host and copied.
