@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from lightning_privdec import native
 from lightning_privdec.privacy import keystream, native_noise
 
 #: whether the compiled transform can be built here: a C compiler and glibc's libmvec (Linux)
@@ -85,8 +86,8 @@ def test_numpys_transform_runs_when_switched_off_or_when_the_library_cannot_be_b
 
     monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", "no-such-compiler-here")
-    monkeypatch.setattr(native_noise, "_loaded", [])
-    with caplog.at_level(logging.INFO, logger=native_noise.__name__):
+    monkeypatch.setattr(native, "_built", {})
+    with caplog.at_level(logging.INFO, logger=native.__name__):
         assert native_noise.native_transform() is None
     assert "no C compiler (no-such-compiler-here)" in caplog.text and "libmvec" in caplog.text
 
@@ -95,9 +96,9 @@ def test_numpys_transform_runs_when_switched_off_or_when_the_library_cannot_be_b
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)
     monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(shared))
-    monkeypatch.setattr(native_noise, "_loaded", [])
+    monkeypatch.setattr(native, "_built", {})
     with pytest.raises(RuntimeError, match="not this user's alone"):
-        native_noise._cache_directory()
+        native._cache_directory()
     assert native_noise.native_transform() is None
 
     link = tmp_path / "link"
@@ -105,16 +106,16 @@ def test_numpys_transform_runs_when_switched_off_or_when_the_library_cannot_be_b
     link.symlink_to(tmp_path / "cache", target_is_directory=True)
     monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(link))
     with pytest.raises(RuntimeError, match="symbolic link"):
-        native_noise._cache_directory()
+        native._cache_directory()
 
     if CAN_BUILD:
         monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(tmp_path / "cache"))
         for failing_check in (lambda transform: "gave 1.0 where NumPy's gives 2.0",
                               lambda transform: np.nanargmax(np.full(3, np.nan))):  # a check that raises
-            monkeypatch.setattr(native_noise, "_loaded", [])
+            monkeypatch.setattr(native, "_built", {})
             monkeypatch.setattr(native_noise, "_check", failing_check)
             caplog.clear()
-            with caplog.at_level(logging.WARNING, logger=native_noise.__name__):
+            with caplog.at_level(logging.WARNING, logger=native.__name__):
                 assert native_noise.native_transform() is None
                 assert native_noise.native_transform() is None  # decided once: no second build or check
             assert caplog.text.count("NumPy's transform") == 1 and "PRIVDEC_NATIVE_NOISE=0" in caplog.text
@@ -125,11 +126,11 @@ def test_numpys_transform_runs_when_switched_off_or_when_the_library_cannot_be_b
 def test_the_library_is_compiled_once_into_the_cache_and_checked(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """A second build finds the first one's library (same path, not rewritten); the check passes on it."""
     monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(tmp_path))
-    first = native_noise._compiled()
+    first = native._compiled(native_noise.SOURCE, native_noise.LIBRARIES)
     stamp = first.stat().st_mtime_ns
-    assert native_noise._compiled() == first and first.stat().st_mtime_ns == stamp
+    assert native._compiled(native_noise.SOURCE, native_noise.LIBRARIES) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left
-    monkeypatch.setattr(native_noise, "_loaded", [])
+    monkeypatch.setattr(native, "_built", {})
     assert native_noise.native_transform() is not None
 
 
@@ -192,18 +193,18 @@ def test_a_library_others_may_write_is_not_loaded(monkeypatch: pytest.MonkeyPatc
     """The cached library itself must be this user's alone: one that others may write is refused (and NumPy's
     transform runs), as is a link in its place."""
     monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(tmp_path))
-    library = native_noise._compiled()
+    library = native._compiled(native_noise.SOURCE, native_noise.LIBRARIES)
     library.chmod(0o777)
     with pytest.raises(RuntimeError, match="not this user's alone"):
-        native_noise._load(library)
-    monkeypatch.setattr(native_noise, "_loaded", [])
+        native._load(library)
+    monkeypatch.setattr(native, "_built", {})
     assert native_noise.native_transform() is None
     library.chmod(0o755)
     moved = library.with_name("elsewhere.so")
     library.rename(moved)
     library.symlink_to(moved)
     with pytest.raises(OSError):
-        native_noise._load(library)  # O_NOFOLLOW: a link is not opened
+        native._load(library)  # O_NOFOLLOW: a link is not opened
 
 
 def _build_in_child() -> None:
@@ -218,8 +219,8 @@ def test_a_process_forked_while_another_thread_builds_can_build(monkeypatch: pyt
     import multiprocessing
 
     monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(native_noise, "_loaded", [])
-    with native_noise._lock:  # as if another thread were building when the process forks
+    monkeypatch.setattr(native, "_built", {})
+    with native._lock:  # as if another thread were building when the process forks
         child = multiprocessing.get_context("fork").Process(target=_build_in_child)
         child.start()
         child.join(timeout=120)

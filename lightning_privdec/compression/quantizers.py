@@ -14,6 +14,7 @@ import torch
 
 from .base import Compressor, PayloadSpec, Workspace, _check_dim, public_stream, public_words
 from .bits import pack_bits, packed_nbytes, unpack_bits
+from .native_qsgd import Kernels, qsgd8_kernels
 
 __all__ = ["QSGD", "Sign"]
 
@@ -57,6 +58,13 @@ def _uniform(d: int, key: int, device: torch.device, dtype: torch.dtype) -> torc
         chunk = out[start : start + _chunk_size(d, start)]
         chunk.copy_(_dither(stream, chunk.numel(), wide, None)).mul_(2.0 ** -(53 if wide else 24))
     return out
+
+
+def _kernels(native: bool | Kernels) -> Kernels | None:
+    """The compiled kernels to use: ``native`` itself, the process's (True), or none (False)."""
+    if isinstance(native, Kernels):
+        return native
+    return qsgd8_kernels() if native else None
 
 
 def _signs(packed_signs: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
@@ -128,10 +136,13 @@ class QSGD(Compressor):
         return self._quantize(torch.sub(x, copy, out=difference), key, workspace, feedback=copy)
 
     def _quantize(
-        self, x: torch.Tensor, key: int, workspace: Workspace | None, feedback: torch.Tensor | None = None
+        self, x: torch.Tensor, key: int, workspace: Workspace | None, feedback: torch.Tensor | None = None,
+        native: bool | Kernels = True,
     ) -> list[torch.Tensor]:
         """The payload of ``x`` (left unchanged), chunk by chunk: each chunk's signs, dithered levels and packed bits
-        while it is in the cache; with ``feedback`` (a copy of x's dtype), ``feedback += decode(payload)`` too."""
+        while it is in the cache; with ``feedback`` (a copy of x's dtype), ``feedback += decode(payload)`` too. On the
+        host, 8-bit float32 chunks run in compiled C where it builds (:mod:`.native_qsgd`, the same bits; ``native``:
+        False never, or the kernels to use)."""
         d, work, device = x.numel(), _work_dtype(x.dtype), x.device
         wide = work == torch.float64
         xw = x.to(work)
@@ -148,9 +159,15 @@ class QSGD(Compressor):
         host = device.type == "cpu"
         if host:
             unit, signs_host = np.dtype(str(work).removeprefix("torch.")).type(factor.item()), signs.numpy()
+        kernels = _kernels(native) if host and self.bits == 8 and work == torch.float32 else None
         for start in _chunks(d):
             n = _chunk_size(d, start)
             chunk = xw[start : start + n]
+            if kernels is not None:
+                kernels.encode(chunk.numpy(), _dither(stream, n, wide, workspace).numpy(), float(unit), self.s,
+                               scale, levels[start : start + n].numpy(), signs_host[start // 8 : start // 8 + (n + 7) // 8],
+                               None if feedback is None else feedback[start : start + n].numpy())
+                continue
             negative = scratch.at_least("qsgd_negative", n, torch.bool, device)
             scaled = scratch.at_least("qsgd_scaled", n, work, device)
             chunk_levels = (levels[start : start + n] if self.bits == 8
@@ -210,8 +227,24 @@ class QSGD(Compressor):
         self._check_payload(payload, d, out.dtype)
         if out.dtype != _work_dtype(out.dtype):  # half precision: decode in float32, then round and add
             return out.add_(self._decode(payload, d, out.dtype))
+        return self._decode_add(payload, out, workspace)
+
+    def _decode_add(self, payload: Sequence[torch.Tensor], out: torch.Tensor, workspace: Workspace | None = None,
+                    native: bool | Kernels = True) -> torch.Tensor:
+        """:meth:`decode_add_` of a checked payload into a float32 or float64 ``out``; on the host, 8-bit float32 in
+        compiled C where it builds (:mod:`.native_qsgd`, the same bits; ``native``: False never, or the kernels)."""
+        d = out.numel()
         packed_levels, packed_signs, norm = payload
         scale = self._scale(norm, d, out.dtype)
+        kernels = (_kernels(native) if out.device.type == "cpu" and self.bits == 8 and out.dtype == torch.float32
+                   and packed_levels.device.type == "cpu" else None)  # fmt: skip
+        if kernels is not None:
+            for start in _chunks(d):
+                n = _chunk_size(d, start)
+                kernels.decode_add(packed_levels[start : start + n].numpy(),
+                                   packed_signs[start // 8 : start // 8 + (n + 7) // 8].numpy(), scale,
+                                   out[start : start + n].numpy())
+            return out
         scratch = workspace if workspace is not None else Workspace()
         for start in _chunks(d):
             n = _chunk_size(d, start)

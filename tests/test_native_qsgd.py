@@ -1,0 +1,73 @@
+"""QSGD(8)'s compiled host loops (compression/native_qsgd.py): the NumPy/torch path's bits, used where they build,
+and the NumPy/torch path whenever they cannot be built or trusted."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lightning_privdec import native
+from lightning_privdec.compression import QSGD, native_qsgd
+from lightning_privdec.compression.base import Workspace
+from tests.test_native_noise import needs_compiler
+
+
+def _encode_decode(x: torch.Tensor, copy: torch.Tensor, key: int, use) -> list[torch.Tensor]:  # noqa: ANN001
+    quantizer, sender, receiver = QSGD(8), copy.clone(), copy.clone()
+    payload = quantizer._quantize(torch.sub(x, sender), key, Workspace(), feedback=sender, native=use)
+    plain = quantizer._quantize(x, key, None, native=use)  # encode without feedback
+    quantizer._decode_add(payload, receiver, native=use)
+    return [*payload, *plain, sender, receiver]
+
+
+@needs_compiler
+@pytest.mark.parametrize("d", [1, 8, 13, (1 << 18) + 5, 3 * (1 << 18)])
+def test_the_compiled_loops_give_the_numpy_paths_bits(d: int) -> None:
+    """Levels, sign bits, norm, the sender's fed-back copy and a receiver's decoded copy: bit for bit, for sizes
+    within one byte of sign bits, over chunk boundaries and on whole chunks."""
+    kernels = native_qsgd.qsgd8_kernels()
+    assert kernels is not None
+    generator = torch.Generator().manual_seed(d)
+    x, copy = torch.randn(d, generator=generator) * 3, torch.randn(d, generator=generator)
+    for expected, got in zip(_encode_decode(x, copy, 7, False), _encode_decode(x, copy, 7, kernels)):
+        assert native_qsgd._same_bits(expected, got)
+
+
+@needs_compiler
+def test_encoding_and_decoding_on_the_host_go_through_the_compiled_loops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """encode_feedback_ and decode_add_ of a float32 vector on the host call the kernels, chunk by chunk; with
+    PRIVDEC_NATIVE_QSGD=0 they do not."""
+    kernels = native_qsgd.qsgd8_kernels()
+    assert kernels is not None
+    calls = []
+    counted = native_qsgd.Kernels(lambda *a: calls.append("encode") or kernels.encode(*a),
+                                  lambda *a: calls.append("decode") or kernels.decode_add(*a))
+    monkeypatch.setattr(native_qsgd, "qsgd8_kernels", lambda: counted)
+    from lightning_privdec.compression import quantizers
+
+    monkeypatch.setattr(quantizers, "qsgd8_kernels", lambda: counted)
+    x, copy, out = torch.randn((1 << 18) + 3), torch.zeros((1 << 18) + 3), torch.zeros((1 << 18) + 3)
+    payload = QSGD(8).encode_feedback_(x, copy, 3, Workspace())
+    QSGD(8).decode_add_(payload, out, 3, Workspace())
+    assert calls == ["encode", "encode", "decode", "decode"]
+    assert torch.equal(out, copy)  # the receiver's copy is the sender's
+    monkeypatch.undo()
+    monkeypatch.setenv("PRIVDEC_NATIVE_QSGD", "0")
+    assert native_qsgd.qsgd8_kernels() is None
+
+
+@needs_compiler
+def test_a_failed_check_leaves_the_numpy_path(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A kernel that gives other bits is never used: the NumPy/torch path runs, said once, decided once."""
+    monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native_qsgd, "_same_bits", lambda expected, got: False)
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native_qsgd.qsgd8_kernels() is None
+        assert native_qsgd.qsgd8_kernels() is None
+    assert caplog.text.count("gave other levels bits") == 1 and "PRIVDEC_NATIVE_QSGD=0" in caplog.text
+    x, copy = torch.randn(100), torch.zeros(100)
+    assert QSGD(8).encode_feedback_(x, copy, 1)[0].shape == (100,)  # encodes, through the NumPy/torch path
