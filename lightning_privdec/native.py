@@ -34,14 +34,16 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fPIC"
 OFF = ("0", "false", "off", "no")
 
 T = TypeVar("T")
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards _locks
+_locks: dict[str, threading.Lock] = {}  # one per kernel: a kernel's build never waits for another's
 _built: dict[str, Any] = {}
+_building = threading.local()  # the names this thread is building (a check that reaches its own kernel gets None)
 
 
 def _new_lock_in_child() -> None:
-    """A process forked while another thread builds holds a copy of the taken lock: a fresh one lets it build."""
-    global _lock
-    _lock = threading.Lock()
+    """A process forked while another thread builds holds copies of taken locks: fresh ones let it build."""
+    global _lock, _locks
+    _lock, _locks = threading.Lock(), {}
 
 
 if hasattr(os, "register_at_fork"):
@@ -53,12 +55,23 @@ def switched_off(variable: str) -> bool:
     return os.environ.get(variable, "1").strip().lower() in OFF
 
 
-def once(name: str, build: Callable[[], T]) -> T:
-    """``build()``'s result for ``name``, built once per process (the first caller builds, the others wait)."""
-    if name not in _built:
-        with _lock:
-            if name not in _built:
+def once(name: str, build: Callable[[], T | None]) -> T | None:
+    """``build()``'s result for ``name``, built once per process (the first caller builds, the others wait for that
+    kernel only); None to a call from within its own build (a check that reaches its own kernel: the fallback)."""
+    if name in _built:
+        return _built[name]
+    building = getattr(_building, "names", frozenset())
+    if name in building:
+        return None
+    with _lock:
+        lock = _locks.setdefault(name, threading.Lock())
+    with lock:
+        if name not in _built:
+            _building.names = building | {name}
+            try:
                 _built[name] = build()
+            finally:
+                _building.names = building
     return _built[name]
 
 

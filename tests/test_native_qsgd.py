@@ -4,6 +4,9 @@ and the NumPy/torch path whenever they cannot be built or trusted."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import sys
 
 import pytest
 import torch
@@ -11,7 +14,11 @@ import torch
 from lightning_privdec import native
 from lightning_privdec.compression import QSGD, native_qsgd
 from lightning_privdec.compression.base import Workspace
-from tests.test_native_noise import needs_compiler
+#: the QSGD kernels need a C compiler on Linux (no libmvec)
+needs_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc").split()[0]) is None or not sys.platform.startswith("linux"),
+    reason="needs a C compiler (Linux)",
+)
 
 
 def _encode_decode(x: torch.Tensor, copy: torch.Tensor, key: int, use) -> list[torch.Tensor]:  # noqa: ANN001
@@ -52,7 +59,7 @@ def test_encoding_and_decoding_on_the_host_go_through_the_compiled_loops(monkeyp
     payload = QSGD(8).encode_feedback_(x, copy, 3, Workspace())
     QSGD(8).decode_add_(payload, out, 3, Workspace())
     assert calls == ["encode", "encode", "decode", "decode"]
-    assert torch.equal(out, copy)  # the receiver's copy is the sender's
+    assert native_qsgd._same_bits(out, copy)  # the receiver's copy is the sender's, bit for bit
     monkeypatch.undo()
     monkeypatch.setenv("PRIVDEC_NATIVE_QSGD", "0")
     assert native_qsgd.qsgd8_kernels() is None
@@ -71,3 +78,38 @@ def test_a_failed_check_leaves_the_numpy_path(monkeypatch: pytest.MonkeyPatch, t
     assert caplog.text.count("gave other levels bits") == 1 and "PRIVDEC_NATIVE_QSGD=0" in caplog.text
     x, copy = torch.randn(100), torch.zeros(100)
     assert QSGD(8).encode_feedback_(x, copy, 1)[0].shape == (100,)  # encodes, through the NumPy/torch path
+
+
+@needs_compiler
+def test_the_clamp_and_strided_tensors() -> None:
+    """A lone coordinate whose dithered level is s + 1 before the clamp (key 103638) gets s on both paths; strided
+    copies, outputs and inputs take the NumPy/torch path and give its values."""
+    kernels = native_qsgd.qsgd8_kernels()
+    assert kernels is not None
+    clamped = _encode_decode(torch.tensor([-1.0]), torch.zeros(1), 103638, kernels)
+    assert int(clamped[0][0]) == 128
+    for expected, got in zip(_encode_decode(torch.tensor([-1.0]), torch.zeros(1), 103638, False), clamped):
+        assert native_qsgd._same_bits(expected, got)
+    x = torch.randn(1000)
+    strided_copy, copy = torch.zeros(2000)[::2], torch.zeros(1000)
+    payload = QSGD(8).encode_feedback_(x, strided_copy, 5)
+    assert native_qsgd._same_bits(payload[0], QSGD(8).encode_feedback_(x, copy, 5)[0])
+    assert native_qsgd._same_bits(strided_copy.contiguous(), copy)
+    strided_out = torch.zeros(2000)[::2]
+    QSGD(8).decode_add_(payload, strided_out, 5)
+    assert native_qsgd._same_bits(strided_out.contiguous(), copy)
+
+
+def test_a_build_that_reaches_its_own_kernel_gets_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel's check that reaches a path using that kernel gets None (the fallback) instead of waiting forever on
+    its own build; another kernel's build does not wait for it."""
+    monkeypatch.setattr(native, "_built", {})
+    seen = []
+
+    def build() -> str:
+        seen.append(native.once("kernel", build))  # re-entrant: the fallback
+        seen.append(native.once("other", lambda: "other kernel"))  # another kernel: built meanwhile
+        return "kernel"
+
+    assert native.once("kernel", build) == "kernel" and seen == [None, "other kernel"]
+    assert native.once("kernel", lambda: "rebuilt") == "kernel"  # once

@@ -57,10 +57,11 @@ def _kernels_of(library: Any) -> Kernels:
     return Kernels(run_encode, run_decode)
 
 
-def check_vectors() -> list[tuple[Any, Any]]:
-    """(x, copy) pairs that reach every branch: random ones over two chunks and a partial byte of sign bits; zeros;
-    negative zeros; one non-zero coordinate (its level is s); values so small that every level is 0 or 1; a NaN
-    (the norm is NaN, every level 0); a copy equal to x (a zero difference)."""
+def check_vectors() -> list[tuple[Any, Any, int]]:
+    """(x, copy, key) triples that reach every branch: random vectors over two chunks with a partial byte of sign
+    bits, and of 40 coordinates (levels over 0..s); zeros; negative zeros; one non-zero coordinate whose dithered
+    level is s + 1 before the clamp (key 103638: its 24-bit dither is at least 2^24 - 128); values with a tiny
+    non-zero norm; a NaN (the norm is NaN, every level 0); values whose norm overflows float32; a zero difference."""
     import torch
 
     from lightning_privdec.compression.quantizers import _QUANTIZE_CHUNK
@@ -69,29 +70,31 @@ def check_vectors() -> list[tuple[Any, Any]]:
     d = _QUANTIZE_CHUNK + 13
     x = torch.randn(d, generator=generator)
     copy = torch.randn(d, generator=generator) * 0.5
-    one_hot = torch.zeros(1001)
-    one_hot[17] = -3.0
     with_nan = torch.randn(37, generator=generator)
     with_nan[5] = float("nan")
-    return [(x, copy), (torch.zeros(77), torch.zeros(77)), (torch.full((9,), -0.0), torch.zeros(9)),
-            (one_hot, torch.zeros(1001)), (torch.randn(333, generator=generator) * 1e-30, torch.zeros(333)),
-            (with_nan, torch.zeros(37)), (x[:1000], x[:1000].clone())]
+    huge = torch.tensor([1e30, -1e30, 3e29, -2e30, 1.0])
+    return [(x, copy, 1000), (torch.randn(40, generator=generator), torch.zeros(40), 1001),
+            (torch.zeros(77), torch.zeros(77), 1002), (torch.full((9,), -0.0), torch.zeros(9), 1003),
+            (torch.tensor([-1.0]), torch.zeros(1), 103638),
+            (torch.randn(333, generator=generator) * 1e-18, torch.zeros(333), 1005),
+            (with_nan, torch.zeros(37), 1006), (huge, torch.zeros(5), 1007), (x[:1000], x[:1000].clone(), 1008)]
 
 
 def _check(kernels: Kernels) -> str | None:
     """The kernels against the NumPy/torch path on :func:`check_vectors`: the payload, the sender's copy after the
-    feedback and a receiver's copy after decoding, bit for bit; None, or what differs."""
+    feedback and a receiver's copy after decoding, bit for bit (a NaN matching any NaN: a NaN or overflowing norm
+    makes the copies NaN, with the sign bits of each path's negation); None, or what differs."""
     import torch
 
     from lightning_privdec.compression.quantizers import QSGD
 
     quantizer = QSGD(8)
-    for k, (x, copy) in enumerate(check_vectors()):
+    for k, (x, copy, key) in enumerate(check_vectors()):
         results = []
         for use in (False, kernels):
             sender, receiver = copy.clone(), copy.clone()
             with np.errstate(invalid="ignore"):  # NumPy's cast of the NaN vector's NaN level (to 0)
-                payload = quantizer._quantize(torch.sub(x, sender), 1000 + k, None, feedback=sender, native=use)
+                payload = quantizer._quantize(torch.sub(x, sender), key, None, feedback=sender, native=use)
             quantizer._decode_add(payload, receiver, native=use)
             results.append([*payload, sender, receiver])
         for name, expected, got in zip(("levels", "signs", "norm", "feedback", "decoded"), *results):

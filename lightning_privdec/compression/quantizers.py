@@ -159,7 +159,8 @@ class QSGD(Compressor):
         host = device.type == "cpu"
         if host:
             unit, signs_host = np.dtype(str(work).removeprefix("torch.")).type(factor.item()), signs.numpy()
-        kernels = _kernels(native) if host and self.bits == 8 and work == torch.float32 else None
+        contiguous = xw.is_contiguous() and (feedback is None or feedback.is_contiguous())
+        kernels = _kernels(native) if host and self.bits == 8 and work == torch.float32 and contiguous else None
         for start in _chunks(d):
             n = _chunk_size(d, start)
             chunk = xw[start : start + n]
@@ -236,8 +237,8 @@ class QSGD(Compressor):
         d = out.numel()
         packed_levels, packed_signs, norm = payload
         scale = self._scale(norm, d, out.dtype)
-        kernels = (_kernels(native) if out.device.type == "cpu" and self.bits == 8 and out.dtype == torch.float32
-                   and packed_levels.device.type == "cpu" else None)  # fmt: skip
+        on_host = all(t.device.type == "cpu" and t.is_contiguous() for t in (out, packed_levels, packed_signs))
+        kernels = _kernels(native) if on_host and self.bits == 8 and out.dtype == torch.float32 else None
         if kernels is not None:
             for start in _chunks(d):
                 n = _chunk_size(d, start)
