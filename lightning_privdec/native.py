@@ -13,6 +13,7 @@ NumPy or torch path before use and falls back to that path on any failure (:func
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -180,6 +181,19 @@ def _load(path: Path) -> ctypes.CDLL:
     return loaded
 
 
+@functools.cache
+def _toolchain(cc: str) -> tuple[list[str], str]:
+    """The compiler command ``cc`` names and what a library built by it depends on (the command, its version,
+    glibc's version, the CPU), once per process and ``$CC`` for every kernel."""
+    compiler = shlex.split(cc)
+    if not compiler or shutil.which(compiler[0]) is None:
+        raise RuntimeError(f"no C compiler ({cc}) on the PATH")
+    if platform.system() != "Linux":
+        raise RuntimeError(f"the kernels are built for glibc (Linux); this is {platform.system()}")
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    return compiler, repr((compiler, version, platform.libc_ver(), _cpu_signature()))
+
+
 def _cpu_signature() -> str:
     """What -march=native compiles for: the CPU's model and flags where Linux says them."""
     try:
@@ -192,15 +206,9 @@ def _cpu_signature() -> str:
 
 def _compiled(source: Path, libraries: Sequence[str] = ()) -> Path:
     """The library's path in the cache, compiled there first when absent."""
-    compiler = shlex.split(os.environ.get("CC", "cc"))
-    if not compiler or shutil.which(compiler[0]) is None:
-        raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')}) on the PATH")
-    if platform.system() != "Linux":
-        raise RuntimeError(f"the kernels are built for glibc (Linux); this is {platform.system()}")
-    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    compiler, toolchain = _toolchain(os.environ.get("CC", "cc"))
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), repr((FLAGS, tuple(libraries), compiler, version, platform.libc_ver())).encode(),
-                 _cpu_signature().encode()):
+    for part in (source.read_bytes(), repr((FLAGS, tuple(libraries))).encode(), toolchain.encode()):
         digest.update(part)
     directory = _cache_directory()
     target = directory / f"{source.stem.lstrip('_')}-{digest.hexdigest()[:24]}.so"

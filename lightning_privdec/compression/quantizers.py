@@ -166,7 +166,7 @@ class QSGD(Compressor):
             chunk = xw[start : start + n]
             if kernels is not None:
                 kernels.encode(chunk.numpy(), _dither(stream, n, wide, workspace).numpy(), float(unit), self.s,
-                               scale, levels[start : start + n].numpy(), signs_host[start // 8 : start // 8 + (n + 7) // 8],
+                               scale, levels[start : start + n].numpy(), signs_host[start // 8 : start // 8 + packed_nbytes(n, 1)],
                                None if feedback is None else feedback[start : start + n].numpy())
                 continue
             negative = scratch.at_least("qsgd_negative", n, torch.bool, device)
@@ -243,7 +243,7 @@ class QSGD(Compressor):
             for start in _chunks(d):
                 n = _chunk_size(d, start)
                 kernels.decode_add(packed_levels[start : start + n].numpy(),
-                                   packed_signs[start // 8 : start // 8 + (n + 7) // 8].numpy(), scale,
+                                   packed_signs[start // 8 : start // 8 + packed_nbytes(n, 1)].numpy(), scale,
                                    out[start : start + n].numpy())
             return out
         scratch = workspace if workspace is not None else Workspace()

@@ -16,12 +16,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
 from typing import Any
 
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from torch import Tensor
+
+from lightning_privdec import native
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def device_keystream_available(device: torch.device) -> bool:
     ``PRIVDEC_DEVICE_KEYSTREAM=0``, and once per process and device only after the kernel reproduced known answers
     there (RFC 8439's blocks, from ``cryptography``); a kernel that cannot build or gives other words leaves the
     keystream on the host (the same values), said once in the log."""
-    if device.type != "cuda" or os.environ.get("PRIVDEC_DEVICE_KEYSTREAM", "1") == "0" or not _have_triton():
+    if device.type != "cuda" or native.switched_off("PRIVDEC_DEVICE_KEYSTREAM") or not _have_triton():
         return False
     return _known_answer(str(device if device.index is not None else torch.device("cuda", torch.cuda.current_device())))
 

@@ -441,7 +441,9 @@ class CorrelatedNoise:
     def _standard_normal(self, j: int, round: int, numel: int, device: torch.device) -> Tensor:
         """z_ij^(round) ~ N(0, I_numel) in float64 on ``device``, the same at both ends of the edge."""
         device = torch.device(device)
-        buffers = self._buffers.get(device) or self._buffers.setdefault(device, KeystreamBuffers(device))
+        buffers = self._buffers.get(device)
+        if buffers is None:  # made once per device (it checks whether the device computes the keystream)
+            buffers = self._buffers[device] = KeystreamBuffers(device)
         return keyed_standard_normal(self._stream_key(j, round), numel, device, buffers)
 
     def sum_for_round(
