@@ -483,3 +483,29 @@ def test_a_convolution_with_dead_taps_writes_its_clipped_sum_into_the_kept_buffe
         conv_b.grad.add_(1.0)
     kept.detach()
     fresh.detach()
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_patches_from_a_strided_view_equal_unfolds(channels_last: bool, dtype: torch.dtype) -> None:
+    """Ghost norms read a convolution's patches from a strided view of the padded input (unfold's im2col walks the
+    batch one example at a time): the same values in the same order as ``nn.functional.unfold``, bit for bit, for
+    padding, stride, dilation, rectangular kernels, a 1 x 1 map and a strided input with a storage offset."""
+    import itertools
+
+    checked = 0
+    for (h, w), kernel, dilation, padding, stride in itertools.product(
+        [(5, 7), (1, 1), (3, 9)], [(1, 1), (3, 3), (2, 3)], [(1, 1), (2, 1)], [(0, 0), (1, 2)], [(1, 1), (2, 3)]
+    ):
+        a = torch.randn(3, 4, h, w).to(dtype)
+        a = a.to(memory_format=torch.channels_last) if channels_last else a
+        out = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, d, p, s in zip((h, w), kernel, dilation, padding, stride)]
+        if min(out) <= 0:
+            continue
+        expected = nn.functional.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)
+        assert torch.equal(bookkeeping_conv._unfold(a, kernel, dilation, padding, stride, tuple(out)), expected)
+        checked += 1
+    assert checked >= 60  # the geometries whose output is not empty
+    offset = torch.randn(6, 4, 9, 9).to(dtype)[2:5, :, 1:8, :]  # not contiguous, storage offset > 0
+    expected = nn.functional.unfold(offset, (3, 3), padding=(1, 1))
+    assert torch.equal(bookkeeping_conv._unfold(offset, (3, 3), (1, 1), (1, 1), (1, 1), (7, 9)), expected)

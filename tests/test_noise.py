@@ -363,6 +363,31 @@ def test_noise_added_into_pieces_is_the_one_draw_split_over_them(
         assert torch.equal(out, torch.add(noise_piece, summed, alpha=scale))
 
 
+def test_noise_added_on_an_accelerator_is_one_add_per_chunk_and_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces small enough for the calling thread are for the host's intra-op threads: added into tensors elsewhere
+    (here the meta device, as a GPU's gradients), each parameter's part of each chunk is one addition (one kernel
+    launch), however many threads torch has."""
+    from lightning_privdec.privacy import keystream, noise
+
+    monkeypatch.setattr(keystream, "CHUNK_WORDS", 1 << 12)
+    monkeypatch.setattr(noise, "_SERIAL", 64)  # the host's pieces: far smaller than a chunk
+    torch.set_num_threads(2)  # (tests/conftest.py restores the count)
+    sizes = (5000, 3, 70000)  # 75003 entries: 19 chunks of 4096 words, the first and last parameter over several
+    additions, add = [], torch.add
+
+    def counted_add(noise, summed, **kwargs):  # noqa: ANN001, ANN003, ANN202 - called by the drawing threads too
+        additions.append(summed.numel())
+        return add(noise, summed, **kwargs)
+
+    monkeypatch.setattr(torch, "add", counted_add)
+    outs = [torch.empty(n, device="meta") for n in sizes]
+    node_noise_generator("cpu", 4, 1).add_normal_(outs, 0.5, [torch.zeros(n, device="meta") for n in sizes], 1.0)
+    chunks = -(-sum(sizes) // (1 << 12))
+    assert sum(additions) == sum(sizes)
+    assert len(additions) <= chunks + len(sizes)  # the host's pieces of 64 entries would be over a thousand
+    assert max(additions) > 1 << 11
+
+
 @pytest.mark.parametrize("chunk", [6, 64])
 def test_float32_draws_shared_by_several_threads_are_the_one_thread_draws(monkeypatch: pytest.MonkeyPatch,
                                                                           chunk: int, host_transform: str) -> None:

@@ -169,7 +169,10 @@ class NoiseGenerator:
         flat_outs = [o.view(-1) for o in outs]
         flat_sums = [t.reshape(-1) for t in sums]
         offsets = list(itertools.accumulate((o.numel() for o in flat_outs), initial=0))
-        serial = _SERIAL if torch.get_num_threads() > 1 else offsets[-1]  # one thread: no piece need be small
+        # pieces small enough for the calling thread only where intra-op threads run them (the host, several threads):
+        # on an accelerator a piece is a kernel launch, and each parameter's part of a chunk is one piece
+        on_host_threads = outs[0].device.type == "cpu" and torch.get_num_threads() > 1
+        serial = _SERIAL if on_host_threads else offsets[-1]
 
         def add(start: int, values: Tensor) -> None:  # entries [start, ..) of the draw, into their pieces
             end, position = start + values.numel(), start

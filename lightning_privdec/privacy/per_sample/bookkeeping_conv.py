@@ -226,11 +226,26 @@ def _as_2d(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, tup
     return a, g, (module.kernel_size, module.dilation, module.padding, module.stride)
 
 
+def _unfold(a: Tensor, kernel: tuple, dilation: tuple, padding: tuple, stride: tuple, out_size: tuple) -> Tensor:
+    """``nn.functional.unfold``'s (B, C * kh * kw, T) patches of a 2-d map, copied once out of a strided view of the
+    padded input: the same values in the same order, without unfold's kernel call per example (im2col walks the
+    batch one example at a time: a launch per example on a GPU)."""
+    padded = nn.functional.pad(a, (padding[1], padding[1], padding[0], padding[0]))
+    (batch, channels), (out_h, out_w) = padded.shape[:2], out_size
+    s_b, s_c, s_h, s_w = padded.stride()
+    view = padded.as_strided(
+        (batch, channels, kernel[0], kernel[1], out_h, out_w),
+        (s_b, s_c, dilation[0] * s_h, dilation[1] * s_w, stride[0] * s_h, stride[1] * s_w),
+        padded.storage_offset(),
+    )
+    return view.reshape(batch, channels * kernel[0] * kernel[1], out_h * out_w)
+
+
 def _conv_ghost_norms(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Ghost norms of a Conv1d/Conv2d: unfold the input into patches U (B, p * groups, T), then per group; (B,
     groups) estimates and the Grams' diagonals (:func:`_gram_inner_products`)."""
     a, g, (kernel, dilation, padding, stride) = _as_2d(module, a, g)
-    patches = nn.functional.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)
+    patches = _unfold(a, kernel, dilation, padding, stride, g.shape[2:])
     batch, groups, steps = g.shape[0], module.groups, patches.shape[-1]
     u = patches.view(batch * groups, -1, steps)
     grads = g.reshape(batch * groups, -1, steps)
