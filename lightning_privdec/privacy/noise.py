@@ -166,8 +166,8 @@ class NoiseGenerator:
         dtype) followed by ``torch.add(noise, sum, alpha=sums_scale, out=out)`` per piece gives, without the
         model-sized noise vector (each chunk is added while it is in the cache, by the thread that drew it, in pieces
         that torch runs on that thread). ``outs`` are contiguous tensors of one dtype; an ``out`` may be its ``sum``."""
-        flat_outs = [o.view(-1) for o in outs]
-        flat_sums = [t.reshape(-1) for t in sums]
+        flat_outs = [o if o.dim() == 1 else o.view(-1) for o in outs]
+        flat_sums = [t if t.dim() == 1 else t.reshape(-1) for t in sums]
         offsets = list(itertools.accumulate((o.numel() for o in flat_outs), initial=0))
         # pieces small enough for the calling thread only where intra-op threads run them (the host, several threads):
         # on an accelerator a piece is a kernel launch, and each parameter's part of a chunk is one piece
@@ -182,8 +182,13 @@ class NoiseGenerator:
                     piece += 1
                 stop = min(end, offsets[piece + 1], position + serial)
                 lo, hi = position - offsets[piece], stop - offsets[piece]
-                noise = values[position - start : stop - start].to(flat_outs[piece].device)
-                torch.add(noise, flat_sums[piece][lo:hi], alpha=sums_scale, out=flat_outs[piece][lo:hi])
+                out, summed = flat_outs[piece], flat_sums[piece]
+                if hi - lo < out.numel():  # a part of the piece (a whole one is taken as it is: no slicing op)
+                    out, summed = out[lo:hi], summed[lo:hi]
+                noise = values if stop - position == values.numel() else values[position - start : stop - start]
+                if noise.device != out.device:
+                    noise = noise.to(out.device)
+                torch.add(noise, summed, alpha=sums_scale, out=out)
                 position = stop
 
         total, dtype = offsets[-1], outs[0].dtype

@@ -102,6 +102,8 @@ def weighted_row_sum(weights: Tensor, rows: Tensor) -> Tensor:
     whatever the number of rows."""
     work = torch.promote_types(rows.dtype, torch.float32)
     weights = weights.to(device=rows.device, dtype=work)
+    if rows.shape[0] <= SUM_BLOCK:  # one block (as sum_by_blocks would take it, without slicing ops)
+        return torch.einsum("i,i...->...", weights, rows if rows.dtype == work else rows.to(work))
     return sum_by_blocks(
         rows.shape[0], SUM_BLOCK, lambda block: {0: torch.einsum("i,i...->...", weights[block], rows[block].to(work))}
     )[0]
