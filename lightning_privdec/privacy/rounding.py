@@ -102,11 +102,14 @@ def weighted_row_sum(weights: Tensor, rows: Tensor) -> Tensor:
     whatever the number of rows."""
     work = torch.promote_types(rows.dtype, torch.float32)
     weights = weights.to(device=rows.device, dtype=work)
+
+    def block_sum(w: Tensor, r: Tensor) -> Tensor:  # one matrix-vector product (einsum's takes about 5 operations)
+        r = r if r.dtype == work else r.to(work)
+        return torch.mv(r.reshape(r.shape[0], math.prod(r.shape[1:])).t(), w).view(r.shape[1:])
+
     if rows.shape[0] <= SUM_BLOCK:  # one block (as sum_by_blocks would take it, without slicing ops)
-        return torch.einsum("i,i...->...", weights, rows if rows.dtype == work else rows.to(work))
-    return sum_by_blocks(
-        rows.shape[0], SUM_BLOCK, lambda block: {0: torch.einsum("i,i...->...", weights[block], rows[block].to(work))}
-    )[0]
+        return block_sum(weights, rows)
+    return sum_by_blocks(rows.shape[0], SUM_BLOCK, lambda block: {0: block_sum(weights[block], rows[block])})[0]
 
 
 #: vector norms are summed in float32 over blocks of this many entries, the blocks' squares in float64

@@ -296,11 +296,12 @@ class _PerSampleArithmetic:
         if marked and bool(torch.stack(marked).any()):
             # ill-conditioned examples somewhere (one host synchronisation per pass): computed apart in float64
             bounds = [bookkeeping.compute_exact(r.module, r.activations[0], r.backprops, b) for r, b in zip(bookkept, bounds)]
-        for r, bound in zip(bookkept, bounds):
-            squared[: r.backprops.shape[0]] += bound.upper.square()
+        _add_squares(squared, [bound.upper for bound in bounds])
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for gs in materialised.values():
-            rows = norm_upper_bound(gs.flatten(1), dim=1)
-            squared[: gs.shape[0]] += (rows * (1 + sum_rounding(SUM_BLOCK, _sum_dtype(gs)))).square()
+            by_dtype.setdefault(_sum_dtype(gs), []).append(norm_upper_bound(gs.flatten(1), dim=1))
+        for work, rows in by_dtype.items():
+            _add_squares(squared, rows, 1 + sum_rounding(SUM_BLOCK, work))
         norms = squared.sqrt()
         factor = clip_factor(norms, max_grad_norm)
         # sum_i c_i grad_i: one weight-gradient computation per layer (layers of one shape batched)
@@ -326,6 +327,18 @@ def mean_loss_multiplier(batch_size: int, expected_batch_size: float | None = No
         return 1.0
     reference = max(float(expected_batch_size or batch_size), 1.0)
     return batch_size / 2.0 ** math.ceil(math.log2(reference))
+
+
+def _add_squares(squared: Tensor, norms: list[Tensor], scale: float = 1.0) -> None:
+    """``squared[:n] += (scale norms_k)^2`` for each float64 vector ``norms_k`` of n <= B entries, those of all B
+    entries stacked and summed in one reduction (a handful of operations for every layer, not several per layer)."""
+    full = [v for v in norms if v.shape[0] == squared.shape[0]]
+    if full:
+        stacked = torch.stack(full)
+        squared += (stacked if scale == 1.0 else stacked.mul_(scale)).square_().sum(dim=0)
+    for v in norms:
+        if v.shape[0] != squared.shape[0]:
+            squared[: v.shape[0]] += (v * scale).square()
 
 
 def _sum_dtype(t: Tensor) -> torch.dtype:
