@@ -44,13 +44,13 @@ def test_the_compiled_loops_give_the_numpy_paths_bits(d: int) -> None:
 
 @needs_compiler
 def test_encoding_and_decoding_on_the_host_go_through_the_compiled_loops(monkeypatch: pytest.MonkeyPatch) -> None:
-    """encode_feedback_ and decode_add_ of a float32 vector on the host call the kernels, chunk by chunk; with
-    PRIVDEC_NATIVE_QSGD=0 they do not."""
+    """encode_feedback_ and decode_add_ of a float32 vector on the host call the kernels, chunk by chunk (the encode
+    on x and the copy); with PRIVDEC_NATIVE_QSGD=0 they do not."""
     kernels = native_qsgd.qsgd8_kernels()
     assert kernels is not None
     calls = []
-    counted = native_qsgd.Kernels(lambda *a: calls.append("encode") or kernels.encode(*a),
-                                  lambda *a: calls.append("decode") or kernels.decode_add(*a))
+    counted = native_qsgd.Kernels(lambda *a: calls.append(f"encode {a[-1]}") or kernels.encode(*a),
+                                  lambda *a: calls.append("decode") or kernels.decode_add(*a), kernels.difference_norm)
     monkeypatch.setattr(native_qsgd, "qsgd8_kernels", lambda: counted)
     from lightning_privdec.compression import quantizers
 
@@ -58,7 +58,7 @@ def test_encoding_and_decoding_on_the_host_go_through_the_compiled_loops(monkeyp
     x, copy, out = torch.randn((1 << 18) + 3), torch.zeros((1 << 18) + 3), torch.zeros((1 << 18) + 3)
     payload = QSGD(8).encode_feedback_(x, copy, 3, Workspace())
     QSGD(8).decode_add_(payload, out, 3, Workspace())
-    assert calls == ["encode", "encode", "decode", "decode"]
+    assert calls == ["encode True", "encode True", "decode", "decode"]
     assert native_qsgd._same_bits(out, copy)  # the receiver's copy is the sender's, bit for bit
     monkeypatch.undo()
     monkeypatch.setenv("PRIVDEC_NATIVE_QSGD", "0")
@@ -113,3 +113,63 @@ def test_a_build_that_reaches_its_own_kernel_gets_the_fallback(monkeypatch: pyte
 
     assert native.once("kernel", build) == "kernel" and seen == [None, "other kernel"]
     assert native.once("kernel", lambda: "rebuilt") == "kernel"  # once
+
+
+@needs_compiler
+def test_the_compiled_difference_norm_is_torchs() -> None:
+    """||x - copy|| from the compiled pass has torch.linalg.vector_norm(x - copy)'s bits: every length up to 70
+    (each remainder of 8), over chunks, and the check's vectors (NaN, zeros, negative zeros, tiny, overflowing)."""
+    kernels = native_qsgd.qsgd8_kernels()
+    assert kernels is not None and kernels.difference_norm is not None
+    generator = torch.Generator().manual_seed(11)
+    pairs = [(x, copy) for x, copy, _ in native_qsgd.check_vectors()]
+    pairs += [(torch.randn(n, generator=generator) * scale, torch.randn(n, generator=generator))
+              for n in [*range(1, 71), (1 << 18) + 7, 3 * (1 << 18) + 2] for scale in (1e-20, 0.1, 1.0, 3e18)]
+    for x, copy in pairs:
+        got = torch.tensor(kernels.difference_norm(x.numpy(), copy.numpy()), dtype=torch.float32)
+        assert native_qsgd._same_bits(torch.linalg.vector_norm(x - copy), got), (x.numel(), float(got))
+
+
+@needs_compiler
+@pytest.mark.parametrize("d", [1, 13, (1 << 18) + 5, 3 * (1 << 18)])
+def test_encode_feedback_forms_the_difference_in_the_compiled_pass(d: int) -> None:
+    """encode_feedback_ on the host hands x and the copy to the kernels (of_difference): no model-sized difference is
+    written into the workspace, and payload and copies are the NumPy/torch path's bits (which writes it)."""
+    generator = torch.Generator().manual_seed(d)
+    x, copy = torch.randn(d, generator=generator) * 3, torch.randn(d, generator=generator)
+    results = []
+    for use in (False, native_qsgd.qsgd8_kernels()):
+        workspace, sender, receiver = Workspace(), copy.clone(), copy.clone()
+        payload = QSGD(8)._quantize(x, 9, workspace, feedback=sender, native=use, difference=True)
+        QSGD(8)._decode_add(payload, receiver, native=use)
+        results.append([*payload, sender, receiver])
+        assert ("difference" in workspace._tensors) == (use is False)
+    for expected, got in zip(*results):
+        assert native_qsgd._same_bits(expected, got)
+    assert native_qsgd._same_bits(results[1][3], results[1][4])  # the receiver's copy is the sender's
+
+
+@needs_compiler
+def test_a_difference_norm_unlike_torchs_keeps_the_compiled_encode(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Where torch's norm is not the one the compiled pass reproduces, torch computes it (said in the log's info, no
+    warning) and the compiled encode still runs on a difference in the workspace; x sharing the copy's memory takes
+    that way too."""
+    monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native_qsgd, "_check_norm", lambda difference_norm: "gave another norm")
+    with caplog.at_level(logging.INFO, logger=native.__name__):
+        kernels = native_qsgd.qsgd8_kernels()
+    assert kernels is not None and kernels.difference_norm is None
+    assert "through torch" in caplog.text and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    x, copy, workspace = torch.randn(1000), torch.randn(1000), Workspace()
+    expected = QSGD(8)._quantize(x, 4, None, feedback=copy.clone(), native=False, difference=True)
+    got = QSGD(8)._quantize(x, 4, workspace, feedback=copy.clone(), native=kernels, difference=True)
+    assert "difference" in workspace._tensors and all(map(native_qsgd._same_bits, expected, got))
+    monkeypatch.undo()
+    both = torch.randn(2000)
+    apart = QSGD(8)._quantize(both[:1000].clone(), 4, None, feedback=both[1000:].clone(), native=False,
+                              difference=True)
+    shared = QSGD(8)._quantize(both[:1000], 4, None, feedback=both[1000:], native=native_qsgd.qsgd8_kernels(),
+                               difference=True)  # one storage: not handed to the kernels as two vectors
+    assert all(map(native_qsgd._same_bits, apart, shared))

@@ -132,21 +132,32 @@ class QSGD(Compressor):
         levels are in the cache (float32 and float64 copies; others through the base class)."""
         if copy.dtype != _work_dtype(copy.dtype) or x.dtype != copy.dtype:
             return super().encode_feedback_(x, copy, key, workspace)
-        difference = workspace.get("difference", x.numel(), x.dtype, x.device) if workspace is not None else None
-        return self._quantize(torch.sub(x, copy, out=difference), key, workspace, feedback=copy)
+        return self._quantize(x, key, workspace, feedback=copy, difference=True)
 
     def _quantize(
         self, x: torch.Tensor, key: int, workspace: Workspace | None, feedback: torch.Tensor | None = None,
-        native: bool | Kernels = True,
+        native: bool | Kernels = True, difference: bool = False,
     ) -> list[torch.Tensor]:
-        """The payload of ``x`` (left unchanged), chunk by chunk: each chunk's signs, dithered levels and packed bits
-        while it is in the cache; with ``feedback`` (a copy of x's dtype), ``feedback += decode(payload)`` too. On the
-        host, 8-bit float32 chunks run in compiled C where it builds (:mod:`.native_qsgd`, the same bits; ``native``:
-        False never, or the kernels to use)."""
+        """The payload of ``x`` (left unchanged), or with ``difference`` of ``x - feedback``, chunk by chunk: each
+        chunk's signs, dithered levels and packed bits while it is in the cache; with ``feedback`` (a copy of x's
+        dtype), ``feedback += decode(payload)`` too. On the host, 8-bit float32 chunks run in compiled C where it
+        builds (:mod:`.native_qsgd`, the same bits; ``native``: False never, or the kernels to use), which also forms
+        the difference as it reads x and the copy; elsewhere it is written into ``workspace`` first."""
         d, work, device = x.numel(), _work_dtype(x.dtype), x.device
+        host = device.type == "cpu"
+        kernels = _kernels(native) if host and self.bits == 8 and work == torch.float32 else None
+        fused = difference and kernels is not None and kernels.difference_norm is not None and (
+            x.shape == feedback.shape and x.is_contiguous() and feedback.is_contiguous()
+            and x.untyped_storage().data_ptr() != feedback.untyped_storage().data_ptr())
+        if difference and not fused:
+            out = workspace.get("difference", d, x.dtype, device) if workspace is not None else None
+            x = torch.sub(x, feedback, out=out)
         wide = work == torch.float64
         xw = x.to(work)
-        norm = torch.linalg.vector_norm(xw)
+        if not (xw.is_contiguous() and (feedback is None or feedback.is_contiguous())):
+            kernels = None
+        norm = (torch.tensor(kernels.difference_norm(x.numpy(), feedback.numpy()), dtype=torch.float32) if fused
+                else torch.linalg.vector_norm(xw))
         # s |x| / ||x|| in [0, s]; x = 0 (or a norm so small that s / ||x|| overflows) gives all levels 0, without
         # a host sync
         factor = torch.nan_to_num(self.s / norm, nan=0.0, posinf=0.0)
@@ -156,18 +167,15 @@ class QSGD(Compressor):
         scale = self._scale(wire_norm, d, feedback.dtype) if feedback is not None else 0.0
         scratch = workspace if workspace is not None else Workspace()
         stream = public_stream(key)
-        host = device.type == "cpu"
         if host:
             unit, signs_host = np.dtype(str(work).removeprefix("torch.")).type(factor.item()), signs.numpy()
-        contiguous = xw.is_contiguous() and (feedback is None or feedback.is_contiguous())
-        kernels = _kernels(native) if host and self.bits == 8 and work == torch.float32 and contiguous else None
         for start in _chunks(d):
             n = _chunk_size(d, start)
             chunk = xw[start : start + n]
             if kernels is not None:
                 kernels.encode(chunk.numpy(), _dither(stream, n, wide, workspace).numpy(), float(unit), self.s,
                                scale, levels[start : start + n].numpy(), signs_host[start // 8 : start // 8 + packed_nbytes(n, 1)],
-                               None if feedback is None else feedback[start : start + n].numpy())
+                               None if feedback is None else feedback[start : start + n].numpy(), fused)
                 continue
             negative = scratch.at_least("qsgd_negative", n, torch.bool, device)
             scaled = scratch.at_least("qsgd_scaled", n, work, device)
