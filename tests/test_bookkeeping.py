@@ -509,3 +509,17 @@ def test_patches_from_a_strided_view_equal_unfolds(channels_last: bool, dtype: t
     offset = torch.randn(6, 4, 9, 9).to(dtype)[2:5, :, 1:8, :]  # not contiguous, storage offset > 0
     expected = nn.functional.unfold(offset, (3, 3), padding=(1, 1))
     assert torch.equal(bookkeeping_conv._unfold(offset, (3, 3), (1, 1), (1, 1), (1, 1), (7, 9)), expected)
+
+
+def test_ghost_norms_of_a_grouped_pointwise_convolution_on_channels_last_maps() -> None:
+    """A channels-last 1 x 1 map's patches are viewable as they lie: they are handed on contiguous, as unfold's are,
+    so the per-group view of a grouped layer works, with the norms of the contiguous input."""
+    layer = nn.Conv2d(64, 64, 1, groups=2)
+    x = torch.randn(4, 64, 2, 2)
+    cotangent = torch.randn_like(layer(x))
+    assert bookkeeping.norm_method(layer, x, cotangent) == "ghost"
+    last = x.to(memory_format=torch.channels_last)
+    assert bookkeeping_conv._unfold(last, (1, 1), (1, 1), (0, 0), (1, 1), (2, 2)).is_contiguous()
+    expected = bookkeeping.squared_norms(layer, x, cotangent, torch.float32)
+    assert torch.equal(bookkeeping.squared_norms(layer, last, cotangent.to(memory_format=torch.channels_last),
+                                                 torch.float32), expected)

@@ -173,3 +173,19 @@ def test_a_difference_norm_unlike_torchs_keeps_the_compiled_encode(monkeypatch: 
     shared = QSGD(8)._quantize(both[:1000], 4, None, feedback=both[1000:], native=native_qsgd.qsgd8_kernels(),
                                difference=True)  # one storage: not handed to the kernels as two vectors
     assert all(map(native_qsgd._same_bits, apart, shared))
+
+
+@needs_compiler
+def test_x_overlapping_the_copy_in_another_storage_takes_the_written_difference() -> None:
+    """Two views of one NumPy array are two torch storages: overlapping memory is found by its addresses, and such a
+    pair gets the torch path's payload and feedback instead of a refusal by the compiled kernels."""
+    import numpy as np
+
+    array = np.random.default_rng(5).standard_normal(1500).astype(np.float32)
+    x, copy = torch.from_numpy(array[:1000]), torch.from_numpy(array[500:])
+    expected_copy = copy.clone()
+    expected = QSGD(8)._quantize(x.clone(), 4, None, feedback=expected_copy, native=False, difference=True)
+    got = QSGD(8)._quantize(x, 4, None, feedback=copy, native=native_qsgd.qsgd8_kernels(), difference=True)
+    assert all(map(native_qsgd._same_bits, expected, got)) and native_qsgd._same_bits(expected_copy, copy)
+    with pytest.raises(ValueError, match="needs the feedback copy"):
+        QSGD(8)._quantize(x, 4, None, feedback=None, difference=True)

@@ -60,6 +60,12 @@ def _uniform(d: int, key: int, device: torch.device, dtype: torch.dtype) -> torc
     return out
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of two contiguous tensors overlaps (two views of one NumPy array are two storages)."""
+    start_a, start_b = a.data_ptr(), b.data_ptr()
+    return start_a < start_b + b.numel() * b.element_size() and start_b < start_a + a.numel() * a.element_size()
+
+
 def _kernels(native: bool | Kernels) -> Kernels | None:
     """The compiled kernels to use: ``native`` itself, the process's (True), or none (False)."""
     if isinstance(native, Kernels):
@@ -146,9 +152,11 @@ class QSGD(Compressor):
         d, work, device = x.numel(), _work_dtype(x.dtype), x.device
         host = device.type == "cpu"
         kernels = _kernels(native) if host and self.bits == 8 and work == torch.float32 else None
+        if difference and feedback is None:
+            raise ValueError("QSGD: the payload of x - feedback needs the feedback copy")
         fused = difference and kernels is not None and kernels.difference_norm is not None and (
             x.shape == feedback.shape and x.is_contiguous() and feedback.is_contiguous()
-            and x.untyped_storage().data_ptr() != feedback.untyped_storage().data_ptr())
+            and not _overlap(x, feedback))
         if difference and not fused:
             out = workspace.get("difference", d, x.dtype, device) if workspace is not None else None
             x = torch.sub(x, feedback, out=out)

@@ -334,11 +334,11 @@ def _add_squares(squared: Tensor, norms: list[Tensor], scale: float = 1.0) -> No
     entries stacked and summed in one reduction (a handful of operations for every layer, not several per layer)."""
     full = [v for v in norms if v.shape[0] == squared.shape[0]]
     if full:
-        stacked = torch.stack(full)
+        stacked = torch.stack(full).to(torch.float64)  # (float64 already: no copy)
         squared += (stacked if scale == 1.0 else stacked.mul_(scale)).square_().sum(dim=0)
     for v in norms:
         if v.shape[0] != squared.shape[0]:
-            squared[: v.shape[0]] += (v * scale).square()
+            squared[: v.shape[0]] += (v.to(torch.float64) * scale).square()
 
 
 def _sum_dtype(t: Tensor) -> torch.dtype:

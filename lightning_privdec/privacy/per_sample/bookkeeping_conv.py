@@ -238,7 +238,7 @@ def _unfold(a: Tensor, kernel: tuple, dilation: tuple, padding: tuple, stride: t
         (s_b, s_c, dilation[0] * s_h, dilation[1] * s_w, stride[0] * s_h, stride[1] * s_w),
         padded.storage_offset(),
     )
-    return view.reshape(batch, channels * kernel[0] * kernel[1], out_h * out_w)
+    return view.reshape(batch, channels * kernel[0] * kernel[1], out_h * out_w).contiguous()  # as unfold's: viewable
 
 
 def _conv_ghost_norms(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
