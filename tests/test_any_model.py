@@ -309,10 +309,12 @@ def test_clipped_sum_equals_the_per_example_loop(name: str, mode: str, reference
         losses(model, batch).mean().backward()
         got_norms = psg.clip_and_sum(clip)
         psg.detach()
-    if name in FLOAT32:  # float32 in another order (GroupNorm on 1 x 1 maps is ill-conditioned): 2e-3 of the norms
-        # (MobileNetV3's third example: the loop and the batched norm are each up to 1.2e-3 from float64's, on either
-        # side depending on the number of intra-op threads)
-        torch.testing.assert_close(got_norms.to(expected_norms.dtype), expected_norms, atol=1e-4, rtol=2e-3)
+    if name in FLOAT32:  # float32 in another order (GroupNorm on 1 x 1 maps is ill-conditioned): 2e-3 of the norms,
+        # 5e-3 for MobileNetV3, whose third example's norm the loop and the batch each round by up to 3e-3 of
+        # float64's (2.96e-3 on an Intel Xeon, 1.2e-3 on an AMD EPYC), on either side depending on the machine and the
+        # number of intra-op threads
+        rtol = 5e-3 if name == "mobilenet_v3_small" else 2e-3
+        torch.testing.assert_close(got_norms.to(expected_norms.dtype), expected_norms, atol=1e-4, rtol=rtol)
         for p, want in zip([p for p in model.parameters() if p.requires_grad], expected):
             assert torch.linalg.vector_norm(p.grad - want) <= 1e-3 * torch.linalg.vector_norm(want) + 1e-7
     else:
