@@ -42,17 +42,18 @@ How to run
 On the GPU machine (python3 3.12 with torch, lightning, torchvision, transformers, pytest; no internet). opacus and
 cryptography (with cffi and pycparser) travel as wheels: here, first ``bash benchmarks/gpu_wheels.sh`` fills the
 ignored folder ``.gpu_wheels`` (5.7 MiB; the working tree itself is about 2.5 MB, far under the 64 MiB that may
-travel). Then the device tool's ``run`` with ``carry: [".gpu_wheels"]``, ``timeout_s: 570`` and this command (the
+travel). Then the device tool's ``run`` with ``carry: [".gpu_wheels"]``, ``timeout_s: 590`` and this command (the
 project itself is put on PYTHONPATH, ahead of the wheels: opacus's wheel ships top-level ``benchmarks`` and
 ``examples`` packages)::
 
     set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
         --find-links .gpu_wheels opacus cryptography cffi pycparser && \
     export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 && \
-    python3 benchmarks/gpu_check.py --json $OUT/gpu_check.json --time-limit 510 2>&1 | tee $OUT/gpu_check.log
+    python3 benchmarks/gpu_check.py --json $OUT/gpu_check.json --time-limit 530 2>&1 | tee $OUT/gpu_check.log
 
-Time: ``--time-limit 510`` bounds the sections together (at most 30, 110, 170, 160 and 40 s in the order noise,
-tests, ranks, throughput, profile; a section past its time is cut and recorded as such, the tests with the outcomes
+Time: ``--time-limit 530`` bounds the sections together (at most 30, 110, 190, 160 and 40 s in the order noise,
+tests, ranks, throughput, profile; the ranks section launches 3 strategies at once, ``--concurrent-launches``: on
+the fourth GPU run one launch took 32-38 s, mostly imports and CUDA's start, and 7 one after the other did not fit; a section past its time is cut and recorded as such, the tests with the outcomes
 pytest printed so far, a timed-out rank with its stacks), the install takes seconds, so the command ends within 9
 minutes; with the machine's start (1-2 minutes) that leaves 3-4 minutes of a 15-minute budget to re-run what failed
 alone on the still warm machine (it goes back after 30 s idle), e.g. ``--sections ranks --strategies decor,cpgt
@@ -133,7 +134,10 @@ NOISE_SIZES = {False: (11_173_962, 124_439_808), True: (100_000, 1_000_000)}  # 
 PRIVATE_STRATEGIES = ("dp_csgp", "privsgp", "dp2sgd", "decor", "dyn_d2p", "privsgp_vr", "cpgt")
 STEP_TARGET, OPACUS_TARGET, NOISE_TARGET_NS = 1.5, 1.0, 0.1
 #: seconds each section may take at most (the overall --time-limit cuts them further)
-SECTION_LIMITS = {"noise": 30.0, "tests": 110.0, "ranks": 170.0, "throughput": 160.0, "profile": 40.0}
+SECTION_LIMITS = {"noise": 30.0, "tests": 110.0, "ranks": 190.0, "throughput": 160.0, "profile": 40.0}
+#: strategies the ranks section launches at once (each its own gloo world of --ranks processes): most of a launch
+#: is imports and CUDA's start, which a GPU machine's cores run side by side
+CONCURRENT_LAUNCHES = 3
 #: the profiled private steps (fp32): model -> per-sample mode (each model's faster mode in the third GPU run)
 PROFILED = {"resnet18": "ghost", "gpt2": "bookkeeping"}
 
@@ -144,7 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="the smoke configuration (seconds; see above)")
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma list out of " + ",".join(SECTIONS))
     p.add_argument("--json", type=Path, default=ROOT / "gpu_check.json", help="where the results go")
-    p.add_argument("--time-limit", type=float, default=510.0, help="seconds for all sections together")
+    p.add_argument("--time-limit", type=float, default=530.0, help="seconds for all sections together")
+    p.add_argument("--concurrent-launches", type=int, default=None,
+                   help=f"strategies the ranks section runs at once (default {CONCURRENT_LAUNCHES}; quick 1)")
     p.add_argument("--ranks", type=int, default=None, help="processes of the ranks section (default 4; quick 2)")
     p.add_argument("--strategies", default=None,
                    help="comma list of the ranks section's strategies (default: every private one; quick: dp_csgp)")
@@ -599,19 +605,25 @@ def run_ranks(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     strategies = (args.strategies.split(",") if args.strategies else ("dp_csgp",) if args.quick
                   else PRIVATE_STRATEGIES)  # fmt: skip
     steps, batch, images = (1, 2, 16) if args.quick else (20, 32, 512)
-    rows = []
-    for strategy in strategies:
+    concurrent = args.concurrent_launches or (1 if args.quick else CONCURRENT_LAUNCHES)
+
+    def run(strategy: str, port: int) -> dict[str, Any]:
         left = deadline - time.time()
         if left < 20:
-            rows.append({"strategy": strategy, "error": "not run: time limit"})
-            continue
-        row = launch_example(args, strategy, steps, batch, images, timeout=min(left, 150.0))
-        rows.append(row)
+            return {"strategy": strategy, "error": "not run: time limit"}
+        row = launch_example(args, strategy, steps, batch, images, timeout=min(left, 150.0), port=port)
         print(f"  {strategy}: " + (row.get("error") or f"epsilon {row['epsilon_per_node']}, finite "
               f"{row['parameters_finite_per_node']} ({row['wall_s']:.0f} s)"), flush=True)  # fmt: skip
         if "tails" in row:  # a timed-out run: where rank 0 was (its stacks, dumped on SIGUSR1)
             print(row["tails"][0][-2500:], flush=True)
-    return {"ranks": args.ranks, "steps": steps, "batch_size": batch, "synthetic_size": images, "rows": rows}
+        return row
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, concurrent)) as pool:  # rows in the strategies' order
+        rows = list(pool.map(run, strategies, free_ports(len(strategies))))
+    return {"ranks": args.ranks, "steps": steps, "batch_size": batch, "synthetic_size": images,
+            "concurrent_launches": concurrent, "rows": rows}
 
 
 #: CPGT's pure epsilon-DP Laplace noise carries sqrt(d): on the example's 11M-parameter ResNet-18 it refuses epsilon = 3
@@ -643,20 +655,22 @@ def dump_stacks(processes: list[subprocess.Popen]) -> None:
     time.sleep(3.0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (their sockets held open together while they are chosen)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def launch_example(args: argparse.Namespace, strategy: str, steps: int, batch: int, images: int,
-                   timeout: float) -> dict[str, Any]:  # fmt: skip
+                   timeout: float, port: int) -> dict[str, Any]:  # fmt: skip
     """``args.ranks`` single-device processes of examples/cifar_resnet.py forming one gloo world (each its own
     "node" to Lightning, as benchmarks/network.py launches them); rank 0's JSON line."""
     from tests.multiprocess import clean_environment, launch, stop_group
 
     kwargs = {"process_group_backend": "gloo", **EXTRA_KWARGS.get(strategy, {}), **RANKS_KWARGS.get(strategy, {})}
-    port = free_port()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu_check_ranks_") as tmp:
         command = [
@@ -861,7 +875,8 @@ def format_table(result: dict[str, Any]) -> str:
     if "ranks" in s:
         r0 = s["ranks"]
         lines += [f"{r0.get('ranks')} ranks over gloo sharing the device, examples/cifar_resnet.py --synthetic, "
-                  f"{r0.get('steps')} steps, batch {r0.get('batch_size')}:", "",
+                  f"{r0.get('steps')} steps, batch {r0.get('batch_size')}, "
+                  f"{r0.get('concurrent_launches', 1)} strategies at a time:", "",
                   "| strategy | epsilon per rank | parameters finite | peak GPU MiB (largest rank) | samples/s "
                   "| wall s |",
                   "|---|---|---|---:|---:|---:|"]  # fmt: skip

@@ -107,3 +107,33 @@ def test_pytest_outcomes_are_read_from_the_junit_report_and_from_a_run_cut_short
     assert [(t["id"], t["outcome"]) for t in verbose_outcomes(printed)] == [
         (t["id"], t["outcome"]) for t in outcomes[:3]
     ]
+
+
+def test_the_ranks_section_launches_strategies_side_by_side_on_distinct_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several strategies' gloo worlds start at once (on a GPU machine a launch is mostly imports and CUDA's start),
+    each on its own port, and the rows keep the strategies' order."""
+    import argparse
+    import threading
+    import time
+
+    import gpu_check
+
+    running, most, ports, lock = [0], [0], [], threading.Lock()
+
+    def launch(args, strategy, steps, batch, images, timeout, port):  # noqa: ANN001, ANN202, PLR0913
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            ports.append(port)
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+        return {"strategy": strategy, "epsilon_per_node": [1.0], "parameters_finite_per_node": [True], "wall_s": 0.3}
+
+    monkeypatch.setattr(gpu_check, "launch_example", launch)
+    strategies = ["dp_csgp", "privsgp", "dp2sgd", "decor", "dyn_d2p", "privsgp_vr", "cpgt"]
+    args = argparse.Namespace(strategies=",".join(strategies), quick=False, ranks=4, concurrent_launches=None)
+    result = gpu_check.run_ranks(args, time.time() + 60)
+    assert [row["strategy"] for row in result["rows"]] == strategies
+    assert most[0] == gpu_check.CONCURRENT_LAUNCHES == result["concurrent_launches"]
+    assert len(set(ports)) == len(strategies)
