@@ -52,8 +52,9 @@ project itself is put on PYTHONPATH, ahead of the wheels: opacus's wheel ships t
     python3 benchmarks/gpu_check.py --json $OUT/gpu_check.json --time-limit 530 2>&1 | tee $OUT/gpu_check.log
 
 Time: ``--time-limit 530`` bounds the sections together (at most 30, 110, 190, 160 and 40 s in the order noise,
-tests, ranks, throughput, profile; the ranks section launches 3 strategies at once, ``--concurrent-launches``: on
-the fourth GPU run one launch took 32-38 s, mostly imports and CUDA's start, and 7 one after the other did not fit; a section past its time is cut and recorded as such, the tests with the outcomes
+tests, ranks, throughput, profile; the ranks section launches 3 strategies at once, ``--concurrent-launches``, their
+ranks splitting the cores' intra-op threads (``OMP_NUM_THREADS``): on the fourth GPU run one launch took 32-38 s,
+mostly imports and CUDA's start, and 7 one after the other did not fit; a section past its time is cut and recorded as such, the tests with the outcomes
 pytest printed so far, a timed-out rank with its stacks), the install takes seconds, so the command ends within 9
 minutes; with the machine's start (1-2 minutes) that leaves 3-4 minutes of a 15-minute budget to re-run what failed
 alone on the still warm machine (it goes back after 30 s idle), e.g. ``--sections ranks --strategies decor,cpgt
@@ -606,12 +607,16 @@ def run_ranks(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
                   else PRIVATE_STRATEGIES)  # fmt: skip
     steps, batch, images = (1, 2, 16) if args.quick else (20, 32, 512)
     concurrent = args.concurrent_launches or (1 if args.quick else CONCURRENT_LAUNCHES)
+    # every rank of every launch shares the machine's cores: torch's intra-op threads split among them (Lightning
+    # would give each single-device rank all of them, and spinning OpenMP threads then wait on each other)
+    threads = max(1, (os.cpu_count() or 1) // (args.ranks * concurrent))
 
     def run(strategy: str, port: int) -> dict[str, Any]:
         left = deadline - time.time()
         if left < 20:
             return {"strategy": strategy, "error": "not run: time limit"}
-        row = launch_example(args, strategy, steps, batch, images, timeout=min(left, 150.0), port=port)
+        row = launch_example(args, strategy, steps, batch, images, timeout=min(left, 150.0), port=port,
+                             threads=threads)
         print(f"  {strategy}: " + (row.get("error") or f"epsilon {row['epsilon_per_node']}, finite "
               f"{row['parameters_finite_per_node']} ({row['wall_s']:.0f} s)"), flush=True)  # fmt: skip
         if "tails" in row:  # a timed-out run: where rank 0 was (its stacks, dumped on SIGUSR1)
@@ -623,7 +628,7 @@ def run_ranks(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     with ThreadPoolExecutor(max_workers=max(1, concurrent)) as pool:  # rows in the strategies' order
         rows = list(pool.map(run, strategies, free_ports(len(strategies))))
     return {"ranks": args.ranks, "steps": steps, "batch_size": batch, "synthetic_size": images,
-            "concurrent_launches": concurrent, "rows": rows}
+            "concurrent_launches": concurrent, "threads_per_rank": threads, "rows": rows}
 
 
 #: CPGT's pure epsilon-DP Laplace noise carries sqrt(d): on the example's 11M-parameter ResNet-18 it refuses epsilon = 3
@@ -665,7 +670,7 @@ def free_ports(n: int) -> list[int]:
 
 
 def launch_example(args: argparse.Namespace, strategy: str, steps: int, batch: int, images: int,
-                   timeout: float, port: int) -> dict[str, Any]:  # fmt: skip
+                   timeout: float, port: int, threads: int) -> dict[str, Any]:  # fmt: skip
     """``args.ranks`` single-device processes of examples/cifar_resnet.py forming one gloo world (each its own
     "node" to Lightning, as benchmarks/network.py launches them); rank 0's JSON line."""
     from tests.multiprocess import clean_environment, launch, stop_group
@@ -686,7 +691,8 @@ def launch_example(args: argparse.Namespace, strategy: str, steps: int, batch: i
             for rank in range(args.ranks):
                 env = clean_environment() | {
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(args.ranks),
-                    "NODE_RANK": str(rank), "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": os.environ.get(
+                    "NODE_RANK": str(rank), "LOCAL_RANK": "0", "OMP_NUM_THREADS": str(threads),
+                    "CUDA_VISIBLE_DEVICES": os.environ.get(
                         "CUDA_VISIBLE_DEVICES", "0"),
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                 }  # fmt: skip

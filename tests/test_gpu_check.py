@@ -111,8 +111,9 @@ def test_pytest_outcomes_are_read_from_the_junit_report_and_from_a_run_cut_short
 
 def test_the_ranks_section_launches_strategies_side_by_side_on_distinct_ports(monkeypatch: pytest.MonkeyPatch) -> None:
     """Several strategies' gloo worlds start at once (on a GPU machine a launch is mostly imports and CUDA's start),
-    each on its own port, and the rows keep the strategies' order."""
+    each on its own port, their ranks sharing the cores' intra-op threads, and the rows keep the strategies' order."""
     import argparse
+    import os
     import threading
     import time
 
@@ -120,7 +121,8 @@ def test_the_ranks_section_launches_strategies_side_by_side_on_distinct_ports(mo
 
     running, most, ports, lock = [0], [0], [], threading.Lock()
 
-    def launch(args, strategy, steps, batch, images, timeout, port):  # noqa: ANN001, ANN202, PLR0913
+    def launch(args, strategy, steps, batch, images, timeout, port, threads):  # noqa: ANN001, ANN202, PLR0913
+        assert threads == max(1, (os.cpu_count() or 1) // (4 * gpu_check.CONCURRENT_LAUNCHES))
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
