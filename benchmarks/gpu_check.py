@@ -52,14 +52,14 @@ project itself is put on PYTHONPATH, ahead of the wheels: opacus's wheel ships t
     python3 benchmarks/gpu_check.py --json $OUT/gpu_check.json --time-limit 530 2>&1 | tee $OUT/gpu_check.log
 
 Time: ``--time-limit 530`` bounds the sections together (at most 30, 110, 190, 160 and 40 s in the order noise,
-tests, ranks, throughput, profile; the ranks section launches 3 strategies at once, ``--concurrent-launches``, their
-ranks splitting the cores' intra-op threads (``OMP_NUM_THREADS``): on the fourth GPU run one launch took 32-38 s,
-mostly imports and CUDA's start, and 7 one after the other did not fit; a section past its time is cut and recorded as such, the tests with the outcomes
-pytest printed so far, a timed-out rank with its stacks), the install takes seconds, so the command ends within 9
-minutes; with the machine's start (1-2 minutes) that leaves 3-4 minutes of a 15-minute budget to re-run what failed
-alone on the still warm machine (it goes back after 30 s idle), e.g. ``--sections ranks --strategies decor,cpgt
---time-limit 150``. The JSON is rewritten after every section, so a killed run still returns
-what it finished. Its table (stdout, also in the log) is what goes into
+tests, ranks, throughput, profile; a section past its time is cut and recorded as such, the tests with the outcomes
+pytest printed so far, a timed-out rank with its stacks). The ranks section launches 3 strategies at once
+(``--concurrent-launches``), their ranks splitting the cores' intra-op threads (``OMP_NUM_THREADS``): on the fourth
+GPU run one launch took 32-38 s, mostly imports and CUDA's start, and 7 one after the other did not fit. The install
+takes seconds, so the command ends within 9 minutes; with the machine's start (1-2 minutes) that leaves 3-4 minutes
+of a 15-minute budget to re-run what failed alone on the still warm machine (it goes back after 30 s idle), e.g.
+``--sections ranks --strategies decor,cpgt --time-limit 150``. The JSON is rewritten after every section, so a killed
+run still returns what it finished. Its table (stdout, also in the log) is what goes into
 benchmarks/RESULTS.md.
 
 The smoke run (CI: tests/test_gpu_check.py)::

@@ -125,10 +125,15 @@ def pointers(arrays: Sequence[tuple[Any, Any, int]], writeable: Sequence[Any] = 
         spans.append((array.ctypes.data, array.nbytes))
     if not all(array.flags.writeable for array in writeable):
         raise ValueError("compiled kernel: the outputs must be writeable")
-    ordered = sorted((start, start + nbytes) for start, nbytes in spans if nbytes)
-    if any(end > next_start for (_, end), (next_start, _) in zip(ordered, ordered[1:])):
+    if overlap(spans):
         raise ValueError("compiled kernel: its arrays must not share memory")
     return [start for start, _ in spans]
+
+
+def overlap(spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether any two of the memory spans ``(address, bytes)`` overlap (an empty one overlaps nothing)."""
+    ordered = sorted((start, start + nbytes) for start, nbytes in spans if nbytes)
+    return any(end > next_start for (_, end), (next_start, _) in zip(ordered, ordered[1:]))
 
 
 def _private(info: os.stat_result, what: str) -> None:

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from lightning_privdec import native as native_layer
+
 from .base import Compressor, PayloadSpec, Workspace, _check_dim, public_stream, public_words
 from .bits import pack_bits, packed_nbytes, unpack_bits
 from .native_qsgd import Kernels, qsgd8_kernels
@@ -58,12 +60,6 @@ def _uniform(d: int, key: int, device: torch.device, dtype: torch.dtype) -> torc
         chunk = out[start : start + _chunk_size(d, start)]
         chunk.copy_(_dither(stream, chunk.numel(), wide, None)).mul_(2.0 ** -(53 if wide else 24))
     return out
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory of two contiguous tensors overlaps (two views of one NumPy array are two storages)."""
-    start_a, start_b = a.data_ptr(), b.data_ptr()
-    return start_a < start_b + b.numel() * b.element_size() and start_b < start_a + a.numel() * a.element_size()
 
 
 def _kernels(native: bool | Kernels) -> Kernels | None:
@@ -156,7 +152,7 @@ class QSGD(Compressor):
             raise ValueError("QSGD: the payload of x - feedback needs the feedback copy")
         fused = difference and kernels is not None and kernels.difference_norm is not None and (
             x.shape == feedback.shape and x.is_contiguous() and feedback.is_contiguous()
-            and not _overlap(x, feedback))
+            and not native_layer.overlap([(t.data_ptr(), t.numel() * t.element_size()) for t in (x, feedback)]))
         if difference and not fused:
             out = workspace.get("difference", d, x.dtype, device) if workspace is not None else None
             x = torch.sub(x, feedback, out=out)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -81,16 +81,18 @@ def sum_rounding(rows: int, dtype: torch.dtype) -> float:
 SUM_BLOCK = 256
 
 
-def sum_by_blocks(examples: int, size: int, part: Callable[[slice], dict[K, Tensor]]) -> dict[K, Tensor]:
-    """``part(block)`` (a sum over the examples of ``block``, per key) summed over blocks of ``size`` examples, the
-    blocks' sums added in float64 and returned in ``part``'s dtype: an example's terms are rounded with those of its
-    block only, whatever the number of examples (one call when they fit in one block)."""
+def sum_by_blocks(tensors: Sequence[Tensor], size: int, part: Callable[..., dict[K, Tensor]]) -> dict[K, Tensor]:
+    """``part(*block)`` (a sum over the examples of ``block``, rows of each of ``tensors`` along dimension 0, per key)
+    summed over blocks of ``size`` examples, the blocks' sums added in float64 and returned in ``part``'s dtype: an
+    example's terms are rounded with those of its block only, whatever the number of examples (one call on the
+    tensors themselves, without slicing, when they fit in one block)."""
+    examples = tensors[0].shape[0]
     if examples <= size:
-        return part(slice(0, examples))
+        return part(*tensors)
     total: dict[K, Tensor] = {}
     dtypes: dict[K, torch.dtype] = {}
     for start in range(0, examples, size):
-        for key, value in part(slice(start, start + size)).items():
+        for key, value in part(*(t[start : start + size] for t in tensors)).items():
             dtypes[key] = value.dtype
             total[key] = value.double() if key not in total else total[key].add_(value)
     return {key: value.to(dtypes[key]) for key, value in total.items()}
@@ -103,13 +105,11 @@ def weighted_row_sum(weights: Tensor, rows: Tensor) -> Tensor:
     work = torch.promote_types(rows.dtype, torch.float32)
     weights = weights.to(device=rows.device, dtype=work)
 
-    def block_sum(w: Tensor, r: Tensor) -> Tensor:  # one matrix-vector product (einsum's takes about 5 operations)
+    def block_sum(w: Tensor, r: Tensor) -> dict[int, Tensor]:  # one matrix-vector product (einsum takes about 5 ops)
         r = r if r.dtype == work else r.to(work)
-        return torch.mv(r.reshape(r.shape[0], math.prod(r.shape[1:])).t(), w).view(r.shape[1:])
+        return {0: torch.mv(r.reshape(r.shape[0], math.prod(r.shape[1:])).t(), w).view(r.shape[1:])}
 
-    if rows.shape[0] <= SUM_BLOCK:  # one block (as sum_by_blocks would take it, without slicing ops)
-        return block_sum(weights, rows)
-    return sum_by_blocks(rows.shape[0], SUM_BLOCK, lambda block: {0: block_sum(weights[block], rows[block])})[0]
+    return sum_by_blocks((weights, rows), SUM_BLOCK, block_sum)[0]
 
 
 #: vector norms are summed in float32 over blocks of this many entries, the blocks' squares in float64

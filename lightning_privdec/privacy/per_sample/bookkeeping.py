@@ -230,7 +230,7 @@ def clipped_sums(
         # many examples the batch holds
         block = block_examples(_steps(module, g))
         into = into if g.shape[0] <= block and exact is None and work == module.weight.dtype else None
-        out = sum_by_blocks(g.shape[0], block, lambda rows: _weight_gradient(module, a[rows], weighted[rows], into))
+        out = sum_by_blocks((a, weighted), block, lambda a, weighted: _weight_gradient(module, a, weighted, into))
     if exact is not None:
         for p, grads in bound.exact_grads.items():
             out[p] = out[p] + torch.einsum("k,k...->...", factor[exact], grads).to(out[p].dtype)
