@@ -21,6 +21,12 @@ __attribute__((simd("notinbranch"))) extern float sinf(float);
  * values would then depend on where its chunks and blocks start. */
 #define BLOCK 512
 
+/* AVX-512 machines: 16-lane loops and libmvec's 16-lane functions (GCC otherwise prefers 8 lanes even there): the
+ * transform takes ~0.85 ns per coordinate instead of ~1.0 on one core of an Intel Xeon. */
+#if defined(__x86_64__) && defined(__AVX512F__)
+#pragma GCC target("prefer-vector-width=512")
+#endif
+
 static inline int64_t exact_m(int64_t word) { return (int64_t)(((uint64_t)1 << 53) - ((uint64_t)word >> 11)); }
 
 void narrow_box_muller(const int64_t *restrict words, const int32_t *restrict angles, float *restrict cosines,
