@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from lightning_privdec.algorithms.consensus_step import ConsensusStep, check_consensus_step, choose_consensus_step
+from lightning_privdec.algorithms.weighted_sum import weighted_sum_into
 from lightning_privdec.comm import Exchange, PendingRound, TensorSpec
 from lightning_privdec.compression import Compressor, Identity, Workspace
 from lightning_privdec.topology import Topology
@@ -262,9 +263,8 @@ class PushSumGossip:
         message_specs = [TensorSpec.of(x_half), *self._weight_specs()]
         outgoing = {k: [x_half, *self._weight_message()] for k in plan.out_peers}
         received = self.exchange.exchange(outgoing, {j: message_specs for j in plan.in_peers})
-        torch.mul(x_half, plan.self_weight, out=self.x)
-        for j in plan.in_peers:
-            self.x.add_(received[j][0], alpha=plan.in_weights[j])
+        incoming = [(received[j][0], plan.in_weights[j]) for j in plan.in_peers]
+        weighted_sum_into(self.x, [(x_half, plan.self_weight), *incoming])
         self._mix_weights(plan, received)
 
     # ---- overlap: SGP with non-blocking messages mixed tau steps late ----------------------------------------------
@@ -345,17 +345,12 @@ class PushSumGossip:
             compressor.decode_add_(payload, self.neighbour_copies[j], key, workspace)
         # Line 5 (5' on time-varying graphs): w_i = x_i + gamma (sum_j a_ij x_hat_j - sum_k a_ki x_hat_ik),
         # where the first sum runs over in-neighbours and the second over the copies this node sent from: one
-        # pass per copy, straight into x.
-        source = x_half
-        for j in plan.in_peers:
-            torch.add(source, self.neighbour_copies[j], alpha=self.gamma * plan.in_weights[j], out=self.x)
-            source = self.x
+        # pass over all of them, straight into x.
+        terms = [(x_half, 1.0)] + [(self.neighbour_copies[j], self.gamma * plan.in_weights[j]) for j in plan.in_peers]
         for channel in payloads:
             sent_weight = sum(a for r, a in plan.out_weights.items() if self._channel(r) == channel)
-            torch.add(source, self.own_copies[channel], alpha=-self.gamma * sent_weight, out=self.x)
-            source = self.x
-        if source is x_half:  # no neighbour this round
-            self.x.copy_(x_half)
+            terms.append((self.own_copies[channel], -self.gamma * sent_weight))
+        weighted_sum_into(self.x, terms)
         # Line 6: y_i = sum_j a_ij y_j (the weight travels uncompressed).
         self._mix_weights(plan, received)
 
