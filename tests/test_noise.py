@@ -363,6 +363,41 @@ def test_noise_added_into_pieces_is_the_one_draw_split_over_them(
         assert torch.equal(out, torch.add(noise_piece, summed, alpha=scale))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_noise_on_the_host_is_added_as_it_is_made(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """Float32 host gradients get the compiled transform with the addition fused, on runs of pairs that stop where
+    an output ends within the cosines or within the sines (an empty output among them, chunks of 7 pairs, an odd
+    draw): ``normal`` plus ``torch.add``, bit for bit, every pair made once. Sums that share memory with another
+    output, or a strided output, take the written noise."""
+    from lightning_privdec.privacy import keystream, native_noise, noise
+
+    transform = native_noise.native_transform()
+    if not isinstance(transform, native_noise.NativeTransform):
+        pytest.skip("the compiled transform cannot be built here (no C compiler or libmvec)")
+    made = []
+    add_at = native_noise.NativeTransform.add_at
+    monkeypatch.setattr(native_noise.NativeTransform, "add_at",
+                        lambda self, words, *rest: made.append(len(words)) or add_at(self, words, *rest))
+    monkeypatch.setattr(keystream, "CHUNK_WORDS", 7)
+    torch.set_num_threads(threads)  # (tests/conftest.py restores the count)
+    sizes, std, scale = (5, 0, 1, 12, 3, 40, 8), 0.3, -0.75
+    total = sum(sizes)  # 69: 35 pairs, 34 with a sine
+    sums = [torch.randn(n) for n in sizes]
+    expected = node_noise_generator("cpu", 4, 1).normal(total, std).split(sizes)
+    outs = [torch.empty(n) for n in sizes]
+    outs[3] = sums[3].clone()
+    inputs = [*sums[:3], outs[3], *sums[4:]]  # the fourth output is its own sum
+    node_noise_generator("cpu", 4, 1).add_normal_(outs, std, inputs, scale)
+    for out, noise_piece, summed in zip(outs, expected, sums):
+        assert torch.equal(out.view(torch.int32), torch.add(noise_piece, summed, alpha=scale).view(torch.int32))
+    assert sum(made) == (total + 1) // 2
+    shared = [torch.zeros(4), torch.zeros(4)]
+    assert noise._added_as_made(shared, [shared[1], torch.ones(4)], [0, 4, 8], 1.0, 1.0) is None
+    strided = torch.zeros(8)[::2]
+    assert noise._added_as_made([strided], [torch.ones(4)], [0, 4], 1.0, 1.0) is None
+    assert noise._added_as_made([torch.zeros(4)], [torch.ones(4)], [0, 4], 1.0, 1.0) is not None
+
+
 def test_noise_added_on_an_accelerator_is_one_add_per_chunk_and_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces small enough for the calling thread are for the host's intra-op threads: added into tensors elsewhere
     (here the meta device, as a GPU's gradients), each parameter's part of each chunk is one addition (one kernel
@@ -400,11 +435,11 @@ def test_float32_draws_shared_by_several_threads_are_the_one_thread_draws(monkey
     from lightning_privdec.privacy import keystream
 
     drawn_by: set[tuple[int, int]] = set()
-    chunk_function, lock = keystream.KeyStream.narrow_host_chunk, threading.Lock()
+    read_pairs, lock = keystream.KeyStream._read_pairs, threading.Lock()  # every chunk's read, written or added
     first_thread: list[int] = []
     second_thread = threading.Event()
 
-    def spied(self, first, p, q, scale, buffers, target):  # noqa: ANN001, ANN202
+    def spied(self, first, p, buffers):  # noqa: ANN001, ANN202
         me = threading.get_ident()
         with lock:
             drawn_by.add((me, id(buffers)))
@@ -413,7 +448,7 @@ def test_float32_draws_shared_by_several_threads_are_the_one_thread_draws(monkey
             second_thread.set()
         elif not second_thread.wait(timeout=30):  # the first thread's chunks wait until another thread draws one
             raise AssertionError("no second thread drew a chunk")
-        return chunk_function(self, first, p, q, scale, buffers, target)
+        return read_pairs(self, first, p, buffers)
 
     def shared_by_threads() -> bool:  # the last draw's chunks: several threads, each with its own buffers
         threads, buffers = {t for t, _ in drawn_by}, {b for _, b in drawn_by}
@@ -433,7 +468,7 @@ def test_float32_draws_shared_by_several_threads_are_the_one_thread_draws(monkey
 
     expected = draws(1)
     monkeypatch.setattr(keystream, "CHUNK_WORDS", chunk)
-    monkeypatch.setattr(keystream.KeyStream, "narrow_host_chunk", spied)
+    monkeypatch.setattr(keystream.KeyStream, "_read_pairs", spied)
     shared = draws(3)
     assert shared[2]
     assert torch.equal(shared[0], expected[0]) and torch.equal(shared[1], expected[1])
@@ -444,16 +479,16 @@ def test_a_failing_chunk_stops_the_draw_and_is_raised_after_every_thread_ended(m
 
     from lightning_privdec.privacy import keystream
 
-    chunk_function, calls = keystream.KeyStream.narrow_host_chunk, []
+    read_pairs, calls = keystream.KeyStream._read_pairs, []
 
-    def failing(self, first, p, q, scale, buffers, target):  # noqa: ANN001, ANN202
+    def failing(self, first, p, buffers):  # noqa: ANN001, ANN202
         calls.append(first)
         if first == 3 * 8:
             raise MemoryError("chunk 3")
-        return chunk_function(self, first, p, q, scale, buffers, target)
+        return read_pairs(self, first, p, buffers)
 
     monkeypatch.setattr(keystream, "CHUNK_WORDS", 8)
-    monkeypatch.setattr(keystream.KeyStream, "narrow_host_chunk", failing)
+    monkeypatch.setattr(keystream.KeyStream, "_read_pairs", failing)
     torch.set_num_threads(3)
     before = threading.active_count()
     with pytest.raises(MemoryError, match="chunk 3"):

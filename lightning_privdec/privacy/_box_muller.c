@@ -7,6 +7,8 @@
  * r = sqrt(log(v) * radius_factor) (radius_factor = fl32(-2 scale^2)), the logarithm taken in float64 from the
  * exact m where v >= near_one (r near 0); t = fl32(a_i) * angle_scale; cosines[i] = r cos t for i < p,
  * sines[i] = r sin t for i < q (q <= p). Every step is float32 but the float64 logarithm near r = 0, as in NumPy.
+ * narrow_box_muller_add adds the noise into a parameter's gradient as it is made (noise.py's add_normal_): the
+ * rounding of torch.add, without writing the noise and reading it back.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,9 +31,12 @@ __attribute__((simd("notinbranch"))) extern float sinf(float);
 
 static inline int64_t exact_m(int64_t word) { return (int64_t)(((uint64_t)1 << 53) - ((uint64_t)word >> 11)); }
 
-void narrow_box_muller(const int64_t *restrict words, const int32_t *restrict angles, float *restrict cosines,
-                       float *restrict sines, int64_t p, int64_t q, float radius_factor, float angle_scale,
-                       float near_one)
+/* One transform, written (sums == 0) or added: cosines[i] = fma(alpha, cos_sums[i], r cos t) and likewise for the
+ * sines, the rounding of torch.add(noise, sums, alpha=alpha, out=out) on the noise it writes. An output may be its
+ * sums (the same address, entry for entry); nothing else may share memory. */
+static inline void transform(const int64_t *restrict words, const int32_t *restrict angles, float *cosines,
+                             const float *cos_sums, float *sines, const float *sin_sums, int64_t p, int64_t q,
+                             float radius_factor, float angle_scale, float near_one, float alpha, int add)
 {
     float radius[BLOCK] __attribute__((aligned(64)));
     float theta[BLOCK] __attribute__((aligned(64)));
@@ -61,15 +66,44 @@ void narrow_box_muller(const int64_t *restrict words, const int32_t *restrict an
         for (int i = 0; i < BLOCK; i++)
             work[i] = cosf(theta[i]);
         float *c = cosines + start;
-        for (int64_t i = 0; i < n; i++)
-            c[i] = radius[i] * work[i];
+        if (add) {
+            const float *cs = cos_sums + start;
+#pragma GCC ivdep
+            for (int64_t i = 0; i < n; i++)
+                c[i] = fmaf(alpha, cs[i], radius[i] * work[i]);
+        } else {
+            for (int64_t i = 0; i < n; i++)
+                c[i] = radius[i] * work[i];
+        }
         const int64_t with_sine = q - start < n ? q - start : n;
         if (with_sine > 0) {
             for (int i = 0; i < BLOCK; i++)
                 work[i] = sinf(theta[i]);
             float *s = sines + start;
-            for (int64_t i = 0; i < with_sine; i++)
-                s[i] = radius[i] * work[i];
+            if (add) {
+                const float *ss = sin_sums + start;
+#pragma GCC ivdep
+                for (int64_t i = 0; i < with_sine; i++)
+                    s[i] = fmaf(alpha, ss[i], radius[i] * work[i]);
+            } else {
+                for (int64_t i = 0; i < with_sine; i++)
+                    s[i] = radius[i] * work[i];
+            }
         }
     }
+}
+
+void narrow_box_muller(const int64_t *restrict words, const int32_t *restrict angles, float *restrict cosines,
+                       float *restrict sines, int64_t p, int64_t q, float radius_factor, float angle_scale,
+                       float near_one)
+{
+    transform(words, angles, cosines, 0, sines, 0, p, q, radius_factor, angle_scale, near_one, 0.0f, 0);
+}
+
+/* The transform added: cosines = cos_sums * alpha + noise (fused), sines likewise; see transform. */
+void narrow_box_muller_add(const int64_t *restrict words, const int32_t *restrict angles, float *cosines,
+                           const float *cos_sums, float *sines, const float *sin_sums, int64_t p, int64_t q,
+                           float radius_factor, float angle_scale, float near_one, float alpha)
+{
+    transform(words, angles, cosines, cos_sums, sines, sin_sums, p, q, radius_factor, angle_scale, near_one, alpha, 1);
 }

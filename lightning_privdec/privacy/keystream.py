@@ -247,10 +247,14 @@ class KeyStream:
     def narrow_host_draw(
         self, numel: int, scale: float, buffers: Sequence[KeystreamBuffers], target: np.ndarray | None,
         consume: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
+        transform: Callable[[int, np.ndarray, np.ndarray, int], None] | None = None,
     ) -> None:
         """One narrow draw of ``numel`` on the host, its chunks shared by ``len(buffers)`` threads (this one and
         ``len(buffers) - 1`` more, one buffer set each): into ``target`` (a float32 NumPy vector) or, chunk by chunk
-        on the thread that drew it, ``consume(first, cosines, sines)`` (entries [first, ..) and [half + first, ..)).
+        on the thread that drew it, ``consume(first, cosines, sines)`` (entries [first, ..) and [half + first, ..)),
+        or ``transform(first, words, angles, q)``: the chunk's keystream pairs (int64 radius words, int32 angle words,
+        in the thread's buffers), q of them with a sine, for the caller's own transform (the noise added as it is
+        made: :meth:`~.noise.NoiseGenerator.add_normal_`).
         The values are those of one sequential read whatever the threads: each chunk reads its own keystream offsets,
         and ChaCha20 and NumPy's loops run without the GIL. A thread takes the next chunk when it is done with its
         last; the first failure stops every thread before its next chunk and is raised here, after all have ended."""
@@ -264,7 +268,12 @@ class KeyStream:
                         first = None if failures else next(chunks, None)
                     if first is None:
                         return
-                    cosines, sines = self.narrow_host_chunk(first, *_chunk_pairs(numel, first), scale, own, target)
+                    p, q = _chunk_pairs(numel, first)
+                    if transform is not None:
+                        self._read_pairs(first, p, own)
+                        transform(first, own.np_words[:p], own.np_angles[:p], q)
+                        continue
+                    cosines, sines = self.narrow_host_chunk(first, p, q, scale, own, target)
                     if consume is not None:
                         consume(first, cosines, sines)
             except BaseException as error:  # noqa: BLE001 - re-raised on the calling thread

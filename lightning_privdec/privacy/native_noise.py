@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +40,34 @@ def native_transform() -> Transform | None:
                          needs="a C compiler and glibc's libmvec")
 
 
-def _transform_of(library: Any) -> Transform:
-    function = library.narrow_box_muller
-    function.restype = None
-    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float] * 3
-    return partial(_call, function)
+class NativeTransform:
+    """The compiled transform: called as :data:`Transform`; :meth:`add_at` adds a chunk's noise into gradients."""
+
+    def __init__(self, library: Any) -> None:
+        self._write, self._add = library.narrow_box_muller, library.narrow_box_muller_add
+        self._write.restype = self._add.restype = None
+        self._write.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float] * 3
+        self._add.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2 + [ctypes.c_float] * 4
+
+    def __call__(self, words: np.ndarray, angles: np.ndarray, cosines: np.ndarray, sines: np.ndarray,
+                 radius_factor: float, angle_scale: float, near_one: float) -> None:
+        _call(self._write, words, angles, cosines, sines, radius_factor, angle_scale, near_one)
+
+    def add_at(self, words: np.ndarray, angles: np.ndarray, cosines: int, cos_sums: int, sines: int, sin_sums: int,
+               q: int, constants: tuple[float, float, float], alpha: float) -> None:
+        """The transform of the pairs ``words``, ``angles`` added: ``cosines[i] = noise_i + alpha cos_sums[i]`` for
+        every pair, ``sines[i]`` likewise for the first ``q`` (fused, as ``torch.add(noise, sums, alpha=alpha)``
+        rounds). The four are addresses of float32 vectors of those lengths, which the caller has checked (an output
+        may be its sums; nothing else may share memory: see :meth:`~.noise.NoiseGenerator.add_normal_`)."""
+        p = len(words)
+        addresses = native.pointers(((words, _INT64, p), (angles, _INT32, p)))
+        if not 0 <= q <= p or not (cosines and cos_sums) or (q and not (sines and sin_sums)):
+            raise ValueError(f"native noise transform: {q} sines of {p} pairs, or a missing address")
+        self._add(*addresses, cosines, cos_sums, sines or None, sin_sums or None, p, q, *constants, alpha)
+
+
+def _transform_of(library: Any) -> NativeTransform:
+    return NativeTransform(library)
 
 
 def _call(function: Any, words: np.ndarray, angles: np.ndarray, cosines: np.ndarray, sines: np.ndarray,
@@ -86,10 +108,14 @@ def _check(transform: Transform) -> str | None:
     words, angles = check_words(np.random.default_rng(20261127))
     p = len(words)
     buffers = KeystreamBuffers("cpu", narrow_only=True)
-    buffers.reserve(p)
+    step = buffers.chunk_words  # NumPy's transform in chunks its buffers hold (the chunk size a draw has now)
+    buffers.reserve(step)
     for scale in (1.0, 3.5):
         expected = np.empty(2 * p, np.float32)
-        _narrow_box_muller_numpy(words.copy(), angles, expected[:p], expected[p : 2 * p - 1], buffers, scale)
+        for a in range(0, p, step):
+            b = min(a + step, p)
+            _narrow_box_muller_numpy(words[a:b].copy(), angles[a:b], expected[a:b], expected[p + a : p + min(b, p - 1)],
+                                     buffers, scale)
         got = np.full(2 * p, np.nan, np.float32)
         transform(words.copy(), angles, got[:p], got[p : 2 * p - 1], *_narrow_constants(scale))
         excess = np.abs(got[:-1] - expected[:-1]) - (2.0**-19 * np.abs(expected[:-1]) + scale * 2.0**-22)
@@ -103,4 +129,32 @@ def _check(transform: Transform) -> str | None:
             transform(words[start:].copy(), angles[start:].copy(), *later, *_narrow_constants(scale))
             if not (np.array_equal(later[0], got[start:p]) and np.array_equal(later[1][:-1], got[p + start : -1])):
                 return f"gave other values for the same words started {start} pairs later (scale {scale})"
+        failure = _check_add(transform, words, angles, got[: 2 * p - 1], scale)
+        if failure is not None:
+            return failure
+    return None
+
+
+def _check_add(transform: Transform, words: np.ndarray, angles: np.ndarray, noise: np.ndarray,
+               scale: float) -> str | None:
+    """:meth:`NativeTransform.add_at` against the written ``noise`` (cosines, then the sines of all pairs but the
+    last) followed by ``torch.add(noise, sums, alpha=...)``, in place and into other vectors: the same bits."""
+    import torch
+
+    from lightning_privdec.privacy.keystream import _narrow_constants
+
+    if not isinstance(transform, NativeTransform):
+        return None  # a stand-in without the fused addition (tests): the written transform is checked
+    p = len(words)
+    sums = torch.from_numpy(np.random.default_rng(7).standard_normal(2 * p - 1).astype(np.float32) * 100)
+    for alpha in (1.0, -0.37):
+        expected = torch.add(torch.from_numpy(noise), sums, alpha=alpha)
+        for in_place in (True, False):
+            out = sums.clone() if in_place else torch.full((2 * p - 1,), float("nan"))
+            read = out if in_place else sums
+            transform.add_at(words.copy(), angles.copy(), out.data_ptr(), read.data_ptr(), out[p:].data_ptr(),
+                             read[p:].data_ptr(), p - 1, _narrow_constants(scale), alpha)
+            if not torch.equal(out.view(torch.int32), expected.view(torch.int32)):
+                return (f"added its noise with other bits than torch.add (alpha {alpha}, scale {scale}, "
+                        f"{'in place' if in_place else 'into other vectors'})")
     return None

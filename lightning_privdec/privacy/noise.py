@@ -37,12 +37,14 @@ import bisect
 import hashlib
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_privdec import native
 from lightning_privdec.privacy import keystream
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.keystream import KeyStream, KeystreamBuffers
@@ -80,6 +82,48 @@ def keyed_standard_normal(
     out = torch.empty(numel, dtype=torch.float64, device=device)
     return KeyStream(key, bytes(16), buffers).standard_normal_into(out)
 
+
+
+def _added_as_made(
+    outs: Sequence[Tensor], sums: Sequence[Tensor], offsets: Sequence[int], scale: float, alpha: float
+) -> Callable[[int, np.ndarray, np.ndarray, int], None] | None:
+    """:meth:`NoiseGenerator.add_normal_`'s float32 draw made straight into its outputs: for each chunk of keystream
+    pairs (:meth:`~.keystream.KeyStream.narrow_host_draw`), the compiled transform with the addition fused
+    (:meth:`~.native_noise.NativeTransform.add_at`: ``torch.add(noise, sum, alpha=alpha)``'s bits) on each run of
+    pairs whose cosines lie in one output and whose sines in one, without writing the noise and reading it back.
+    None (the noise is written, then added) where that transform is not loaded, where a tensor is not a contiguous
+    float32 host vector, or where outputs and sums share memory other than an output being its own sum."""
+    add_at = getattr(keystream.native_transform(), "add_at", None)
+    tensors = [*outs, *sums]
+    if add_at is None or not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                                 for t in tensors):  # fmt: skip
+        return None
+    spans = [(o.data_ptr(), 4 * o.numel()) for o in outs]
+    spans += [(t.data_ptr(), 4 * t.numel()) for o, t in zip(outs, sums)
+              if (t.data_ptr(), t.numel()) != (o.data_ptr(), o.numel())]  # an output that is its own sum counts once
+    if native.overlap(spans):
+        return None
+    out_at, sum_at = [o.data_ptr() for o in outs], [t.data_ptr() for t in sums]
+    constants, half = keystream._narrow_constants(scale), (offsets[-1] + 1) // 2
+
+    def place(entry: int) -> tuple[int, int]:  # the output and sum addresses of entry ``entry`` of the draw
+        piece = bisect.bisect_right(offsets, entry) - 1
+        at = 4 * (entry - offsets[piece])
+        return out_at[piece] + at, sum_at[piece] + at
+
+    def transform(first: int, words: np.ndarray, angles: np.ndarray, q: int) -> None:
+        p = len(words)  # cosines: entries [first, first + p); sines: [half + first, half + first + q)
+        cuts = {0, p, q}  # and where an output ends within the cosines or the sines
+        for start, end in ((first, first + p), (half + first, half + first + q)):
+            inner = offsets[bisect.bisect_right(offsets, start) : bisect.bisect_left(offsets, end)]
+            cuts.update(o - start for o in inner)
+        bounds = sorted(cuts)
+        for a, b in zip(bounds, bounds[1:]):
+            with_sine = max(0, min(b, q) - a)
+            sines, sine_sums = place(half + first + a) if with_sine else (0, 0)
+            add_at(words[a:b], angles[a:b], *place(first + a), sines, sine_sums, with_sine, constants, alpha)
+
+    return transform
 
 class NoiseGenerator:
     """One node's secret randomness: the ChaCha20 keystream under a 256-bit key, one nonce per draw.
@@ -165,7 +209,9 @@ class NoiseGenerator:
         ``sum(out.numel())`` entries split over the ``outs`` in order: bit for bit what :meth:`normal` (same std and
         dtype) followed by ``torch.add(noise, sum, alpha=sums_scale, out=out)`` per piece gives, without the
         model-sized noise vector (each chunk is added while it is in the cache, by the thread that drew it, in pieces
-        that torch runs on that thread). ``outs`` are contiguous tensors of one dtype; an ``out`` may be its ``sum``."""
+        that torch runs on that thread; float32 host tensors where the compiled transform runs: by that transform, as
+        it makes the chunk, :func:`_added_as_made`). ``outs`` are contiguous tensors of one dtype; an ``out`` may be
+        its ``sum``."""
         flat_outs = [o if o.dim() == 1 else o.view(-1) for o in outs]
         flat_sums = [t if t.dim() == 1 else t.reshape(-1) for t in sums]
         offsets = list(itertools.accumulate((o.numel() for o in flat_outs), initial=0))
@@ -198,6 +244,7 @@ class NoiseGenerator:
                 total, std, self._thread_buffers_for(total), None,
                 lambda first, cosines, sines: (add(first, torch.from_numpy(cosines)),
                                                add(half + first, torch.from_numpy(sines))),
+                transform=_added_as_made(flat_outs, flat_sums, offsets, std, sums_scale),
             )
         else:
             for start, values in self._normal_segments(total, std, dtype):
