@@ -377,7 +377,7 @@ def test_noise_on_the_host_is_added_as_it_is_made(monkeypatch: pytest.MonkeyPatc
     made = []
     add_at = native_noise.NativeTransform.add_at
     monkeypatch.setattr(native_noise.NativeTransform, "add_at",
-                        lambda self, words, *rest: made.append(len(words)) or add_at(self, words, *rest))
+                        lambda self, words, angles, p, *rest: made.append(p) or add_at(self, words, angles, p, *rest))
     monkeypatch.setattr(keystream, "CHUNK_WORDS", 7)
     torch.set_num_threads(threads)  # (tests/conftest.py restores the count)
     sizes, std, scale = (5, 0, 1, 12, 3, 40, 8), 0.3, -0.75

@@ -53,17 +53,16 @@ class NativeTransform:
                  radius_factor: float, angle_scale: float, near_one: float) -> None:
         _call(self._write, words, angles, cosines, sines, radius_factor, angle_scale, near_one)
 
-    def add_at(self, words: np.ndarray, angles: np.ndarray, cosines: int, cos_sums: int, sines: int, sin_sums: int,
-               q: int, constants: tuple[float, float, float], alpha: float) -> None:
-        """The transform of the pairs ``words``, ``angles`` added: ``cosines[i] = noise_i + alpha cos_sums[i]`` for
-        every pair, ``sines[i]`` likewise for the first ``q`` (fused, as ``torch.add(noise, sums, alpha=alpha)``
-        rounds). The four are addresses of float32 vectors of those lengths, which the caller has checked (an output
-        may be its sums; nothing else may share memory: see :meth:`~.noise.NoiseGenerator.add_normal_`)."""
-        p = len(words)
-        addresses = native.pointers(((words, _INT64, p), (angles, _INT32, p)))
-        if not 0 <= q <= p or not (cosines and cos_sums) or (q and not (sines and sin_sums)):
+    def add_at(self, words: int, angles: int, p: int, cosines: int, cos_sums: int, sines: int, sin_sums: int, q: int,
+               constants: tuple[float, float, float], alpha: float) -> None:
+        """The transform of ``p`` pairs (their int64 radius words and int32 angle words at ``words`` and ``angles``)
+        added: ``cosines[i] = noise_i + alpha cos_sums[i]`` for every pair, ``sines[i]`` likewise for the first ``q``
+        (fused, as ``torch.add(noise, sums, alpha=alpha)`` rounds). Every argument but the counts is the address of a
+        vector of that length (float32 for the outputs and sums), which the caller has checked (an output may be
+        its sums; nothing else may share memory: see :func:`~.noise._added_as_made`)."""
+        if not 0 <= q <= p or not (words and angles and cosines and cos_sums) or (q and not (sines and sin_sums)):
             raise ValueError(f"native noise transform: {q} sines of {p} pairs, or a missing address")
-        self._add(*addresses, cosines, cos_sums, sines or None, sin_sums or None, p, q, *constants, alpha)
+        self._add(words, angles, cosines, cos_sums, sines or None, sin_sums or None, p, q, *constants, alpha)
 
 
 def _transform_of(library: Any) -> NativeTransform:
@@ -152,8 +151,9 @@ def _check_add(transform: Transform, words: np.ndarray, angles: np.ndarray, nois
         for in_place in (True, False):
             out = sums.clone() if in_place else torch.full((2 * p - 1,), float("nan"))
             read = out if in_place else sums
-            transform.add_at(words.copy(), angles.copy(), out.data_ptr(), read.data_ptr(), out[p:].data_ptr(),
-                             read[p:].data_ptr(), p - 1, _narrow_constants(scale), alpha)
+            radius_words, angle_words = words.copy(), angles.copy()
+            transform.add_at(radius_words.ctypes.data, angle_words.ctypes.data, p, out.data_ptr(), read.data_ptr(),
+                             out[p:].data_ptr(), read[p:].data_ptr(), p - 1, _narrow_constants(scale), alpha)
             if not torch.equal(out.view(torch.int32), expected.view(torch.int32)):
                 return (f"added its noise with other bits than torch.add (alpha {alpha}, scale {scale}, "
                         f"{'in place' if in_place else 'into other vectors'})")

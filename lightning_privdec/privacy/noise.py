@@ -113,6 +113,7 @@ def _added_as_made(
 
     def transform(first: int, words: np.ndarray, angles: np.ndarray, q: int) -> None:
         p = len(words)  # cosines: entries [first, first + p); sines: [half + first, half + first + q)
+        words_at, angles_at = native.pointers(((words, _INT64, p), (angles, _INT32, p)))
         cuts = {0, p, q}  # and where an output ends within the cosines or the sines
         for start, end in ((first, first + p), (half + first, half + first + q)):
             inner = offsets[bisect.bisect_right(offsets, start) : bisect.bisect_left(offsets, end)]
@@ -121,9 +122,14 @@ def _added_as_made(
         for a, b in zip(bounds, bounds[1:]):
             with_sine = max(0, min(b, q) - a)
             sines, sine_sums = place(half + first + a) if with_sine else (0, 0)
-            add_at(words[a:b], angles[a:b], *place(first + a), sines, sine_sums, with_sine, constants, alpha)
+            add_at(words_at + 8 * a, angles_at + 4 * a, b - a, *place(first + a), sines, sine_sums, with_sine,
+                   constants, alpha)
 
     return transform
+
+
+_INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)
+
 
 class NoiseGenerator:
     """One node's secret randomness: the ChaCha20 keystream under a 256-bit key, one nonce per draw.
