@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from lightning_privdec import native
 from lightning_privdec.privacy import keystream, native_noise
@@ -132,6 +133,23 @@ def test_the_library_is_compiled_once_into_the_cache_and_checked(monkeypatch: py
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left
     monkeypatch.setattr(native, "_built", {})
     assert native_noise.native_transform() is not None
+
+
+@needs_compiler
+def test_a_fused_addition_unlike_torchs_leaves_the_written_transform(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Where the fused addition does not give torch.add's bits (a torch build whose add does not fuse), the compiled
+    transform still writes the noise and torch adds it: said once at info level, no warning."""
+    monkeypatch.setenv("PRIVDEC_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native_noise, "_check_add", lambda *args: "added its noise with other bits than torch.add")
+    with caplog.at_level(logging.INFO, logger=native_noise.__name__):
+        transform = native_noise.native_transform()
+    assert isinstance(transform, native_noise.NativeTransform) and not transform.adds
+    assert "written, then added" in caplog.text and "WARNING" not in caplog.text
+    from lightning_privdec.privacy import noise
+
+    assert noise._added_as_made([torch.zeros(4)], [torch.ones(4)], [0, 4], 1.0, 1.0) is None
 
 
 @needs_compiler

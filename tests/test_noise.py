@@ -341,14 +341,18 @@ def test_the_host_transform_and_the_accelerator_transform_give_the_same_draws() 
 @pytest.mark.parametrize("secure_mode", [False, True])
 @pytest.mark.parametrize("chunk", [6, 1 << 17])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fused", [True, False])
 def test_noise_added_into_pieces_is_the_one_draw_split_over_them(
-    monkeypatch: pytest.MonkeyPatch, secure_mode: bool, chunk: int, threads: int
+    monkeypatch: pytest.MonkeyPatch, secure_mode: bool, chunk: int, threads: int, fused: bool
 ) -> None:
     """add_normal_ (the DP step's noise, added into each parameter's gradient chunk by chunk) gives bit for bit
     ``normal(total)`` split over the pieces plus the scaled sums, whatever the chunk size, the pieces' sizes and
-    the intra-op threads (with several, it adds in pieces small enough for torch to run on this thread)."""
+    the intra-op threads (with several, it adds in pieces small enough for torch to run on this thread), with the
+    compiled addition where it runs (``fused``) and with the noise written and added by torch."""
     from lightning_privdec.privacy import keystream, noise
 
+    if not fused:
+        monkeypatch.setattr(noise, "_added_as_made", lambda *args: None)
     monkeypatch.setattr(keystream, "CHUNK_WORDS", chunk)
     torch.set_num_threads(threads)  # (tests/conftest.py restores the count)
     monkeypatch.setattr(noise, "_SERIAL", 4)  # the several-thread path's pieces, small enough to split these sums
@@ -391,6 +395,12 @@ def test_noise_on_the_host_is_added_as_it_is_made(monkeypatch: pytest.MonkeyPatc
     for out, noise_piece, summed in zip(outs, expected, sums):
         assert torch.equal(out.view(torch.int32), torch.add(noise_piece, summed, alpha=scale).view(torch.int32))
     assert sum(made) == (total + 1) // 2
+    assert noise._added_as_made([torch.zeros(4)], [torch.ones(1)], [0, 4], 1.0, 1.0) is None  # sizes differ
+    with pytest.raises(RuntimeError, match="must match"):  # as before: torch.add refuses the sizes
+        node_noise_generator("cpu", 4, 1).add_normal_([torch.zeros(1000)], 1.0, [torch.arange(2000.0)[:1]], 1.0)
+    monkeypatch.setattr(transform, "adds", False)  # the fused addition failed its check here: written, then added
+    assert noise._added_as_made([torch.zeros(4)], [torch.ones(4)], [0, 4], 1.0, 1.0) is None
+    monkeypatch.setattr(transform, "adds", True)
     shared = [torch.zeros(4), torch.zeros(4)]
     assert noise._added_as_made(shared, [shared[1], torch.ones(4)], [0, 4, 8], 1.0, 1.0) is None
     strided = torch.zeros(8)[::2]

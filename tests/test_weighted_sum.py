@@ -36,19 +36,38 @@ def _terms(n: int, count: int, w0: float, seed: int) -> list[tuple[torch.Tensor,
 def test_the_compiled_sum_gives_torchs_bits(n: int, count: int, threads: int) -> None:
     """Into another vector and in place over t_0, w_0 = 1 and not, over block and thread boundaries."""
     assert weighted_sum.weighted_sum_kernel() is not None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    runs, run = [], weighted_sum._run
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(weighted_sum, "_run", lambda *args: runs.append(1) or run(*args))
+        torch.set_num_threads(threads)  # (tests/conftest.py restores the count)
         for w0 in (1.0, 0.25):
             terms = _terms(n, count, w0, seed=n + count)
             expected = weighted_sum._torch_weighted_sum(torch.empty(n), terms)
             got = weighted_sum.weighted_sum_into(torch.full((n,), float("nan")), terms)
             assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
             first = terms[0][0].clone()
+            version = first._version
             weighted_sum.weighted_sum_into(first, [(first, w0), *terms[1:]])
             assert torch.equal(first.view(torch.int32), expected.view(torch.int32))
-    finally:
-        torch.set_num_threads(before)
+            assert first._version > version  # the write is seen by what reads versions
+    assert len(runs) == 4  # the compiled loop ran each time
+
+
+@needs_compiler
+def test_a_part_whose_thread_cannot_start_is_summed_by_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No thread to be had: every part is still written (by the calling thread), the same bits."""
+    import threading
+
+    def refuse(self) -> None:  # noqa: ANN001
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(weighted_sum, "THREAD_ENTRIES", 1 << 10)
+    torch.set_num_threads(3)  # (tests/conftest.py restores the count)
+    terms = _terms(10_000, 3, 1.0, seed=1)
+    expected = weighted_sum._torch_weighted_sum(torch.empty(10_000), terms)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    got = weighted_sum.weighted_sum_into(torch.full((10_000,), float("nan")), terms)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
 
 
 def test_torchs_adds_run_where_the_kernel_cannot(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from lightning_privdec import native
 
@@ -76,23 +77,44 @@ def _kernel_for(out: Tensor, terms: Sequence[tuple[Tensor, float]]) -> Any:
 
 
 def _run(kernel: Any, out: Tensor, terms: Sequence[tuple[Tensor, float]]) -> None:
-    """The kernel over ``out``'s entries, split among the intra-op threads where the vector is large enough."""
+    """The kernel over ``out``'s entries, split among the intra-op threads where the vector is large enough. Every
+    part is written before this returns, by its thread or (one that cannot start) by this one; a failure in any part
+    is raised here after all have ended."""
     n, count = out.numel(), len(terms)
     weights = (ctypes.c_float * count)(*(float(w) for _, w in terms))
     parts = max(1, min(torch.get_num_threads(), n // THREAD_ENTRIES))
     bounds = [n * k // parts // 16 * 16 for k in range(parts)] + [n]  # part starts on 64-byte multiples
+    failures: list[BaseException] = []
 
     def part(k: int) -> None:
-        start = bounds[k]
-        pointers = (ctypes.c_void_p * count)(*(t.data_ptr() + 4 * start for t, _ in terms))
-        kernel(out.data_ptr() + 4 * start, pointers, weights, count, bounds[k + 1] - start)  # releases the GIL
+        try:
+            start = bounds[k]
+            pointers = (ctypes.c_void_p * count)(*(t.data_ptr() + 4 * start for t, _ in terms))
+            kernel(out.data_ptr() + 4 * start, pointers, weights, count, bounds[k + 1] - start)  # releases the GIL
+        except BaseException as error:  # noqa: BLE001 - re-raised on the calling thread
+            failures.append(error)
 
-    threads = [threading.Thread(target=part, args=(k,), daemon=True) for k in range(1, parts)]
-    for thread in threads:
-        thread.start()
-    part(0)
-    for thread in threads:
-        thread.join()
+    started: list[threading.Thread] = []
+    try:
+        for k in range(1, parts):
+            thread = threading.Thread(target=part, args=(k,), daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had: this one sums that part
+                part(k)
+                continue
+            started.append(thread)
+        part(0)
+    finally:
+        for thread in started:
+            while thread.is_alive():  # an interrupt while waiting: wait on, so nothing writes after the return
+                try:
+                    thread.join()
+                except BaseException as error:  # noqa: BLE001
+                    failures.append(error)
+    if failures:
+        raise failures[0]
+    increment_version(out)  # written through addresses: what reads out's version sees the write
 
 
 def weighted_sum_kernel() -> Any:

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from lightning_privdec import native
 from lightning_privdec.privacy import keystream
@@ -91,13 +92,18 @@ def _added_as_made(
     pairs (:meth:`~.keystream.KeyStream.narrow_host_draw`), the compiled transform with the addition fused
     (:meth:`~.native_noise.NativeTransform.add_at`: ``torch.add(noise, sum, alpha=alpha)``'s bits) on each run of
     pairs whose cosines lie in one output and whose sines in one, without writing the noise and reading it back.
-    None (the noise is written, then added) where that transform is not loaded, where a tensor is not a contiguous
-    float32 host vector, or where outputs and sums share memory other than an output being its own sum."""
-    add_at = getattr(keystream.native_transform(), "add_at", None)
-    tensors = [*outs, *sums]
-    if add_at is None or not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                                 for t in tensors):  # fmt: skip
+    None (the noise is written, then added) where that transform is not loaded or its fused addition did not give
+    torch.add's bits here, where a tensor is not a contiguous float32 host vector of its output's size, or where
+    outputs and sums share memory other than an output being its own sum."""
+    transform = keystream.native_transform()
+    def plain(t: Tensor) -> bool:
+        return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+    if not getattr(transform, "adds", False) or not all(
+        plain(o) and plain(t) and o.numel() == t.numel() for o, t in zip(outs, sums)
+    ):
         return None
+    add_at = transform.add_at
     spans = [(o.data_ptr(), 4 * o.numel()) for o in outs]
     spans += [(t.data_ptr(), 4 * t.numel()) for o, t in zip(outs, sums)
               if (t.data_ptr(), t.numel()) != (o.data_ptr(), o.numel())]  # an output that is its own sum counts once
@@ -124,6 +130,7 @@ def _added_as_made(
             sines, sine_sums = place(half + first + a) if with_sine else (0, 0)
             add_at(words_at + 8 * a, angles_at + 4 * a, b - a, *place(first + a), sines, sine_sums, with_sine,
                    constants, alpha)
+        increment_version(outs)  # written through addresses: what reads the outputs' versions sees the write
 
     return transform
 
