@@ -31,6 +31,20 @@ __attribute__((simd("notinbranch"))) extern float sinf(float);
 
 static inline int64_t exact_m(int64_t word) { return (int64_t)(((uint64_t)1 << 53) - ((uint64_t)word >> 11)); }
 
+/* out[i] = r_i f(t_i) (radius, work), or added: fma(alpha, sums[i], r_i f(t_i)); out may be sums, entry for entry. */
+static inline void emit(float *out, const float *sums, const float *radius, const float *work, int64_t n,
+                        float alpha, int add)
+{
+    if (add) {
+#pragma GCC ivdep
+        for (int64_t i = 0; i < n; i++)
+            out[i] = fmaf(alpha, sums[i], radius[i] * work[i]);
+    } else {
+        for (int64_t i = 0; i < n; i++)
+            out[i] = radius[i] * work[i];
+    }
+}
+
 /* One transform, written (sums == 0) or added: cosines[i] = fma(alpha, cos_sums[i], r cos t) and likewise for the
  * sines, the rounding of torch.add(noise, sums, alpha=alpha, out=out) on the noise it writes. An output may be its
  * sums (the same address, entry for entry); nothing else may share memory. */
@@ -65,30 +79,12 @@ static inline void transform(const int64_t *restrict words, const int32_t *restr
             radius[i] = sqrtf(work[i] * radius_factor);
         for (int i = 0; i < BLOCK; i++)
             work[i] = cosf(theta[i]);
-        float *c = cosines + start;
-        if (add) {
-            const float *cs = cos_sums + start;
-#pragma GCC ivdep
-            for (int64_t i = 0; i < n; i++)
-                c[i] = fmaf(alpha, cs[i], radius[i] * work[i]);
-        } else {
-            for (int64_t i = 0; i < n; i++)
-                c[i] = radius[i] * work[i];
-        }
+        emit(cosines + start, add ? cos_sums + start : 0, radius, work, n, alpha, add);
         const int64_t with_sine = q - start < n ? q - start : n;
         if (with_sine > 0) {
             for (int i = 0; i < BLOCK; i++)
                 work[i] = sinf(theta[i]);
-            float *s = sines + start;
-            if (add) {
-                const float *ss = sin_sums + start;
-#pragma GCC ivdep
-                for (int64_t i = 0; i < with_sine; i++)
-                    s[i] = fmaf(alpha, ss[i], radius[i] * work[i]);
-            } else {
-                for (int64_t i = 0; i < with_sine; i++)
-                    s[i] = radius[i] * work[i];
-            }
+            emit(sines + start, add ? sin_sums + start : 0, radius, work, with_sine, alpha, add);
         }
     }
 }
