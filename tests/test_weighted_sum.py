@@ -3,6 +3,7 @@ the gossip mixes on the host, and torch's adds run wherever it cannot."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import sys
@@ -126,3 +127,25 @@ def test_the_gossip_mixes_through_the_compiled_sum(monkeypatch: pytest.MonkeyPat
         results[use] = torch.stack(LoopbackNetwork(4).run(node))
     assert len(calls) == 4 * 3
     assert torch.equal(results[True].view(torch.int32), results[False].view(torch.int32))
+
+
+@needs_compiler
+def test_the_check_takes_another_rounding_and_refuses_a_wrong_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch whose adds round the product and the sum apart (its default, non-vectorised kernels) gives other bits:
+    the kernel is still taken, its sums being within float32 rounding; a kernel that writes zeros is refused."""
+    kernel = weighted_sum.weighted_sum_kernel()
+    assert kernel is not None
+
+    def unfused(out: torch.Tensor, terms: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+        (first, w0), rest = terms[0], terms[1:]
+        out.copy_(first if w0 == 1.0 else first * w0)
+        for tensor, weight in rest:
+            out.copy_(out + tensor * weight)  # two roundings per term
+        return out
+
+    terms = _terms(5000, 3, 1.0, seed=2)
+    assert not torch.equal(unfused(torch.empty(5000), terms), weighted_sum._torch_weighted_sum(torch.empty(5000), terms))
+    monkeypatch.setattr(weighted_sum, "_torch_weighted_sum", unfused)
+    assert weighted_sum._check(kernel) is None
+    failure = weighted_sum._check(lambda out, pointers, weights, count, n: ctypes.memset(out, 0, 4 * n))
+    assert failure is not None and "outside float32 rounding" in failure
