@@ -391,7 +391,9 @@ def test_noise_on_the_host_is_added_as_it_is_made(monkeypatch: pytest.MonkeyPatc
     outs = [torch.empty(n) for n in sizes]
     outs[3] = sums[3].clone()
     inputs = [*sums[:3], outs[3], *sums[4:]]  # the fourth output is its own sum
+    versions = [o._version for o in outs]
     node_noise_generator("cpu", 4, 1).add_normal_(outs, std, inputs, scale)
+    assert all(o._version > v for o, v in zip(outs, versions))  # the writes through addresses are seen
     for out, noise_piece, summed in zip(outs, expected, sums):
         assert torch.equal(out.view(torch.int32), torch.add(noise_piece, summed, alpha=scale).view(torch.int32))
     assert sum(made) == (total + 1) // 2

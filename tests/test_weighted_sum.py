@@ -144,7 +144,8 @@ def test_the_check_takes_another_rounding_and_refuses_a_wrong_sum(monkeypatch: p
         return out
 
     terms = _terms(5000, 3, 1.0, seed=2)
-    assert not torch.equal(unfused(torch.empty(5000), terms), weighted_sum._torch_weighted_sum(torch.empty(5000), terms))
+    expected = weighted_sum._torch_weighted_sum(torch.empty(5000), terms)
+    assert not torch.equal(unfused(torch.empty(5000), terms), expected)
     monkeypatch.setattr(weighted_sum, "_torch_weighted_sum", unfused)
     assert weighted_sum._check(kernel) is None
     failure = weighted_sum._check(lambda out, pointers, weights, count, n: ctypes.memset(out, 0, 4 * n))

@@ -13,6 +13,11 @@ float64 logarithm's boundary, the angles' ends) to float32 precision, and its ow
 ``PRIVDEC_NATIVE_NOISE=0``, NumPy's transform runs: the same format, said once in the log. The last bits of a draw
 therefore depend on the host's configuration (compiled or not, and for which vector width): a fixed ``noise_seed``
 reproduces a draw bit for bit on one configuration only.
+
+The DP step's noise goes into float32 gradients through the same loop with the addition fused
+(:meth:`NativeTransform.add_at`, ``fma(scale, sum, noise)``: ``torch.add``'s rounding where its adds fuse), so no chunk
+of noise is written and read back; it must give the written noise followed by ``torch.add``, bit for bit, before
+use, else the noise is written and torch adds it.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ Transform = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, flo
 
 def native_transform() -> Transform | None:
     """The compiled transform, or None (NumPy's runs): built, loaded and checked once per process."""
-    return native.kernel("PRIVDEC_NATIVE_NOISE", SOURCE, _transform_of, _check, libraries=LIBRARIES,
+    return native.kernel("PRIVDEC_NATIVE_NOISE", SOURCE, NativeTransform, _check, libraries=LIBRARIES,
                          what="float32 noise on the host", fallback="NumPy's transform",
                          needs="a C compiler and glibc's libmvec")
 
@@ -67,10 +72,6 @@ class NativeTransform:
         if not 0 <= q <= p or not (words and angles and cosines and cos_sums) or (q and not (sines and sin_sums)):
             raise ValueError(f"native noise transform: {q} sines of {p} pairs, or a missing address")
         self._add(words, angles, cosines, cos_sums, sines or None, sin_sums or None, p, q, *constants, alpha)
-
-
-def _transform_of(library: Any) -> NativeTransform:
-    return NativeTransform(library)
 
 
 def _call(function: Any, words: np.ndarray, angles: np.ndarray, cosines: np.ndarray, sines: np.ndarray,

@@ -84,7 +84,6 @@ def keyed_standard_normal(
     return KeyStream(key, bytes(16), buffers).standard_normal_into(out)
 
 
-
 def _added_as_made(
     outs: Sequence[Tensor], sums: Sequence[Tensor], offsets: Sequence[int], scale: float, alpha: float
 ) -> Callable[[int, np.ndarray, np.ndarray, int], None] | None:
@@ -95,15 +94,16 @@ def _added_as_made(
     None (the noise is written, then added) where that transform is not loaded or its fused addition did not give
     torch.add's bits here, where a tensor is not a contiguous float32 host vector of its output's size, or where
     outputs and sums share memory other than an output being its own sum."""
-    transform = keystream.native_transform()
+
     def plain(t: Tensor) -> bool:
         return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
 
-    if not getattr(transform, "adds", False) or not all(
+    compiled = keystream.native_transform()
+    if not getattr(compiled, "adds", False) or not all(
         plain(o) and plain(t) and o.numel() == t.numel() for o, t in zip(outs, sums)
     ):
         return None
-    add_at = transform.add_at
+    add_at = compiled.add_at
     spans = [(o.data_ptr(), 4 * o.numel()) for o in outs]
     spans += [(t.data_ptr(), 4 * t.numel()) for o, t in zip(outs, sums)
               if (t.data_ptr(), t.numel()) != (o.data_ptr(), o.numel())]  # an output that is its own sum counts once
@@ -130,7 +130,6 @@ def _added_as_made(
             sines, sine_sums = place(half + first + a) if with_sine else (0, 0)
             add_at(words_at + 8 * a, angles_at + 4 * a, b - a, *place(first + a), sines, sine_sums, with_sine,
                    constants, alpha)
-        increment_version(outs)  # written through addresses: what reads the outputs' versions sees the write
 
     return transform
 
@@ -253,12 +252,15 @@ class NoiseGenerator:
         total, dtype = offsets[-1], outs[0].dtype
         if self._threaded(dtype):
             half = (total + 1) // 2
+            made_into_outs = _added_as_made(flat_outs, flat_sums, offsets, std, sums_scale)
             self._stream().narrow_host_draw(
                 total, std, self._thread_buffers_for(total), None,
                 lambda first, cosines, sines: (add(first, torch.from_numpy(cosines)),
                                                add(half + first, torch.from_numpy(sines))),
-                transform=_added_as_made(flat_outs, flat_sums, offsets, std, sums_scale),
+                transform=made_into_outs,
             )
+            if made_into_outs is not None:  # written through addresses: what reads the versions sees the writes
+                increment_version(flat_outs)
         else:
             for start, values in self._normal_segments(total, std, dtype):
                 add(start, values)
