@@ -136,6 +136,25 @@ def overlap(spans: Sequence[tuple[int, int]]) -> bool:
     return any(end > next_start for (_, end), (next_start, _) in zip(ordered, ordered[1:]))
 
 
+def host_float32(tensor: Any) -> bool:
+    """Whether ``tensor`` (a torch tensor) is a contiguous float32 vector of host memory: what the float32 kernels
+    take by address."""
+    return tensor.device.type == "cpu" and str(tensor.dtype) == "torch.float32" and tensor.is_contiguous()
+
+
+def tensors_overlap(tensors: Sequence[Any], in_place: Sequence[tuple[Any, Any]] = ()) -> bool:
+    """Whether the memory of any two of ``tensors`` and the ``in_place`` pairs' tensors overlaps, an ``(output,
+    input)`` pair of ``in_place`` being allowed to be the same memory (a kernel that reads an entry before it writes
+    it); :func:`overlap` of their spans."""
+    def span(t: Any) -> tuple[int, int]:
+        return t.data_ptr(), t.numel() * t.element_size()
+
+    spans = [span(t) for t in tensors]
+    for output, given in in_place:
+        spans += [span(output)] if span(given) == span(output) else [span(output), span(given)]
+    return overlap(spans)
+
+
 def _private(info: os.stat_result, what: str) -> None:
     """Refuses ``what`` unless this user owns it and nobody else may write it (a library loaded from it must be
     this user's alone)."""

@@ -66,13 +66,9 @@ def _kernel_for(out: Tensor, terms: Sequence[tuple[Tensor, float]]) -> Any:
     """The compiled kernel when it may take these vectors (float32, contiguous, on the host, of one size, no shared
     memory but ``out`` being ``t_0``), else None."""
     tensors = [out, *(t for t, _ in terms)]
-    if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and
-               t.numel() == out.numel() for t in tensors):  # fmt: skip
+    if not all(native.host_float32(t) and t.numel() == out.numel() for t in tensors):
         return None
-    spans = [(t.data_ptr(), t.numel() * 4) for t in tensors]
-    if spans[0] == spans[1]:  # out is t_0, entry for entry
-        spans = spans[1:]
-    if native.overlap(spans):
+    if native.tensors_overlap([t for t, _ in terms[1:]], in_place=[(out, terms[0][0])]):
         return None
     return weighted_sum_kernel()
 

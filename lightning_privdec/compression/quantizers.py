@@ -152,7 +152,7 @@ class QSGD(Compressor):
             raise ValueError("QSGD: the payload of x - feedback needs the feedback copy")
         fused = difference and kernels is not None and kernels.difference_norm is not None and (
             x.shape == feedback.shape and x.is_contiguous() and feedback.is_contiguous()
-            and not native_layer.overlap([(t.data_ptr(), t.numel() * t.element_size()) for t in (x, feedback)]))
+            and not native_layer.tensors_overlap((x, feedback)))
         if difference and not fused:
             out = workspace.get("difference", d, x.dtype, device) if workspace is not None else None
             x = torch.sub(x, feedback, out=out)

@@ -94,21 +94,14 @@ def _added_as_made(
     None (the noise is written, then added) where that transform is not loaded or its fused addition did not give
     torch.add's bits here, where a tensor is not a contiguous float32 host vector of its output's size, or where
     outputs and sums share memory other than an output being its own sum."""
-
-    def plain(t: Tensor) -> bool:
-        return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-
     compiled = keystream.native_transform()
     if not getattr(compiled, "adds", False) or not all(
-        plain(o) and plain(t) and o.numel() == t.numel() for o, t in zip(outs, sums)
+        native.host_float32(o) and native.host_float32(t) and o.numel() == t.numel() for o, t in zip(outs, sums)
     ):
         return None
-    add_at = compiled.add_at
-    spans = [(o.data_ptr(), 4 * o.numel()) for o in outs]
-    spans += [(t.data_ptr(), 4 * t.numel()) for o, t in zip(outs, sums)
-              if (t.data_ptr(), t.numel()) != (o.data_ptr(), o.numel())]  # an output that is its own sum counts once
-    if native.overlap(spans):
+    if native.tensors_overlap([], in_place=list(zip(outs, sums))):  # an output may be its own sum
         return None
+    add_at = compiled.add_at
     out_at, sum_at = [o.data_ptr() for o in outs], [t.data_ptr() for t in sums]
     constants, half = keystream._narrow_constants(scale), (offsets[-1] + 1) // 2
 
@@ -253,12 +246,11 @@ class NoiseGenerator:
         if self._threaded(dtype):
             half = (total + 1) // 2
             made_into_outs = _added_as_made(flat_outs, flat_sums, offsets, std, sums_scale)
-            self._stream().narrow_host_draw(
-                total, std, self._thread_buffers_for(total), None,
+            written_then_added = None if made_into_outs is not None else (
                 lambda first, cosines, sines: (add(first, torch.from_numpy(cosines)),
-                                               add(half + first, torch.from_numpy(sines))),
-                transform=made_into_outs,
-            )
+                                               add(half + first, torch.from_numpy(sines))))
+            self._stream().narrow_host_draw(total, std, self._thread_buffers_for(total), None, written_then_added,
+                                            transform=made_into_outs)
             if made_into_outs is not None:  # written through addresses: what reads the versions sees the writes
                 increment_version(flat_outs)
         else:
