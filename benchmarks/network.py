@@ -67,7 +67,8 @@ leaves Lightning as it is.
 ``--json`` writes ``{"rows": [{"config", "nodes", "mbit", "step_seconds", "bytes_per_node_step",
 "compute_seconds", "exchange_seconds", ...}], ...}``. ``--report`` reads such files, prints the tables, writes
 ``benchmarks/network_step_time.png`` and ``benchmarks/network_accuracy.png`` and appends to RESULTS.md.
-Every rank uses ``torch.set_num_threads(1)``; with more ranks than cores, the compute column carries CPU contention.
+Every rank uses one intra-op thread (``torch.set_num_threads(1)`` and ``OMP_NUM_THREADS=1``, unless set); with more
+ranks than cores, the compute column carries CPU contention.
 """
 
 from __future__ import annotations
@@ -506,6 +507,9 @@ def launch(args: argparse.Namespace, network: Network, mbit: float, out_dir: Pat
     """Start one rank per namespace, wait for all (bounded by --timeout), raise with the failing rank's output."""
     env_base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
     env_base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    # one intra-op thread per rank: Lightning's launcher otherwise sets torch's threads to the machine's core count in
+    # every rank (each rank is one node of its own), and eight ranks' OpenMP threads then spin against each other
+    env_base.setdefault("OMP_NUM_THREADS", "1")
     procs: list[tuple[subprocess.Popen, Any]] = []
     try:
         for rank in range(args.nodes):

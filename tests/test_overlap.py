@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 
 from lightning_privdec.algorithms import PushSumGossip
 from lightning_privdec.comm import LoopbackNetwork, TorchDistributedExchange
-from lightning_privdec.comm.distributed import PeerFailureError
+from lightning_privdec.comm.base import TensorSpec
+from lightning_privdec.comm.distributed import PeerFailureError, pack, unpack
 from lightning_privdec.strategies import (
     CorrelatedNoiseStrategy,
     CPGTStrategy,
@@ -241,3 +242,32 @@ def test_a_deferred_round_whose_post_failed_fails_its_wait_too(tmp_path, monkeyp
         exchange.post_deferred()
     with pytest.raises(PeerFailureError, match="lost contact"):
         pending.wait()
+
+
+def test_a_started_round_reuses_its_tags_buffers_once_the_last_round_of_that_tag_was_waited(tmp_path, monkeypatch):
+    """Started rounds keep one set of send and receive buffers per tag (no fresh model-sized buffers, and their page
+    faults, every round); a tag's set is taken again only after its last round was waited for, and what a round
+    sends is copied at once, whatever the caller then does to its tensors."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    exchange = TorchDistributedExchange(torch.device("cpu"))
+    exchange.world_size = 3  # peers 1 and 2 exist for the buffers' sake only: nothing is posted
+    posted = []
+    monkeypatch.setattr(exchange, "_post", lambda send, recv, tag: posted.append((send, recv)) or [])
+    x, y = torch.arange(6.0), torch.ones(1, dtype=torch.float64)
+    specs = {2: [TensorSpec.of(x), TensorSpec.of(y)]}
+    first = exchange.start({1: [x, y]}, specs, tag=0)
+    second = exchange.start({1: [x, y]}, specs, tag=1)  # in flight beside the first: buffers of its own
+    x.add_(1.0)
+    assert torch.equal(unpack(posted[0][0][1], specs[2])[0], torch.arange(6.0))  # sent as it was at the start
+    assert posted[1][0][1].data_ptr() != posted[0][0][1].data_ptr()
+    posted[0][1][2].copy_(pack([torch.full((6,), 7.0), y]))  # round 0's message arrives
+    assert torch.equal(first.wait()[2][0], torch.full((6,), 7.0))
+    exchange.start({1: [x, y]}, specs, tag=0)  # tag 0 is free again: its buffers
+    assert [b.data_ptr() for b in (posted[2][0][1], posted[2][1][2])] == [
+        b.data_ptr() for b in (posted[0][0][1], posted[0][1][2])]
+    exchange.start({1: [x, y]}, specs, tag=1)  # tag 1's round is still in flight: fresh buffers
+    assert posted[3][0][1].data_ptr() != posted[1][0][1].data_ptr()
+    assert posted[3][1][2].data_ptr() != posted[1][1][2].data_ptr()
+    second.wait()
+    exchange.start({1: [x]}, {2: specs[2][:1]}, tag=1)  # one tensor: copied into the kept buffer, not sent from x
+    assert posted[4][0][1].data_ptr() != x.data_ptr() and torch.equal(posted[4][0][1].view(torch.float32), x)

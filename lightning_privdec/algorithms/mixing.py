@@ -173,6 +173,7 @@ class PushSumGossip:
         self._plans: dict[int, RoundPlan] = {}
         self.staleness = self._check_staleness(staleness)
         self.in_flight: deque[InFlight] = deque()  # overlap: posted rounds, oldest first
+        self._mixed: Tensor | None = None  # overlap: the numerator mixed with the rounds due (a kept vector)
 
     def _check_staleness(self, staleness: int) -> int:
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
@@ -283,22 +284,28 @@ class PushSumGossip:
 
     def _mix_in_flight(self, x: Tensor, y: Tensor, through_round: int) -> tuple[Tensor, Tensor]:
         """x + sum_j a_ij(r) x_j(r) and y + sum_j a_ij(r) y_j(r) over the rounds r <= through_round in flight (waits
-        for them, oldest first); ``x`` itself is left unchanged."""
+        for them, oldest first), the numerator in a vector kept for it (``x`` itself when no round is due); ``x`` is
+        left unchanged."""
         mixed = x
         while self.in_flight and self.in_flight[0].round <= through_round:
             flight = self.in_flight.popleft()
             plan = self.plan(flight.round)
             received = flight.messages.wait()
-            if mixed is x:
-                mixed = x.clone()
+            if mixed is x and (self._mixed is None or self._mixed.shape != x.shape or self._mixed.dtype != x.dtype
+                               or self._mixed.device != x.device):
+                self._mixed = torch.empty_like(x)
+            into = self._mixed if mixed is x else mixed
+            terms = [(received[j][0], plan.in_weights[j]) for j in plan.in_peers]
+            mixed = weighted_sum_into(into, [(mixed, 1.0), *terms])  # x.clone().add_(x_j, alpha=a_ij)...'s bits
             for j in plan.in_peers:
-                mixed.add_(received[j][0], alpha=plan.in_weights[j])
                 y = y + plan.in_weights[j] * received[j][-1]
         return mixed, y
 
     def flush(self) -> None:
         """Wait for every round still in flight and mix it in now (end of training): x and y then hold all the mass."""
-        self.x, self.y = self._mix_in_flight(self.x, self.y, through_round=self.round)
+        mixed, self.y = self._mix_in_flight(self.x, self.y, through_round=self.round)
+        if mixed is not self.x:
+            self.x.copy_(mixed)
 
     # ---- compressed: DP-CSGP Algorithm 1, lines 1-7 -----------------------------------------------------------------
     def _channel(self, receiver: int) -> int:

@@ -101,8 +101,9 @@ class Exchange(abc.ABC):
         """Post one round without waiting for it (non-blocking send and receive); ``wait()`` on the result.
 
         The tensors of ``outgoing`` are copied before this returns, so the caller may change them at once. Rounds
-        posted with different ``tag`` may be in flight together. This default runs the round at once (blocking);
-        the distributed and loopback exchanges really overlap it with whatever the caller does next.
+        posted with different ``tag`` may be in flight together. What ``wait()`` returns may be overwritten by the
+        next round started with the same tag (an exchange may reuse its buffers). This default runs the round at
+        once (blocking); the distributed and loopback exchanges really overlap it with whatever the caller does next.
         """
         received = {peer: [t.clone() for t in tensors] for peer, tensors in self.exchange(outgoing, incoming).items()}
         return PendingRound(lambda: received)

@@ -11,7 +11,7 @@ and the compressor, so no header travels.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -83,7 +83,8 @@ class TorchDistributedExchange(Exchange):
 
     ``exchange`` waits for the round; ``start`` returns at once with the work handles (SGP's overlap).
     ``exchange`` packs and receives into buffers kept per message slot and reused by the next ``exchange`` (fresh
-    large buffers every round cost page faults on CPU); ``start`` gives every round in flight its own buffers.
+    large buffers every round cost page faults on CPU); ``start`` keeps a set per tag, used by the tag's next round
+    once this one was waited for (rounds in flight together have different tags, so each has its own buffers).
 
     Uses the default process group (no process group per edge, so no creation-order hangs). With NCCL the CUDA
     device of this rank must be set before the first round (Lightning's strategies do this at setup).
@@ -111,14 +112,15 @@ class TorchDistributedExchange(Exchange):
         self.wire_device = torch.device("cpu") if dist.get_backend(group) == "gloo" else device
         self.group = group
         self.timeout = timeout
-        self._reused: dict[tuple[str, int], Tensor] = {}  # ("send" | "recv", k-th message) -> its last buffer
+        self._reused: dict[tuple[tuple[str, Hashable], int], Tensor] = {}  # (kind, k-th message) -> its last buffer
+        self._tags_in_flight: set[int] = set()  # tags of started rounds not yet waited for, whose buffers are kept
         self.defer_posts = defer_posts
         self._deferred: list[Callable[[], None]] = []  # started rounds not yet posted, oldest first
 
     def exchange(self, outgoing: Outgoing, incoming: Incoming) -> Received:
         round = self.traffic.rounds
         self.post_deferred()
-        send_buffers, recv_buffers = self._buffers(outgoing, incoming, own_buffers=False)
+        send_buffers, recv_buffers = self._buffers(outgoing, incoming, kept="exchange")
         for work in self._post(send_buffers, recv_buffers, tag=0):
             work.wait()
         self._record(send_buffers, recv_buffers)
@@ -127,9 +129,14 @@ class TorchDistributedExchange(Exchange):
 
     def start(self, outgoing: Outgoing, incoming: Incoming, tag: int = 0) -> PendingRound:
         """The same ``batch_isend_irecv`` without waiting: gloo's and NCCL's own threads move the bytes meanwhile
-        (posted now, or at the next :meth:`post_deferred` with ``defer_posts``)."""
+        (posted now, or at the next :meth:`post_deferred` with ``defer_posts``). The buffers are kept per ``tag`` and
+        reused by its next round once this one has been waited for (fresh ones while it is still in flight), so the
+        tensors ``wait()`` returns are valid until the next round started with the same tag."""
         round = self.traffic.rounds
-        send_buffers, recv_buffers = self._buffers(outgoing, incoming, own_buffers=True)
+        reuse = tag not in self._tags_in_flight
+        send_buffers, recv_buffers = self._buffers(outgoing, incoming, kept=("start", tag) if reuse else None)
+        if reuse:
+            self._tags_in_flight.add(tag)
         self._record(send_buffers, recv_buffers)
         works: list[Any] = []
         failed: list[PeerFailureError] = []  # a post that failed fails the round's wait too (its buffers hold nothing)
@@ -151,6 +158,8 @@ class TorchDistributedExchange(Exchange):
                 raise failed[0]
             for work in works:
                 work.wait()
+            if reuse:  # the sends have left and the receives arrived: the tag's next round may take the buffers
+                self._tags_in_flight.discard(tag)
             received = {peer: unpack(recv_buffers[peer].to(self.device), s) for peer, s in incoming.items()}
             return check_finite(self.rank, received, round)
 
@@ -161,13 +170,13 @@ class TorchDistributedExchange(Exchange):
             self._deferred.pop(0)()
 
     def _buffers(
-        self, outgoing: Outgoing, incoming: Incoming, *, own_buffers: bool
+        self, outgoing: Outgoing, incoming: Incoming, *, kept: Hashable | None
     ) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
-        """A round's packed send buffers and its receive buffers: fresh ones (``own_buffers``, a round in flight) or
-        those kept per message slot."""
+        """A round's packed send buffers and its receive buffers: those kept under ``kept`` per message slot, or
+        fresh ones (``kept=None``: a round started while another with its tag is in flight)."""
         self._check_peers(outgoing, incoming)
         staged = self.wire_device != self.device
-        if own_buffers:  # a send still in flight must not read a tensor the caller goes on to change
+        if kept is None:  # a send still in flight must not read a tensor the caller goes on to change
             send_buffers = {
                 peer: pack(tensors).to(self.wire_device) if staged else
                 pack(tensors).clone() if len(tensors) == 1 else pack(tensors)
@@ -181,13 +190,14 @@ class TorchDistributedExchange(Exchange):
             send_buffers = {}
             for slot, (peer, tensors) in enumerate(outgoing.items()):
                 nbytes = message_nbytes([TensorSpec.of(t) for t in tensors])
-                if staged:
-                    send_buffers[peer] = self._buffer("send", slot, nbytes).copy_(pack(tensors))
+                if staged or (len(tensors) == 1 and kept != "exchange"):  # a started round's send owns its bytes
+                    send_buffers[peer] = self._buffer(("send", kept), slot, nbytes).copy_(pack(tensors))
                 else:
                     send_buffers[peer] = pack(tensors) if len(tensors) == 1 else pack(
-                        tensors, out=self._buffer("send", slot, nbytes))
+                        tensors, out=self._buffer(("send", kept), slot, nbytes))
             recv_buffers = {
-                peer: self._buffer("recv", slot, message_nbytes(specs)) for slot, (peer, specs) in enumerate(incoming.items())
+                peer: self._buffer(("recv", kept), slot, message_nbytes(specs))
+                for slot, (peer, specs) in enumerate(incoming.items())
             }
         return send_buffers, recv_buffers
 
@@ -201,8 +211,9 @@ class TorchDistributedExchange(Exchange):
         except RuntimeError as exc:  # a send to a peer whose connection is already closed fails at once
             raise PeerFailureError.during_round(self.rank, peers, exc) from exc
 
-    def _buffer(self, kind: str, slot: int, nbytes: int) -> Tensor:
-        """The byte buffer kept for the ``slot``-th message of a round, reallocated only when its size changes."""
+    def _buffer(self, kind: tuple[str, Hashable], slot: int, nbytes: int) -> Tensor:
+        """The byte buffer kept for the ``slot``-th message of a round (``kind``: send or receive, and the rounds
+        that share it), reallocated only when its size changes."""
         buffer = self._reused.get((kind, slot))
         if buffer is None or buffer.numel() != nbytes:
             pinned = self.wire_device != self.device and self.device.type == "cuda"  # fast copies to the GPU
