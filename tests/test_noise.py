@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -507,3 +508,36 @@ def test_a_failing_chunk_stops_the_draw_and_is_raised_after_every_thread_ended(m
         node_noise_generator("cpu", 5, 0).add_normal_([torch.zeros(1600)], 1.0, [torch.zeros(1600)], 1.0)
     assert threading.active_count() == before  # every helper ended
     assert len(calls) < 100  # 100 chunks: the others stopped taking new ones
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and at least 2 usable CPUs")
+def test_a_draws_helper_threads_keep_off_the_calling_threads_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With another process on the second core the scheduler put a draw's two threads on one core, where they drew
+    no faster than one: each helper keeps off the calling thread's CPU for its life (the values are unchanged), the
+    caller's own CPU set is untouched, and a helper whose set is that one CPU runs where it may."""
+    import threading
+
+    from lightning_privdec.privacy import keystream
+
+    allowed = os.sched_getaffinity(0)
+    callers = min(allowed)
+    monkeypatch.setattr(keystream, "_cpu_now", lambda: callers)
+    monkeypatch.setattr(keystream, "CHUNK_WORDS", 64)
+    seen: dict[int, set[int]] = {}
+    write = keystream.KeyStream.narrow_host_chunk
+
+    def spy(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        seen.setdefault(threading.get_ident(), os.sched_getaffinity(0))
+        time.sleep(0.002)  # every thread gets chunks
+        return write(self, *args, **kwargs)
+
+    expected = node_noise_generator("cpu", 5, 0).normal(20_001, 1.0)
+    monkeypatch.setattr(keystream.KeyStream, "narrow_host_chunk", spy)
+    torch.set_num_threads(2)  # (tests/conftest.py restores the count)
+    assert torch.equal(node_noise_generator("cpu", 5, 0).normal(20_001, 1.0), expected)
+    assert seen.pop(threading.get_ident()) == allowed == os.sched_getaffinity(0)  # the caller: as it was
+    assert list(seen.values()) == [allowed - {callers}]  # the helper: anywhere but the caller's CPU
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {callers})  # nowhere else to go: left alone
+    monkeypatch.setattr(os, "sched_setaffinity", lambda *args: pytest.fail("a one-CPU set was changed"))
+    keystream._keep_off(callers)
