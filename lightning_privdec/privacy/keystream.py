@@ -57,8 +57,8 @@ def _cpu_now() -> int | None:
 def _keep_off(cpu: int | None) -> None:
     """Keep this thread, a draw's helper, off ``cpu`` (the calling thread's) for its short life, where it may run
     elsewhere: two threads of a draw that share one core draw no faster than one, and the scheduler put them there
-    whenever another process kept the second core busy (``normal`` then took 3-8% longer with 2 threads than with 1;
-    kept apart, 9-17% less). The caller's own CPUs are untouched."""
+    whenever another process kept the second core busy (``normal`` then took from 7% less to 8% more with 2 threads
+    than with 1; kept apart, 11-26% less, and the same when idle). The caller's own CPUs are untouched."""
     if cpu is None or not hasattr(os, "sched_setaffinity"):
         return
     try:
