@@ -271,3 +271,56 @@ def test_a_started_round_reuses_its_tags_buffers_once_the_last_round_of_that_tag
     second.wait()
     exchange.start({1: [x]}, {2: specs[2][:1]}, tag=1)  # one tensor: copied into the kept buffer, not sent from x
     assert posted[4][0][1].data_ptr() != x.data_ptr() and torch.equal(posted[4][0][1].view(torch.float32), x)
+
+
+class _ClonedMixing(PushSumGossip):
+    """The overlap's mixing as it was written before its kept vector: ``x.clone()``, then one ``add_`` per message."""
+
+    def _mix_in_flight(self, x, y, through_round):  # noqa: ANN001, ANN202
+        mixed = x
+        while self.in_flight and self.in_flight[0].round <= through_round:
+            flight = self.in_flight.popleft()
+            plan = self.plan(flight.round)
+            received = flight.messages.wait()
+            if mixed is x:
+                mixed = x.clone()
+            for j in plan.in_peers:
+                mixed.add_(received[j][0], alpha=plan.in_weights[j])
+                y = y + plan.in_weights[j] * received[j][-1]
+        return mixed, y
+
+    def flush(self) -> None:
+        self.x, self.y = self._mix_in_flight(self.x, self.y, through_round=self.round)
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_the_overlaps_kept_mixing_vector_gives_the_bits_of_clone_and_add(staleness):
+    """float32 (the compiled weighted sum where it builds): the mixed numerator written into a kept vector gives
+    ``clone`` + ``add_``'s bits where torch's adds fuse their multiply-add (else within float32 rounding), and the
+    vector is reused, not re-allocated, every round."""
+    from lightning_privdec.algorithms.weighted_sum import _torch_weighted_sum, weighted_sum_into
+
+    a, b = torch.randn(3001), torch.randn(3001)
+    exact = torch.equal(weighted_sum_into(torch.empty(3001), [(a, 1.0), (b, 0.3)]),
+                        _torch_weighted_sum(torch.empty(3001), [(a, 1.0), (b, 0.3)]))
+    topology = build_topology("exponential-one-peer", 4, weights="push-sum")
+    kept = {}
+
+    def run(gossip_class):  # noqa: ANN001, ANN202
+        def node(rank, exchange):  # noqa: ANN001, ANN202
+            generator = torch.Generator().manual_seed(rank)
+            gossip = gossip_class(torch.randn(3001, generator=generator), rank=rank, topology=topology,
+                                  exchange=exchange, staleness=staleness)
+            for k in range(9):
+                gossip.step(gossip.x - 0.01 * torch.randn(3001, generator=generator))
+                if gossip_class is PushSumGossip and k >= staleness:
+                    kept.setdefault(rank, []).append(gossip._mixed)  # held: a fresh vector would be another object
+            gossip.flush()
+            return gossip.x, gossip.y
+
+        return LoopbackNetwork(4).run(node)
+
+    for (x, y), (x_ref, y_ref) in zip(run(PushSumGossip), run(_ClonedMixing)):
+        assert torch.equal(y, y_ref)
+        assert torch.equal(x, x_ref) if exact else torch.allclose(x, x_ref, rtol=1e-5, atol=1e-6)
+    assert len(kept) == 4 and all(all(v is vectors[0] for v in vectors) for vectors in kept.values())

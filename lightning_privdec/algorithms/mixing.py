@@ -296,7 +296,7 @@ class PushSumGossip:
                 self._mixed = torch.empty_like(x)
             into = self._mixed if mixed is x else mixed
             terms = [(received[j][0], plan.in_weights[j]) for j in plan.in_peers]
-            mixed = weighted_sum_into(into, [(mixed, 1.0), *terms])  # x.clone().add_(x_j, alpha=a_ij)...'s bits
+            mixed = weighted_sum_into(into, [(mixed, 1.0), *terms])  # as x.clone().add_(x_j, alpha=a_ij)... rounds
             for j in plan.in_peers:
                 y = y + plan.in_weights[j] * received[j][-1]
         return mixed, y

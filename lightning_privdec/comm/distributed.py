@@ -159,7 +159,7 @@ class TorchDistributedExchange(Exchange):
             for work in works:
                 work.wait()
             if reuse:  # the sends have left and the receives arrived: the tag's next round may take the buffers
-                self._tags_in_flight.discard(tag)
+                self._tags_in_flight.discard(tag)  # (a round whose wait failed keeps its tag: fresh buffers, safely)
             received = {peer: unpack(recv_buffers[peer].to(self.device), s) for peer, s in incoming.items()}
             return check_finite(self.rank, received, round)
 
