@@ -477,8 +477,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "models.md")
     parser.add_argument("--no-record", action="store_true", help="print only; do not write docs/models.md")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                        help="run nothing: the table of earlier runs' --json files (later ones fill in or replace); "
-                        "benchmarks/compatibility.json holds the runs docs/models.md shows")
+                        help="run nothing: the table of earlier runs' --json files (later ones fill in or replace; "
+                        "a --ratios-only file gives the step-time column); docs/models.md shows "
+                        "benchmarks/compatibility.json then benchmarks/compatibility_ratios.json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)
@@ -529,11 +530,10 @@ def main(argv: list[str] | None = None) -> None:
         for run in runs:  # later runs fill in or replace earlier cells
             for name, row in run["cells"].items():
                 results.setdefault(name, {}).update(row)
-            ratios.update(run["ratios"])
+            ratios.update({name: _ratio_text(value) for name, value in run["ratios"].items()})
         commands = [c for run in runs for c in ([run["command"]] if isinstance(run["command"], str) else run["command"])]
         commands.append(command_line.replace("--merge", "(tabulated by) --merge"))
-        machine = next((run["machine"] for run in runs if "machine" in run), None)
-        record(results, ratios, sum(run["seconds"] for run in runs), commands, args, machine)
+        record(results, ratios, sum(run["seconds"] for run in runs), commands, args, _machines(runs))
         return
     zoo = cases()
     unknown = [m for m in args.model_list if m not in zoo]
@@ -571,6 +571,35 @@ def main(argv: list[str] | None = None) -> None:
     record(results, ratios, total, [command_line], args)
 
 
+def _machines(runs: list[dict]) -> list[str] | None:
+    """The lines saying where merged runs ran: one machine's, or, where they ran on several, each run's with what it
+    still gives the table (the cells of some models, the step-time column)."""
+    every = sorted({name for run in runs for name in run["cells"]})
+    last_cells = {(name, key): k for k, run in enumerate(runs) for name, row in run["cells"].items() for key in row}
+    last_ratio = {name: k for k, run in enumerate(runs) for name in run["ratios"]}
+    shown = []  # (run, what of the table it gave)
+    for k, run in enumerate(runs):
+        models = sorted({name for (name, _), last in last_cells.items() if last == k})
+        parts = [] if not models else ["the cells"] if models == every else [
+            f"the cells of {', '.join(models)}" if 2 * len(models) <= len(every)
+            else f"the cells of every model but {', '.join(m for m in every if m not in models)}"]
+        parts += ["the step-time column"] if k in last_ratio.values() else []
+        if "machine" in run and parts:
+            shown.append((run["machine"], " and ".join(parts)))
+    if len({machine[0].split("; load average")[0] for machine, _ in shown}) <= 1:
+        return shown[0][0] if shown else None
+    return [f"{what}: {line}" for machine, what in shown for line in machine]
+
+
+def _ratio_text(value: str | dict) -> str:
+    """A ratio as the table prints it: a full run's text as it is; a ``--ratios-only`` run's figures formatted."""
+    if isinstance(value, str):
+        return value
+    if "refused" in value:
+        return f"refused: {value['refused']}"[:200]  # as a full run's ratios cut it
+    return f"{value['ratio']:.2f}x ({value['private_ms']:.0f} / {value['plain_ms']:.0f} ms)"
+
+
 def run_ratios(args: argparse.Namespace) -> None:
     """``--ratios-only``: each model's private / non-private step in one thread, process CPU time (the load of a
     shared machine moves wall-clock time far more than CPU time), with the library of ``--library`` if given."""
@@ -588,6 +617,7 @@ def run_ratios(args: argparse.Namespace) -> None:
     from lightning_privdec.privacy import PrivacyConfigError
 
     measured: dict[str, dict] = {}
+    started = time.perf_counter()
     for name in args.model_list:
         try:
             plain, private = step_time_ratio(zoo[name], args.ratio_steps or 20, time.process_time)
@@ -597,9 +627,11 @@ def run_ratios(args: argparse.Namespace) -> None:
             continue
         measured[name] = {"plain_ms": plain, "private_ms": private, "ratio": private / plain}
         print(f"{name}: {private / plain:.2f}x ({private:.1f} / {plain:.1f} ms)", flush=True)
-    if args.json is not None:
+    if args.json is not None:  # --merge takes it as a run without cells
         args.json.write_text(json.dumps({"library": str(Path(lightning_privdec.__file__).parent),
-                                         "ratios": measured}, indent=1))
+                                         "ratios": measured, "cells": {}, "seconds": time.perf_counter() - started,
+                                         "command": "python benchmarks/compatibility.py " + " ".join(sys.argv[1:]),
+                                         "machine": [machine_line(), software_line(opacus=True)]}, indent=1))
 
 
 def run_interleaved_ratios(args: argparse.Namespace) -> None:
