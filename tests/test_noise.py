@@ -518,6 +518,7 @@ def test_a_draws_helper_threads_keep_off_the_calling_threads_cpu(monkeypatch: py
     caller's own CPU set is untouched, and a helper whose set is that one CPU runs where it may."""
     import threading
 
+    from lightning_privdec import native
     from lightning_privdec.privacy import keystream
 
     allowed = os.sched_getaffinity(0)
@@ -536,7 +537,7 @@ def test_a_draws_helper_threads_keep_off_the_calling_threads_cpu(monkeypatch: py
     thread.join()
     if probed != [allowed - {callers}]:
         pytest.skip("a thread may not change its CPU set here")
-    monkeypatch.setattr(keystream, "_cpu_now", lambda: callers)
+    monkeypatch.setattr(native, "cpu_now", lambda: callers)
     monkeypatch.setattr(keystream, "CHUNK_WORDS", 64)
     seen: dict[int, set[int]] = {}
     write = keystream.KeyStream.narrow_host_chunk
@@ -554,4 +555,4 @@ def test_a_draws_helper_threads_keep_off_the_calling_threads_cpu(monkeypatch: py
     assert list(seen.values()) == [allowed - {callers}]  # the helper: anywhere but the caller's CPU
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {callers})  # nowhere else to go: left alone
     monkeypatch.setattr(os, "sched_setaffinity", lambda *args: pytest.fail("a one-CPU set was changed"))
-    keystream._keep_off(callers)
+    native.keep_off(callers)

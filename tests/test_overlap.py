@@ -314,7 +314,7 @@ def test_the_overlaps_kept_mixing_vector_gives_the_bits_of_clone_and_add(stalene
             for k in range(9):
                 gossip.step(gossip.x - 0.01 * torch.randn(3001, generator=generator))
                 if gossip_class is PushSumGossip and k >= staleness:
-                    kept.setdefault(rank, []).append(gossip._mixed)  # held: a fresh vector would be another object
+                    kept.setdefault(rank, []).append(gossip.workspace._tensors["mixed"])  # held: no id reused
             gossip.flush()
             return gossip.x, gossip.y
 

@@ -169,11 +169,10 @@ class PushSumGossip:
             self._copies_start = reference.detach().clone()
         elif reference is not None:
             self._copies_start = self.x  # x is first written by the first round, after the copies are made
-        self.workspace = Workspace()  # the compressor's scratch, reused every round
+        self.workspace = Workspace()  # the compressor's scratch (with overlap, the mixed numerator), reused every round
         self._plans: dict[int, RoundPlan] = {}
         self.staleness = self._check_staleness(staleness)
         self.in_flight: deque[InFlight] = deque()  # overlap: posted rounds, oldest first
-        self._mixed: Tensor | None = None  # overlap: the numerator mixed with the rounds due (a kept vector)
 
     def _check_staleness(self, staleness: int) -> int:
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
@@ -291,10 +290,7 @@ class PushSumGossip:
             flight = self.in_flight.popleft()
             plan = self.plan(flight.round)
             received = flight.messages.wait()
-            if mixed is x and (self._mixed is None or self._mixed.shape != x.shape or self._mixed.dtype != x.dtype
-                               or self._mixed.device != x.device):
-                self._mixed = torch.empty_like(x)
-            into = self._mixed if mixed is x else mixed
+            into = self.workspace.get("mixed", x.numel(), x.dtype, x.device).view_as(x) if mixed is x else mixed
             terms = [(received[j][0], plan.in_weights[j]) for j in plan.in_peers]
             mixed = weighted_sum_into(into, [(mixed, 1.0), *terms])  # as x.clone().add_(x_j, alpha=a_ij)... rounds
             for j in plan.in_peers:

@@ -17,7 +17,7 @@ add uses them too).
 from __future__ import annotations
 
 import ctypes
-import threading
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -81,36 +81,13 @@ def _run(kernel: Any, out: Tensor, terms: Sequence[tuple[Tensor, float]]) -> Non
     weights = (ctypes.c_float * count)(*(float(w) for _, w in terms))
     parts = max(1, min(torch.get_num_threads(), n // THREAD_ENTRIES))
     bounds = [n * k // parts // 16 * 16 for k in range(parts)] + [n]  # part starts on 64-byte multiples
-    failures: list[BaseException] = []
 
     def part(k: int) -> None:
-        try:
-            start = bounds[k]
-            pointers = (ctypes.c_void_p * count)(*(t.data_ptr() + 4 * start for t, _ in terms))
-            kernel(out.data_ptr() + 4 * start, pointers, weights, count, bounds[k + 1] - start)  # releases the GIL
-        except BaseException as error:  # noqa: BLE001 - re-raised on the calling thread
-            failures.append(error)
+        start = bounds[k]
+        pointers = (ctypes.c_void_p * count)(*(t.data_ptr() + 4 * start for t, _ in terms))
+        kernel(out.data_ptr() + 4 * start, pointers, weights, count, bounds[k + 1] - start)  # releases the GIL
 
-    started: list[threading.Thread] = []
-    try:
-        for k in range(1, parts):
-            thread = threading.Thread(target=part, args=(k,), daemon=True)
-            try:
-                thread.start()
-            except RuntimeError:  # no thread to be had: this one sums that part
-                part(k)
-                continue
-            started.append(thread)
-        part(0)
-    finally:
-        for thread in started:
-            while thread.is_alive():  # an interrupt while waiting: wait on, so nothing writes after the return
-                try:
-                    thread.join()
-                except BaseException as error:  # noqa: BLE001
-                    failures.append(error)
-    if failures:
-        raise failures[0]
+    native.run_parts([functools.partial(part, k) for k in range(parts)])
     increment_version(out)  # written through addresses: what reads out's version sees the write
 
 

@@ -120,7 +120,7 @@ class TorchDistributedExchange(Exchange):
     def exchange(self, outgoing: Outgoing, incoming: Incoming) -> Received:
         round = self.traffic.rounds
         self.post_deferred()
-        send_buffers, recv_buffers = self._buffers(outgoing, incoming, kept="exchange")
+        send_buffers, recv_buffers = self._buffers(outgoing, incoming, kept="exchange", waited=True)
         for work in self._post(send_buffers, recv_buffers, tag=0):
             work.wait()
         self._record(send_buffers, recv_buffers)
@@ -134,7 +134,8 @@ class TorchDistributedExchange(Exchange):
         tensors ``wait()`` returns are valid until the next round started with the same tag."""
         round = self.traffic.rounds
         reuse = tag not in self._tags_in_flight
-        send_buffers, recv_buffers = self._buffers(outgoing, incoming, kept=("start", tag) if reuse else None)
+        send_buffers, recv_buffers = self._buffers(outgoing, incoming, kept=("start", tag) if reuse else None,
+                                                   waited=False)
         if reuse:
             self._tags_in_flight.add(tag)
         self._record(send_buffers, recv_buffers)
@@ -170,13 +171,15 @@ class TorchDistributedExchange(Exchange):
             self._deferred.pop(0)()
 
     def _buffers(
-        self, outgoing: Outgoing, incoming: Incoming, *, kept: Hashable | None
+        self, outgoing: Outgoing, incoming: Incoming, *, kept: Hashable | None, waited: bool
     ) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
         """A round's packed send buffers and its receive buffers: those kept under ``kept`` per message slot, or
-        fresh ones (``kept=None``: a round started while another with its tag is in flight)."""
+        fresh ones (``kept=None``: a round started while another with its tag is in flight). A round ``waited`` for
+        before the caller goes on may send a one-tensor message from the tensor itself; any other send owns its
+        bytes (the caller may change its tensors at once)."""
         self._check_peers(outgoing, incoming)
         staged = self.wire_device != self.device
-        if kept is None:  # a send still in flight must not read a tensor the caller goes on to change
+        if kept is None:
             send_buffers = {
                 peer: pack(tensors).to(self.wire_device) if staged else
                 pack(tensors).clone() if len(tensors) == 1 else pack(tensors)
@@ -190,7 +193,7 @@ class TorchDistributedExchange(Exchange):
             send_buffers = {}
             for slot, (peer, tensors) in enumerate(outgoing.items()):
                 nbytes = message_nbytes([TensorSpec.of(t) for t in tensors])
-                if staged or (len(tensors) == 1 and kept != "exchange"):  # a started round's send owns its bytes
+                if staged or (len(tensors) == 1 and not waited):
                     send_buffers[peer] = self._buffer(("send", kept), slot, nbytes).copy_(pack(tensors))
                 else:
                     send_buffers[peer] = pack(tensors) if len(tensors) == 1 else pack(

@@ -8,10 +8,8 @@ threads (:meth:`KeyStream.narrow_host_draw`) with the values of one sequential r
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import math
-import os
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -20,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_privdec import native
 from lightning_privdec.privacy.device_keystream import (
     DEVICE_CHUNK_WORDS, DeviceChaCha20, buffer_words, device_keystream_available, encryptor_at_block,
 )
@@ -43,30 +42,6 @@ def _chunk_pairs(numel: int, first: int, chunk: int | None = None) -> tuple[int,
     half = (numel + 1) // 2
     p = min(chunk or CHUNK_WORDS, half - first)
     return p, max(0, min(p, numel - half - first))
-
-
-_SCHED_GETCPU = getattr(ctypes.CDLL(None), "sched_getcpu", None) if sys.platform.startswith("linux") else None
-
-
-def _cpu_now() -> int | None:
-    """The CPU the calling thread runs on (Linux), else None."""
-    cpu = _SCHED_GETCPU() if _SCHED_GETCPU is not None else -1
-    return cpu if cpu >= 0 else None
-
-
-def _keep_off(cpu: int | None) -> None:
-    """Keep this thread, a draw's helper, off ``cpu`` (the calling thread's) for its short life, where it may run
-    elsewhere: two threads of a draw that share one core draw no faster than one, and the scheduler put them there
-    whenever another process kept the second core busy (``normal`` then took from 7% less to 8% more with 2 threads
-    than with 1; kept apart, 11-26% less, and the same when idle). The caller's own CPUs are untouched."""
-    if cpu is None or not hasattr(os, "sched_setaffinity"):
-        return
-    try:
-        allowed = os.sched_getaffinity(0)
-        if cpu in allowed and len(allowed) > 1:
-            os.sched_setaffinity(threading.get_native_id(), allowed - {cpu})
-    except OSError:  # a CPU set this thread may not change: it runs where the scheduler puts it
-        pass
 
 
 def _angle_nonce(nonce: bytes) -> bytes:
@@ -285,50 +260,27 @@ class KeyStream:
         The values are those of one sequential read whatever the threads: each chunk reads its own keystream offsets,
         and ChaCha20 and NumPy's loops run without the GIL. A thread takes the next chunk when it is done with its
         last; the first failure stops every thread before its next chunk and is raised here, after all have ended.
-        The further threads keep off the calling thread's CPU where they may run elsewhere (:func:`_keep_off`)."""
+        The threads are :func:`~lightning_privdec.native.run_parts`'s (the further ones kept off this one's CPU)."""
         chunks = iter(range(0, (numel + 1) // 2, CHUNK_WORDS))
-        lock, failures = threading.Lock(), []
-        callers_cpu = _cpu_now()
+        lock, stopped = threading.Lock(), []
 
         def work(own: KeystreamBuffers) -> None:
-            if own is not buffers[0]:
-                _keep_off(callers_cpu)
-            try:
-                while True:
-                    with lock:
-                        first = None if failures else next(chunks, None)
-                    if first is None:
-                        return
-                    p, q = _chunk_pairs(numel, first)
-                    if transform is not None:
-                        self._read_pairs(first, p, own)
-                        transform(first, own.np_words[:p], own.np_angles[:p], q)
-                        continue
-                    cosines, sines = self.narrow_host_chunk(first, p, q, scale, own, target)
-                    if consume is not None:
-                        consume(first, cosines, sines)
-            except BaseException as error:  # noqa: BLE001 - re-raised on the calling thread
+            while True:
                 with lock:
-                    failures.append(error)
+                    first = None if stopped else next(chunks, None)
+                if first is None:
+                    return
+                p, q = _chunk_pairs(numel, first)
+                if transform is not None:
+                    self._read_pairs(first, p, own)
+                    transform(first, own.np_words[:p], own.np_angles[:p], q)
+                    continue
+                cosines, sines = self.narrow_host_chunk(first, p, q, scale, own, target)
+                if consume is not None:
+                    consume(first, cosines, sines)
 
-        started: list[threading.Thread] = []
-        try:
-            for own in buffers[1:]:
-                started.append(threading.Thread(target=work, args=(own,), daemon=True))
-                started[-1].start()  # a thread that cannot start leaves its chunks to the others
-        except RuntimeError:
-            started.pop()
-        finally:
-            work(buffers[0])
-            for thread in started:
-                while thread.is_alive():
-                    try:
-                        thread.join()
-                    except BaseException as error:  # noqa: BLE001 - an interrupt while waiting: stop the others
-                        with lock:
-                            failures.append(error)
-        if failures:
-            raise failures[0]
+        # a failure, or an interrupt while waiting, stops every thread before its next chunk
+        native.run_parts([functools.partial(work, own) for own in buffers], stop=lambda: stopped.append(True))
 
     def _read(self, n: int) -> Tensor:
         """The next ``n`` (at most the buffers' chunk) 64-bit words of the keystream: int64, a reused buffer, on the

@@ -49,6 +49,7 @@ from lightning_privdec import native
 from lightning_privdec.privacy import keystream
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.keystream import KeyStream, KeystreamBuffers
+from lightning_privdec.privacy.native_noise import _INT32, _INT64
 
 __all__ = [
     "FIXED_SEED_CAVEAT", "KEY_BYTES", "KeystreamBuffers", "NoiseGenerator", "keyed_standard_normal",
@@ -125,9 +126,6 @@ def _added_as_made(
                    constants, alpha)
 
     return transform
-
-
-_INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)
 
 
 class NoiseGenerator:
