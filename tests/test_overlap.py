@@ -268,7 +268,8 @@ def test_a_started_round_reuses_its_tags_buffers_once_the_last_round_of_that_tag
     exchange.start({1: [x, y]}, specs, tag=1)  # tag 1's round is still in flight: fresh buffers
     assert posted[3][0][1].data_ptr() != posted[1][0][1].data_ptr()
     assert posted[3][1][2].data_ptr() != posted[1][1][2].data_ptr()
-    second.wait()
+    posted[1][1][2].copy_(pack([torch.full((6,), 5.0), y]))  # round 1's message arrives (its buffer is uninitialised)
+    assert torch.equal(second.wait()[2][0], torch.full((6,), 5.0))
     exchange.start({1: [x]}, {2: specs[2][:1]}, tag=1)  # one tensor: copied into the kept buffer, not sent from x
     assert posted[4][0][1].data_ptr() != x.data_ptr() and torch.equal(posted[4][0][1].view(torch.float32), x)
 
