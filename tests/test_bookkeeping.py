@@ -262,6 +262,20 @@ def test_an_example_with_zero_output_gradients_is_not_computed_apart(name: str) 
     assert bool(bookkeeping.norm_bound(layer, x, g, defer_exact=True).exact[0])
 
 
+def test_all_zero_marks_exactly_the_examples_whose_every_entry_is_zero() -> None:
+    """Zeros and negative zeros are zero; one NaN, infinity or denormal among zeros is not; an example without
+    entries is (it adds nothing)."""
+    g = torch.zeros(6, 3, 4)
+    g[1, 2, 3] = -0.0
+    g[2, 0, 1] = float("nan")
+    g[3, 1, 1] = float("-inf")
+    g[4, 2, 2] = 1e-45  # the smallest float32 denormal
+    g[5] = torch.randn(3, 4)
+    assert bookkeeping._all_zero(g).tolist() == [True, True, False, False, False, False]
+    assert bookkeeping._all_zero(torch.zeros(2, 0, 5)).tolist() == [True, True]
+    assert bookkeeping._all_zero(torch.zeros(0, 4)).tolist() == []
+
+
 def test_a_linear_layer_on_empty_sequences_has_a_zero_bound() -> None:
     """A (B, 0, d) input (every example's sequence empty): no entries, a gradient of exactly 0, a bound of 0."""
     layer = nn.Linear(4, 3)

@@ -151,10 +151,19 @@ def norm_bound(
         isolate = mass * (u * math.sqrt(rows) * 1e3) > estimate
         # an example whose output gradients are all exactly 0 adds exactly 0 (its finite inputs times 0; a non-finite
         # input makes its bound non-finite): its gradient is known exactly, though its bound is all rounding floors
-        zero = ~(g != 0).flatten(1).any(dim=1)  # (NaN: not zero; an example without entries: zero)
+        zero = _all_zero(g)
         exact = ((loose | isolate) & ~zero) | ~torch.isfinite(upper)
     bound = NormBound(upper, exact)
     return bound if defer_exact else compute_exact(module, a, g, bound)
+
+
+def _all_zero(g: Tensor) -> Tensor:
+    """Per example, whether every entry of ``g`` is exactly 0 (a NaN is not; an example without entries is): the
+    largest magnitude, one pass and a reduction (a comparison of every entry, then ``any``, took 3x as long)."""
+    rows = g.flatten(1)
+    if rows.shape[1] == 0:
+        return torch.ones(g.shape[0], dtype=torch.bool, device=g.device)
+    return rows.abs().amax(dim=1) == 0
 
 
 #: layer calls of one shape are stacked for :func:`norm_bounds` while their inputs and output gradients together hold

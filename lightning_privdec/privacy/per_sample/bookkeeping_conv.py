@@ -264,9 +264,18 @@ def _conv_input_gram_norms(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Ten
     # sum over kernel rows, then columns (separable): rows/columns of patch t start at stride * t + dilation * k
     rows = [slice(k * dilation[0], k * dilation[0] + stride[0] * (out_h - 1) + 1, stride[0]) for k in range(kernel[0])]
     cols = [slice(k * dilation[1], k * dilation[1] + stride[1] * (out_w - 1) + 1, stride[1]) for k in range(kernel[1])]
-    by_rows = sum(s[:, r, :, r, :] for r in rows)  # (B g, out_h, W, out_h, W)
-    u_gram = sum(by_rows[:, :, c, :, c] for c in cols)  # (B g, out_h, out_w, out_h, out_w)
+    by_rows = _sum_in_order([s[:, r, :, r, :] for r in rows])  # (B g, out_h, W, out_h, W)
+    u_gram = _sum_in_order([by_rows[:, :, c, :, c] for c in cols])  # (B g, out_h, out_w, out_h, out_w)
     steps = out_h * out_w
     grads = g.reshape(batch * groups, -1, steps)
     estimate, g_squares, u_squares = _gram_inner_products(grads, None, u_gram.reshape(-1, steps, steps))
     return estimate.view(batch, groups), g_squares, u_squares
+
+
+def _sum_in_order(terms: list[Tensor]) -> Tensor:
+    """``terms[0] + terms[1] + ...`` left to right (the rounding of Python's ``sum``), accumulated in place in one
+    new tensor instead of a fresh one per addition (half the time for a 32 x 32 map's position Gram)."""
+    total = terms[0].clone()
+    for term in terms[1:]:
+        total.add_(term)
+    return total
