@@ -139,7 +139,10 @@ def _tokens(n: int = 96, length: int = 16, vocab: int = 64, classes: int = 2):  
     return TensorDataset(torch.randint(1, vocab, (n, length), generator=g), torch.randint(0, classes, (n,), generator=g))
 
 
-def cases() -> dict[str, Case]:
+def cases(image_size: int = 32) -> dict[str, Case]:
+    """The model zoo; the image models take ``image_size`` x ``image_size`` inputs (docs/models.md: 32)."""
+    import functools
+
     import torch
     from torch import nn
 
@@ -169,7 +172,7 @@ def cases() -> dict[str, Case]:
     def vit():  # noqa: ANN202
         from torchvision.models import VisionTransformer
 
-        return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
+        return VisionTransformer(image_size=image_size, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
                                  num_classes=10)
 
     class GRUClassifier(nn.Module):
@@ -232,7 +235,7 @@ def cases() -> dict[str, Case]:
         return Logits()
 
     def frozen_backbone():  # noqa: ANN202
-        backbone = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 64), nn.ReLU())
+        backbone = nn.Sequential(nn.Flatten(), nn.Linear(3 * image_size * image_size, 64), nn.ReLU())
         for p in backbone.parameters():
             p.requires_grad_(False)
         return nn.Sequential(backbone, nn.Linear(64, 10))
@@ -280,12 +283,13 @@ def cases() -> dict[str, Case]:
 
         return RandomDataset(32, 96)
 
+    images = functools.partial(_images, size=image_size)
     return {
-        "resnet18": Case(_classifier(resnet18), _images),
-        "resnet50": Case(_classifier(resnet50), lambda: _images(48)),
-        "mobilenet_v3_small": Case(_classifier(mobilenet), _images, fix_model=True),
-        "efficientnet_b0": Case(_classifier(efficientnet), _images, fix_model=True),
-        "vit": Case(_classifier(vit), _images),
+        "resnet18": Case(_classifier(resnet18), images),
+        "resnet50": Case(_classifier(resnet50), lambda: images(48)),
+        "mobilenet_v3_small": Case(_classifier(mobilenet), images, fix_model=True),
+        "efficientnet_b0": Case(_classifier(efficientnet), images, fix_model=True),
+        "vit": Case(_classifier(vit), images),
         "transformer_demo": Case(transformer_demo, demo_tokens),
         "lstm_demo": Case(lstm_demo, demo_tokens),
         "lstm": Case(_language_model(DemoLSTM), _tokens),
@@ -294,9 +298,9 @@ def cases() -> dict[str, Case]:
         "gpt2": Case(_language_model(gpt2), _tokens),
         "bert": Case(_language_model(bert), _tokens),
         "gpt2_lora": Case(_language_model(lambda: gpt2(lora=True)), _tokens),
-        "frozen_backbone": Case(_classifier(frozen_backbone), _images),
+        "frozen_backbone": Case(_classifier(frozen_backbone), images),
         "boring": Case(boring, boring_data),
-        "resnet18_bf16": Case(_classifier(resnet18), _images, precision="bf16-mixed"),
+        "resnet18_bf16": Case(_classifier(resnet18), images, precision="bf16-mixed"),
     }
 
 
@@ -368,11 +372,15 @@ def run_child(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # parent: the cells (one 2-process launch), the step-time ratios (one process), docs/models.md
 # ---------------------------------------------------------------------------------------------------------------------
-def step_time_ratio(case: Case, steps: int = 3, clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+def step_time_ratio(
+    case: Case, steps: int = 3, clock: Callable[[], float] = time.perf_counter, parts: dict | None = None
+) -> tuple[float, float]:
     """(non-private ms, private ms) per step in one process: forward + backward, and the same plus book-keeping
     clipping and noise (the default mode). The two steps alternate, so that both see the same load; each figure is
     the median of ``steps`` timings by ``clock`` after one warm-up step of each. A ``bf16-mixed`` case runs its
-    forward under CPU autocast, as Lightning's precision plugin does."""
+    forward under CPU autocast, as Lightning's precision plugin does. ``parts``: filled with the medians, in ms, of
+    the private step's ``clipping`` (per-example norms and the clipped sums, after the backward pass) and ``noise``
+    (the node's draw added into the gradients), timed inside the same steps."""
     import contextlib
 
     import torch
@@ -403,7 +411,19 @@ def step_time_ratio(case: Case, steps: int = 3, clock: Callable[[], float] = tim
                         device=torch.device("cpu"), noise_seed=0)
     engine.attach(private, fix_model=case.fix_model)
     engine.noise_multiplier, engine.sample_rate, engine.expected_batch_size = 1.0, 0.1, 16.0
-    timed: dict[str, list[float]] = {"plain": [], "private": []}
+    timed: dict[str, list[float]] = {"plain": [], "private": [], "clipping": [], "noise": []}
+
+    def timing(name: str, call: Callable) -> Callable:  # the part's time inside a timed private step
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                timed[name].append(clock() - start)
+        return timed_call
+
+    engine.clipping.clipped_sum = timing("clipping", engine.clipping.clipped_sum)
+    engine.gaussian.noise_clipped_sum = timing("noise", engine.gaussian.noise_clipped_sum)
     steps_of = {"plain": lambda: (plain.zero_grad(), loss(plain).backward()),
                 "private": lambda: (private.zero_grad(), loss(private).backward(), private_step(engine))}
     for warm_up in steps_of.values():
@@ -413,6 +433,8 @@ def step_time_ratio(case: Case, steps: int = 3, clock: Callable[[], float] = tim
             start = clock()
             step()
             timed[name].append(clock() - start)
+    if parts is not None:
+        parts.update({name: 1e3 * statistics.median(timed[name][1:]) for name in ("clipping", "noise")})
     return 1e3 * statistics.median(timed["plain"]), 1e3 * statistics.median(timed["private"])
 
 
@@ -466,6 +488,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(with --json: written) and never recorded")
     parser.add_argument("--ratio-steps", type=int, default=None,
                         help="timed steps of each kind per model (default 5; 20 with --ratios-only)")
+    parser.add_argument("--image-size", type=int, default=32,
+                        help="with --ratios-only: the image models' input side (docs/models.md's column: 32; a "
+                        "larger one shows the ratio where the per-example work, not the noise, dominates)")
     parser.add_argument("--library", type=Path, default=None,
                         help="import lightning_privdec from this tree (e.g. a git worktree of an older commit) to "
                         "compare its ratios with this checkout's on the same models")
@@ -597,7 +622,10 @@ def _ratio_text(value: str | dict) -> str:
         return value
     if "refused" in value:
         return f"refused: {value['refused']}"[:200]  # as a full run's ratios cut it
-    return f"{value['ratio']:.2f}x ({value['private_ms']:.0f} / {value['plain_ms']:.0f} ms)"
+    text = f"{value['ratio']:.2f}x ({value['private_ms']:.0f} / {value['plain_ms']:.0f} ms"
+    if "noise_ms" in value:  # the noise alone, against the non-private step: a floor of the ratio
+        text += f"; noise {value['noise_ms'] / value['plain_ms']:.2f}x"
+    return text + ")"
 
 
 def run_ratios(args: argparse.Namespace) -> None:
@@ -609,7 +637,7 @@ def run_ratios(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    zoo = cases()
+    zoo = cases(args.image_size)
     unknown = [m for m in args.model_list if m not in zoo]
     if unknown:
         raise SystemExit(f"unknown models {unknown}; choose from {', '.join(zoo)}")
@@ -620,13 +648,16 @@ def run_ratios(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     for name in args.model_list:
         try:
-            plain, private = step_time_ratio(zoo[name], args.ratio_steps or 20, time.process_time)
+            parts: dict[str, float] = {}
+            plain, private = step_time_ratio(zoo[name], args.ratio_steps or 20, time.process_time, parts)
         except PrivacyConfigError as refused:  # a model the library refuses (Lightning's LSTM demo) has no ratio
             measured[name] = {"refused": _first_sentence(refused)[:192]}
             print(f"{name}: refused", flush=True)
             continue
-        measured[name] = {"plain_ms": plain, "private_ms": private, "ratio": private / plain}
-        print(f"{name}: {private / plain:.2f}x ({private:.1f} / {plain:.1f} ms)", flush=True)
+        measured[name] = {"plain_ms": plain, "private_ms": private, "ratio": private / plain,
+                          "clipping_ms": parts["clipping"], "noise_ms": parts["noise"]}
+        print(f"{name}: {private / plain:.2f}x ({private:.1f} / {plain:.1f} ms; clipping {parts['clipping']:.1f} ms, "
+              f"noise {parts['noise']:.1f} ms = {parts['noise'] / plain:.2f}x the non-private step)", flush=True)
     if args.json is not None:  # --merge takes it as a run without cells
         args.json.write_text(json.dumps({"library": str(Path(lightning_privdec.__file__).parent),
                                          "ratios": measured, "cells": {}, "seconds": time.perf_counter() - started,
@@ -646,6 +677,7 @@ def run_interleaved_ratios(args: argparse.Namespace) -> None:
                 out = Path(tmp) / f"{side}_{round_}.json"
                 command = [sys.executable, os.path.abspath(__file__), "--ratios-only",
                            "--models", ",".join(args.model_list), "--ratio-steps", str(args.ratio_steps or 20),
+                           "--image-size", str(args.image_size),
                            "--json", str(out)]
                 if side == "before":
                     command += ["--library", str(args.before.resolve())]
@@ -701,7 +733,9 @@ def record(results: dict[str, dict[str, str]], ratios: dict[str, str], total: fl
         "combination before training (reason *n* below), **F*n*** anything else goes wrong (reason *n*), "
         f"**{NOT_RUN}** not run. The second column is one private step (book-keeping clipping + noise) against one "
         "non-private step (forward + backward), one process and thread, CPU time, batch 16, the two "
-        "alternating.",
+        "alternating; in brackets the two steps' milliseconds and, where measured, the noise alone against the "
+        "non-private step (its draw is one per parameter whatever the batch: on these small inputs a floor of the "
+        "ratio).",
         "",
         *table,
         "",

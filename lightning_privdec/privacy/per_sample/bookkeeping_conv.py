@@ -189,8 +189,8 @@ def _patch_norms(module: nn.Module, a: Tensor, out_size: torch.Size) -> Tensor:
                               device=a.device)
             summed = conv(squares, ones, None, module.stride, module.padding, module.dilation, groups)
     assert tuple(summed.shape[2:]) == tuple(out_size)
-    bound = summed.double() * (1 + gamma(p + 4, unit_roundoff(a.dtype))) + p * _tiny(a.dtype)
-    return bound.sqrt().view(batch, groups, -1)
+    bound = summed.double().mul_(1 + gamma(p + 4, unit_roundoff(a.dtype))).add_(p * _tiny(a.dtype))
+    return bound.sqrt_().view(batch, groups, -1)  # (in place: a fresh float64 map per step costs its page faults)
 
 
 def _window_sums(x: Tensor, kernel: tuple, stride: tuple, padding: tuple, dilation: tuple) -> Tensor:
