@@ -172,8 +172,8 @@ def cases(image_size: int = 32) -> dict[str, Case]:
     def vit():  # noqa: ANN202
         from torchvision.models import VisionTransformer
 
-        return VisionTransformer(image_size=image_size, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
-                                 num_classes=10)
+        return VisionTransformer(image_size=image_size, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
+                                 mlp_dim=64, num_classes=10)
 
     class GRUClassifier(nn.Module):
         def __init__(self) -> None:
@@ -516,6 +516,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in args.strategy_list if s not in STRATEGY_ARGUMENTS] + [m for m in args.mode_list if m not in MODES]
     if unknown:
         parser.error(f"unknown strategies or modes: {unknown}")
+    if args.image_size != 32 and not args.ratios_only:
+        parser.error("--image-size sets the ratios' inputs only: use it with --ratios-only (the cells run 32 px)")
+    if args.image_size < 8 or args.image_size % 8:
+        parser.error(f"--image-size must be a positive multiple of 8 (the ViT's patch side), got {args.image_size}")
     return args
 
 
@@ -553,6 +557,9 @@ def main(argv: list[str] | None = None) -> None:
         results: dict[str, dict[str, str]] = {}
         ratios: dict[str, str] = {}
         for run in runs:  # later runs fill in or replace earlier cells
+            if run.get("image_size", 32) != 32:
+                raise SystemExit(f"a ratios run on {run['image_size']} px images is not docs/models.md's column "
+                                 "(32 px): leave it out of --merge")
             for name, row in run["cells"].items():
                 results.setdefault(name, {}).update(row)
             ratios.update({name: _ratio_text(value) for name, value in run["ratios"].items()})
@@ -623,7 +630,7 @@ def _ratio_text(value: str | dict) -> str:
     if "refused" in value:
         return f"refused: {value['refused']}"[:200]  # as a full run's ratios cut it
     text = f"{value['ratio']:.2f}x ({value['private_ms']:.0f} / {value['plain_ms']:.0f} ms"
-    if "noise_ms" in value:  # the noise alone, against the non-private step: a floor of the ratio
+    if "noise_ms" in value:  # the noise alone, against the non-private step: the ratio is at least 1 plus it
         text += f"; noise {value['noise_ms'] / value['plain_ms']:.2f}x"
     return text + ")"
 
@@ -661,6 +668,7 @@ def run_ratios(args: argparse.Namespace) -> None:
     if args.json is not None:  # --merge takes it as a run without cells
         args.json.write_text(json.dumps({"library": str(Path(lightning_privdec.__file__).parent),
                                          "ratios": measured, "cells": {}, "seconds": time.perf_counter() - started,
+                                         "image_size": args.image_size,
                                          "command": "python benchmarks/compatibility.py " + " ".join(sys.argv[1:]),
                                          "machine": [machine_line(), software_line(opacus=True)]}, indent=1))
 
@@ -734,8 +742,7 @@ def record(results: dict[str, dict[str, str]], ratios: dict[str, str], total: fl
         f"**{NOT_RUN}** not run. The second column is one private step (book-keeping clipping + noise) against one "
         "non-private step (forward + backward), one process and thread, CPU time, batch 16, the two "
         "alternating; in brackets the two steps' milliseconds and, where measured, the noise alone against the "
-        "non-private step (its draw is one per parameter whatever the batch: on these small inputs a floor of the "
-        "ratio).",
+        "non-private step (one draw per parameter whatever the batch: the ratio is at least 1 plus it).",
         "",
         *table,
         "",

@@ -276,6 +276,26 @@ def test_all_zero_marks_exactly_the_examples_whose_every_entry_is_zero() -> None
     assert bookkeeping._all_zero(torch.zeros(0, 4)).tolist() == []
 
 
+def test_an_isolated_convolution_examples_bound_is_finite_for_half_precision_and_huge_finite_inputs() -> None:
+    """The float64 path of an isolated example takes its terms' mass from float32 patch norms: bfloat16 activations
+    (autocast) are cast to float32 first (bfloat16's own rounding bound is infinite for a 3 x 3 x 64 patch), and a
+    finite input whose float32 square overflows gets float64 patch norms (else its bound is inf, or NaN where its
+    output gradients are 0), as before; either way the bound covers the float64 gradient's norm."""
+    torch.manual_seed(11)
+    layer = nn.Conv2d(64, 8, 3, padding=1)
+    a = torch.randn(2, 64, 5, 5)
+    g = torch.randn(2, 8, 5, 5)
+    _, upper_half = bookkeeping._exact_gradients(layer, a.bfloat16(), g, torch.float32)
+    _, upper_float = bookkeeping._exact_gradients(layer, a.bfloat16().float(), g, torch.float32)
+    assert torch.equal(upper_half, upper_float) and bool(torch.isfinite(upper_half).all())
+    a[0, 0, 2, 2] = 1e20
+    g[0, :, 1:4, 1:4] = 0.0  # no output position that reads the huge input has a gradient
+    grads, upper = bookkeeping._exact_gradients(layer, a, g, torch.float32)
+    assert bool(torch.isfinite(upper).all())
+    norms = torch.linalg.vector_norm(torch.cat([v.flatten(1) for v in grads.values()], dim=1), dim=1)
+    assert bool((upper >= norms).all())
+
+
 def test_a_linear_layer_on_empty_sequences_has_a_zero_bound() -> None:
     """A (B, 0, d) input (every example's sequence empty): no entries, a gradient of exactly 0, a bound of 0."""
     layer = nn.Linear(4, 3)

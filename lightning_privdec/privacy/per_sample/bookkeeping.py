@@ -473,8 +473,9 @@ def _exact_gradients(module: nn.Module, a: Tensor, g: Tensor, work: torch.dtype)
     """The per-example gradients of the selected (ill-conditioned) examples in float64, and upper bounds of the
     norms of what they add to the sum (their float64 rounding, the cast to ``work`` and the addition). The terms' mass
     only scales float64 rounding: a convolution's patch norms are the upper bounds :func:`_patch_norms` gives in
-    ``work`` (its float64 convolution of the squares took three times as long)."""
-    a_work = a
+    ``work`` (its float64 convolution of the squares took three times as long), or in float64 where a square
+    overflowed ``work`` (a finite input of 1e20: float32's bound is infinite, and 0 times it NaN)."""
+    a_work = a.to(work) if a.is_floating_point() else a  # (activations under autocast: bfloat16 / float16)
     a = a.double() if a.is_floating_point() else a
     g = g.double()
     weight, bias = module.weight, module.bias
@@ -495,7 +496,10 @@ def _exact_gradients(module: nn.Module, a: Tensor, g: Tensor, work: torch.dtype)
         if weight.requires_grad:
             grads[weight] = torch.cat([_conv_weight_grad(module, g[i : i + 1], a[i : i + 1]).unsqueeze(0)
                                        for i in range(g.shape[0])])  # fmt: skip
-            mass += (gn * _patch_norms(module, a_work, g.shape[2:])).sum(dim=(1, 2))
+            patch_norms = _patch_norms(module, a_work, g.shape[2:])
+            if not bool(torch.isfinite(patch_norms).all()):
+                patch_norms = _patch_norms(module, a, g.shape[2:])
+            mass += (gn * patch_norms).sum(dim=(1, 2))
         gn = torch.linalg.vector_norm(g.flatten(2), dim=1)  # the bias's terms: whole output vectors
     if bias is not None and bias.requires_grad:
         grads[bias] = g.sum(dim=1) if _is_linear(module) else g.flatten(2).sum(dim=2)
