@@ -56,3 +56,15 @@ def test_weighted_row_sum_is_the_blockwise_sum_within_its_bound() -> None:
     error = (weighted_row_sum(weights, rows).double() - exact).abs()
     mass = (weights.double()[:, None] * rows.double()).abs().sum(0)
     assert bool((error <= sum_rounding(SUM_BLOCK, torch.float32) * mass + 1e-6 * exact.abs()).all())
+
+
+def test_the_norm_of_one_entry_is_its_magnitude_exactly() -> None:
+    """A reduction over one entry (a depthwise convolution's output per group) is |x| itself in float64: exact, so
+    an upper bound with nothing added; NaN and infinities pass through, a denormal is kept."""
+    x = torch.tensor([1.5, -0.0, float("nan"), float("-inf"), 1e-45, -3.25]).view(6, 1, 1)
+    bound = norm_upper_bound(x, dim=(1, 2))
+    assert bound.dtype == torch.float64 and bound.shape == (6,)
+    assert bound[[0, 1, 3, 4, 5]].tolist() == [1.5, 0.0, float("inf"), float(torch.tensor(1e-45)), 3.25]
+    assert bool(torch.isnan(bound[2]))
+    rows = torch.randn(4, 1, 7, dtype=torch.bfloat16)
+    assert torch.equal(norm_upper_bound(rows, dim=1), rows.abs().double().squeeze(1))

@@ -128,6 +128,8 @@ def norm_upper_bound(x: Tensor, dim: int | tuple[int, ...] | None = None) -> Ten
     dims = tuple(d % x.dim() for d in dims)
     n = math.prod(x.shape[d] for d in dims)
     cast = None if x.dtype == work else work
+    if n == 1 and dims:  # one entry: its magnitude is its norm, exactly (a depthwise convolution's per-group outputs)
+        return x.abs().amax(dim=dims).double()
     if n <= NORM_BLOCK and x.dim() - 1 in dims:  # one block: reduced where it lies (no copy of a strided x)
         squares = torch.linalg.vector_norm(x, dim=dims, dtype=cast).double().square()
         block = n
