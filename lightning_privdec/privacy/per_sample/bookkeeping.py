@@ -475,7 +475,7 @@ def _exact_gradients(module: nn.Module, a: Tensor, g: Tensor, work: torch.dtype)
     only scales float64 rounding: a convolution's patch norms are the upper bounds :func:`_patch_norms` gives in
     ``work`` (its float64 convolution of the squares took three times as long), or in float64 where a square
     overflowed ``work`` (a finite input of 1e20: float32's bound is infinite, and 0 times it NaN)."""
-    a_work = a.to(work) if a.is_floating_point() else a  # (activations under autocast: bfloat16 / float16)
+    given = a
     a = a.double() if a.is_floating_point() else a
     g = g.double()
     weight, bias = module.weight, module.bias
@@ -496,7 +496,7 @@ def _exact_gradients(module: nn.Module, a: Tensor, g: Tensor, work: torch.dtype)
         if weight.requires_grad:
             grads[weight] = torch.cat([_conv_weight_grad(module, g[i : i + 1], a[i : i + 1]).unsqueeze(0)
                                        for i in range(g.shape[0])])  # fmt: skip
-            patch_norms = _patch_norms(module, a_work, g.shape[2:])
+            patch_norms = _patch_norms(module, given.to(work), g.shape[2:])  # (autocast: bfloat16 / float16 inputs)
             if not bool(torch.isfinite(patch_norms).all()):
                 patch_norms = _patch_norms(module, a, g.shape[2:])
             mass += (gn * patch_norms).sum(dim=(1, 2))
