@@ -343,17 +343,21 @@ def test_the_host_transform_and_the_accelerator_transform_give_the_same_draws() 
 @pytest.mark.parametrize("chunk", [6, 1 << 17])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("gathered", [True, False])
 def test_noise_added_into_pieces_is_the_one_draw_split_over_them(
-    monkeypatch: pytest.MonkeyPatch, secure_mode: bool, chunk: int, threads: int, fused: bool
+    monkeypatch: pytest.MonkeyPatch, secure_mode: bool, chunk: int, threads: int, fused: bool, gathered: bool
 ) -> None:
     """add_normal_ (the DP step's noise, added into each parameter's gradient chunk by chunk) gives bit for bit
     ``normal(total)`` split over the pieces plus the scaled sums, whatever the chunk size, the pieces' sizes and
     the intra-op threads (with several, it adds in pieces small enough for torch to run on this thread), with the
-    compiled addition where it runs (``fused``) and with the noise written and added by torch."""
+    compiled addition where it runs (``fused``) and with the noise written and added by torch, small pieces
+    gathered into one vector or each drawn into as it is (``gathered``)."""
     from lightning_privdec.privacy import keystream, noise
 
     if not fused:
         monkeypatch.setattr(noise, "_added_as_made", lambda *args: None)
+    if not gathered:
+        monkeypatch.setattr(noise, "_GATHER_PIECE", 0)
     monkeypatch.setattr(keystream, "CHUNK_WORDS", chunk)
     torch.set_num_threads(threads)  # (tests/conftest.py restores the count)
     monkeypatch.setattr(noise, "_SERIAL", 4)  # the several-thread path's pieces, small enough to split these sums
@@ -379,6 +383,7 @@ def test_noise_on_the_host_is_added_as_it_is_made(monkeypatch: pytest.MonkeyPatc
     transform = native_noise.native_transform()
     if not isinstance(transform, native_noise.NativeTransform):
         pytest.skip("the compiled transform cannot be built here (no C compiler or libmvec)")
+    monkeypatch.setattr(noise, "_GATHER_PIECE", 0)  # each output drawn into as it is (not gathered)
     made = []
     add_at = native_noise.NativeTransform.add_at
     monkeypatch.setattr(native_noise.NativeTransform, "add_at",
@@ -409,6 +414,53 @@ def test_noise_on_the_host_is_added_as_it_is_made(monkeypatch: pytest.MonkeyPatc
     strided = torch.zeros(8)[::2]
     assert noise._added_as_made([strided], [torch.ones(4)], [0, 4], 1.0, 1.0) is None
     assert noise._added_as_made([torch.zeros(4)], [torch.ones(4)], [0, 4], 1.0, 1.0) is not None
+
+
+def test_many_small_pieces_are_drawn_through_one_gathered_vector(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DP step's noise into many small float32 gradients (a small transformer's LayerNorm and bias vectors) is drawn
+    into one vector holding their sums side by side, in one compiled call per chunk rather than one per piece, and
+    copied back: the same bits as drawing into each piece. Few or large pieces, or sums of another dtype, are drawn
+    into as they are."""
+    from lightning_privdec.privacy import native_noise, noise
+
+    transform = native_noise.native_transform()
+    if not isinstance(transform, native_noise.NativeTransform) or not transform.adds:
+        pytest.skip("the compiled transform with its fused addition cannot be built here")
+    calls = []
+    add_at = native_noise.NativeTransform.add_at
+    monkeypatch.setattr(native_noise.NativeTransform, "add_at",
+                        lambda self, *args: calls.append(args[2]) or add_at(self, *args))
+    sizes, std, scale = (64, 1, 700, 7, 7, 300, 2, 33), 0.7, 0.125
+    sums = [torch.randn(n) for n in sizes]
+
+    def drawn(gather: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(noise, "_GATHER_PIECE", gather)
+        outs = [torch.empty(n) for n in sizes]
+        outs[1] = sums[1].clone()  # an output that is its own sum
+        inputs = [*sums[:1], outs[1], *sums[2:]]
+        versions = [o._version for o in outs]
+        calls.clear()
+        node_noise_generator("cpu", 9, 2).add_normal_(outs, std, inputs, scale)
+        assert all(o._version > v for o, v in zip(outs, versions))
+        return outs
+
+    piecewise = drawn(0)
+    assert len(calls) >= len(sizes)  # one call per output (and per cosine/sine side it spans)
+    gathered = drawn(1 << 13)
+    assert len(calls) == 1
+    expected = node_noise_generator("cpu", 9, 2).normal(sum(sizes), std).split(sizes)
+    for a, b, noise_piece, summed in zip(piecewise, gathered, expected, sums):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        assert torch.equal(b.view(torch.int32), torch.add(noise_piece, summed, alpha=scale).view(torch.int32))
+    generator = node_noise_generator("cpu", 9, 2)
+    small = [torch.zeros(n) for n in sizes]
+    assert generator._gathers(small, small, sum(sizes))
+    assert not generator._gathers(small[:3], small[:3], sum(sizes[:3]))  # three pieces: their own calls cost less
+    large = [torch.zeros(1 << 14) for _ in range(4)]
+    assert not generator._gathers(large, large, 4 << 14)  # large pieces: copying them would cost more
+    wide = [t.double() for t in small]
+    assert not generator._gathers(small, wide, sum(sizes))  # float64 sums: torch.add's own promotion
+    assert not generator._gathers(small, small[::-1], sum(sizes))  # sizes that differ: torch.add refuses them
 
 
 def test_noise_added_on_an_accelerator_is_one_add_per_chunk_and_parameter(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -71,7 +71,12 @@ _SEED_DOMAIN = b"lightning_privdec.privacy.noise"
 _SERIAL = 1 << 15
 #: the most threads a float32 draw on the host uses (torch's intra-op count, up to this)
 _THREADS = 16
-_SCRATCH = ("_buffers", "_helper_buffers", "_work", "_out")  # a generator's reused buffers: never pickled nor copied
+#: a float32 draw on the host into pieces of at most this many entries on average is gathered into one vector
+#: (:meth:`NoiseGenerator._gathers`): a piece's own call of the compiled transform costs ~8 us, about what copying
+#: 8192 entries twice costs
+_GATHER_PIECE = 1 << 13
+#: a generator's reused buffers: never pickled nor copied
+_SCRATCH = ("_buffers", "_helper_buffers", "_work", "_out", "_gathered")
 
 
 def keyed_standard_normal(
@@ -153,6 +158,7 @@ class NoiseGenerator:
         self._helper_buffers: list[KeystreamBuffers] = []  # further threads' (float32 draws on the host)
         self._work: Tensor | None = None
         self._out: Tensor | None = None
+        self._gathered: Tensor | None = None
 
     def _stream(self) -> KeyStream:
         nonce = bytes(4) + self.draws.to_bytes(8, "little") + bytes(4)  # block counter 0, then draw index
@@ -213,11 +219,19 @@ class NoiseGenerator:
         dtype) followed by ``torch.add(noise, sum, alpha=sums_scale, out=out)`` per piece gives, without the
         model-sized noise vector (each chunk is added while it is in the cache, by the thread that drew it, in pieces
         that torch runs on that thread; float32 host tensors where the compiled transform runs: by that transform, as
-        it makes the chunk, :func:`_added_as_made`). ``outs`` are contiguous tensors of one dtype; an ``out`` may be
-        its ``sum``."""
+        it makes the chunk, :func:`_added_as_made`; many small float32 pieces on the host through one gathered
+        vector, :meth:`_gathers`). ``outs`` are contiguous tensors of one dtype; an ``out`` may be its ``sum``."""
         flat_outs = [o if o.dim() == 1 else o.view(-1) for o in outs]
         flat_sums = [t if t.dim() == 1 else t.reshape(-1) for t in sums]
         offsets = list(itertools.accumulate((o.numel() for o in flat_outs), initial=0))
+        if self._gathers(flat_outs, flat_sums, offsets[-1]):
+            # many small pieces: one piece of one kept vector (the sums side by side), then copied out, two
+            # operations instead of each piece's own call; every entry gets the noise and sum it gets in its piece
+            gathered = self._gather_buffer(offsets[-1])
+            torch.cat(flat_sums, out=gathered)
+            self.add_normal_([gathered], std, [gathered], sums_scale)
+            torch._foreach_copy_(flat_outs, list(gathered.split([o.numel() for o in flat_outs])))
+            return
         # pieces small enough for the calling thread only where intra-op threads run them (the host, several threads):
         # on an accelerator a piece is a kernel launch, and each parameter's part of a chunk is one piece
         on_host_threads = outs[0].device.type == "cpu" and torch.get_num_threads() > 1
@@ -254,6 +268,21 @@ class NoiseGenerator:
         else:
             for start, values in self._normal_segments(total, std, dtype):
                 add(start, values)
+
+    def _gathers(self, outs: Sequence[Tensor], sums: Sequence[Tensor], total: int) -> bool:
+        """Whether :meth:`add_normal_` draws into ``outs`` through one gathered vector: float32 host draws of four
+        pieces or more, averaging at most :data:`_GATHER_PIECE` entries, whose sums are float32 host tensors too (a
+        piece's own call costs more than copying it twice there; the gathering's own operations, ~25 us, more than
+        three pieces' calls)."""
+        return (len(outs) >= 4 and total <= _GATHER_PIECE * len(outs) and self._threaded(outs[0].dtype)
+                and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (*outs, *sums))
+                and all(o.numel() == t.numel() for o, t in zip(outs, sums)))
+
+    def _gather_buffer(self, numel: int) -> Tensor:
+        """The kept float32 vector of a gathered draw (:meth:`_gathers`), re-allocated only when too small."""
+        if self._gathered is None or self._gathered.numel() < numel:
+            self._gathered = torch.empty(numel, dtype=torch.float32)
+        return self._gathered[:numel]
 
     def _threaded(self, dtype: torch.dtype) -> bool:
         """Whether a draw of ``dtype`` is a float32 draw on the host, whose chunks the intra-op threads share."""
@@ -321,7 +350,8 @@ class NoiseGenerator:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._buffers, self._helper_buffers, self._work, self._out = KeystreamBuffers(self.device), [], None, None
+        self._buffers, self._helper_buffers = KeystreamBuffers(self.device), []
+        self._work = self._out = self._gathered = None
 
 
 def node_noise_generator(
