@@ -352,6 +352,54 @@ def test_calls_of_one_shape_get_the_clipped_sums_each_would_get_alone() -> None:
             assert together[p].untyped_storage().nbytes() == together[p].numel() * together[p].element_size()
 
 
+def test_small_materialised_gradients_are_clipped_side_by_side_as_each_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-example gradients a closed form materialises (embeddings, LayerNorms) are bounded and summed side by
+    side, one norm bound of their concatenated rows and one product for the clipped sums: the norms and sums of each
+    taken alone, up to rounding, every norm at least the exact per-example norm."""
+    from lightning_privdec.privacy.per_sample import arithmetic
+
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.norm1, self.norm2 = nn.Embedding(11, 6), nn.LayerNorm(6), nn.LayerNorm(6)
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(self.norm2(torch.tanh(self.norm1(self.embed(tokens))))).mean(dim=1)
+
+    groups = []
+    stacked_rows = arithmetic._stacked_rows
+    monkeypatch.setattr(arithmetic, "_stacked_rows",
+                        lambda materialised: groups.append(stacked := stacked_rows(materialised)) or stacked)
+    torch.manual_seed(5)
+    models = [Tagger(), Tagger()]
+    for p in models[0].parameters():
+        nn.init.normal_(p)
+    models[1].load_state_dict(models[0].state_dict())
+    tokens, targets = torch.randint(0, 11, (7, 4)), torch.randn(7, 3)
+    results, sizes = [], []
+    for model, stack_entries in zip(models, (bookkeeping.STACK_ENTRIES, 0)):
+        monkeypatch.setattr(bookkeeping, "STACK_ENTRIES", stack_entries)
+        with PerSampleGradients(model, "bookkeeping") as per_sample:
+            nn.functional.mse_loss(model(tokens), targets).backward()
+            norms = per_sample.clip_and_sum(1.0)
+        results.append((norms, [p.grad.clone() for p in model.parameters()]))
+        sizes.append({tuple(len(params) for params, _ in stacked) for stacked in groups})
+        groups.clear()
+    assert sizes == [{(5,)}, {(1,) * 5}]  # the embedding's and both LayerNorms' together; each alone
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=0)  # the bounds' own margins differ
+    for together, alone in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)  # (through their clip factors)
+    exact = []  # each example's gradient norm, in float64, one at a time
+    reference = Tagger().double()
+    reference.load_state_dict(models[0].state_dict())
+    for i in range(7):
+        reference.zero_grad()
+        (7 * nn.functional.mse_loss(reference(tokens[i : i + 1]), targets[i : i + 1].double()) / 7).backward()
+        exact.append(torch.sqrt(sum(p.grad.square().sum() for p in reference.parameters())))
+    assert bool((results[0][0].double() >= torch.stack(exact) * (1 - 1e-7)).all())
+
+
 @pytest.mark.parametrize("name", ["conv2d_per_example", "conv2d_groups_dilation", "conv2d_dead_taps",
                                   "conv1d_per_example"])  # fmt: skip
 def test_per_example_convolution_norms_in_chunks_equal_one_at_a_time(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -364,10 +412,48 @@ def test_per_example_convolution_norms_in_chunks_equal_one_at_a_time(name: str, 
         bookkeeping.norm_upper_bound(bookkeeping_conv._conv_weight_grad(layer, g[i : i + 1], a[i : i + 1]))
         for i in range(5)
     ])  # fmt: skip
+    one_gradient_each = torch.stack([
+        bookkeeping_conv._conv_weight_grad(layer, g[i : i + 1], a[i : i + 1]).flatten() for i in range(5)
+    ])  # fmt: skip
     for entries in (1, 2 * layer.weight.numel(), 1 << 22):  # one example, two, all at once
         monkeypatch.setattr(bookkeeping_conv, "PER_EXAMPLE_ENTRIES", entries)
-        torch.testing.assert_close(bookkeeping_conv._per_example_weight_norms(layer, a, g), one_at_a_time,
-                                   rtol=1e-5, atol=0)  # fmt: skip
+        norms, kept = bookkeeping_conv._per_example_weight_norms(layer, a, g, keep=True)
+        torch.testing.assert_close(norms, one_at_a_time, rtol=1e-5, atol=0)
+        torch.testing.assert_close(kept, one_gradient_each, rtol=1e-4, atol=1e-5)  # (rounded in another grouping)
+        assert bookkeeping_conv._per_example_weight_norms(layer, a, g)[1] is None  # kept only when asked
+
+
+@pytest.mark.parametrize("name", ["conv2d_per_example", "conv1d_per_example", "conv3d"])
+def test_a_convolution_keeps_its_per_example_gradients_for_its_clipped_sum(name: str) -> None:
+    """A convolution whose norms are computed one example at a time keeps those gradients (where they hold no more
+    entries than its input) and sums them with the clip factors instead of a second weight-gradient computation:
+    the sums of that computation, a bound at least as large, and examples computed apart still added apart."""
+    build, shape = LAYERS[name]
+    torch.manual_seed(4)
+    layer = build()
+    a = torch.randn(6, *shape)
+    g = torch.randn_like(layer(a))
+    assert bookkeeping.norm_method(layer, a, g) == "per_example"
+    kept = bookkeeping.norm_bounds([(layer, a, g)])[0]
+    plain = bookkeeping.norm_bound(layer, a, g)
+    assert kept.rows is not None and kept.rows.shape == (6, layer.weight.numel())
+    assert plain.rows is None  # only the clipped sum's own bounds keep them
+    assert bool((kept.upper >= plain.upper).all())  # and cover their weighted sum's rounding
+    factor = torch.rand(6, dtype=torch.float64)
+    together = bookkeeping.clipped_sums(layer, a, g, factor, kept)
+    apart = bookkeeping.clipped_sums(layer, a, g, factor, plain)
+    assert together.keys() == apart.keys()
+    for p in apart:
+        torch.testing.assert_close(together[p], apart[p], rtol=1e-5, atol=1e-6)
+    marked = bookkeeping.NormBound(kept.upper, torch.tensor([True, False, False, False, False, True]), rows=kept.rows)
+    marked = bookkeeping.compute_exact(layer, a, g, marked)  # examples 0 and 5 computed apart in float64
+    assert marked.rows is kept.rows and marked.exact_grads
+    for p, value in bookkeeping.clipped_sums(layer, a, g, factor, marked).items():
+        torch.testing.assert_close(value, apart[p], rtol=1e-5, atol=1e-6)
+    wide = nn.Conv2d(2, 64, 3, padding=1)  # 1,152 weight entries per example against 2 x 8 x 8 input entries
+    x = torch.randn(6, 2, 8, 8)
+    assert bookkeeping.norm_method(wide, x, wide(x)) == "per_example"
+    assert bookkeeping.norm_bounds([(wide, x, torch.randn_like(wide(x)))])[0].rows is None
 
 
 @pytest.mark.parametrize(

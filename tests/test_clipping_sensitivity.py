@@ -38,6 +38,8 @@ def test_the_attacks_exercise_every_norm_method() -> None:
         "gram_linear": "ghost", "gram_linear_per_example": "per_example", "gram_conv_input_gram": "input_gram",
         "gram_conv_ghost": "ghost", "gram_conv_per_example": "per_example",
     }  # fmt: skip
+    model, (x, _), _ = ATTACKS["gram_conv_per_example"][0]()  # its per-example gradients are kept and summed
+    assert bookkeeping.norm_bounds([(model, x, torch.zeros_like(model(x)))])[0].rows is not None
 
 
 @pytest.mark.parametrize("attack", ["gram_linear", "gram_linear_float64", "gram_conv_input_gram", "gram_conv_ghost"])

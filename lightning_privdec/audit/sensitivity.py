@@ -370,7 +370,8 @@ def broken_norms() -> Iterator[None]:
     original = bookkeeping.norm_bound
 
     def unguarded(
-        module: nn.Module, a: Tensor, g: Tensor, method: str | None = None, *, defer_exact: bool = False
+        module: nn.Module, a: Tensor, g: Tensor, method: str | None = None, *, defer_exact: bool = False,
+        keep_rows: bool = False,
     ) -> bookkeeping.NormBound:
         work = torch.promote_types(g.dtype, torch.float32)
         a, g = (a.to(work) if a.is_floating_point() else a), g.to(work)
@@ -379,7 +380,7 @@ def broken_norms() -> Iterator[None]:
         elif not bookkeeping._is_linear(module) and g.dim() == 4:
             squared = bookkeeping_conv._conv_ghost_norms(module, a, g)[0].sum(dim=1).clamp_min(0)
         else:
-            return original(module, a, g, method, defer_exact=defer_exact)
+            return original(module, a, g, method, defer_exact=defer_exact, keep_rows=keep_rows)
         if module.bias is not None and module.bias.requires_grad:
             squared = squared + torch.linalg.vector_norm(g.flatten(2).sum(dim=2) if g.dim() == 4 else g.sum(dim=1),
                                                          dim=1, dtype=torch.float64).square()  # fmt: skip

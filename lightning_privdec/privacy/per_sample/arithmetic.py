@@ -297,9 +297,10 @@ class _PerSampleArithmetic:
             # ill-conditioned examples somewhere (one host synchronisation per pass): computed apart in float64
             bounds = [bookkeeping.compute_exact(r.module, r.activations[0], r.backprops, b) for r, b in zip(bookkept, bounds)]
         _add_squares(squared, [bound.upper for bound in bounds])
+        stacked = _stacked_rows(materialised)
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for gs in materialised.values():
-            by_dtype.setdefault(_sum_dtype(gs), []).append(norm_upper_bound(gs.flatten(1), dim=1))
+        for _, rows in stacked:
+            by_dtype.setdefault(_sum_dtype(rows), []).append(norm_upper_bound(rows, dim=1))
         for work, rows in by_dtype.items():
             _add_squares(squared, rows, 1 + sum_rounding(SUM_BLOCK, work))
         norms = squared.sqrt()
@@ -312,8 +313,13 @@ class _PerSampleArithmetic:
         for layer_sums in summed:
             for p, value in layer_sums.items():
                 _accumulate(sums, p, value)
-        for p, gs in materialised.items():
-            _accumulate(sums, p, weighted_row_sum(factor[: gs.shape[0]], gs))
+        for params, rows in stacked:
+            summed = weighted_row_sum(factor[: rows.shape[0]], rows)
+            if len(params) == 1:
+                _accumulate(sums, params[0], summed)
+                continue
+            for p, value in zip(params, summed.split([p.numel() for p in params])):
+                _accumulate(sums, p, value)
         return norms.to(dtype)
 
 
@@ -339,6 +345,34 @@ def _add_squares(squared: Tensor, norms: list[Tensor], scale: float = 1.0) -> No
     for v in norms:
         if v.shape[0] != squared.shape[0]:
             squared[: v.shape[0]] += (v.to(torch.float64) * scale).square()
+
+
+def _stacked_rows(materialised: dict[nn.Parameter, Tensor]) -> list[tuple[list[nn.Parameter], Tensor]]:
+    """The materialised per-example gradients as ``(parameters, rows)``, ``rows`` (n, entries) their per-example
+    gradients side by side: those of one dtype, device and number of examples together while they hold at most
+    :data:`~.bookkeeping.STACK_ENTRIES` entries (a LayerNorm's or an embedding's, usually), any other alone. A
+    row's norm bound is then one bound of the whole row's norm, and the clipped sum one matrix-vector product: the
+    same quantities, each entry's sum rounded as alone, in a few operations instead of a few per parameter."""
+    out: list[tuple[list[nn.Parameter], Tensor]] = []
+    groups: dict[tuple, list[nn.Parameter]] = {}
+    for p, gs in materialised.items():
+        if gs.numel() > bookkeeping.STACK_ENTRIES:
+            out.append(([p], gs.flatten(1)))
+        else:
+            groups.setdefault((gs.dtype, gs.device, gs.shape[0]), []).append(p)
+    for params in groups.values():
+        group: list[nn.Parameter] = []
+        entries = 0
+        for p in params + [None]:  # type: ignore[list-item]
+            size = 0 if p is None else materialised[p].numel()
+            if group and (p is None or entries + size > bookkeeping.STACK_ENTRIES):
+                rows = [materialised[q].flatten(1) for q in group]
+                out.append((group, rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)))
+                group, entries = [], 0
+            if p is not None:
+                group.append(p)
+                entries += size
+    return out
 
 
 def _sum_dtype(t: Tensor) -> torch.dtype:

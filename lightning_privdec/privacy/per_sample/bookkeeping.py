@@ -17,7 +17,10 @@ u = the unfolded input patches, T = output positions) has per-example weight gra
 
 :func:`norm_method` picks the cheapest of these by multiply-adds (per group of a grouped convolution). The clipped
 sum ``sum_i c_i G_i U_i^T`` is then ONE weight-gradient computation with the output gradients scaled by ``c_i`` (a
-matrix product for nn.Linear, ``convolution_backward`` for convolutions).
+matrix product for nn.Linear, ``convolution_backward`` for convolutions), except for a convolution whose norms were
+computed one example at a time and whose examples' weight gradients hold no more entries than its input
+(:func:`~.bookkeeping_conv.keeps_rows`): those gradients are kept, and its clipped sum is their weighted sum, B rows
+instead of a second computation of T p d_out per example.
 
 Rounding: every norm that sets a clip factor is an upper bound of the norm of what the example adds, whatever the
 inputs (:func:`norm_bound`; docs/privacy.md, "What clipping guarantees"). With m_i = sum_t ||g_t|| ||u_t|| the
@@ -32,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +46,7 @@ from lightning_privdec.privacy.per_sample.bookkeeping_conv import (  # one chunk
     _conv_weight_grad,
     _live_taps,
     _patch_norms,
+    keeps_rows,
 )
 from lightning_privdec.privacy.per_sample.gram import (
     _bias_bound,
@@ -58,6 +63,7 @@ from lightning_privdec.privacy.rounding import (
     sum_by_blocks,
     sum_rounding,
     unit_roundoff,
+    weighted_row_sum,
 )
 from lightning_privdec.privacy.rounding import tiny as _tiny
 
@@ -119,30 +125,38 @@ class NormBound:
     and of the example's terms in the batch's sum. ``exact`` marks the ill-conditioned examples (their Gram-matrix
     norm would be loose, or their large, cancelling terms would round the batch's sum): their gradients
     ``exact_grads`` (float64, one row per marked example) are computed apart and added after the batch's sum.
+    ``rows``: a convolution's per-example weight gradients (B, weight entries) kept from its norms
+    (:func:`~.bookkeeping_conv.keeps_rows`), whose weighted sum is its clipped weight sum; ``upper`` also covers that
+    sum's rounding.
     """
 
     upper: Tensor
     exact: Tensor | None = None
     exact_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)
+    rows: Tensor | None = None
 
 
 def norm_bound(
-    module: nn.Module, a: Tensor, g: Tensor, method: str | None = None, *, defer_exact: bool = False
+    module: nn.Module, a: Tensor, g: Tensor, method: str | None = None, *, defer_exact: bool = False,
+    keep_rows: bool = False,
 ) -> NormBound:
     """Per-example upper bounds of the gradient norms of a covered layer call (module docstring, "Rounding").
     ``defer_exact``: leave the ill-conditioned examples marked in ``exact`` without computing them (no host
-    synchronisation); :func:`compute_exact` finishes them."""
+    synchronisation); :func:`compute_exact` finishes them. ``keep_rows``: a convolution's per-example weight
+    gradients are kept where :func:`~.bookkeeping_conv.keeps_rows` says so (for :func:`clipped_sums`)."""
     work = _work_dtype(module, g)
     batch = g.shape[0]
     if batch == 0:
         return NormBound(torch.zeros(0, dtype=torch.float64, device=g.device))
+    kept = None
     with full_precision():
         a = a.to(work) if a.is_floating_point() else a
         g = g.to(work)
         if _is_linear(module):
             estimate, mass, loose, rows = _linear_estimates(module, a, g, method)
         else:
-            estimate, mass, loose, rows = _conv_estimates(module, a, g, method or norm_method(module, a, g))
+            estimate, mass, loose, rows, kept = _conv_estimates(module, a, g, method or norm_method(module, a, g),
+                                                                keep_rows and keeps_rows(module, a, g))
         u = unit_roundoff(work)
         # the clipped sum: weight-gradient products over blocks of examples, `rows` = block_examples(T) T terms per
         # entry, the factor's multiplication and the products' underflow (independent of the batch size)
@@ -153,7 +167,7 @@ def norm_bound(
         # input makes its bound non-finite): its gradient is known exactly, though its bound is all rounding floors
         zero = _all_zero(g)
         exact = ((loose | isolate) & ~zero) | ~torch.isfinite(upper)
-    bound = NormBound(upper, exact)
+    bound = NormBound(upper, exact, rows=kept)
     return bound if defer_exact else compute_exact(module, a, g, bound)
 
 
@@ -185,25 +199,26 @@ def _shape_key(module: nn.Module, a: Tensor, g: Tensor) -> tuple | None:
 
 
 def norm_bounds(calls: list[tuple[nn.Module, Tensor, Tensor]]) -> list[NormBound]:
-    """:func:`norm_bound` (``defer_exact``) of each ``(module, a, g)``, the calls of one shape (:func:`_shape_key`:
-    the query, key and value projections of every layer of a transformer) computed together, stacked along the
-    batch dimension: every quantity of the bound is per example, so each example's bound is what its call alone
-    would give (up to the rounding of its own products, which the bound covers), in a few operations instead of a
-    few per call."""
+    """:func:`norm_bound` (``defer_exact``, ``keep_rows``) of each ``(module, a, g)``, the calls of one shape
+    (:func:`_shape_key`: the query, key and value projections of every layer of a transformer) computed together,
+    stacked along the batch dimension: every quantity of the bound is per example, so each example's bound is what
+    its call alone would give (up to the rounding of its own products, which the bound covers), in a few operations
+    instead of a few per call."""
     out: list[NormBound | None] = [None] * len(calls)
     for members in _groups([_shape_key(module, a, g) for module, a, g in calls]):
         if len(members) == 1:
             module, a, g = calls[members[0]]
-            out[members[0]] = norm_bound(module, a, g, defer_exact=True)
+            out[members[0]] = norm_bound(module, a, g, defer_exact=True, keep_rows=True)
             continue
         module = calls[members[0]][0]
         a = torch.cat([calls[k][1] for k in members])
-        stacked = norm_bound(module, a, torch.cat([calls[k][2] for k in members]), defer_exact=True)
+        stacked = norm_bound(module, a, torch.cat([calls[k][2] for k in members]), defer_exact=True, keep_rows=True)
         start = 0
         for k in members:
             rows = slice(start, start + calls[k][2].shape[0])
             start = rows.stop
-            out[k] = NormBound(stacked.upper[rows], None if stacked.exact is None else stacked.exact[rows])
+            out[k] = NormBound(stacked.upper[rows], None if stacked.exact is None else stacked.exact[rows],
+                               rows=None if stacked.rows is None else stacked.rows[rows])
     return out  # type: ignore[return-value]
 
 
@@ -217,16 +232,16 @@ def compute_exact(module: nn.Module, a: Tensor, g: Tensor, bound: NormBound) -> 
         grads, exact_upper = _exact_gradients(module, a[bound.exact], g[bound.exact], work)
     upper = bound.upper.clone()
     upper[bound.exact] = exact_upper
-    return NormBound(upper, bound.exact, grads)
+    return NormBound(upper, bound.exact, grads, bound.rows)
 
 
 def clipped_sums(
     module: nn.Module, a: Tensor, g: Tensor, factor: Tensor, bound: NormBound | None = None, into: Into = None
 ) -> dict[nn.Parameter, Tensor]:
     """``sum_i factor_i grad_i`` for each trainable parameter of ``module``: one weight-gradient computation over
-    the batch (in float32 at least, full precision), plus the examples ``bound`` computed apart (``bound.exact``).
-    ``into(p)``: a buffer of p's shape and dtype that p's sum may be written into (or None), when it is one
-    product."""
+    the batch (in float32 at least, full precision), or the weighted sum of ``bound.rows`` for the weight where it
+    kept them, plus the examples ``bound`` computed apart (``bound.exact``). ``into(p)``: a buffer of p's shape and
+    dtype that p's sum may be written into (or None), when it is one product."""
     work = _work_dtype(module, g)
     factor = factor.to(g.device, torch.float64)
     exact = bound.exact if bound is not None and bound.exact_grads else None
@@ -234,12 +249,17 @@ def clipped_sums(
         a = a.to(work) if a.is_floating_point() else a
         g = g.to(work)
         batch_factor = factor if exact is None else torch.where(exact, 0.0, factor)
-        weighted = _weighted(g, batch_factor, work)
         # blocks of block_examples(T) examples: the bound's gamma, hence every clip factor, does not depend on how
         # many examples the batch holds
         block = block_examples(_steps(module, g))
-        into = into if g.shape[0] <= block and exact is None and work == module.weight.dtype else None
-        out = sum_by_blocks((a, weighted), block, lambda a, weighted: _weight_gradient(module, a, weighted, into))
+        if bound is not None and bound.rows is not None:  # the kept per-example weight gradients: their weighted sum
+            out = {module.weight: weighted_row_sum(batch_factor, bound.rows).view(module.weight.shape)}
+            if module.bias is not None and module.bias.requires_grad:
+                out.update(sum_by_blocks((_weighted(g, batch_factor, work),), block, partial(_bias_gradient, module)))
+        else:
+            weighted = _weighted(g, batch_factor, work)
+            into = into if g.shape[0] <= block and exact is None and work == module.weight.dtype else None
+            out = sum_by_blocks((a, weighted), block, lambda a, weighted: _weight_gradient(module, a, weighted, into))
     if exact is not None:
         for p, grads in bound.exact_grads.items():
             out[p] = out[p] + torch.einsum("k,k...->...", factor[exact], grads).to(out[p].dtype)
@@ -294,9 +314,17 @@ def _weight_gradient(module: nn.Module, a: Tensor, weighted: Tensor, into: Into 
     if weight.requires_grad:
         dead_taps = _live_taps(module, a.shape[2:], weighted.shape[2:]) is not None  # a cropped kernel: zeros + taps
         out[weight] = _conv_weight_grad(module, weighted, a, out=into(weight) if into and dead_taps else None)
-    if bias is not None and bias.requires_grad:
-        out[bias] = weighted.sum(dim=[0, *range(2, weighted.dim())])
+    out.update(_bias_gradient(module, weighted))
     return out
+
+
+def _bias_gradient(module: nn.Module, weighted: Tensor) -> dict[nn.Parameter, Tensor]:
+    """A convolution's bias gradient for output gradient ``weighted``, summed over the examples (as in
+    :func:`_weight_gradient`; nothing when it has none or it is frozen)."""
+    bias = module.bias
+    if bias is None or not bias.requires_grad:
+        return {}
+    return {bias: weighted.sum(dim=[0, *range(2, weighted.dim())])}
 
 
 def _linear_grads(

@@ -18,9 +18,11 @@ from lightning_privdec.privacy.per_sample.gram import (
 )
 from lightning_privdec.privacy.rounding import U64 as _U64
 from lightning_privdec.privacy.rounding import (
+    SUM_BLOCK,
     full_precision,
     gamma,
     norm_upper_bound,
+    sum_rounding,
     unit_roundoff,
 )
 from lightning_privdec.privacy.rounding import tiny as _tiny
@@ -105,24 +107,42 @@ def _live_taps_of(
 PER_EXAMPLE_ENTRIES = 1 << 22
 
 
-def _per_example_weight_norms(module: nn.Module, a: Tensor, g: Tensor) -> Tensor:
+def _per_example_weight_norms(
+    module: nn.Module, a: Tensor, g: Tensor, keep: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """:func:`norm_upper_bound` of each example's weight gradient, as many examples per convolution as
-    :data:`PER_EXAMPLE_ENTRIES` allows (each example's gradient is the same sum over its positions as alone)."""
+    :data:`PER_EXAMPLE_ENTRIES` allows (each example's gradient is the same sum over its positions as alone), and
+    with ``keep`` the gradients themselves, (B, weight entries), else None."""
     batch = g.shape[0]
     chunk = max(1, PER_EXAMPLE_ENTRIES // module.weight.numel())
+    kept = torch.empty(batch, module.weight.numel(), dtype=g.dtype, device=g.device) if keep else None
     norms = []
     for start in range(0, batch, chunk):
         rows = slice(start, start + chunk)
         k = min(chunk, batch - start)
         grads = _conv_weight_grad(module, g[rows].reshape(1, -1, *g.shape[2:]), a[rows].reshape(1, -1, *a.shape[2:]), k)
-        norms.append(norm_upper_bound(grads.reshape(k, -1), dim=1))
-    return torch.cat(norms)
+        grads = grads.reshape(k, -1)
+        norms.append(norm_upper_bound(grads, dim=1))
+        if kept is not None:
+            kept[rows] = grads
+    return torch.cat(norms), kept
+
+
+def keeps_rows(module: nn.Module, a: Tensor, g: Tensor) -> bool:
+    """Whether a convolution whose norms are computed one example at a time keeps those examples' weight gradients
+    for its clipped sum (:class:`~.bookkeeping.NormBound`'s ``rows``): where they hold no more entries than the
+    layer's input does (the early layers of an image model on large maps). Its clipped sum is then a weighted sum of
+    B rows instead of a second weight-gradient computation, T times the work (T output positions)."""
+    return module.weight.requires_grad and g.shape[0] * module.weight.numel() <= a.numel()
 
 
 def _conv_estimates(
-    module: nn.Module, a: Tensor, g: Tensor, method: str
-) -> tuple[Tensor, Tensor, Tensor, int]:
-    """As :func:`_linear_estimates`, for a convolution: u_t is the input patch read at output position t."""
+    module: nn.Module, a: Tensor, g: Tensor, method: str, keep: bool = False
+) -> tuple[Tensor, Tensor, Tensor, int, Tensor | None]:
+    """As :func:`_linear_estimates`, for a convolution: u_t is the input patch read at output position t; and the
+    per-example weight gradients (B, weight entries) where ``method`` is ``"per_example"`` and ``keep`` (else None),
+    the bound then covering also their own weighted sum's rounding (:func:`~.bookkeeping.clipped_sums`)."""
+    kept = None
     batch, groups, steps = g.shape[0], module.groups, math.prod(g.shape[2:])
     d_out, p = module.out_channels // groups, module.weight[0].numel()
     u, tiny = unit_roundoff(g.dtype), _tiny(g.dtype)
@@ -152,9 +172,11 @@ def _conv_estimates(
             squared += bounded
             loose |= ~(error.sum(dim=1) <= 0.1 * estimate.sum(dim=1))
         else:
-            norms = _per_example_weight_norms(module, a, g)
+            norms, kept = _per_example_weight_norms(module, a, g, keep)
             error = gamma(steps + p, u) * group_mass.sum(dim=1) + steps * tiny * math.sqrt(module.weight.numel())
-            squared += (norms + error).square()
+            # kept rows: summed as they are, by weighted_row_sum (blocks of SUM_BLOCK examples)
+            rounding = 1.0 if kept is None else 1 + sum_rounding(SUM_BLOCK, g.dtype)
+            squared += ((norms + error) * rounding).square()
             loose |= ~(error <= 0.05 * norms)
         mass += group_mass.sum(dim=1)
     if module.bias is not None and module.bias.requires_grad:
@@ -163,7 +185,7 @@ def _conv_estimates(
         squared += bias_bound.square()
         loose |= bias_loose
         mass += bias_mass
-    return squared.sqrt() * (1 + 1e-12), mass, loose, block_examples(steps) * steps
+    return squared.sqrt() * (1 + 1e-12), mass, loose, block_examples(steps) * steps, kept
 
 
 def _patch_norms(module: nn.Module, a: Tensor, out_size: torch.Size) -> Tensor:
