@@ -447,13 +447,38 @@ def test_a_convolution_keeps_its_per_example_gradients_for_its_clipped_sum(name:
         torch.testing.assert_close(together[p], apart[p], rtol=1e-5, atol=1e-6)
     marked = bookkeeping.NormBound(kept.upper, torch.tensor([True, False, False, False, False, True]), rows=kept.rows)
     marked = bookkeeping.compute_exact(layer, a, g, marked)  # examples 0 and 5 computed apart in float64
-    assert marked.rows is kept.rows and marked.exact_grads
+    assert marked.exact_grads and not bool(marked.rows[[0, 5]].any())  # their rows leave the rows' sum
+    assert torch.equal(marked.rows[1:5], kept.rows[1:5])
     for p, value in bookkeeping.clipped_sums(layer, a, g, factor, marked).items():
         torch.testing.assert_close(value, apart[p], rtol=1e-5, atol=1e-6)
     wide = nn.Conv2d(2, 64, 3, padding=1)  # 1,152 weight entries per example against 2 x 8 x 8 input entries
     x = torch.randn(6, 2, 8, 8)
     assert bookkeeping.norm_method(wide, x, wide(x)) == "per_example"
     assert bookkeeping.norm_bounds([(wide, x, torch.randn_like(wide(x)))])[0].rows is None
+
+
+def test_a_kept_row_that_overflowed_is_left_out_of_the_sum() -> None:
+    """An example of finite inputs and output gradients whose float32 per-example weight gradient overflows: its kept
+    row is infinite, its bound too, so it is computed apart in float64, and its row is zeroed in the rows' sum (0
+    times infinity would make the layer's whole sum NaN); the sum equals the one without kept rows."""
+    torch.manual_seed(6)
+    layer = nn.Conv2d(3, 4, 3, padding=1)
+    a, g = torch.randn(5, 3, 8, 8), torch.randn(5, 4, 8, 8)
+    a[0], g[0] = 1e19, 1e19
+    assert bookkeeping.norm_method(layer, a, g) == "per_example"
+    kept = bookkeeping.norm_bounds([(layer, a, g)])[0]
+    assert kept.rows is not None and not bool(torch.isfinite(kept.rows[0]).all())
+    kept = bookkeeping.compute_exact(layer, a, g, kept)
+    assert bool(kept.exact[0]) and not bool(kept.exact[1:].any()) and not bool(kept.rows[0].any())
+    from lightning_privdec.privacy.dp_step import clip_factor
+
+    factor = clip_factor(kept.upper, 1.0)  # example 0's float64 gradient is about 1e40: clipped to C
+    plain = bookkeeping.norm_bound(layer, a, g)
+    together = bookkeeping.clipped_sums(layer, a, g, factor, kept)
+    apart = bookkeeping.clipped_sums(layer, a, g, factor, plain)
+    for p in apart:
+        assert bool(torch.isfinite(together[p]).all())
+        torch.testing.assert_close(together[p], apart[p], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -100,6 +100,23 @@ def test_clipping_bounds_one_examples_influence_on_the_update() -> None:
     assert (g_with - g_without).norm().item() > 0.5 * clip / expected  # clipped to C, not dropped
 
 
+def test_an_example_whose_gradient_overflowed_adds_nothing() -> None:
+    """An example whose materialised gradient holds an infinite entry (finite inputs whose float32 products
+    overflowed) has an infinite norm and clip factor 0; it adds 0, not 0 times infinity (NaN in every entry)."""
+    from lightning_privdec.privacy.dp_step import clip_and_accumulate, without_nonfinite_rows
+
+    grads = [torch.randn(4, 3, 2), torch.randn(4, 5)]
+    grads[0][1, 0, 0] = float("inf")
+    sums, norms = clip_and_accumulate(grads, 1.0, torch.device("cpu"))
+    assert not bool(torch.isfinite(norms[1])) and bool(torch.isfinite(norms[[0, 2, 3]]).all())
+    expected, _ = clip_and_accumulate([g[[0, 2, 3]] for g in grads], 1.0, torch.device("cpu"))
+    for summed, without in zip(sums, expected):
+        assert bool(torch.isfinite(summed).all())
+        torch.testing.assert_close(summed, without)
+    finite = [torch.ones(2, 3)]
+    assert without_nonfinite_rows(finite, torch.ones(2))[0] is finite[0]  # untouched where every norm is finite
+
+
 def test_flat_clipping_is_joint_over_all_parameters() -> None:
     params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(4))]
     samples = [torch.full((1, 3), 3.0), torch.full((1, 4), 4.0)]  # joint norm sqrt(27 + 64) > per-parameter norms

@@ -446,7 +446,7 @@ def test_many_small_pieces_are_drawn_through_one_gathered_vector(monkeypatch: py
 
     piecewise = drawn(0)
     assert len(calls) >= len(sizes)  # one call per output (and per cosine/sine side it spans)
-    gathered = drawn(1 << 13)
+    gathered = drawn(1 << 10)
     assert len(calls) == 1
     expected = node_noise_generator("cpu", 9, 2).normal(sum(sizes), std).split(sizes)
     for a, b, noise_piece, summed in zip(piecewise, gathered, expected, sums):
@@ -456,8 +456,12 @@ def test_many_small_pieces_are_drawn_through_one_gathered_vector(monkeypatch: py
     small = [torch.zeros(n) for n in sizes]
     assert generator._gathers(small, small, sum(sizes))
     assert not generator._gathers(small[:3], small[:3], sum(sizes[:3]))  # three pieces: their own calls cost less
-    large = [torch.zeros(1 << 14) for _ in range(4)]
-    assert not generator._gathers(large, large, 4 << 14)  # large pieces: copying them would cost more
+    large = [torch.zeros(1 << 11) for _ in range(4)]
+    assert not generator._gathers(large, large, 4 << 11)  # large pieces: copying them would cost more
+    mixed = [torch.zeros(1 << 20), *small]
+    assert not generator._gathers(mixed, mixed, (1 << 20) + sum(sizes))  # nor a large one for a tail of small ones
+    with pytest.raises(ValueError, match="one sum per output"):
+        generator.add_normal_(small, 1.0, small[:-1], 1.0)
     wide = [t.double() for t in small]
     assert not generator._gathers(small, wide, sum(sizes))  # float64 sums: torch.add's own promotion
     assert not generator._gathers(small, small[::-1], sum(sizes))  # sizes that differ: torch.add refuses them

@@ -193,6 +193,17 @@ def _underflow() -> tuple[nn.Module, Batch, Batch]:
     return model, (x, target), warm_up
 
 
+def _overflowing_conv(bias: bool, batch: int = 5) -> tuple[nn.Module, Batch, Batch]:
+    """Example 0: inputs and output gradients of 1e19, finite in float32, whose per-example weight gradient
+    overflows (its terms are 1e38 and 64 of them are summed): its kept row (a convolution whose norms are computed
+    one example at a time) is infinite, and it is computed apart in float64."""
+    gen = torch.Generator().manual_seed(1)
+    model = nn.Conv2d(3, 4, 3, padding=1, bias=bias)
+    x, target = torch.randn(batch, 3, 8, 8, generator=gen), torch.randn(batch, 4, 8, 8, generator=gen)
+    x[0], target[0] = 1e19, 1e19
+    return model, (x, target), (x[1:], target[1:])
+
+
 class _SharedParameters(nn.Module):
     """A class token concatenated to every example, a position embedding added to every example, and a
     relative-position bias table looked up with an index buffer as attention's additive mask: parameters used once
@@ -331,6 +342,8 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "gram_conv_per_example": (lambda: _cancelling_conv(3, 4, 8, 3, 1, 1, 1e4), 1.0, ("32-true",)),
     "half_precision": (_aligned_mlp, 1.0, PRECISIONS),
     "underflow": (_underflow, 1.0, ("32-true",)),
+    "overflow_conv": (lambda: _overflowing_conv(bias=False), 1.0, ("32-true", "bf16-mixed")),
+    "overflow_conv_bias": (lambda: _overflowing_conv(bias=True), 1.0, ("32-true",)),
     "shared_parameters": (_shared_parameters, 1.0, PRECISIONS),
     "attention_self": (lambda: _cancelling_attention(cross=False), 1.0, PRECISIONS),
     "attention_cross": (lambda: _cancelling_attention(cross=True), 1.0, PRECISIONS),

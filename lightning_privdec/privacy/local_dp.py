@@ -274,7 +274,7 @@ class PerSampleClipping:
             self._ghost_norms = None
             return norms
         assert self.per_sample is not None
-        norms = self.per_sample.clip_and_sum(self.max_grad_norm)  # book-keeping never materialises them
+        norms = self.per_sample.clip_and_sum(self.max_grad_norm)  # book-keeping: not the batch's per-sample gradients
         self.per_sample.clear()
         return norms
 
@@ -325,7 +325,8 @@ def _noise_and_scale_into_grads(
 
     Computed as ``N(0, (sigma C / qJ)^2 I) + clipped sum / qJ`` in one pass per parameter, into the existing
     ``p.grad`` where it fits (a clipped sum may BE ``p.grad``), the noise added chunk by chunk as it is drawn
-    (:meth:`NoiseGenerator.add_normal_`): a step allocates nothing of the model's size and keeps no noise vector."""
+    (:meth:`NoiseGenerator.add_normal_`): a step allocates nothing of the model's size and keeps no noise vector
+    (many small gradients are drawn into through one vector the generator keeps)."""
     std = noise_multiplier * max_grad_norm
     scale = 1.0 / expected_batch_size
     grads = []

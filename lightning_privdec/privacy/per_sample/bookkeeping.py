@@ -127,7 +127,7 @@ class NormBound:
     ``exact_grads`` (float64, one row per marked example) are computed apart and added after the batch's sum.
     ``rows``: a convolution's per-example weight gradients (B, weight entries) kept from its norms
     (:func:`~.bookkeeping_conv.keeps_rows`), whose weighted sum is its clipped weight sum; ``upper`` also covers that
-    sum's rounding.
+    sum's rounding; the rows of examples computed apart are zeroed (:func:`compute_exact`).
     """
 
     upper: Tensor
@@ -232,7 +232,9 @@ def compute_exact(module: nn.Module, a: Tensor, g: Tensor, bound: NormBound) -> 
         grads, exact_upper = _exact_gradients(module, a[bound.exact], g[bound.exact], work)
     upper = bound.upper.clone()
     upper[bound.exact] = exact_upper
-    return NormBound(upper, bound.exact, grads, bound.rows)
+    # their kept rows leave the rows' sum (zeroed, not multiplied by 0: an overflowed row is infinite, and 0 inf NaN)
+    rows = None if bound.rows is None else bound.rows.masked_fill(bound.exact.unsqueeze(1), 0)
+    return NormBound(upper, bound.exact, grads, rows)
 
 
 def clipped_sums(
@@ -253,6 +255,8 @@ def clipped_sums(
         # many examples the batch holds
         block = block_examples(_steps(module, g))
         if bound is not None and bound.rows is not None:  # the kept per-example weight gradients: their weighted sum
+            if bound.rows.shape[0] != g.shape[0]:
+                raise RuntimeError(f"{bound.rows.shape[0]} kept per-example gradients for {g.shape[0]} examples")
             out = {module.weight: weighted_row_sum(batch_factor, bound.rows).view(module.weight.shape)}
             if module.bias is not None and module.bias.requires_grad:
                 out.update(sum_by_blocks((_weighted(g, batch_factor, work),), block, partial(_bias_gradient, module)))
