@@ -313,7 +313,7 @@ class _PerSampleArithmetic:
         for layer_sums in summed:
             for p, value in layer_sums.items():
                 _accumulate(sums, p, value)
-        finite_rows = without_nonfinite_rows([rows for _, rows in stacked], norms)
+        finite_rows = without_nonfinite_rows([rows for _, rows in stacked], norms) if stacked else []
         for (params, _), rows in zip(stacked, finite_rows):
             summed = weighted_row_sum(factor[: rows.shape[0]], rows)
             if len(params) == 1:
