@@ -112,10 +112,11 @@ def clip_and_accumulate(
 
 
 def without_nonfinite_rows(rows: Sequence[Tensor], norms: Tensor) -> list[Tensor]:
-    """``rows`` (each (B, ...), one row per example) with the rows of every example whose norm is not finite zeroed:
+    """``rows`` (each (B, ...), one row per example) with the rows of every example whose norm is infinite zeroed:
     its clip factor is 0, and 0 times an overflowed (infinite) entry would make the whole sum NaN; such an example
-    adds 0. One host synchronisation (whether any); the tensors themselves where every norm is finite."""
-    bad = ~torch.isfinite(norms)
+    adds 0. A NaN norm is left as it is: the sum is NaN and the node stops at its non-finite gradient, as in
+    book-keeping. One host synchronisation (whether any); the tensors themselves where no norm is infinite."""
+    bad = torch.isinf(norms)
     if not bool(bad.any()):
         return list(rows)
     return [r.masked_fill(bad[: r.shape[0]].to(r.device).view(-1, *([1] * (r.dim() - 1))), 0) for r in rows]
