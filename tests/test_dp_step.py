@@ -104,7 +104,7 @@ def test_an_example_whose_gradient_overflowed_adds_nothing() -> None:
     """An example whose materialised gradient holds an infinite entry (finite inputs whose float32 products
     overflowed) has an infinite norm and clip factor 0; it adds 0, not 0 times infinity (NaN in every entry). A NaN
     still makes the sum NaN (the node then stops at it)."""
-    from lightning_privdec.privacy.dp_step import clip_and_accumulate, without_nonfinite_rows
+    from lightning_privdec.privacy.dp_step import clip_and_accumulate, without_overflowed_rows
 
     grads = [torch.randn(4, 3, 2), torch.randn(4, 5)]
     grads[0][1, 0, 0] = float("inf")
@@ -115,7 +115,7 @@ def test_an_example_whose_gradient_overflowed_adds_nothing() -> None:
         assert bool(torch.isfinite(summed).all())
         torch.testing.assert_close(summed, without)
     finite = [torch.ones(2, 3)]
-    assert without_nonfinite_rows(finite, torch.ones(2))[0] is finite[0]  # untouched where every norm is finite
+    assert without_overflowed_rows(finite, torch.ones(2))[0] is finite[0]  # untouched where every norm is finite
     grads[0][2, 0, 0] = float("nan")  # a NaN is not an overflow: the sum is NaN, and the node stops at it
     sums, _ = clip_and_accumulate(grads, 1.0, torch.device("cpu"))
     assert not bool(torch.isfinite(sums[0]).all())

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lightning_privdec.privacy.rounding import SUM_BLOCK, norm_upper_bound, sum_rounding, weighted_row_sum
 
-__all__ = ["DPStepStats", "clip_and_accumulate", "clip_factor", "clip_rows_", "without_nonfinite_rows"]
+__all__ = ["DPStepStats", "clip_and_accumulate", "clip_factor", "clip_rows_", "without_overflowed_rows"]
 
 
 @dataclass(frozen=True)
@@ -106,12 +106,12 @@ def clip_and_accumulate(
         norms = torch.zeros(0, dtype=torch.float64, device=device)
     factor = clip_factor(norms, max_grad_norm)
     sums = []
-    for g in without_nonfinite_rows(grad_samples, norms):  # never a half-precision factor or sum
+    for g in without_overflowed_rows(grad_samples, norms):  # never a half-precision factor or sum
         sums.append(weighted_row_sum(factor, g))
     return sums, norms.to(norm_dtype)
 
 
-def without_nonfinite_rows(rows: Sequence[Tensor], norms: Tensor) -> list[Tensor]:
+def without_overflowed_rows(rows: Sequence[Tensor], norms: Tensor) -> list[Tensor]:
     """``rows`` (each (B, ...), one row per example) with the rows of every example whose norm is infinite zeroed:
     its clip factor is 0, and 0 times an overflowed (infinite) entry would make the whole sum NaN; such an example
     adds 0. A NaN norm is left as it is: the sum is NaN and the node stops at its non-finite gradient, as in
