@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is d
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_no_crafted_example_moves_the_clipped_sum_by_more_than_c(attack: str) -> None:
     results = run_attacks((attack,))
-    assert len(results) == len(MODES) * len(ATTACKS[attack][2])
+    assert len(results) == len(sensitivity.ATTACK_MODES.get(attack, MODES)) * len(ATTACKS[attack][2])
     worst = max(results, key=lambda r: r.ratio)
     assert all(r.holds for r in results), worst
     assert worst.ratio > 0.99  # the crafted examples are clipped to C: the check is not vacuous
@@ -40,6 +40,21 @@ def test_the_attacks_exercise_every_norm_method() -> None:
     }  # fmt: skip
     model, (x, _), _ = ATTACKS["gram_conv_per_example"][0]()  # its per-example gradients are kept and summed
     assert bookkeeping.norm_bounds([(model, x, torch.zeros_like(model(x)))])[0].rows is not None
+
+
+def test_an_overflowing_example_stops_a_materialising_mode_rather_than_leaving_the_sum() -> None:
+    """The overflow attacks' example in the modes that compute it in float32 ("hooks", "functorch": infinity, the
+    attack is not theirs): the clipped sum is not finite, so the node stops at it; no example is left out
+    silently."""
+    from lightning_privdec.privacy.per_sample import PerSampleGradients
+
+    model, (x, target), _ = ATTACKS["overflow_conv"][0]()
+    for mode in ("hooks", "functorch"):
+        model.zero_grad()
+        with PerSampleGradients(model, mode, strict=False) as per_sample:
+            (model(x) * target).flatten(1).sum(dim=1).mean().backward()
+            per_sample.clip_and_sum(1.0)
+        assert not bool(torch.isfinite(model.weight.grad).all()), mode
 
 
 @pytest.mark.parametrize("attack", ["gram_linear", "gram_linear_float64", "gram_conv_input_gram", "gram_conv_ghost"])

@@ -196,7 +196,7 @@ def _underflow() -> tuple[nn.Module, Batch, Batch]:
 def _overflowing_conv(bias: bool, batch: int = 5) -> tuple[nn.Module, Batch, Batch]:
     """Example 0: inputs and output gradients of 1e19, finite in float32, whose per-example weight gradient
     overflows (its terms are 1e38 and 64 of them are summed): its kept row (a convolution whose norms are computed
-    one example at a time) is infinite, and it is computed apart in float64."""
+    one example at a time) is infinite, and it is computed apart in float64 (:data:`ATTACK_MODES`)."""
     gen = torch.Generator().manual_seed(1)
     model = nn.Conv2d(3, 4, 3, padding=1, bias=bias)
     x, target = torch.randn(batch, 3, 8, 8, generator=gen), torch.randn(batch, 4, 8, 8, generator=gen)
@@ -355,6 +355,16 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
 }
 
 
+#: attacks that apply to some per-sample modes only (the rest: every mode of MODES). An example whose float32
+#: per-example gradient overflows is computed apart in float64 by book-keeping (and ghost clipping, which uses its
+#: norms); the materialising modes ("hooks", "functorch") compute it in float32, get infinity, and their step is not
+#: finite: the node stops there (NodeRunner.check_finite), nothing is released
+ATTACK_MODES: dict[str, tuple[str, ...]] = {
+    "overflow_conv": ("bookkeeping", "ghost"),
+    "overflow_conv_bias": ("bookkeeping", "ghost"),
+}
+
+
 def run_attacks(names: tuple[str, ...] | None = None, modes: tuple[str, ...] = MODES,
                 device: str | torch.device = "cpu") -> list[AttackResult]:
     """Every attack (or ``names``) in every mode and in each precision it applies to, on ``device`` (the crafted
@@ -363,7 +373,7 @@ def run_attacks(names: tuple[str, ...] | None = None, modes: tuple[str, ...] = M
     for name in names or tuple(ATTACKS):
         build, clip, precisions = ATTACKS[name]
         for precision in precisions:
-            for mode in modes:
+            for mode in (m for m in modes if m in ATTACK_MODES.get(name, MODES)):
                 torch.manual_seed(0)
                 model, batch, warm_up = build()
                 model.to(device)

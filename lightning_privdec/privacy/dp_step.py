@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lightning_privdec.privacy.rounding import SUM_BLOCK, norm_upper_bound, sum_rounding, weighted_row_sum
 
-__all__ = ["DPStepStats", "clip_and_accumulate", "clip_factor", "clip_rows_", "without_overflowed_rows"]
+__all__ = ["DPStepStats", "clip_and_accumulate", "clip_factor", "clip_rows_"]
 
 
 @dataclass(frozen=True)
@@ -106,17 +106,6 @@ def clip_and_accumulate(
         norms = torch.zeros(0, dtype=torch.float64, device=device)
     factor = clip_factor(norms, max_grad_norm)
     sums = []
-    for g in without_overflowed_rows(grad_samples, norms):  # never a half-precision factor or sum
+    for g in grad_samples:  # never a half-precision factor or sum
         sums.append(weighted_row_sum(factor, g))
     return sums, norms.to(norm_dtype)
-
-
-def without_overflowed_rows(rows: Sequence[Tensor], norms: Tensor) -> list[Tensor]:
-    """``rows`` (each (B, ...), one row per example) with the rows of every example whose norm is infinite zeroed:
-    its clip factor is 0, and 0 times an overflowed (infinite) entry would make the whole sum NaN; such an example
-    adds 0. A NaN norm is left as it is: the sum is NaN and the node stops at its non-finite gradient, as in
-    book-keeping. One host synchronisation (whether any); the tensors themselves where no norm is infinite."""
-    bad = torch.isinf(norms)
-    if not bool(bad.any()):
-        return list(rows)
-    return [r.masked_fill(bad[: r.shape[0]].to(r.device).view(-1, *([1] * (r.dim() - 1))), 0) for r in rows]

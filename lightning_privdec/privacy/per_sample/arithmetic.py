@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_privdec.privacy.dp_step import clip_factor, without_overflowed_rows
+from lightning_privdec.privacy.dp_step import clip_factor
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.per_sample import bookkeeping, shared
 from lightning_privdec.privacy.per_sample.capture import Record, Recorder
@@ -313,8 +313,7 @@ class _PerSampleArithmetic:
         for layer_sums in summed:
             for p, value in layer_sums.items():
                 _accumulate(sums, p, value)
-        summed_rows = without_overflowed_rows([rows for _, rows in stacked], norms) if stacked else []
-        for (params, _), rows in zip(stacked, summed_rows):
+        for params, rows in stacked:
             summed = weighted_row_sum(factor[: rows.shape[0]], rows)
             if len(params) == 1:
                 _accumulate(sums, params[0], summed)
