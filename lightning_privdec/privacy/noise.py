@@ -172,11 +172,14 @@ class NoiseGenerator:
             self._work = torch.empty(words, dtype=torch.float64, device=self.device)
         return self._work
 
-    def _output(self, numel: int, dtype: torch.dtype) -> Tensor:
-        """The kept output vector of :meth:`normal` (``reuse_output``), re-allocated only when it is too small."""
-        if self._out is None or self._out.dtype != dtype or self._out.numel() < numel:
-            self._out = torch.empty(numel, dtype=dtype, device=self.device)
-        return self._out[:numel]
+    def _kept(self, slot: str, numel: int, dtype: torch.dtype) -> Tensor:
+        """The first ``numel`` entries of the vector the generator keeps in ``slot`` (``"_out"``: :meth:`normal`'s
+        ``reuse_output``; ``"_gathered"``: :meth:`_gathers`), re-allocated only when it is too small."""
+        kept = getattr(self, slot)
+        if kept is None or kept.dtype != dtype or kept.numel() < numel:
+            kept = torch.empty(numel, dtype=dtype, device=self.device)
+            setattr(self, slot, kept)
+        return kept[:numel]
 
     def uniform(self, numel: int) -> Tensor:
         """``numel`` i.i.d. uniforms in [0, 1), float64 on the generator's device (one draw)."""
@@ -205,7 +208,7 @@ class NoiseGenerator:
         generator's device and then moved to ``device`` if given. With ``secure_mode`` each entry is
         (z1 + z2 + z3 + z4) / 2 of four draws. ``reuse_output=True`` writes into a vector the generator keeps (valid
         until its next ``reuse_output`` draw): a DP step's noise is not re-allocated every step."""
-        out = self._output(numel, dtype) if reuse_output else torch.empty(numel, dtype=dtype, device=self.device)
+        out = self._kept("_out", numel, dtype) if reuse_output else torch.empty(numel, dtype=dtype, device=self.device)
         if self._threaded(dtype):
             self._stream().narrow_host_draw(numel, std, self._thread_buffers_for(numel), out.numpy())
         else:
@@ -229,7 +232,7 @@ class NoiseGenerator:
         if self._gathers(flat_outs, flat_sums, offsets[-1]):
             # many small pieces: one piece of one kept vector (the sums side by side), then copied out, two
             # operations instead of each piece's own call; every entry gets the noise and sum it gets in its piece
-            gathered = self._gather_buffer(offsets[-1])
+            gathered = self._kept("_gathered", offsets[-1], torch.float32)
             torch.cat(flat_sums, out=gathered)
             self.add_normal_([gathered], std, [gathered], sums_scale)
             torch._foreach_copy_(flat_outs, list(gathered.split([o.numel() for o in flat_outs])))
@@ -279,12 +282,6 @@ class NoiseGenerator:
         return (len(outs) >= 4 and total <= _GATHER_PIECE * len(outs) and self._threaded(outs[0].dtype)
                 and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (*outs, *sums))
                 and all(o.numel() == t.numel() for o, t in zip(outs, sums)))
-
-    def _gather_buffer(self, numel: int) -> Tensor:
-        """The kept float32 vector of a gathered draw (:meth:`_gathers`), re-allocated only when too small."""
-        if self._gathered is None or self._gathered.numel() < numel:
-            self._gathered = torch.empty(numel, dtype=torch.float32)
-        return self._gathered[:numel]
 
     def _threaded(self, dtype: torch.dtype) -> bool:
         """Whether a draw of ``dtype`` is a float32 draw on the host, whose chunks the intra-op threads share."""

@@ -315,9 +315,6 @@ class _PerSampleArithmetic:
                 _accumulate(sums, p, value)
         for params, rows in stacked:
             summed = weighted_row_sum(factor[: rows.shape[0]], rows)
-            if len(params) == 1:
-                _accumulate(sums, params[0], summed)
-                continue
             for p, value in zip(params, summed.split([p.numel() for p in params])):
                 _accumulate(sums, p, value)
         return norms.to(dtype)
@@ -360,18 +357,21 @@ def _stacked_rows(materialised: dict[nn.Parameter, Tensor]) -> list[tuple[list[n
             out.append(([p], gs.flatten(1)))
         else:
             groups.setdefault((gs.dtype, gs.device, gs.shape[0]), []).append(p)
+
+    def side_by_side(group: list[nn.Parameter]) -> tuple[list[nn.Parameter], Tensor]:
+        rows = [materialised[p].flatten(1) for p in group]
+        return group, rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+
     for params in groups.values():
         group: list[nn.Parameter] = []
         entries = 0
-        for p in params + [None]:  # type: ignore[list-item]
-            size = 0 if p is None else materialised[p].numel()
-            if group and (p is None or entries + size > bookkeeping.STACK_ENTRIES):
-                rows = [materialised[q].flatten(1) for q in group]
-                out.append((group, rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)))
+        for p in params:
+            if group and entries + materialised[p].numel() > bookkeeping.STACK_ENTRIES:
+                out.append(side_by_side(group))
                 group, entries = [], 0
-            if p is not None:
-                group.append(p)
-                entries += size
+            group.append(p)
+            entries += materialised[p].numel()
+        out.append(side_by_side(group))
     return out
 
 

@@ -115,17 +115,18 @@ def _per_example_weight_norms(
     with ``keep`` the gradients themselves, (B, weight entries), else None."""
     batch = g.shape[0]
     chunk = max(1, PER_EXAMPLE_ENTRIES // module.weight.numel())
-    kept = torch.empty(batch, module.weight.numel(), dtype=g.dtype, device=g.device) if keep else None
-    norms = []
+    norms, kept = [], []
     for start in range(0, batch, chunk):
         rows = slice(start, start + chunk)
         k = min(chunk, batch - start)
         grads = _conv_weight_grad(module, g[rows].reshape(1, -1, *g.shape[2:]), a[rows].reshape(1, -1, *a.shape[2:]), k)
         grads = grads.reshape(k, -1)
         norms.append(norm_upper_bound(grads, dim=1))
-        if kept is not None:
-            kept[rows] = grads
-    return torch.cat(norms), kept
+        if keep:
+            kept.append(grads)
+    if not keep:
+        return torch.cat(norms), None
+    return torch.cat(norms), kept[0] if len(kept) == 1 else torch.cat(kept)  # one chunk (usual): no copy
 
 
 def keeps_rows(module: nn.Module, a: Tensor, g: Tensor) -> bool:
@@ -133,7 +134,7 @@ def keeps_rows(module: nn.Module, a: Tensor, g: Tensor) -> bool:
     for its clipped sum (:class:`~.bookkeeping.NormBound`'s ``rows``): where they hold no more entries than the
     layer's input does (the early layers of an image model on large maps). Its clipped sum is then a weighted sum of
     B rows instead of a second weight-gradient computation, T times the work (T output positions)."""
-    return module.weight.requires_grad and g.shape[0] * module.weight.numel() <= a.numel()
+    return g.shape[0] * module.weight.numel() <= a.numel()
 
 
 def _conv_estimates(
