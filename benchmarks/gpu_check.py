@@ -155,6 +155,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=None, help="processes of the ranks section (default 4; quick 2)")
     p.add_argument("--strategies", default=None,
                    help="comma list of the ranks section's strategies (default: every private one; quick: dp_csgp)")
+    p.add_argument("--models", default=None, help="throughput: comma list out of " + ",".join(MODELS))
+    p.add_argument("--kinds", default=None, help="throughput: comma list out of " + ",".join(KINDS))
+    p.add_argument("--precisions", default=None, help="throughput: comma list out of " + ",".join(PRECISIONS))
+    p.add_argument("--library", type=Path, default=None,
+                   help="throughput and profile: import lightning_privdec from this tree instead (an older commit's "
+                        "git worktree, for a comparison on the same machine); the problems stay this checkout's")
     p.add_argument("--no-table", action="store_true", help="print no table")
     # internal: one section in a child process
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -171,6 +177,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--ranks must be at least 2 (a gossip needs a neighbour)")
     if args.time_limit <= 0:
         p.error("--time-limit must be positive")
+    for name, known in (("models", MODELS), ("kinds", KINDS), ("precisions", PRECISIONS)):
+        chosen = getattr(args, name)
+        chosen = tuple(known) if chosen is None else tuple(c.strip() for c in chosen.split(",") if c.strip())
+        if set(chosen) - set(known):
+            p.error(f"unknown {name} {sorted(set(chosen) - set(known))}; choose from {', '.join(known)}")
+        setattr(args, name, chosen)
+    if args.library is not None and not (args.library / "lightning_privdec" / "__init__.py").exists():
+        p.error(f"--library {args.library}: no lightning_privdec package there")
     return args
 
 
@@ -292,9 +306,9 @@ def throughput_child(args: argparse.Namespace) -> dict[str, Any]:
         # refuses them): the CPU run uses torch's own kernels
         torch.backends.mkldnn.enabled = False
     rows = []
-    for model, spec in MODELS.items():
-        for precision in spec["quick_precisions" if args.quick else "precisions"]:
-            for kind in KINDS:
+    for model, spec in ((m, MODELS[m]) for m in args.models):
+        for precision in (p for p in spec["quick_precisions" if args.quick else "precisions"] if p in args.precisions):
+            for kind in args.kinds:
                 if time.time() > args.deadline:
                     rows.append({"model": model, "precision": precision, "kind": kind, "error": "not run: time limit"})
                     continue
@@ -751,6 +765,10 @@ def run_child_section(args: argparse.Namespace, section: str, timeout: float) ->
                    "--accelerator", args.accelerator, "--deadline", str(time.time() + timeout - 10)]  # fmt: skip
         if args.quick:
             command.append("--quick")
+        command += ["--models", ",".join(args.models), "--kinds", ",".join(args.kinds),
+                    "--precisions", ",".join(args.precisions)]
+        if args.library is not None:
+            command += ["--library", str(args.library.resolve())]
         done = run_bounded(command, timeout)
         print(done["output"][-8000:], end="", flush=True)
         if not out.exists():
@@ -777,8 +795,14 @@ def memory_section(sections: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child is not None:
+        if args.library is not None:
+            sys.path.insert(0, str(args.library))
         child = {"throughput": throughput_child, "noise": noise_child, "profile": profile_child}[args.child]
-        args.out.write_text(json.dumps(child(args)))
+        result = child(args)
+        import lightning_privdec  # noqa: PLC0415 - which tree the section ran
+
+        result["library"] = str(Path(lightning_privdec.__file__).resolve().parents[1])
+        args.out.write_text(json.dumps(result))
         return
     device = device_name(args.accelerator)
     print(f"device: {device}", flush=True)

@@ -314,9 +314,14 @@ def test_per_example_norms_in_chunks_equal_one_at_a_time(monkeypatch: pytest.Mon
         torch.testing.assert_close(bookkeeping._per_example_weight_norms(g, a), one_at_a_time, rtol=1e-6, atol=0)
 
 
-def test_calls_of_one_shape_get_the_bounds_each_would_get_alone() -> None:
-    """norm_bounds stacks calls of one shape (a transformer's projections): each call's bounds and ill-conditioned
-    marks are what norm_bound gives it alone; calls of other shapes are computed apart."""
+@pytest.mark.parametrize("group_entries", [bookkeeping.GROUP_ENTRIES, 2 * 4 * 5 * (16 + 12)])
+def test_calls_of_one_shape_get_the_bounds_each_would_get_alone(
+    monkeypatch: pytest.MonkeyPatch, group_entries: int
+) -> None:
+    """norm_bounds stacks calls of one shape (a transformer's projections), at most GROUP_ENTRIES entries at a time:
+    each call's bounds and ill-conditioned marks are what norm_bound gives it alone; calls of other shapes are
+    computed apart."""
+    monkeypatch.setattr(bookkeeping, "GROUP_ENTRIES", group_entries)
     torch.manual_seed(7)
     same = [nn.Linear(16, 12) for _ in range(3)]
     other = nn.Linear(12, 16)
@@ -332,6 +337,17 @@ def test_calls_of_one_shape_get_the_bounds_each_would_get_alone() -> None:
         torch.testing.assert_close(bound.upper, alone.upper, rtol=1e-6, atol=0)
         assert torch.equal(bound.exact, alone.exact)
     assert bool(stacked[-1].exact[0]) and bool(stacked[-2].exact[0])
+    keys = [bookkeeping._shape_key(layer, a, g) for layer, a, g in calls]
+    groups = bookkeeping._groups(keys, [a.numel() + g.numel() for _, a, g in calls])
+    assert groups[0] == ([0, 1] if group_entries < 3 * 4 * 5 * (16 + 12) else [0, 1, 2])
+
+
+def test_larger_calls_are_stacked_on_a_gpu_than_on_a_cpu() -> None:
+    """A call of 2^21 entries is past the CPU's stacking limit and within a GPU's (the meta device stands in)."""
+    layer = nn.Linear(64, 64)
+    a, g = torch.empty(256, 64, 64), torch.empty(256, 64, 64)
+    assert bookkeeping._shape_key(layer, a, g) is None
+    assert bookkeeping._shape_key(layer, a.to("meta"), g.to("meta")) is not None
 
 
 def test_calls_of_one_shape_get_the_clipped_sums_each_would_get_alone() -> None:

@@ -347,13 +347,13 @@ def _add_squares(squared: Tensor, norms: list[Tensor], scale: float = 1.0) -> No
 def _stacked_rows(materialised: dict[nn.Parameter, Tensor]) -> list[tuple[list[nn.Parameter], Tensor]]:
     """The materialised per-example gradients as ``(parameters, rows)``, ``rows`` (n, entries) their per-example
     gradients side by side: those of one dtype, device and number of examples together while they hold at most
-    :data:`~.bookkeeping.STACK_ENTRIES` entries (a LayerNorm's or an embedding's, usually), any other alone. A
+    :func:`~.bookkeeping.stack_entries` entries (a LayerNorm's or an embedding's, usually), any other alone. A
     row's norm bound is then one bound of the whole row's norm, and the clipped sum one matrix-vector product: the
     same quantities, each entry's sum rounded as alone, in a few operations instead of a few per parameter."""
     out: list[tuple[list[nn.Parameter], Tensor]] = []
     groups: dict[tuple, list[nn.Parameter]] = {}
     for p, gs in materialised.items():
-        if gs.numel() > bookkeeping.STACK_ENTRIES:
+        if gs.numel() > bookkeeping.stack_entries(gs.device):
             out.append(([p], gs.flatten(1)))
         else:
             groups.setdefault((gs.dtype, gs.device, gs.shape[0]), []).append(p)
@@ -366,7 +366,7 @@ def _stacked_rows(materialised: dict[nn.Parameter, Tensor]) -> list[tuple[list[n
         group: list[nn.Parameter] = []
         entries = 0
         for p in params:
-            if group and entries + materialised[p].numel() > bookkeeping.STACK_ENTRIES:
+            if group and entries + materialised[p].numel() > bookkeeping.stack_entries(materialised[p].device):
                 out.append(side_by_side(group))
                 group, entries = [], 0
             group.append(p)

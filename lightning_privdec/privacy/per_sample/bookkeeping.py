@@ -181,15 +181,25 @@ def _all_zero(g: Tensor) -> Tensor:
 
 
 #: layer calls of one shape are stacked for :func:`norm_bounds` while their inputs and output gradients together hold
-#: at most this many entries (past it a call's own arithmetic costs more than its operations' fixed costs)
+#: at most this many entries on a CPU (past it a call's own arithmetic costs more than its operations' fixed costs)
 STACK_ENTRIES = 1 << 20
+#: on a GPU an operation's fixed cost (its launch, ~10 us) is that of far more arithmetic: calls this many times
+#: larger are stacked there (GPT-2 small's layers at 32 sequences of 128 tokens: 6-16M entries each)
+DEVICE_STACK_FACTOR = 64
+#: a stack holds at most this many entries (its copies of the inputs and output gradients: 512 MiB in float32)
+GROUP_ENTRIES = 1 << 27
+
+
+def stack_entries(device: torch.device) -> int:
+    """The most entries a layer call (or a materialised per-example gradient) may hold to be stacked on ``device``."""
+    return STACK_ENTRIES if device.type == "cpu" else STACK_ENTRIES * DEVICE_STACK_FACTOR
 
 
 def _shape_key(module: nn.Module, a: Tensor, g: Tensor) -> tuple | None:
     """What :func:`norm_bound` reads of a call besides its examples' values: calls with equal keys get the same
     arithmetic per example, whether alone or stacked along the batch dimension; None: not stacked."""
     weight, bias = module.weight, module.bias
-    if a.numel() + g.numel() > STACK_ENTRIES or a.dim() < 2:
+    if a.numel() + g.numel() > stack_entries(g.device) or a.dim() < 2:
         return None
     key = (type(module), weight.shape, weight.dtype, weight.requires_grad, bias is not None and bias.requires_grad,
            a.shape[1:], a.dtype, g.shape[1:], g.dtype, g.device)
@@ -205,7 +215,8 @@ def norm_bounds(calls: list[tuple[nn.Module, Tensor, Tensor]]) -> list[NormBound
     its call alone would give (up to the rounding of its own products, which the bound covers), in a few operations
     instead of a few per call."""
     out: list[NormBound | None] = [None] * len(calls)
-    for members in _groups([_shape_key(module, a, g) for module, a, g in calls]):
+    keys = [_shape_key(module, a, g) for module, a, g in calls]
+    for members in _groups(keys, [a.numel() + g.numel() for _, a, g in calls]):
         if len(members) == 1:
             module, a, g = calls[members[0]]
             out[members[0]] = norm_bound(module, a, g, defer_exact=True, keep_rows=True)
@@ -283,7 +294,7 @@ def clipped_sums_of(
         stack = key is not None and _is_linear(module) and one_block and not bound.exact_grads and g.dim() > 1
         keys.append(key if stack else None)
     out: list[dict[nn.Parameter, Tensor]] = [{} for _ in calls]
-    for members in _groups(keys):
+    for members in _groups(keys, [a.numel() + g.numel() for _, a, g, _, _ in calls]):
         if len(members) == 1:
             module, a, g, factor, bound = calls[members[0]]
             out[members[0]] = clipped_sums(module, a, g, factor, bound, into)
@@ -357,12 +368,20 @@ def _weighted(g: Tensor, factor: Tensor, work: torch.dtype) -> Tensor:
     return g.to(work) * factor.to(g.device, torch.float64).to(work).view(-1, *([1] * (g.dim() - 1)))
 
 
-def _groups(keys: list[tuple | None]) -> list[list[int]]:
-    """The indices of equal keys together, in first-seen order; a None key alone."""
-    groups: dict[tuple, list[int]] = {}
+def _groups(keys: list[tuple | None], entries: list[int]) -> list[list[int]]:
+    """The indices of equal keys together, in first-seen order, split where a group would hold more than
+    :data:`GROUP_ENTRIES` of ``entries``; a None key alone."""
+    groups: dict[tuple, list[list[int]]] = {}
+    held: dict[tuple, int] = {}  # the entries of each key's last group
     for k, key in enumerate(keys):
-        groups.setdefault((k,) if key is None else key, []).append(k)
-    return list(groups.values())
+        key = (k,) if key is None else key
+        chunks = groups.setdefault(key, [[]])
+        if chunks[-1] and held[key] + entries[k] > GROUP_ENTRIES:
+            chunks.append([])
+            held[key] = 0
+        chunks[-1].append(k)
+        held[key] = held.get(key, 0) + entries[k]
+    return [chunk for chunks in groups.values() for chunk in chunks]
 
 
 def norm_method(module: nn.Module, a: Tensor, g: Tensor) -> str:
