@@ -70,7 +70,10 @@ The smoke run (CI: tests/test_gpu_check.py)::
 every precision on that GPT-2 only and fp32 on the others, 1 warm-up and 1 timed step, 100k and 1M noise
 coordinates, 2 ranks for 1 step of DP-CSGP only, and two tests of tests/test_noise.py (its CUDA-only one skips on
 CPU). Without ``--quick``, ``--accelerator cpu`` runs the full configuration on the CPU (slow: tens of minutes).
-``--sections`` picks sections; ``--no-table`` prints only the JSON's path.
+``--sections`` picks sections; ``--models``, ``--kinds`` and ``--precisions`` pick throughput rows; ``--library DIR``
+runs the throughput and profile sections on another tree of the library (e.g. an older commit's ``lightning_privdec``
+copied into an ignored folder that travels with ``carry``), for a comparison on one machine; ``--no-table`` prints only
+the JSON's path.
 """
 
 from __future__ import annotations

@@ -139,3 +139,19 @@ def test_the_ranks_section_launches_strategies_side_by_side_on_distinct_ports(mo
     assert [row["strategy"] for row in result["rows"]] == strategies
     assert most[0] == gpu_check.CONCURRENT_LAUNCHES == result["concurrent_launches"]
     assert len(set(ports)) == len(strategies)
+
+
+def test_throughput_rows_and_the_library_tree_are_chosen_on_the_command_line(tmp_path: Path) -> None:
+    """--models, --kinds and --precisions pick the throughput rows (all by default); --library must hold the
+    package, and an unknown name is refused with the choices."""
+    from gpu_check import PRECISIONS, parse_args
+
+    args = parse_args([])
+    assert (args.models, args.kinds, args.precisions, args.library) == (tuple(MODELS), KINDS, PRECISIONS, None)
+    args = parse_args(["--models", "gpt2,resnet18", "--kinds", "ghost", "--precisions", "fp32",
+                       "--library", str(ROOT)])  # fmt: skip
+    chosen = (args.models, args.kinds, args.precisions, args.library)
+    assert chosen == (("gpt2", "resnet18"), ("ghost",), ("fp32",), ROOT)
+    for bad in (["--models", "gpt3"], ["--kinds", "dp"], ["--library", str(tmp_path)]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
