@@ -138,6 +138,8 @@ NOISE_SIZES = {False: (11_173_962, 124_439_808), True: (100_000, 1_000_000)}  # 
 PRIVATE_STRATEGIES = ("dp_csgp", "privsgp", "dp2sgd", "decor", "dyn_d2p", "privsgp_vr", "cpgt")
 STEP_TARGET, OPACUS_TARGET, NOISE_TARGET_NS = 1.5, 1.0, 0.1
 #: seconds each section may take at most (the overall --time-limit cuts them further)
+#: the sections ``--library`` applies to (the others always run this checkout's library)
+LIBRARY_SECTIONS = ("throughput", "profile")
 SECTION_LIMITS = {"noise": 30.0, "tests": 110.0, "ranks": 190.0, "throughput": 160.0, "profile": 40.0}
 #: strategies the ranks section launches at once (each its own gloo world of --ranks processes): most of a launch
 #: is imports and CUDA's start, which a GPU machine's cores run side by side
@@ -186,6 +188,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if set(chosen) - set(known):
             p.error(f"unknown {name} {sorted(set(chosen) - set(known))}; choose from {', '.join(known)}")
         setattr(args, name, chosen)
+    listed = "quick_precisions" if args.quick else "precisions"
+    rows = [(m, precision) for m in args.models for precision in MODELS[m][listed] if precision in args.precisions]
+    if "throughput" in args.section_list and not rows:
+        p.error(f"--models {','.join(args.models)} with --precisions {','.join(args.precisions)} leaves no throughput "
+                "row to measure" + (" (--quick measures fp32 only but on gpt2)" if args.quick else ""))
     if args.library is not None and not (args.library / "lightning_privdec" / "__init__.py").exists():
         p.error(f"--library {args.library}: no lightning_privdec package there")
     return args
@@ -770,7 +777,7 @@ def run_child_section(args: argparse.Namespace, section: str, timeout: float) ->
             command.append("--quick")
         command += ["--models", ",".join(args.models), "--kinds", ",".join(args.kinds),
                     "--precisions", ",".join(args.precisions)]
-        if args.library is not None:
+        if args.library is not None and section in LIBRARY_SECTIONS:
             command += ["--library", str(args.library.resolve())]
         done = run_bounded(command, timeout)
         print(done["output"][-8000:], end="", flush=True)

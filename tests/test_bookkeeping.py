@@ -350,7 +350,16 @@ def test_larger_calls_are_stacked_on_a_gpu_than_on_a_cpu() -> None:
     assert bookkeeping._shape_key(layer, a.to("meta"), g.to("meta")) is not None
 
 
-def test_calls_of_one_shape_get_the_clipped_sums_each_would_get_alone() -> None:
+@pytest.mark.parametrize("group_entries", [bookkeeping.GROUP_ENTRIES, 5 * 3 * (16 + 12)])
+def test_calls_of_one_shape_get_the_clipped_sums_each_would_get_alone(
+    monkeypatch: pytest.MonkeyPatch, group_entries: int
+) -> None:
+    """clipped_sums_of batches the nn.Linear calls of one shape, at most GROUP_ENTRIES entries at a time (here: all
+    of a shape together, or each call alone): each layer's sums are what clipped_sums gives it alone."""
+    monkeypatch.setattr(bookkeeping, "GROUP_ENTRIES", group_entries)
+    groups = []
+    split = bookkeeping._groups
+    monkeypatch.setattr(bookkeeping, "_groups", lambda *args: groups.append(made := split(*args)) or made)
     torch.manual_seed(8)
     from transformers.pytorch_utils import Conv1D
 
@@ -366,6 +375,7 @@ def test_calls_of_one_shape_get_the_clipped_sums_each_would_get_alone() -> None:
         for p in alone:
             torch.testing.assert_close(together[p], alone[p], rtol=1e-6, atol=1e-6)
             assert together[p].untyped_storage().nbytes() == together[p].numel() * together[p].element_size()
+    assert groups == [[[0, 1], [2], [3, 4]] if group_entries > 5 * 3 * (16 + 12) else [[0], [1], [2], [3], [4]]]
 
 
 def test_small_materialised_gradients_are_clipped_side_by_side_as_each_alone(monkeypatch: pytest.MonkeyPatch) -> None:

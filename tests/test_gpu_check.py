@@ -152,6 +152,29 @@ def test_throughput_rows_and_the_library_tree_are_chosen_on_the_command_line(tmp
                        "--library", str(ROOT)])  # fmt: skip
     chosen = (args.models, args.kinds, args.precisions, args.library)
     assert chosen == (("gpt2", "resnet18"), ("ghost",), ("fp32",), ROOT)
-    for bad in (["--models", "gpt3"], ["--kinds", "dp"], ["--library", str(tmp_path)]):
+    for bad in (["--models", "gpt3"], ["--kinds", "dp"], ["--library", str(tmp_path)],
+                ["--quick", "--models", "resnet18", "--precisions", "bf16-mixed"]):  # no row left
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_the_chosen_rows_and_tree_reach_the_section_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The throughput and profile children get the row choices and --library; the noise child runs this checkout."""
+    import gpu_check
+
+    commands = {}
+
+    def record(command: list[str], timeout: float) -> dict:
+        commands[command[command.index("--child") + 1]] = command
+        return {"output": "", "error": None, "tail": ""}
+
+    monkeypatch.setattr(gpu_check, "run_bounded", record)
+    args = gpu_check.parse_args(["--models", "gpt2", "--kinds", "ghost", "--library", str(ROOT)])
+    for section in ("throughput", "profile", "noise"):
+        gpu_check.run_child_section(args, section, 60.0)
+    for section, command in commands.items():
+        assert command[command.index("--models") + 1] == "gpt2" and command[command.index("--kinds") + 1] == "ghost"
+        if section == "noise":
+            assert "--library" not in command
+        else:
+            assert command[command.index("--library") + 1] == str(ROOT)
