@@ -363,19 +363,20 @@ def test_calls_of_one_shape_get_the_clipped_sums_each_would_get_alone(
     torch.manual_seed(8)
     from transformers.pytorch_utils import Conv1D
 
-    layers = [nn.Linear(16, 12), nn.Linear(16, 12), nn.Linear(16, 12, bias=False), Conv1D(12, 16), Conv1D(12, 16)]
+    layers = [nn.Linear(16, 12), nn.Linear(16, 12), nn.Linear(16, 12, bias=False), Conv1D(12, 16), Conv1D(12, 16),
+              nn.Linear(16, 12)]  # fmt: skip
     calls = []
-    for layer in layers:
-        a, g = torch.randn(5, 3, 16), torch.randn(5, 3, 12)
+    for layer, batch in zip(layers, (5, 5, 5, 5, 5, 3)):  # the last: the first two's shape on another batch size
+        a, g = torch.randn(batch, 3, 16), torch.randn(batch, 3, 12)
         bound = bookkeeping.norm_bound(layer, a, g)
-        calls.append((layer, a, g, torch.rand(5, dtype=torch.float64), bound))
+        calls.append((layer, a, g, torch.rand(batch, dtype=torch.float64), bound))
     for (layer, a, g, factor, bound), together in zip(calls, bookkeeping.clipped_sums_of(calls)):
         alone = bookkeeping.clipped_sums(layer, a, g, factor, bound)
         assert together.keys() == alone.keys()
         for p in alone:
             torch.testing.assert_close(together[p], alone[p], rtol=1e-6, atol=1e-6)
             assert together[p].untyped_storage().nbytes() == together[p].numel() * together[p].element_size()
-    assert groups == [[[0, 1], [2], [3, 4]] if group_entries > 5 * 3 * (16 + 12) else [[0], [1], [2], [3], [4]]]
+    assert groups == [[[0, 1], [2], [3, 4], [5]] if group_entries > 5 * 3 * (16 + 12) else [[k] for k in range(6)]]
 
 
 def test_small_materialised_gradients_are_clipped_side_by_side_as_each_alone(monkeypatch: pytest.MonkeyPatch) -> None:

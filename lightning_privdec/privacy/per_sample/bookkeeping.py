@@ -285,14 +285,15 @@ def clipped_sums_of(
     calls: list[tuple[nn.Module, Tensor, Tensor, Tensor, NormBound]], into: Into = None
 ) -> list[dict[nn.Parameter, Tensor]]:
     """:func:`clipped_sums` of each ``(module, a, g, factor, bound)`` (``into`` as there); the nn.Linear calls of
-    one shape (:func:`_shape_key`) whose examples fit one block and have none computed apart, in one batched product:
-    each layer's sum is the same B T-row product as alone (the bound's gamma holds for any order of its terms)."""
+    one shape (:func:`_shape_key`) and batch size whose examples fit one block and have none computed apart, in one
+    batched product: each layer's sum is the same B T-row product as alone (the bound's gamma holds for any order of
+    its terms)."""
     keys = []
     for module, a, g, _, bound in calls:
         key = _shape_key(module, a, g)
         one_block = g.shape[0] <= block_examples(_steps(module, g))
         stack = key is not None and _is_linear(module) and one_block and not bound.exact_grads and g.dim() > 1
-        keys.append(key if stack else None)
+        keys.append((*key, g.shape[0]) if stack else None)  # (the products are stacked, not concatenated)
     out: list[dict[nn.Parameter, Tensor]] = [{} for _ in calls]
     for members in _groups(keys, [a.numel() + g.numel() for _, a, g, _, _ in calls]):
         if len(members) == 1:
