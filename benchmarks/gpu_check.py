@@ -6,6 +6,10 @@ section; a section that fails is recorded with its error and the others still ru
 ``tests``       pytest on the CUDA-only tests (skipped without CUDA) and on the per-sample, noise and mixed-precision
                 tests with their ``device`` fixture on the GPU (``PRIVDEC_TEST_DEVICE=cuda``, tests/conftest.py):
                 passed / failed / skipped counts and the failing tests' names.
+``attacks``     the crafted clipping attacks of lightning_privdec/audit/sensitivity.py on the device (``privdec-audit
+                --clipping``'s, the batches moved there, so that D and D \\ x run at different batch sizes through
+                the device's kernels): every attack, mode and precision, its largest ||S(D) - S(D \\ x)|| / C,
+                which must stay within C (the quick run: two attacks).
 ``throughput``  one training step (forward, backward, clipping, noise, SGD step) on one device, samples/s and peak
                 GPU memory, for torchvision's ResNet-18 (GroupNorm, batch 256, 32x32), EfficientNet-B0 (GroupNorm,
                 out-of-place activations; batch 256, 32x32) and GPT-2 small from its config (batch 32, 128 tokens),
@@ -51,25 +55,25 @@ project itself is put on PYTHONPATH, ahead of the wheels: opacus's wheel ships t
     export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 && \
     python3 benchmarks/gpu_check.py --json $OUT/gpu_check.json --time-limit 530 2>&1 | tee $OUT/gpu_check.log
 
-Time: ``--time-limit 530`` bounds the sections together (at most 30, 110, 190, 160 and 40 s in the order noise,
-tests, ranks, throughput, profile; a section past its time is cut and recorded as such, the tests with the outcomes
-pytest printed so far, a timed-out rank with its stacks). The ranks section launches 3 strategies at once
-(``--concurrent-launches``), their ranks splitting the cores' intra-op threads (``OMP_NUM_THREADS``): on the fourth
-GPU run one launch took 32-38 s, mostly imports and CUDA's start, and 7 one after the other did not fit. The install
-takes seconds, so the command ends within 9 minutes; with the machine's start (1-2 minutes) that leaves 3-4 minutes
-of a 15-minute budget to re-run what failed alone on the still warm machine (it goes back after 30 s idle), e.g.
-``--sections ranks --strategies decor,cpgt --time-limit 150``. The JSON is rewritten after every section, so a killed
-run still returns what it finished. Its table (stdout, also in the log) is what goes into
+Time: ``--time-limit 530`` bounds the sections together (at most 30, 110, 40, 190, 160 and 40 s in the order noise,
+tests, attacks, ranks, throughput, profile; the fifth GPU run's took 356 s in all; a section past its time is cut and
+recorded as such, the tests with the outcomes pytest printed so far, a timed-out rank with its stacks). The ranks
+section launches 3 strategies at once (``--concurrent-launches``), their ranks splitting the cores' intra-op threads
+(``OMP_NUM_THREADS``): on the fourth GPU run one launch took 32-38 s, mostly imports and CUDA's start, and 7 one after
+the other did not fit. The install takes seconds, so the command ends within 9 minutes; with the machine's start (1-2
+minutes) that leaves 3-4 minutes of a 15-minute budget to re-run what failed alone on the still warm machine (it goes
+back after 30 s idle), e.g. ``--sections ranks --strategies decor,cpgt --time-limit 150``. The JSON is rewritten after
+every section, so a killed run still returns what it finished. Its table (stdout, also in the log) is what goes into
 benchmarks/RESULTS.md.
 
 The smoke run (CI: tests/test_gpu_check.py)::
 
     python benchmarks/gpu_check.py --accelerator cpu --quick --json /tmp/gpu_check.json
 
-``--quick``: batches of 2 (8x8 images; the 2-layer GPT-2 of step_time.py with 16 tokens instead of GPT-2 small),
-every precision on that GPT-2 only and fp32 on the others, 1 warm-up and 1 timed step, 100k and 1M noise
-coordinates, 2 ranks for 1 step of DP-CSGP only, and two tests of tests/test_noise.py (its CUDA-only one skips on
-CPU). Without ``--quick``, ``--accelerator cpu`` runs the full configuration on the CPU (slow: tens of minutes).
+``--quick``: batches of 2 (8x8 images; the 2-layer GPT-2 of step_time.py with 16 tokens instead of GPT-2 small), every
+precision on that GPT-2 only and fp32 on the others, 1 warm-up and 1 timed step, 100k and 1M noise coordinates, 2 ranks
+for 1 step of DP-CSGP only, two clipping attacks, and two tests of tests/test_noise.py (its CUDA-only one skips on CPU).
+Without ``--quick``, ``--accelerator cpu`` runs the full configuration on the CPU (slow: tens of minutes).
 ``--sections`` picks sections; ``--models``, ``--kinds`` and ``--precisions`` pick throughput rows; ``--library DIR``
 runs the throughput and profile sections on another tree of the library (e.g. an older commit's ``lightning_privdec``
 copied into an ignored folder that travels with ``carry``), for a comparison on one machine; ``--no-table`` prints only
@@ -102,7 +106,8 @@ sys.path.insert(0, str(ROOT))
 from gpu_throughput import EXTRA_KWARGS, device_name  # noqa: E402
 from machine_info import machine_line, software_line  # noqa: E402
 
-SECTIONS = ("noise", "tests", "ranks", "throughput", "profile")  # run in this order; "memory" is gathered from the others
+#: run in this order; "memory" is gathered from the others
+SECTIONS = ("noise", "tests", "attacks", "ranks", "throughput", "profile")
 #: the tests that skip without CUDA, and the files whose tests take the ``device`` fixture (tests/conftest.py)
 CUDA_ONLY_TESTS = (
     "tests/test_compression.py::test_cuda_round_trip",
@@ -140,7 +145,10 @@ STEP_TARGET, OPACUS_TARGET, NOISE_TARGET_NS = 1.5, 1.0, 0.1
 #: seconds each section may take at most (the overall --time-limit cuts them further)
 #: the sections ``--library`` applies to (the others always run this checkout's library)
 LIBRARY_SECTIONS = ("throughput", "profile")
-SECTION_LIMITS = {"noise": 30.0, "tests": 110.0, "ranks": 190.0, "throughput": 160.0, "profile": 40.0}
+SECTION_LIMITS = {"noise": 30.0, "tests": 110.0, "attacks": 40.0, "ranks": 190.0, "throughput": 160.0,
+                  "profile": 40.0}
+#: the quick run's clipping attacks (every one on a GPU: 126 rows in 14 s on an H200)
+QUICK_ATTACKS = ("gram_linear", "gram_conv_per_example")
 #: strategies the ranks section launches at once (each its own gloo world of --ranks processes): most of a launch
 #: is imports and CUDA's start, which a GPU machine's cores run side by side
 CONCURRENT_LAUNCHES = 3
@@ -544,6 +552,21 @@ def profile_child(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------------------
 # (c) noise
 # ---------------------------------------------------------------------------------------------------------------------
+def attacks_child(args: argparse.Namespace) -> dict[str, Any]:
+    """The crafted clipping attacks of ``lightning_privdec.audit.sensitivity`` on the device (the same batches as on
+    the host, moved there): every attack in every mode and precision it applies to, each row's largest
+    ||S(D) - S(D \\ x)|| / C, which must stay within C (1 + 1e-5)."""
+    warnings.filterwarnings("ignore")
+    from lightning_privdec.audit.sensitivity import run_attacks
+
+    device = torch_device(args.accelerator)
+    started = time.perf_counter()
+    rows = [r.to_dict() for r in run_attacks(QUICK_ATTACKS if args.quick else None, device=device)]
+    largest = max(rows, key=lambda r: r["ratio"])
+    return {"rows": rows, "device": str(device), "seconds": time.perf_counter() - started,
+            "largest": largest, "over": [r for r in rows if not r["holds"]]}  # fmt: skip
+
+
 def noise_child(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     import torch
@@ -807,7 +830,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.child is not None:
         if args.library is not None:
             sys.path.insert(0, str(args.library))
-        child = {"throughput": throughput_child, "noise": noise_child, "profile": profile_child}[args.child]
+        child = {"throughput": throughput_child, "noise": noise_child, "profile": profile_child,
+                 "attacks": attacks_child}[args.child]  # fmt: skip
         result = child(args)
         import lightning_privdec  # noqa: PLC0415 - which tree the section ran
 
@@ -911,6 +935,17 @@ def format_table(result: dict[str, Any]) -> str:
                          f"-> {'PASSED' if d['passed'] else 'FAILED'}")  # fmt: skip
         if n.get("error"):
             lines.append(f"noise failed: {n['error']}")
+        lines.append("")
+    if "attacks" in s:
+        a = s["attacks"]
+        if "rows" in a:
+            top = a["largest"]
+            lines += [f"Clipping attacks on {a['device']}: {len(a['rows'])} rows, {len(a['over'])} over C; the largest "
+                      f"||S(D) - S(D \\ x)|| / C {top['ratio']:.8f} ({top['attack']}, {top['mode']}, "
+                      f"{top['precision']}), in {a['seconds']:.0f} s"]  # fmt: skip
+            lines += [f"- OVER C: {r['attack']} {r['mode']} {r['precision']}: {r['ratio']:.8f}" for r in a["over"]]
+        else:
+            lines.append(f"attacks failed: {a.get('error')}")
         lines.append("")
     if "ranks" in s:
         r0 = s["ranks"]

@@ -27,8 +27,8 @@ def test_the_quick_cpu_run_writes_every_section_with_plausible_numbers(tmp_path:
     result = json.loads(out.read_text())
     assert result["complete"] and result["device"].startswith("CPU: ") and result["accelerator"] == "cpu"
     sections = result["sections"]
-    assert set(sections) == {"tests", "noise", "throughput", "ranks", "profile", "memory"}
-    assert not any("error" in sections[name] for name in ("noise", "throughput", "ranks", "profile")), sections
+    assert set(sections) == {"tests", "noise", "attacks", "throughput", "ranks", "profile", "memory"}
+    assert not any("error" in sections[name] for name in ("noise", "attacks", "throughput", "ranks", "profile"))
     assert "## gpu_check.py" in done.stdout and result["device"] in done.stdout  # the table, with the device
 
     tests = sections["tests"]  # the device-fixture test passes on CPU; the CUDA-only one is counted as skipped
@@ -45,6 +45,11 @@ def test_the_quick_cpu_run_writes_every_section_with_plausible_numbers(tmp_path:
     distribution = noise["distribution"]
     assert distribution["passed"] and distribution["equals_cpu_draws"] and distribution["device"] == "cpu"
     assert abs(distribution["std"] - 1) < 0.01 and set(distribution["tails"]) == {"2", "3", "4"}
+
+    attacks = sections["attacks"]  # the quick run's two attacks, every mode and precision each applies to
+    assert {r["attack"] for r in attacks["rows"]} == {"gram_linear", "gram_conv_per_example"} and attacks["over"] == []
+    assert len(attacks["rows"]) >= 8 and all(r["holds"] and r["ratio"] <= 1 + 1e-5 for r in attacks["rows"])
+    assert "Clipping attacks on cpu:" in done.stdout
 
     rows = {(r["model"], r["precision"], r["kind"]): r for r in sections["throughput"]["rows"]}
     expected = {(m, p, k) for m, spec in MODELS.items() for p in spec["quick_precisions"] for k in KINDS}
