@@ -292,8 +292,8 @@ class _PerSampleArithmetic:
         # rounding), accumulated in float64
         squared = torch.zeros(batch, dtype=torch.float64, device=reference.device)
         bounds = bookkeeping.norm_bounds([(r.module, r.activations[0], r.backprops) for r in bookkept])
-        marked = [b.exact.any() for b in bounds if b.exact is not None]
-        if marked and bool(torch.stack(marked).any()):
+        marked = [b.exact for b in bounds if b.exact is not None]
+        if marked and bool(torch.cat(marked).any()):
             # ill-conditioned examples somewhere (one host synchronisation per pass): computed apart in float64
             bounds = [bookkeeping.compute_exact(r.module, r.activations[0], r.backprops, b) for r, b in zip(bookkept, bounds)]
         _add_squares(squared, [bound.upper for bound in bounds])

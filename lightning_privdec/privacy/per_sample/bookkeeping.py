@@ -52,6 +52,7 @@ from lightning_privdec.privacy.per_sample.gram import (
     _bias_bound,
     _gram_error,
     _gram_inner_products,
+    _plus,
     _root_upper,
     block_examples,
 )
@@ -166,7 +167,7 @@ def norm_bound(
         # an example whose output gradients are all exactly 0 adds exactly 0 (its finite inputs times 0; a non-finite
         # input makes its bound non-finite): its gradient is known exactly, though its bound is all rounding floors
         zero = _all_zero(g)
-        exact = ((loose | isolate) & ~zero) | ~torch.isfinite(upper)
+        exact = ((isolate if loose is None else loose | isolate) & ~zero) | ~torch.isfinite(upper)
     bound = NormBound(upper, exact, rows=kept)
     return bound if defer_exact else compute_exact(module, a, g, bound)
 
@@ -429,9 +430,10 @@ def _linear_estimates(
         a, g = a.unsqueeze(1), g.unsqueeze(1)
     batch, steps, d_out, p = g.shape[0], g.shape[1], g.shape[-1], a.shape[-1]
     u, tiny = unit_roundoff(g.dtype), _tiny(g.dtype)
-    squared = torch.zeros(batch, dtype=torch.float64, device=g.device)
-    mass = torch.zeros_like(squared)
-    loose = torch.zeros(batch, dtype=torch.bool, device=g.device)
+    # the sums below start from their first term (no zeros to add it to: each a launch on a GPU); None: no term yet
+    squared: Tensor | None = None
+    mass: Tensor | None = None
+    loose: Tensor | None = None
     ghost = steps > 1 and module.weight.requires_grad and (method or norm_method(module, a, g)) == "ghost"
     if ghost:  # per-token norms from the Gram matrices' diagonals (no pass of their own)
         estimate, g_squares, a_squares = _gram_inner_products(g.transpose(1, 2), a.transpose(1, 2))
@@ -443,27 +445,30 @@ def _linear_estimates(
     if module.weight.requires_grad:
         weight_mass = (gn * an).sum(dim=1)
         if steps == 1:  # ||g|| ||a||, in float64
-            squared += (weight_mass * (1 + gamma(d_out + p + 4, _U64))).square()
+            squared = (weight_mass * (1 + gamma(d_out + p + 4, _U64))).square()
         elif ghost:  # the floors of gn and an cover the Gram entries' underflow (:func:`_root_upper`)
             error = weight_mass.square().mul_(eps).add_(steps * steps * tiny)
-            squared += torch.minimum(estimate.clamp_min(0) + error, weight_mass.square() * (1 + 1e-9))
-            loose |= ~(error <= 0.1 * estimate)  # also when the estimate is not finite
+            squared = torch.minimum(estimate.clamp_min(0) + error, weight_mass.square() * (1 + 1e-9))
+            loose = ~(error <= 0.1 * estimate)  # also when the estimate is not finite
         else:
             norms = _per_example_weight_norms(g, a)
             error = gamma(steps, u) * weight_mass + steps * tiny * math.sqrt(d_out * p)
-            squared += (norms + error).square()
-            loose |= ~(error <= 0.05 * norms)
-        mass += weight_mass
+            squared = (norms + error).square()
+            loose = ~(error <= 0.05 * norms)
+        mass = weight_mass
     if module.bias is not None and module.bias.requires_grad:
         if steps == 1:  # the bias gradient is g itself, one term: gn bounds its norm, with no sum to round
-            squared += gn[:, 0].square()
-            mass += gn[:, 0]
+            squared = _plus(squared, gn[:, 0].square())
+            mass = _plus(mass, gn[:, 0])
         else:
             bias_bound, bias_mass, bias_loose = _bias_bound(gn, g.sum(dim=1), u, squared)
-            squared += bias_bound.square()
-            loose |= bias_loose
-            mass += bias_mass
+            squared = _plus(squared, bias_bound.square())
+            loose = bias_loose if loose is None else loose | bias_loose
+            mass = _plus(mass, bias_mass)
+    if squared is None:  # no trainable parameter (not recorded as such; kept for completeness)
+        squared = mass = torch.zeros(batch, dtype=torch.float64, device=g.device)
     return squared.sqrt() * (1 + 1e-12), mass, loose, block_examples(steps) * steps
+
 
 
 def _per_example_weight_norms(g: Tensor, a: Tensor) -> Tensor:

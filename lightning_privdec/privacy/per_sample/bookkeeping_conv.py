@@ -13,6 +13,7 @@ from lightning_privdec.privacy.per_sample.gram import (
     _bias_bound,
     _gram_error,
     _gram_inner_products,
+    _plus,
     _root_upper,
     block_examples,
 )
@@ -147,9 +148,7 @@ def _conv_estimates(
     batch, groups, steps = g.shape[0], module.groups, math.prod(g.shape[2:])
     d_out, p = module.out_channels // groups, module.weight[0].numel()
     u, tiny = unit_roundoff(g.dtype), _tiny(g.dtype)
-    squared = torch.zeros(batch, dtype=torch.float64, device=g.device)
-    mass = torch.zeros_like(squared)
-    loose = torch.zeros(batch, dtype=torch.bool, device=g.device)
+    squared = mass = loose = None  # the sums start from their first term, as in _linear_estimates
     if module.weight.requires_grad:
         if steps > 1 and method in ("ghost", "input_gram"):  # per-position norms from the Grams' diagonals
             if method == "ghost":
@@ -166,26 +165,27 @@ def _conv_estimates(
             un = _patch_norms(module, a, g.shape[2:])
         group_mass = (gn * un).sum(dim=2)  # (B, groups)
         if steps == 1:
-            squared += group_mass.square().sum(dim=1) * (1 + gamma(d_out + p + 4, _U64))
+            squared = group_mass.square().sum(dim=1) * (1 + gamma(d_out + p + 4, _U64))
         elif method in ("ghost", "input_gram"):  # the floors of gn and un cover the Gram entries' underflow
             error = group_mass.square().mul_(eps).add_(steps * steps * tiny)
-            bounded = torch.minimum(estimate.clamp_min(0) + error, group_mass.square() * (1 + 1e-9)).sum(dim=1)
-            squared += bounded
-            loose |= ~(error.sum(dim=1) <= 0.1 * estimate.sum(dim=1))
+            squared = torch.minimum(estimate.clamp_min(0) + error, group_mass.square() * (1 + 1e-9)).sum(dim=1)
+            loose = ~(error.sum(dim=1) <= 0.1 * estimate.sum(dim=1))
         else:
             norms, kept = _per_example_weight_norms(module, a, g, keep)
             error = gamma(steps + p, u) * group_mass.sum(dim=1) + steps * tiny * math.sqrt(module.weight.numel())
             # kept rows: summed as they are, by weighted_row_sum (blocks of SUM_BLOCK examples)
             rounding = 1.0 if kept is None else 1 + sum_rounding(SUM_BLOCK, g.dtype)
-            squared += ((norms + error) * rounding).square()
-            loose |= ~(error <= 0.05 * norms)
-        mass += group_mass.sum(dim=1)
+            squared = ((norms + error) * rounding).square()
+            loose = ~(error <= 0.05 * norms)
+        mass = group_mass.sum(dim=1)
     if module.bias is not None and module.bias.requires_grad:
         token_norms = norm_upper_bound(g.reshape(batch, -1, steps), dim=1)  # whole output vectors per position
         bias_bound, bias_mass, bias_loose = _bias_bound(token_norms, g.flatten(2).sum(dim=2), u, squared)
-        squared += bias_bound.square()
-        loose |= bias_loose
-        mass += bias_mass
+        squared = _plus(squared, bias_bound.square())
+        loose = bias_loose if loose is None else loose | bias_loose
+        mass = _plus(mass, bias_mass)
+    if squared is None:  # no trainable parameter (not recorded as such; kept for completeness)
+        squared = mass = torch.zeros(batch, dtype=torch.float64, device=g.device)
     return squared.sqrt() * (1 + 1e-12), mass, loose, block_examples(steps) * steps, kept
 
 

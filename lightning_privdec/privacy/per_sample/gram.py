@@ -38,20 +38,27 @@ def _gram_error(d_out: int, p: int, u: float, steps: int) -> float:
     return (entry * (1 + sum_error) + sum_error) * (1 + 1e-9)
 
 
+def _plus(total: Tensor | None, term: Tensor) -> Tensor:
+    """``total + term``, ``term`` itself for no total yet (what adding it to zeros gives, bit for bit: +0 + x = x for
+    every x but -0, and these sums' terms are norms, masses and squares: never -0)."""
+    return term if total is None else total + term
+
+
 def _bias_bound(
-    token_norms: Tensor, summed: Tensor, u: float, weight_squared: Tensor
+    token_norms: Tensor, summed: Tensor, u: float, weight_squared: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The bias gradient sum_t g_t of each example: an upper bound of its norm (the computed sum errs by at most
     gamma_{T-1} sum_t ||g_t||), that mass, and whether the bound is loose against the layer call's whole norm (the
     squared bound ``weight_squared`` of its weight's part and the bias's): a bias whose gradient cancels to about 0
     while the weight's does not (a key projection's bias before a softmax) leaves the call's bound tight, and is not
-    computed apart; ``token_norms`` (B, T) bound ||g_t||."""
+    computed apart; ``token_norms`` (B, T) bound ||g_t||; ``weight_squared`` None: no trainable weight."""
     steps = token_norms.shape[1]
     mass = token_norms.sum(dim=1)
     norms = norm_upper_bound(summed, dim=1)
     error = gamma(steps - 1, u) * mass
     if steps > 1:
-        loose = ~(error <= 0.05 * (weight_squared + norms.square()).sqrt())
+        whole = norms.square() if weight_squared is None else weight_squared + norms.square()
+        loose = ~(error <= 0.05 * whole.sqrt())
     else:
         loose = torch.zeros_like(norms, dtype=torch.bool)
     return norms + error, mass, loose
