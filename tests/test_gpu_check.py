@@ -47,7 +47,8 @@ def test_the_quick_cpu_run_writes_every_section_with_plausible_numbers(tmp_path:
     assert abs(distribution["std"] - 1) < 0.01 and set(distribution["tails"]) == {"2", "3", "4"}
 
     attacks = sections["attacks"]  # the quick run's two attacks, every mode and precision each applies to
-    assert {r["attack"] for r in attacks["rows"]} == {"gram_linear", "gram_conv_per_example"} and attacks["over"] == []
+    assert {r["attack"] for r in attacks["rows"]} == {"gram_linear", "gram_conv_per_example"}
+    assert attacks["over"] == [] and attacks["not_run"] == [] and attacks["attack_seconds"] > 0
     assert len(attacks["rows"]) >= 8 and all(r["holds"] and r["ratio"] <= 1 + 1e-5 for r in attacks["rows"])
     assert "Clipping attacks on cpu:" in done.stdout
 
@@ -183,3 +184,19 @@ def test_the_chosen_rows_and_tree_reach_the_section_processes(monkeypatch: pytes
             assert "--library" not in command
         else:
             assert command[command.index("--library") + 1] == str(ROOT)
+
+
+def test_attacks_past_the_deadline_are_named_not_lost() -> None:
+    """The attacks section runs one attack after the other until its deadline: those it did not reach are named, the
+    rows of those it ran kept."""
+    import argparse
+    import time
+
+    import gpu_check
+
+    args = argparse.Namespace(accelerator="cpu", quick=True, deadline=time.time() - 1)
+    cut = gpu_check.attacks_child(args)
+    assert cut["rows"] == [] and cut["not_run"] == list(gpu_check.QUICK_ATTACKS) and cut["largest"] is None
+    result = {"date": "-", "device": "CPU", "command": "-", "total_s": 0.0, "machine": "-", "software": "-",
+              "sections": {"attacks": cut}}  # fmt: skip
+    assert "none run (time limit): gram_linear, gram_conv_per_example" in gpu_check.format_table(result)

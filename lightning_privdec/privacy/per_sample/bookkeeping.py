@@ -423,9 +423,9 @@ def _work_dtype(module: nn.Module, g: Tensor) -> torch.dtype:
 # ---- nn.Linear, Conv1D ----------------------------------------------------------------------------------------------
 def _linear_estimates(
     module: nn.Module, a: Tensor, g: Tensor, method: str | None
-) -> tuple[Tensor, Tensor, Tensor, int]:
+) -> tuple[Tensor, Tensor, Tensor | None, int]:
     """(upper bound of each example's exact gradient norm, its terms' mass sum_t ||g_t|| (||u_t|| + 1), whether the
-    bound is loose, the rows of the batch's sum) for nn.Linear on (B, d) or (B, T, d)."""
+    bound is loose (None: no example is), the rows of the batch's sum) for nn.Linear on (B, d) or (B, T, d)."""
     if g.dim() == 2:
         a, g = a.unsqueeze(1), g.unsqueeze(1)
     batch, steps, d_out, p = g.shape[0], g.shape[1], g.shape[-1], a.shape[-1]
@@ -468,7 +468,6 @@ def _linear_estimates(
     if squared is None:  # no trainable parameter (not recorded as such; kept for completeness)
         squared = mass = torch.zeros(batch, dtype=torch.float64, device=g.device)
     return squared.sqrt() * (1 + 1e-12), mass, loose, block_examples(steps) * steps
-
 
 
 def _per_example_weight_norms(g: Tensor, a: Tensor) -> Tensor:

@@ -140,7 +140,7 @@ def keeps_rows(module: nn.Module, a: Tensor, g: Tensor) -> bool:
 
 def _conv_estimates(
     module: nn.Module, a: Tensor, g: Tensor, method: str, keep: bool = False
-) -> tuple[Tensor, Tensor, Tensor, int, Tensor | None]:
+) -> tuple[Tensor, Tensor, Tensor | None, int, Tensor | None]:
     """As :func:`_linear_estimates`, for a convolution: u_t is the input patch read at output position t; and the
     per-example weight gradients (B, weight entries) where ``method`` is ``"per_example"`` and ``keep`` (else None),
     the bound then covering also their own weighted sum's rounding (:func:`~.bookkeeping.clipped_sums`)."""
@@ -148,7 +148,10 @@ def _conv_estimates(
     batch, groups, steps = g.shape[0], module.groups, math.prod(g.shape[2:])
     d_out, p = module.out_channels // groups, module.weight[0].numel()
     u, tiny = unit_roundoff(g.dtype), _tiny(g.dtype)
-    squared = mass = loose = None  # the sums start from their first term, as in _linear_estimates
+    # the sums start from their first term, as in _linear_estimates
+    squared: Tensor | None = None
+    mass: Tensor | None = None
+    loose: Tensor | None = None
     if module.weight.requires_grad:
         if steps > 1 and method in ("ghost", "input_gram"):  # per-position norms from the Grams' diagonals
             if method == "ghost":
