@@ -167,14 +167,12 @@ class NoiseGenerator:
 
     def _workspace(self, words: int) -> Tensor:
         """A reused float64 buffer of two chunks of at least ``min(words, chunk)`` entries (secure mode)."""
-        words = 2 * min(max(words, 1), keystream.CHUNK_WORDS)
-        if self._work is None or self._work.numel() < words:
-            self._work = torch.empty(words, dtype=torch.float64, device=self.device)
-        return self._work
+        return self._kept("_work", 2 * min(max(words, 1), keystream.CHUNK_WORDS), torch.float64)
 
     def _kept(self, slot: str, numel: int, dtype: torch.dtype) -> Tensor:
         """The first ``numel`` entries of the vector the generator keeps in ``slot`` (``"_out"``: :meth:`normal`'s
-        ``reuse_output``; ``"_gathered"``: :meth:`_gathers`), re-allocated only when it is too small."""
+        ``reuse_output``; ``"_gathered"``: :meth:`_gathers`; ``"_work"``: :meth:`_workspace`), re-allocated only
+        when it is too small."""
         kept = getattr(self, slot)
         if kept is None or kept.dtype != dtype or kept.numel() < numel:
             kept = torch.empty(numel, dtype=dtype, device=self.device)

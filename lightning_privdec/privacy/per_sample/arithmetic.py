@@ -362,11 +362,12 @@ def _stacked_rows(materialised: dict[nn.Parameter, Tensor]) -> list[tuple[list[n
         rows = [materialised[p].flatten(1) for p in group]
         return group, rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
 
-    for params in groups.values():
+    for (_, device, _), params in groups.items():
+        limit = bookkeeping.stack_entries(device)
         group: list[nn.Parameter] = []
         entries = 0
         for p in params:
-            if group and entries + materialised[p].numel() > bookkeeping.stack_entries(materialised[p].device):
+            if group and entries + materialised[p].numel() > limit:
                 out.append(side_by_side(group))
                 group, entries = [], 0
             group.append(p)
