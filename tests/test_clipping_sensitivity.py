@@ -42,6 +42,35 @@ def test_the_attacks_exercise_every_norm_method() -> None:
     assert bookkeeping.norm_bounds([(model, x, torch.zeros_like(model(x)))])[0].rows is not None
 
 
+@pytest.mark.parametrize("attack", ["one_position_conv", "gram_conv_ghost", "gram_linear"])
+def test_clipping_called_inside_a_user_s_autocast_stays_within_c(attack: str) -> None:
+    """GhostClipping.backward (and the book-keeping arithmetic under it) called inside the user's bfloat16 autocast:
+    the bounds' matrix products still run in float32 (rounding.full_precision switches autocast off; before, the
+    one-position convolution's product ran in bfloat16 and the crafted example moved the sum by 1.0007 C)."""
+    from lightning_privdec.privacy import GhostClipping
+
+    model, (x, target), (warm_x, warm_target) = ATTACKS[attack][0]()
+    clipper = GhostClipping(model, 1.0)
+
+    def clipped_sum(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for p in model.parameters():
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+            clipper.backward((out * target.to(out.dtype)).flatten(1).sum(dim=1).float(), x.shape[0])
+        return torch.cat([p.grad.double().flatten() for p in model.parameters()])
+
+    try:
+        clipped_sum(warm_x, warm_target)
+        full = clipped_sum(x, target)
+        ratios = [float(torch.linalg.vector_norm(full - clipped_sum(x[keep], target[keep])))
+                  for keep in ([j for j in range(x.shape[0]) if j != i] for i in range(x.shape[0]))]
+    finally:
+        clipper.detach()
+    assert max(ratios) <= 1 + TOLERANCE, ratios
+    assert max(ratios) > 0.5, ratios
+
+
 def test_an_overflowing_example_stops_a_materialising_mode_rather_than_leaving_the_sum() -> None:
     """The overflow attacks' example in the modes that compute it in float32 ("hooks", "functorch": infinity, the
     attack is not theirs): the clipped sum is not finite, so the node stops at it; no example is left out

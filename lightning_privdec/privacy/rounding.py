@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import TypeVar
 
 import torch
@@ -53,19 +53,29 @@ def _precision_switches() -> tuple[tuple[object, str, object], ...]:
 @contextmanager
 def full_precision() -> Iterator[None]:
     """float32 matrix products and convolutions in float32 (no TF32 or bfloat16 inner products, whatever the user's
-    ``torch.set_float32_matmul_precision`` or TF32 settings say), so that the bounds hold; restored afterwards."""
+    ``torch.set_float32_matmul_precision`` or TF32 settings say), and autocast off (clipping called inside a user's
+    ``torch.autocast`` would otherwise run its matrix products in bfloat16 or float16), so that the bounds hold;
+    restored afterwards."""
     switches = _precision_switches()
     saved = [getattr(obj, name) for obj, name, _ in switches]
-    if all(value == full for value, (_, _, full) in zip(saved, switches)):
-        yield
-        return
-    try:
-        for obj, name, full in switches:
-            setattr(obj, name, full)
-        yield
-    finally:
-        for (obj, name, _), value in zip(switches, saved):
-            setattr(obj, name, value)
+    with ExitStack() as stack:
+        for device_type in _AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        if all(value == full for value, (_, _, full) in zip(saved, switches)):
+            yield
+            return
+        try:
+            for obj, name, full in switches:
+                setattr(obj, name, full)
+            yield
+        finally:
+            for (obj, name, _), value in zip(switches, saved):
+                setattr(obj, name, value)
+
+
+#: the device types whose autocast :func:`full_precision` switches off where it is on
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def sum_rounding(rows: int, dtype: torch.dtype) -> float:
