@@ -50,6 +50,8 @@ def _case(name: str) -> tuple[Tagger, bool, bool]:
         return Tagger(nn.GRU(4, 5, batch_first=True), encoded_state=True), True, False
     if name == "lstm_projection_state":
         return Tagger(nn.LSTM(4, 5, num_layers=2, proj_size=3, batch_first=True)), True, True
+    if name == "lstm_sequence_first_state_without_bias":  # the fused kernel (recurrent._fused_lstm) with a state
+        return Tagger(nn.LSTM(4, 5, num_layers=2, bias=False, bidirectional=True)), False, True
     if name == "rnn_relu_without_bias":
         return Tagger(nn.RNN(4, 5, num_layers=2, nonlinearity="relu", bias=False, batch_first=True)), True, False
     if name == "gru_frozen_input_weights":  # the data input (no grad) and W_ih frozen: only W_hh's product is trained
@@ -61,7 +63,8 @@ def _case(name: str) -> tuple[Tagger, bool, bool]:
 
 
 CASES = ["lstm_2_layers_bidirectional", "gru_sequence_first_bidirectional_state", "gru_encoded_state",
-         "lstm_projection_state", "rnn_relu_without_bias", "gru_frozen_input_weights"]  # fmt: skip
+         "lstm_projection_state", "lstm_sequence_first_state_without_bias", "rnn_relu_without_bias",
+         "gru_frozen_input_weights"]  # fmt: skip
 
 
 def _batch(model: Tagger, batch_first: bool, with_state: bool, steps: int = 7) -> tuple[Tensor, Tensor, object]:
@@ -226,3 +229,42 @@ def test_the_attack_on_recurrent_layers_holds_in_every_mode_and_precision() -> N
     results = sensitivity.run_attacks(("recurrent_lstm", "recurrent_gru"))
     assert {r.mode for r in results} == set(sensitivity.MODES)
     assert all(r.holds and r.ratio > 0.5 for r in results), results
+
+
+def test_an_overflowed_input_product_saturates_the_fused_lstm_as_the_stepped_cells_do() -> None:
+    """An input of 3e38 overflows the input product W_ih x + b_ih to +-inf: the fused kernel gets it clamped to the
+    largest float (the identity's 0 * inf would make every gate of the example NaN); the step stays finite with the
+    stepped cells' norms."""
+    from lightning_privdec.privacy.per_sample import recurrent
+
+    torch.manual_seed(0)
+    model = Tagger(nn.LSTM(4, 5, batch_first=True))
+    assert recurrent._fuses(model.rnn)
+    x, y = torch.randn(3, 4, 4), torch.tensor([0, 1, 2])
+    x[0, 1] = 3e38
+    norms = {}
+    for fused in (True, False):
+        psg = PerSampleGradients(model, mode="bookkeeping", batch_first=True)
+        original = recurrent.FUSED_HIDDEN_SIZE
+        recurrent.FUSED_HIDDEN_SIZE = original if fused else 0
+        try:
+            model.zero_grad()
+            out = model(x)
+            assert torch.isfinite(out).all()
+            F.cross_entropy(out, y).backward()
+            norms[fused] = psg.clip_and_sum(1.0)
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        finally:
+            recurrent.FUSED_HIDDEN_SIZE = original
+            psg.detach()
+    torch.testing.assert_close(norms[True], norms[False], rtol=1e-4, atol=0)
+
+
+def test_a_larger_lstm_keeps_the_stepped_cells() -> None:
+    """The fused kernel is chosen by the layer's shape alone: hidden size at most FUSED_HIDDEN_SIZE, no projection."""
+    from lightning_privdec.privacy.per_sample import recurrent
+
+    assert recurrent._fuses(nn.LSTM(4, recurrent.FUSED_HIDDEN_SIZE))
+    assert not recurrent._fuses(nn.LSTM(4, recurrent.FUSED_HIDDEN_SIZE + 1))
+    assert not recurrent._fuses(nn.LSTM(4, 8, proj_size=3))
+    assert not recurrent._fuses(nn.GRU(4, 8))

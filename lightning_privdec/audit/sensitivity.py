@@ -218,6 +218,24 @@ def _one_position_conv(magnitude: float, batch: int = 6) -> tuple[nn.Module, Bat
     return model, (x, target), (x[2:], target[2:])
 
 
+def _huge_example(depthwise: bool, magnitude: float = 1.3e19 / 1.01,
+                  batch: int = 3) -> tuple[nn.Module, Batch, Batch]:
+    """Example 0: inputs and output gradients of about ``magnitude`` (a gradient norm near 1e38, finite in float32),
+    clipped with C = 1e-4: its clip factor, about 1e-42, is no normal float32 (bookkeeping.HUGE_BOUND). An
+    nn.Linear, or a depthwise 3 x 3 convolution of 64 channels on 1 x 1 maps (one position, 64 groups)."""
+    gen = torch.Generator().manual_seed(0)
+    if depthwise:
+        model = nn.Conv2d(64, 64, 3, padding=1, groups=64, bias=False)
+        x, target = torch.randn(batch, 64, 1, 1, generator=gen), torch.randn(batch, 64, 1, 1, generator=gen)
+        x[0] = magnitude * torch.sign(torch.randn(64, 1, 1, generator=gen))
+        target[0] = magnitude
+    else:
+        model = nn.Linear(8, 8, bias=False)
+        x, target = torch.randn(batch, 8, generator=gen), torch.randn(batch, 8, generator=gen)
+        x[0], target[0] = magnitude / 3, magnitude / 3
+    return model, (x, target), (x[1:], target[1:])
+
+
 class _SharedParameters(nn.Module):
     """A class token concatenated to every example, a position embedding added to every example, and a
     relative-position bias table looked up with an index buffer as attention's additive mask: parameters used once
@@ -360,6 +378,8 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "overflow_conv_bias": (lambda: _overflowing_conv(bias=True), 1.0, ("32-true",)),
     "one_position_conv": (lambda: _one_position_conv(1e4), 1.0, PRECISIONS),
     "overflow_one_position_conv": (lambda: _one_position_conv(1e19), 1.0, ("32-true",)),
+    "huge_example_small_clip": (lambda: _huge_example(depthwise=False), 1e-4, ("32-true",)),
+    "huge_example_small_clip_depthwise": (lambda: _huge_example(depthwise=True), 1e-4, ("32-true",)),
     "shared_parameters": (_shared_parameters, 1.0, PRECISIONS),
     "attention_self": (lambda: _cancelling_attention(cross=False), 1.0, PRECISIONS),
     "attention_cross": (lambda: _cancelling_attention(cross=True), 1.0, PRECISIONS),

@@ -167,9 +167,16 @@ def norm_bound(
         # an example whose output gradients are all exactly 0 adds exactly 0 (its finite inputs times 0; a non-finite
         # input makes its bound non-finite): its gradient is known exactly, though its bound is all rounding floors
         zero = _all_zero(g)
-        exact = ((isolate if loose is None else loose | isolate) & ~zero) | ~torch.isfinite(upper)
+        # a bound past HUGE_BOUND gives a clip factor below float32's normal range (C / 2^100 < 2^-126 for C < 2^-26):
+        # cast to float32 for the weight-gradient product it would lose its relative precision, so computed apart
+        exact = ((isolate if loose is None else loose | isolate) & ~zero) | ~(upper <= HUGE_BOUND)
     bound = NormBound(upper, exact, rows=kept)
     return bound if defer_exact else compute_exact(module, a, g, bound)
+
+
+#: per-example bounds above this (and non-finite ones) are computed apart in float64 (:func:`norm_bound`): the clip
+#: factor C / n of a larger n is no normal float32 for C < 2^-26, and the product's factor would lose its precision
+HUGE_BOUND = 2.0**100
 
 
 def _all_zero(g: Tensor) -> Tensor:

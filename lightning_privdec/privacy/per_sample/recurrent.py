@@ -17,8 +17,8 @@ recording) the layer's own forward is replaced by an unrolled computation with t
   GRU's new gate ``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))`` gets the hidden product's own gradient ``r * g``;
 * with ``proj_size`` the projection ``h_t = W_hr m_t`` likewise, one record over the steps.
 
-On the host an nn.LSTM layer and direction without projection runs the steps in torch's fused kernel instead of
-Python (:func:`_fused_lstm`): the kernel gets ``W_ih x + b_ih`` as its input, with the identity as its input weight,
+On the host an nn.LSTM of hidden size at most :data:`FUSED_HIDDEN_SIZE` without projection runs each layer's and
+direction's steps in torch's fused kernel instead of Python (:func:`_fused_lstm`): the kernel gets ``W_ih x + b_ih`` as its input, with the identity as its input weight,
 so the gradient reaching the product is the gates' and the previous hidden states are its outputs shifted by one
 step: the same records.
 
@@ -27,7 +27,7 @@ per-example norms with their floating-point upper bounds) in every mode. Each pa
 book-keeping never materialises them. Gate arithmetic is PyTorch's documented cell (the module's output to
 rounding); dropout between layers draws its own mask, as a second forward of the module would.
 
-Always unrolled (the fused LSTM kernel for every LSTM call on the host), never chosen per call: replaying was measured faster only for an nn.LSTM on a batch of one or
+Always unrolled (in the fused kernel for the small LSTMs above, by their shape alone), never chosen per call: replaying was measured faster only for an nn.LSTM on a batch of one or
 two examples at hidden size 32 (oneDNN's fused kernel, run B + 1 times, against T Python steps; benchmarks/
 RESULTS.md, 2026-11-27), and a choice by batch size or sequence length would compute the other examples' gradients
 with different arithmetic in a batch and in the same batch less one example (their rounding then moves the
@@ -157,7 +157,7 @@ def _direction(
     recorder.record_projection(f"{prefix}weight_ih{suffix}", linear_holding(w_ih, b_ih), x, ih, unit=module)
     hidden = _maybe_detached((w_hh, b_hh), skip)
     gru = module.mode == "GRU"
-    if module.mode == "LSTM" and w_hr is None and ih.device.type == "cpu" and x.shape[0] and x.shape[1]:
+    if _fuses(module) and ih.device.type == "cpu" and x.shape[0] and x.shape[1]:
         out, h, c, previous_seq = _fused_lstm(ih, hidden, h, c, reverse, module.training)
         recorder.record_projection(f"{prefix}weight_hh{suffix}", linear_holding(w_hh, b_hh), previous_seq, ih,
                                    unit=module)
@@ -189,6 +189,19 @@ def _direction(
     return torch.stack(outputs, dim=1), h, c
 
 
+#: the largest hidden size whose nn.LSTM steps run in the fused kernel on the host (:func:`_fused_lstm`): the
+#: identity's product costs 16 H^2 multiply-adds per example and step, against the stepped cells' fixed cost per
+#: step. Measured (one thread, batch 16, 16 steps, 64 inputs, whole private step): H = 16 4.2 -> 2.8 ms, 32 4.0 ->
+#: 3.1, 64 4.6 -> 4.4, 96 5.2 -> 6.6, 128 6.1 -> 12.1 ms; a layer's shape alone decides (module docstring)
+FUSED_HIDDEN_SIZE = 32
+
+
+def _fuses(module: nn.RNNBase) -> bool:
+    """Whether ``module``'s layers run in :func:`_fused_lstm` on the host: an nn.LSTM without projection whose
+    hidden size is at most :data:`FUSED_HIDDEN_SIZE` (its shape only, never the batch's)."""
+    return module.mode == "LSTM" and not module.proj_size and module.hidden_size <= FUSED_HIDDEN_SIZE
+
+
 def _fused_lstm(
     ih: Tensor, hidden: tuple, h: Tensor, c: Tensor, reverse: bool, training: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -198,14 +211,18 @@ def _fused_lstm(
     need; the hidden product is the kernel's, with ``hidden`` = (W_hh, b_hh). Returns (outputs (B, T, H), last h,
     last c, the previous hidden states h_{t-1} (B, T, H), detached). 0.8 ms against 1.7 ms for the Python-stepped
     cells (hidden size 32, 16 steps, batch 16, forward and backward). In the parameters' precision, outside
-    autocast. nn.GRU and nn.RNN keep the stepped cells: torch's host kernels for them step in C++ through the same
-    operations, plus the identity's product, and were measured slower (GRU's reset gates would also have to be
-    recomputed for its records)."""
+    autocast. An input product that overflowed to +-inf is clamped to the largest finite value first: the identity's
+    0 * inf would make every gate of that example NaN, where the stepped cells saturate (and the gradient through
+    the clamp is 0 there, as the saturated gates' is). nn.GRU and nn.RNN keep the stepped cells: torch's host kernels
+    for them step in C++ through the same operations, plus the identity's product, and were measured slower (GRU's
+    reset gates would also have to be recomputed for its records)."""
     w_hh, b_hh = hidden
-    dtype, gates = w_hh.dtype, ih.shape[-1]
-    eye = torch.eye(gates, dtype=dtype)
-    weights = [eye, w_hh] if b_hh is None else [eye, w_hh, torch.zeros(gates, dtype=dtype), b_hh]
-    sequence = (ih.flip(1) if reverse else ih).to(dtype)  # the steps in the order they are taken
+    dtype, gates, device = w_hh.dtype, ih.shape[-1], ih.device
+    eye = torch.eye(gates, dtype=dtype, device=device)
+    zeros = torch.zeros(gates, dtype=dtype, device=device)
+    weights = [eye, w_hh] if b_hh is None else [eye, w_hh, zeros, b_hh]
+    largest = torch.finfo(dtype).max
+    sequence = (ih.flip(1) if reverse else ih).to(dtype).clamp(-largest, largest)  # the steps in the order taken
     with torch.autocast("cpu", enabled=False):
         out, h_n, c_n = torch._VF.lstm(sequence, (h.unsqueeze(0).to(dtype), c.unsqueeze(0).to(dtype)), weights,
                                        b_hh is not None, 1, 0.0, training, False, True)  # fmt: skip
