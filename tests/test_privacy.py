@@ -257,6 +257,7 @@ def test_private_strategy_fit_in_one_process_with_empty_poisson_batches() -> Non
         (dict(noise_multiplier=-0.5), "noise_multiplier must be a number >= 0, got -0.5"),
         (dict(noise_multiplier=1.0, max_grad_norm=0.0), "max_grad_norm must be a positive number, got 0.0"),
         (dict(noise_multiplier=1.0, max_grad_norm=-1.0), "max_grad_norm must be a positive number, got -1.0"),
+        (dict(noise_multiplier=1.0, max_grad_norm=1e-9), "max_grad_norm=1e-09 is below 2^-26 (1.5e-8)"),
         (
             dict(noise_multiplier=1.0, accountant="moments"),
             "unknown accountant 'moments'; choose one of 'rdp', 'prv'",

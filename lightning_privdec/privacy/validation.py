@@ -71,11 +71,22 @@ def check_noise_multiplier(noise_multiplier: Any) -> float:
     return float(noise_multiplier)
 
 
+#: the smallest clip bound C accepted: C / 2^100 (per_sample.bookkeeping.HUGE_BOUND) is then still a normal float32
+#: clip factor (docs/privacy.md, "The batch's sum")
+MIN_MAX_GRAD_NORM = 2.0**-26
+
+
 def check_max_grad_norm(max_grad_norm: Any) -> float:
     if not is_finite_number(max_grad_norm) or max_grad_norm <= 0:
         raise PrivacyConfigError(
             f"max_grad_norm must be a positive number, got {max_grad_norm!r}; it is the per-sample clipping bound C "
             "(DP-CSGP uses 1.5 for ResNet-18/CIFAR-10, 0.5 for an MLP on MNIST)"
+        )
+    if max_grad_norm < MIN_MAX_GRAD_NORM:
+        raise PrivacyConfigError(
+            f"max_grad_norm={max_grad_norm!r} is below 2^-26 (1.5e-8), the smallest clipping bound C whose clip "
+            "factors stay normal float32 numbers; scale the loss instead (C and the gradients scale together: "
+            "DP-CSGP uses 1.5 for ResNet-18/CIFAR-10, 0.5 for an MLP on MNIST)"
         )
     return float(max_grad_norm)
 

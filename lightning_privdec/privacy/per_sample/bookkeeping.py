@@ -50,6 +50,7 @@ from lightning_privdec.privacy.per_sample.bookkeeping_conv import (  # one chunk
 )
 from lightning_privdec.privacy.per_sample.gram import (
     _bias_bound,
+    _huge_inputs,
     _gram_error,
     _gram_inner_products,
     _plus,
@@ -177,8 +178,6 @@ def norm_bound(
 #: per-example bounds above this (and non-finite ones) are computed apart in float64 (:func:`norm_bound`): the clip
 #: factor C / n of a larger n is no normal float32 for C < 2^-26, and the product's factor would lose its precision
 HUGE_BOUND = 2.0**100
-
-
 def _all_zero(g: Tensor) -> Tensor:
     """Per example, whether every entry of ``g`` is exactly 0 (a NaN is not; an example without entries is): the
     largest magnitude, one pass and a reduction (a comparison of every entry, then ``any``, took 3x as long)."""
@@ -450,18 +449,19 @@ def _linear_estimates(
         gn = norm_upper_bound(g, dim=-1)  # (B, T)
         an = norm_upper_bound(a, dim=-1) if module.weight.requires_grad else None
     if module.weight.requires_grad:
+        loose = _huge_inputs(an)
         weight_mass = (gn * an).sum(dim=1)
         if steps == 1:  # ||g|| ||a||, in float64
             squared = (weight_mass * (1 + gamma(d_out + p + 4, _U64))).square()
         elif ghost:  # the floors of gn and an cover the Gram entries' underflow (:func:`_root_upper`)
             error = weight_mass.square().mul_(eps).add_(steps * steps * tiny)
             squared = torch.minimum(estimate.clamp_min(0) + error, weight_mass.square() * (1 + 1e-9))
-            loose = ~(error <= 0.1 * estimate)  # also when the estimate is not finite
+            loose = loose | ~(error <= 0.1 * estimate)  # also when the estimate is not finite
         else:
             norms = _per_example_weight_norms(g, a)
             error = gamma(steps, u) * weight_mass + steps * tiny * math.sqrt(d_out * p)
             squared = (norms + error).square()
-            loose = ~(error <= 0.05 * norms)
+            loose = loose | ~(error <= 0.05 * norms)
         mass = weight_mass
     if module.bias is not None and module.bias.requires_grad:
         if steps == 1:  # the bias gradient is g itself, one term: gn bounds its norm, with no sum to round

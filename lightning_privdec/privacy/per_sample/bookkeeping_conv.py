@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from lightning_privdec.privacy.per_sample.gram import (
     _bias_bound,
+    _huge_inputs,
     _gram_error,
     _gram_inner_products,
     _plus,
@@ -197,19 +198,20 @@ def _conv_estimates(
             gn = norm_upper_bound(g.reshape(batch, groups, d_out, steps), dim=2)
             un = _patch_norms(module, a, g.shape[2:])
         group_mass = (gn * un).sum(dim=2)  # (B, groups)
+        loose = _huge_inputs(un)
         if steps == 1:
             squared = group_mass.square().sum(dim=1) * (1 + gamma(d_out + p + 4, _U64))
         elif method in ("ghost", "input_gram"):  # the floors of gn and un cover the Gram entries' underflow
             error = group_mass.square().mul_(eps).add_(steps * steps * tiny)
             squared = torch.minimum(estimate.clamp_min(0) + error, group_mass.square() * (1 + 1e-9)).sum(dim=1)
-            loose = ~(error.sum(dim=1) <= 0.1 * estimate.sum(dim=1))
+            loose = loose | ~(error.sum(dim=1) <= 0.1 * estimate.sum(dim=1))
         else:
             norms, kept = _per_example_weight_norms(module, a, g, keep)
             error = gamma(steps + p, u) * group_mass.sum(dim=1) + steps * tiny * math.sqrt(module.weight.numel())
             # kept rows: summed as they are, by weighted_row_sum (blocks of SUM_BLOCK examples)
             rounding = 1.0 if kept is None else 1 + sum_rounding(SUM_BLOCK, g.dtype)
             squared = ((norms + error) * rounding).square()
-            loose = ~(error <= 0.05 * norms)
+            loose = loose | ~(error <= 0.05 * norms)
         mass = group_mass.sum(dim=1)
     if module.bias is not None and module.bias.requires_grad:
         token_norms = norm_upper_bound(g.reshape(batch, -1, steps), dim=1)  # whole output vectors per position

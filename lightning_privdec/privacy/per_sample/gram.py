@@ -81,3 +81,18 @@ def _root_upper(squares: Tensor, terms: int, dtype: torch.dtype, eps: float) -> 
     T^2 d_out p tiny), which honest values never come near."""
     floor = terms * _tiny(dtype) * (1 + 3 / eps)
     return squares.double().mul_(1 + gamma(terms + 2, unit_roundoff(dtype))).add_(floor).sqrt_()
+
+
+#: an example one of whose layer inputs (patches) has a norm above this is computed apart in float64 too: its output
+#: gradient times a small clip factor may fall below float32's normal range, where it is rounded by up to 2^-150
+#: absolutely, which times such an input is no longer negligible (below it: at most 2^-86 sqrt(d_out) T, absolute)
+HUGE_INPUT = 2.0**64
+
+
+def _huge_inputs(norms: Tensor) -> Tensor:
+    """Per example, whether any of its per-token (per-position, per-group) input norm bounds exceeds
+    :data:`HUGE_INPUT` (or is not finite): ``norms`` (B, ...)."""
+    rows = norms.flatten(1)
+    if rows.shape[1] == 0:  # no token (an empty sequence): no input
+        return torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    return ~(rows.amax(dim=1) <= HUGE_INPUT)
