@@ -71,6 +71,25 @@ def test_clipping_called_inside_a_user_s_autocast_stays_within_c(attack: str) ->
     assert max(ratios) > 0.5, ratios
 
 
+def test_the_huge_example_attacks_fail_without_their_guards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each guard against float32's subnormal range is needed by its attack: without gram.HUGE_INPUT (an input of
+    1.42e37 under output gradients of 1e-20) and without clip_factor's flush of factors below float32's normal range
+    (examples of norm 1e38 under C = 1e-4), book-keeping's sum moves by more than C."""
+    from lightning_privdec.privacy import dp_step
+    from lightning_privdec.privacy.per_sample import arithmetic, gram
+
+    monkeypatch.setattr(gram, "HUGE_INPUT", float("inf"))
+    assert max(r.ratio for r in run_attacks(("huge_input_small_clip",), modes=("bookkeeping",))) > 1 + TOLERANCE
+    monkeypatch.undo()
+
+    def unflushed(norms: Tensor, max_grad_norm: float) -> Tensor:
+        return (max_grad_norm / (norms.double() * (1 + dp_step.CLIP_MARGIN) + 1e-6)).clamp(max=1.0)
+
+    monkeypatch.setattr(arithmetic, "clip_factor", unflushed)
+    results = run_attacks(("huge_example_small_clip", "huge_example_small_clip_depthwise"), modes=("bookkeeping",))
+    assert all(r.ratio > 1 + TOLERANCE for r in results), results
+
+
 def test_an_overflowing_example_stops_a_materialising_mode_rather_than_leaving_the_sum() -> None:
     """The overflow attacks' example in the modes that compute it in float32 ("hooks", "functorch": infinity, the
     attack is not theirs): the clipped sum is not finite, so the node stops at it; no example is left out

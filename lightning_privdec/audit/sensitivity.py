@@ -221,7 +221,7 @@ def _one_position_conv(magnitude: float, batch: int = 6) -> tuple[nn.Module, Bat
 def _huge_example(depthwise: bool, magnitude: float = 1.3e19 / 1.01,
                   batch: int = 3) -> tuple[nn.Module, Batch, Batch]:
     """Example 0: inputs and output gradients of about ``magnitude`` (a gradient norm near 1e38, finite in float32),
-    clipped with C = 1e-4: its clip factor, about 1e-42, is no normal float32 (bookkeeping.HUGE_BOUND). An
+    clipped with C = 1e-4: its clip factor, about 1e-42, is no normal float32 (dp_step.clip_factor makes it 0). An
     nn.Linear, or a depthwise 3 x 3 convolution of 64 channels on 1 x 1 maps (one position, 64 groups)."""
     gen = torch.Generator().manual_seed(0)
     if depthwise:
@@ -233,6 +233,17 @@ def _huge_example(depthwise: bool, magnitude: float = 1.3e19 / 1.01,
         model = nn.Linear(8, 8, bias=False)
         x, target = torch.randn(batch, 8, generator=gen), torch.randn(batch, 8, generator=gen)
         x[0], target[0] = magnitude / 3, magnitude / 3
+    return model, (x, target), (x[1:], target[1:])
+
+
+def _huge_input(batch: int = 3) -> tuple[nn.Module, Batch, Batch]:
+    """Example 0: an input of 1.42e37 into an nn.Linear from 1 to 8 features, under output gradients of about 1e-20,
+    clipped with C = 1e-4: its output gradients times its clip factor fall below float32's normal range, where they
+    are rounded absolutely, and the input multiplies that rounding (per_sample.gram.HUGE_INPUT)."""
+    gen = torch.Generator().manual_seed(6)
+    model = nn.Linear(1, 8, bias=False)
+    x, target = torch.randn(batch, 1, generator=gen), torch.randn(batch, 8, generator=gen)
+    x[0], target[0] = 1.42e37, target[0] * 1e-20
     return model, (x, target), (x[1:], target[1:])
 
 
@@ -380,6 +391,7 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "overflow_one_position_conv": (lambda: _one_position_conv(1e19), 1.0, ("32-true",)),
     "huge_example_small_clip": (lambda: _huge_example(depthwise=False), 1e-4, ("32-true",)),
     "huge_example_small_clip_depthwise": (lambda: _huge_example(depthwise=True), 1e-4, ("32-true",)),
+    "huge_input_small_clip": (_huge_input, 1e-4, ("32-true",)),
     "shared_parameters": (_shared_parameters, 1.0, PRECISIONS),
     "attention_self": (lambda: _cancelling_attention(cross=False), 1.0, PRECISIONS),
     "attention_cross": (lambda: _cancelling_attention(cross=True), 1.0, PRECISIONS),

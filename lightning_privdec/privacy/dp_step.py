@@ -68,12 +68,20 @@ def _norm_stats(norms: Tensor, max_grad_norm: float, device: torch.device) -> tu
 CLIP_MARGIN = 2.0**-20
 
 
+#: clip factors below float32's smallest normal number are 0 (:func:`clip_factor`)
+_FLOAT32_NORMAL = torch.finfo(torch.float32).tiny
+
+
 @torch.no_grad()
 def clip_factor(norms: Tensor, max_grad_norm: float) -> Tensor:
     """min(1, C / (||g|| (1 + 2^-20) + 1e-6)) per norm, in float64: the scale that clips each gradient to C
-    (Opacus's flat clipping), with a margin for the rounding of applying it in float32 (:data:`CLIP_MARGIN`)."""
+    (Opacus's flat clipping), with a margin for the rounding of applying it in float32 (:data:`CLIP_MARGIN`). A factor
+    below float32's normal range (a gradient of norm above C 2^126, near float32's largest values) is 0: the example
+    adds nothing. Cast to float32 it would keep only a few of its digits (a CPU flushes it to 0, a GPU may not): a
+    crafted example of norm 1e38 under C = 1e-4 moved a sum by 1.004 C."""
     norms = norms.to(torch.float64)
-    return (max_grad_norm / (norms * (1 + CLIP_MARGIN) + 1e-6)).clamp(max=1.0)
+    factor = (max_grad_norm / (norms * (1 + CLIP_MARGIN) + 1e-6)).clamp(max=1.0)
+    return factor.masked_fill(factor < _FLOAT32_NORMAL, 0.0)
 
 
 def clip_rows_(rows: Tensor, max_norm: float) -> Tensor:

@@ -71,8 +71,9 @@ def check_noise_multiplier(noise_multiplier: Any) -> float:
     return float(noise_multiplier)
 
 
-#: the smallest clip bound C accepted: C / 2^100 (per_sample.bookkeeping.HUGE_BOUND) is then still a normal float32
-#: clip factor (docs/privacy.md, "The batch's sum")
+#: the smallest clip bound C accepted: the absolute rounding of weighted output gradients below float32's normal range
+#: (at most 2^-86 sqrt(d_out) T, per_sample.gram.HUGE_INPUT) then stays below 2^-60 sqrt(d_out) T of C (docs/privacy.md,
+#: "The batch's sum")
 MIN_MAX_GRAD_NORM = 2.0**-26
 
 
@@ -84,8 +85,8 @@ def check_max_grad_norm(max_grad_norm: Any) -> float:
         )
     if max_grad_norm < MIN_MAX_GRAD_NORM:
         raise PrivacyConfigError(
-            f"max_grad_norm={max_grad_norm!r} is below 2^-26 (1.5e-8), the smallest clipping bound C whose clip "
-            "factors stay normal float32 numbers; scale the loss instead (C and the gradients scale together: "
+            f"max_grad_norm={max_grad_norm!r} is below 2^-26 (1.5e-8), the smallest clipping bound C whose "
+            "float32 rounding the clipping bounds cover; scale the loss instead (C and the gradients scale together: "
             "DP-CSGP uses 1.5 for ResNet-18/CIFAR-10, 0.5 for an MLP on MNIST)"
         )
     return float(max_grad_norm)

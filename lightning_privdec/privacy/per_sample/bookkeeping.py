@@ -50,9 +50,9 @@ from lightning_privdec.privacy.per_sample.bookkeeping_conv import (  # one chunk
 )
 from lightning_privdec.privacy.per_sample.gram import (
     _bias_bound,
-    _huge_inputs,
     _gram_error,
     _gram_inner_products,
+    _huge_inputs,
     _plus,
     _root_upper,
     block_examples,
@@ -168,16 +168,11 @@ def norm_bound(
         # an example whose output gradients are all exactly 0 adds exactly 0 (its finite inputs times 0; a non-finite
         # input makes its bound non-finite): its gradient is known exactly, though its bound is all rounding floors
         zero = _all_zero(g)
-        # a bound past HUGE_BOUND gives a clip factor below float32's normal range (C / 2^100 < 2^-126 for C < 2^-26):
-        # cast to float32 for the weight-gradient product it would lose its relative precision, so computed apart
-        exact = ((isolate if loose is None else loose | isolate) & ~zero) | ~(upper <= HUGE_BOUND)
+        exact = ((isolate if loose is None else loose | isolate) & ~zero) | ~torch.isfinite(upper)
     bound = NormBound(upper, exact, rows=kept)
     return bound if defer_exact else compute_exact(module, a, g, bound)
 
 
-#: per-example bounds above this (and non-finite ones) are computed apart in float64 (:func:`norm_bound`): the clip
-#: factor C / n of a larger n is no normal float32 for C < 2^-26, and the product's factor would lose its precision
-HUGE_BOUND = 2.0**100
 def _all_zero(g: Tensor) -> Tensor:
     """Per example, whether every entry of ``g`` is exactly 0 (a NaN is not; an example without entries is): the
     largest magnitude, one pass and a reduction (a comparison of every entry, then ``any``, took 3x as long)."""

@@ -11,14 +11,13 @@ from torch import Tensor, nn
 
 from lightning_privdec.privacy.per_sample.gram import (
     _bias_bound,
-    _huge_inputs,
     _gram_error,
     _gram_inner_products,
+    _huge_inputs,
     _plus,
     _root_upper,
     block_examples,
 )
-from lightning_privdec.privacy.rounding import U64 as _U64
 from lightning_privdec.privacy.rounding import (
     SUM_BLOCK,
     full_precision,
@@ -27,6 +26,7 @@ from lightning_privdec.privacy.rounding import (
     sum_rounding,
     unit_roundoff,
 )
+from lightning_privdec.privacy.rounding import U64 as _U64
 from lightning_privdec.privacy.rounding import tiny as _tiny
 
 
