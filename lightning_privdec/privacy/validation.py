@@ -72,8 +72,8 @@ def check_noise_multiplier(noise_multiplier: Any) -> float:
 
 
 #: the smallest clip bound C accepted: the absolute rounding of weighted output gradients below float32's normal range
-#: (at most 2^-86 sqrt(d_out) T, per_sample.gram.HUGE_INPUT) then stays below 2^-60 sqrt(d_out) T of C (docs/privacy.md,
-#: "The batch's sum")
+#: (at most 2^-62 sqrt(d_out) T, per_sample.gram.HUGE_INPUT) then stays below 2^-36 sqrt(d_out) T of C
+#: (docs/privacy.md, "The batch's sum")
 MIN_MAX_GRAD_NORM = 2.0**-26
 
 

@@ -83,9 +83,10 @@ def _root_upper(squares: Tensor, terms: int, dtype: torch.dtype, eps: float) -> 
     return squares.double().mul_(1 + gamma(terms + 2, unit_roundoff(dtype))).add_(floor).sqrt_()
 
 
-#: an example one of whose layer inputs (patches) has a norm above this is computed apart in float64 too: its output
-#: gradient times a small clip factor may fall below float32's normal range, where it is rounded by up to 2^-150
-#: absolutely, which times such an input is no longer negligible (below it: at most 2^-86 sqrt(d_out) T, absolute)
+#: an example one of whose layer inputs (patches) has a norm above this is computed apart in float64 (bookkeeping's
+#: ``exact``): its output gradient times a small clip factor may fall below float32's normal range, where it is rounded
+#: by up to 2^-126 absolutely (a CPU flushes it; 2^-150 otherwise), which times such an input is no longer negligible
+#: (below it: at most 2^-62 sqrt(d_out) T, absolutely)
 HUGE_INPUT = 2.0**64
 
 

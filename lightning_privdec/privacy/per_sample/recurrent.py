@@ -18,20 +18,20 @@ recording) the layer's own forward is replaced by an unrolled computation with t
 * with ``proj_size`` the projection ``h_t = W_hr m_t`` likewise, one record over the steps.
 
 On the host an nn.LSTM of hidden size at most :data:`FUSED_HIDDEN_SIZE` without projection runs each layer's and
-direction's steps in torch's fused kernel instead of Python (:func:`_fused_lstm`): the kernel gets ``W_ih x + b_ih`` as its input, with the identity as its input weight,
-so the gradient reaching the product is the gates' and the previous hidden states are its outputs shifted by one
-step: the same records.
+direction's steps in torch's fused kernel instead of Python (:func:`_fused_lstm`): the kernel gets ``W_ih x + b_ih``
+as its input, with the identity as its input weight, so the gradient reaching the product is the gates' and the
+previous hidden states are its outputs shifted by one step: the same records.
 
 The per-example gradients, norms and clipped sums are then those of nn.Linear (:mod:`.bookkeeping`: Gram-matrix or
 per-example norms with their floating-point upper bounds) in every mode. Each parameter is one record's, so
 book-keeping never materialises them. Gate arithmetic is PyTorch's documented cell (the module's output to
 rounding); dropout between layers draws its own mask, as a second forward of the module would.
 
-Always unrolled (in the fused kernel for the small LSTMs above, by their shape alone), never chosen per call: replaying was measured faster only for an nn.LSTM on a batch of one or
-two examples at hidden size 32 (oneDNN's fused kernel, run B + 1 times, against T Python steps; benchmarks/
-RESULTS.md, 2026-11-27), and a choice by batch size or sequence length would compute the other examples' gradients
-with different arithmetic in a batch and in the same batch less one example (their rounding then moves the
-clipped sum, which no per-example bound covers).
+Always unrolled (in the fused kernel for the small LSTMs above, by their shape alone), never chosen per call:
+replaying was measured faster only for an nn.LSTM on a batch of one or two examples at hidden size 32 (oneDNN's
+fused kernel, run B + 1 times, against T Python steps; benchmarks/RESULTS.md, 2026-11-27), and a choice by batch
+size or sequence length would compute the other examples' gradients with different arithmetic in a batch and in the
+same batch less one example (their rounding then moves the clipped sum, which no per-example bound covers).
 
 Covered: every layer count, ``batch_first`` or not, bidirectional, ``bias=False``, ``proj_size``, dropout between
 layers, a given initial state (one carried over from an earlier step is refused by :mod:`.capture`). Left on replay
