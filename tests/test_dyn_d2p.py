@@ -443,3 +443,11 @@ def test_cli_json(capsys):
     # the console script itself is launched once, in tests/test_cli.py
     assert main([*BASE, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["variant"] == "dyn"
+
+
+def test_a_clip_schedule_that_falls_below_the_smallest_clip_bound_is_refused_before_training() -> None:
+    """C_K = C_0 / rho_c (P2) must stay at or above the smallest clip bound the clipping accepts (2^-26): refused when
+    the strategy is built, with what to change; the default schedule from a usual C_0 is accepted."""
+    with pytest.raises(PrivacyConfigError, match=r"max_grad_norm / rho_c = 1e-09, below 2\^-26 .* lower rho_c"):
+        DynD2PStrategy(max_grad_norm=1e-7, rho_c=100.0, target_epsilon=1.0, target_delta=1e-5)
+    DynD2PStrategy(max_grad_norm=1.0, rho_c=100.0, target_epsilon=1.0, target_delta=1e-5)

@@ -59,7 +59,7 @@ from lightning_privdec.privacy.config import PrivacyParameters
 from lightning_privdec.privacy.dp_step import DPStepStats
 from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.local_dp import GaussianMechanism
-from lightning_privdec.privacy.validation import check_factor
+from lightning_privdec.privacy.validation import MIN_MAX_GRAD_NORM, check_factor
 
 __all__ = ["CALIBRATIONS", "VARIANTS", "DynD2PNode", "DynD2POptions", "DynD2PSchedule", "calibrate_schedule"]
 
@@ -94,6 +94,17 @@ class DynD2POptions:
                 "the budget (e.g. target_epsilon=1.0, target_delta=1e-5)"
             )
         check_rigorous_accountant(parameters.accountant)
+
+    def check_clip_schedule(self, max_grad_norm: float) -> None:
+        """The schedule's last clip bound C_0 / rho_c (P2) must be one the clipping accepts
+        (:data:`~lightning_privdec.privacy.validation.MIN_MAX_GRAD_NORM`), checked before training."""
+        last = max_grad_norm / self.rho_c
+        if last < MIN_MAX_GRAD_NORM:
+            raise PrivacyConfigError(
+                f"Dyn-D2P's clip bound falls from max_grad_norm={max_grad_norm!r} to max_grad_norm / rho_c = {last:.3g}, "
+                "below 2^-26 (1.5e-8), the smallest clipping bound whose float32 rounding the clipping bounds cover: "
+                "raise max_grad_norm or lower rho_c"
+            )
 
 
 class DynD2PNode(PrivateNodeAlgorithm):

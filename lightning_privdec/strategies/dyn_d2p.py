@@ -72,7 +72,9 @@ class DynD2PStrategy(PrivateDecentralizedStrategy):
         checked once, here."""
         parameters = PrivacyParameters(**arguments)
         DynD2POptions.check_parameters(parameters)
-        return parameters.validate()
+        parameters = parameters.validate()
+        self.options.check_clip_schedule(parameters.max_grad_norm)
+        return parameters
 
     @property
     def calibration(self) -> str:
