@@ -3,6 +3,8 @@ of the compressors against their reference implementations."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -405,3 +407,13 @@ def test_ghost_losses_under_a_float16_grad_scaler_overflow_no_sooner_than_a_mean
     assert dropped == 0
     assert float((got - want).norm() / want.norm()) < 1e-2
     assert clipped_sum("16-mixed", factor=False)[1] == 16  # without the factor every example overflows
+
+
+@pytest.mark.parametrize(("clip", "message"), [(0.0, "must be a positive number"), (1e-9, "is below 2^-26")])
+def test_ghost_clipping_refuses_a_clip_bound_the_clipping_does_not_cover(clip: float, message: str) -> None:
+    """GhostClipping(model, C) checks C as the strategies do (privacy.validation.check_max_grad_norm)."""
+    from lightning_privdec.privacy import GhostClipping
+    from lightning_privdec.privacy.errors import PrivacyConfigError
+
+    with pytest.raises(PrivacyConfigError, match=re.escape(message)):
+        GhostClipping(nn.Linear(2, 2), clip)

@@ -35,6 +35,7 @@ from lightning_privdec.privacy.per_sample.arithmetic import (
 from lightning_privdec.privacy.per_sample.capture import Recorder, layer_units
 from lightning_privdec.privacy.per_sample.checks import check_private_model
 from lightning_privdec.privacy.per_sample.probe import check_examples
+from lightning_privdec.privacy.validation import check_max_grad_norm
 
 __all__ = ["DEFAULT_GRAD_SAMPLE_MODE", "GRAD_SAMPLE_MODES", "GhostClipping", "GradSampleMode", "PerSampleGradients",
            "mean_loss_multiplier"]  # fmt: skip
@@ -338,7 +339,7 @@ class GhostClipping:
 
     def __init__(self, module: nn.Module, max_grad_norm: float) -> None:
         self.module = module
-        self.max_grad_norm = float(max_grad_norm)
+        self.max_grad_norm = check_max_grad_norm(max_grad_norm)  # a positive C of at least 2^-26, or a clear error
         self._per_sample = PerSampleGradients(
             module, mode="bookkeeping", loss_reduction="sum", allow_grad_accumulation=True, _report_as="ghost"
         )
