@@ -34,7 +34,8 @@ def _conv_weight_grad(
     module: nn.Module, g: Tensor, a: Tensor, examples: int = 1, out: Tensor | None = None
 ) -> Tensor:
     """The weight gradient of ``module``'s convolution for input ``a`` and output gradient ``g`` (summed over the
-    batch), by the same kernel autograd uses. Kernel taps that read only zero padding at every output position
+    batch), by the same kernel autograd uses, or where the output has one position by one matrix product per group
+    (:func:`_one_position_weight_grad`: the same terms). Kernel taps that read only zero padding at every output position
     (a 3x3 kernel on a 1x1 map keeps only its centre) get gradient 0 without being computed: the live taps' gradient
     is that of a cropped kernel on the explicitly padded input. ``examples`` > 1: ``a`` and ``g`` hold that many
     examples' channels one after the other in one batch row, and the result is their ``examples`` weight gradients
@@ -60,14 +61,19 @@ def _conv_weight_grad(
         before = pad - first * dilation  # negative: crop
         after = (out_size - 1) * stride + (last - first) * dilation + 1 - size - before
         pads = [before, after, *pads]  # F.pad lists the last dimension first
-    window = (..., *[slice(first, last + 1) for first, last in live])
     cropped_shape = (*shape[:2], *[last - first + 1 for first, last in live])
     cropped = torch.ops.aten.convolution_backward(
         g, nn.functional.pad(a, pads), _weight_shaped(weight, cropped_shape, g.dtype), None, list(module.stride),
         [0] * dims, list(module.dilation), False, [0] * dims, module.groups * examples, [False, True, False],
     )[1]
-    full = torch.zeros(shape, dtype=cropped.dtype, device=cropped.device) if out is None else out.zero_()
-    full[window] = cropped
+    return _with_dead_taps(cropped, live, shape, out)
+
+
+def _with_dead_taps(grads: Tensor, live: list[tuple[int, int]], shape: tuple[int, ...], out: Tensor | None) -> Tensor:
+    """The whole kernel's gradient from its live taps' (``live``: the first and last live tap per spatial dimension):
+    zeros in the dead taps, written into ``out`` where given."""
+    full = torch.zeros(shape, dtype=grads.dtype, device=grads.device) if out is None else out.zero_()
+    full[(..., *[slice(first, last + 1) for first, last in live])] = grads
     return full
 
 
@@ -95,9 +101,7 @@ def _one_position_weight_grad(
     grads = torch.bmm(left, right).view(shape[0], shape[1], *[last - first + 1 for first, last in live])
     if all(last - first + 1 == kernel for (first, last), kernel in zip(live, module.kernel_size)):
         return grads if out is None else out.copy_(grads)
-    full = torch.zeros(shape, dtype=grads.dtype, device=grads.device) if out is None else out.zero_()
-    full[(..., *[slice(first, last + 1) for first, last in live])] = grads
-    return full
+    return _with_dead_taps(grads, live, shape, out)
 
 
 def _weight_shaped(weight: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
