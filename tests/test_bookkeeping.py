@@ -382,7 +382,7 @@ def test_calls_of_one_shape_get_the_clipped_sums_each_would_get_alone(
 
 
 def test_small_materialised_gradients_are_clipped_side_by_side_as_each_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The per-example gradients a closed form materialises (embeddings, LayerNorms) are bounded and summed side by
+    """The per-example gradients a closed form materialises (LayerNorms) are bounded and summed side by
     side, one norm bound of their concatenated rows and one product for the clipped sums: the norms and sums of each
     taken alone, up to rounding, every norm at least the exact per-example norm."""
     from lightning_privdec.privacy.per_sample import arithmetic
@@ -415,7 +415,7 @@ def test_small_materialised_gradients_are_clipped_side_by_side_as_each_alone(mon
         results.append((norms, [p.grad.clone() for p in model.parameters()]))
         sizes.append({tuple(len(params) for params, _ in stacked) for stacked in groups})
         groups.clear()
-    assert sizes == [{(5,)}, {(1,) * 5}]  # the embedding's and both LayerNorms' together; each alone
+    assert sizes == [{(4,)}, {(1,) * 4}]  # both LayerNorms' together; each alone (the embedding is book-kept)
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=0)  # the bounds' own margins differ
     for together, alone in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)  # (through their clip factors)
@@ -732,3 +732,81 @@ def test_ghost_norms_of_a_grouped_pointwise_convolution_on_channels_last_maps() 
     expected = bookkeeping.squared_norms(layer, x, cotangent, torch.float32)
     assert torch.equal(bookkeeping.squared_norms(layer, last, cotangent.to(memory_format=torch.channels_last),
                                                  torch.float32), expected)
+
+
+def _embedding_gradients(ids: torch.Tensor, g: torch.Tensor, vocab: int, padding_idx: int | None) -> torch.Tensor:
+    """Each example's gradient of an embedding table, (B, V, d), in float64 (the exact sums of its rows' terms)."""
+    batch, dim = g.shape[0], g.shape[-1]
+    flat_ids, flat_g = ids.reshape(batch, -1), g.double().reshape(batch, -1, dim)
+    if padding_idx is not None:
+        flat_g = flat_g.masked_fill((flat_ids == padding_idx).unsqueeze(-1), 0.0)
+    grads = torch.zeros(batch, vocab, dim, dtype=torch.float64)
+    return grads.scatter_add_(1, flat_ids.unsqueeze(-1).expand(-1, -1, dim), flat_g)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_embedding_norm_bounds_hold_the_exact_norms_and_its_clipped_sum_is_the_closed_form_s(padding_idx) -> None:
+    """Book-keeping of nn.Embedding (bookkeeping_embedding): on ids of shape (B, 3, 4) with repeated tokens, the
+    bounds are at least the float64 norms of the per-example gradients and within 1e-3 of them; an example's bound
+    does not depend on the other examples (bit for bit); the clipped sum is sum_i c_i W_i."""
+    from lightning_privdec.privacy.per_sample import bookkeeping_embedding
+
+    torch.manual_seed(11)
+    layer = nn.Embedding(20, 6, padding_idx=padding_idx)
+    ids, g = torch.randint(0, 6, (7, 3, 4)), torch.randn(7, 3, 4, 6)
+    ids[0] = 2  # every position the padding token (or one token repeated twelve times)
+    g[1] *= 1e4
+    exact = torch.linalg.vector_norm(_embedding_gradients(ids, g, 20, padding_idx).flatten(1), dim=1)
+    assert bookkeeping.has_bookkeeping(layer, g)
+    bound = bookkeeping.norm_bound(layer, ids, g).upper
+    assert bool((bound >= exact).all()) and bool((bound <= exact * (1 + 1e-3) + 1e-20).all())  # (underflow floors)
+    if padding_idx is not None:
+        assert float(bound[0]) < 1e-20  # the padding row gets no gradient
+    assert torch.equal(bookkeeping.norm_bound(layer, ids[2:5], g[2:5]).upper, bound[2:5])
+    factor = torch.rand(7, dtype=torch.float64)
+    summed = bookkeeping.clipped_sums(layer, ids, g, factor, bookkeeping.NormBound(bound))[layer.weight]
+    want = torch.einsum("b,bvd->vd", factor, _embedding_gradients(ids, g, 20, padding_idx))
+    torch.testing.assert_close(summed.double(), want, rtol=1e-5, atol=1e-4)
+    layer.weight.requires_grad_(False)
+    assert not bookkeeping.has_bookkeeping(layer, g)  # a frozen table has no gradient to bound
+
+
+def test_a_tied_embedding_is_bounded_jointly_within_its_exact_norm() -> None:
+    """An embedding table that is also an output layer's weight (and an embedding called twice) is book-kept: each
+    example's norm bound is at least its float64 gradient norm and within 2e-3 of it (the cross term <A, E> of the
+    two uses, not the triangle inequality's ||A|| + ||E||), and the clipped sums are the per-example loop's."""
+
+    class TiedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.block = nn.Embedding(30, 8), nn.Linear(8, 8)
+            self.out = nn.Linear(8, 30, bias=False)
+            self.out.weight = self.embed.weight
+
+        def forward(self, ids: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+            h = self.embed(ids) + self.embed(context).mean(dim=1, keepdim=True)
+            return self.out(torch.tanh(self.block(h)))
+
+    torch.manual_seed(12)
+    model = TiedLM()
+    ids, context, targets = torch.randint(0, 30, (6, 7)), torch.randint(0, 30, (6, 3)), torch.randint(0, 30, (6, 7))
+
+    def losses(model: nn.Module, ids: torch.Tensor, context: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(ids, context).transpose(1, 2), targets, reduction="none").mean(1)
+
+    reference = TiedLM().double()
+    reference.load_state_dict(model.state_dict())
+    per_example = []
+    for i in range(6):
+        grads = torch.autograd.grad(losses(reference, ids[i : i + 1], context[i : i + 1], targets[i : i + 1]).sum(),
+                                    list(reference.parameters()))
+        per_example.append(torch.cat([gr.flatten() for gr in grads]))
+    exact = torch.linalg.vector_norm(torch.stack(per_example), dim=1)
+    with PerSampleGradients(model, "bookkeeping") as per_sample:
+        losses(model, ids, context, targets).mean().backward()
+        norms = per_sample.clip_and_sum(float(exact.median()))
+    assert bool((norms.double() >= exact).all()) and bool((norms.double() <= exact * (1 + 2e-3)).all()), norms / exact
+    factor = (float(exact.median()) / exact).clamp(max=1.0)
+    want = (factor.unsqueeze(1) * torch.stack(per_example)).sum(dim=0)
+    got = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+    assert torch.linalg.vector_norm(got - want) <= 2e-3 * torch.linalg.vector_norm(want)  # (the factors' 2e-3)

@@ -90,6 +90,41 @@ def test_the_huge_example_attacks_fail_without_their_guards(monkeypatch: pytest.
     assert all(r.ratio > 1 + TOLERANCE for r in results), results
 
 
+def test_the_embedding_attacks_fail_without_their_guards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each embedding attack breaks the arithmetic it targets once that has no rounding bound: the row sums' norm
+    alone (no gamma_T or batch-sum terms) lets the repeated token's rounding noise through; the tied table's joint
+    norm taken from its float32 per-example gradient A + E, as a materialised norm would be, lets the cancelling
+    output layer and table through, twice C."""
+    import dataclasses
+
+    from lightning_privdec.privacy.per_sample import bookkeeping_embedding
+
+    rows = bookkeeping_embedding._rows
+
+    def unguarded_rows(module: nn.Module, calls: list) -> object:
+        parts = rows(module, calls)
+        return dataclasses.replace(parts, estimate=parts.estimate - parts.summed * parts.mass,
+                                   rounding=torch.zeros_like(parts.rounding), summed=0.0)
+
+    monkeypatch.setattr(bookkeeping_embedding, "_rows", unguarded_rows)
+    results = run_attacks(("embedding_repeated_tokens",), modes=("bookkeeping",))
+    assert all(r.ratio > 1 + TOLERANCE for r in results), results
+    monkeypatch.undo()
+
+    def float32_joint_norm(module: nn.Module, calls: list, linear: nn.Module, x: Tensor, g_out: Tensor,
+                           bound: object) -> Tensor:
+        (ids, g), = calls
+        batch, (vocab, dim) = g.shape[0], module.weight.shape
+        table = torch.zeros(batch, vocab, dim).scatter_add_(1, ids.reshape(batch, -1, 1).expand(batch, -1, dim),
+                                                            g.float().reshape(batch, -1, dim))
+        output = torch.bmm(g_out.float().reshape(batch, -1, vocab).mT, x.float().reshape(batch, -1, dim))
+        return torch.linalg.vector_norm((output + table).flatten(1), dim=1).double()
+
+    monkeypatch.setattr(bookkeeping_embedding, "tied_bound", float32_joint_norm)
+    results = run_attacks(("tied_embedding",), modes=("bookkeeping",))
+    assert max(r.ratio for r in results) > 2, results
+
+
 def test_an_overflowing_example_stops_a_materialising_mode_rather_than_leaving_the_sum() -> None:
     """The overflow attacks' example in the modes that compute it in float32 ("hooks", "functorch": infinity, the
     attack is not theirs): the clipped sum is not finite, so the node stops at it; no example is left out
@@ -105,7 +140,8 @@ def test_an_overflowing_example_stops_a_materialising_mode_rather_than_leaving_t
         assert not bool(torch.isfinite(model.weight.grad).all()), mode
 
 
-@pytest.mark.parametrize("attack", ["gram_linear", "gram_linear_float64", "gram_conv_input_gram", "gram_conv_ghost"])
+@pytest.mark.parametrize("attack", ["gram_linear", "gram_linear_float64", "gram_linear_wide", "gram_conv_input_gram",
+                                    "gram_conv_ghost"])
 def test_a_norm_without_its_rounding_bound_is_caught(attack: str) -> None:
     """The positive control: the unguarded Gram norm reads the crafted example's norm as (nearly) 0 and lets it
     through unclipped, many times C."""

@@ -9,8 +9,8 @@ makes that hard:
 * ``gram_*``: one example's per-token (per-position) contributions cancel, ``g_1 = -g_2 = M e`` on two nearly
   equal inputs ``u`` and ``u + delta``; its true gradient ``M e delta^T`` is small, and a Gram-matrix norm
   ``<G^T G, U^T U>``, a difference of numbers of size ``M^2 |u|^2``, rounds to 0 or below the truth. One attack per
-  norm method of nn.Linear and of convolutions (ghost, the input's position Gram, one example at a time), and one in
-  float64;
+  norm method of nn.Linear and of convolutions (ghost, the input's position Gram, one example at a time), one in
+  float64, and one with 2,500 outputs (its Gram summed over blocks of 1,024, gram.GRAM_BLOCK);
 * ``half_precision``: a batch of large, aligned gradients (every example clipped) under bfloat16 and float16
   autocast: a clip factor or a sum computed in half precision adds more than C;
 * ``underflow``: tiny inputs and huge output gradients (what a LayerNorm after a layer does to a tiny input), whose
@@ -283,6 +283,52 @@ def _shared_parameters(batch: int = 5) -> tuple[nn.Module, Batch, Batch]:
     return model, (x, target), (x[2:], target[2:])
 
 
+def _embedding_repeats(batch: int = 5, magnitude: float = 1e6) -> tuple[nn.Module, Batch, Batch]:
+    """An nn.Embedding whose example 0 holds one token at four positions with output gradients +M e, -M e, +M e,
+    -M e (1 + 1e-7): the row sum of its gradient is rounding noise of size ~u M, whatever the order of addition;
+    example 1 a near-duplicate of it."""
+    gen = torch.Generator().manual_seed(7)
+    model = nn.Embedding(16, 8)
+    ids = torch.randint(0, 16, (batch, 6), generator=gen)
+    target = torch.randn(batch, 6, 8, generator=gen)
+    e = torch.randn(8, generator=gen)
+    e = e / e.norm()
+    ids[0, :4] = 3
+    target[0, :4] = magnitude * e * torch.tensor([1.0, -1.0, 1.0, -1.0 - 1e-7]).view(4, 1)
+    ids[1], target[1] = ids[0], target[0] * (1 + 1e-6)
+    return model, (ids, target), (ids[2:], target[2:])
+
+
+class _TiedEmbedding(nn.Module):
+    """Token table W, a frozen antisymmetric map K, and the output layer tied to W: logits W K W[id]. For the output
+    gradient M e_id at a position, the output layer's gradient M e_id (K W[id])^T and the table's M e_id (K^T
+    W[id])^T cancel exactly."""
+
+    def __init__(self, vocab: int = 12, dim: int = 8) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(8)
+        self.embed, self.mix, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, vocab, bias=False)
+        skew = torch.randn(dim, dim, generator=gen)
+        self.mix.weight.data.copy_(skew - skew.T)
+        self.mix.weight.requires_grad_(False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(self.mix(self.embed(ids)))
+
+
+def _tied_embedding(batch: int = 5, magnitude: float = 1e6) -> tuple[nn.Module, Batch, Batch]:
+    """Example 0: output gradients M e_id at every position (:class:`_TiedEmbedding`), so that the table's two
+    gradients cancel to rounding noise in the clipped sum; example 1 a near-duplicate of it."""
+    gen = torch.Generator().manual_seed(9)
+    model = _TiedEmbedding()
+    ids = torch.randint(0, 12, (batch, 5), generator=gen)
+    target = torch.randn(batch, 5, 12, generator=gen)
+    target[0] = magnitude * nn.functional.one_hot(ids[0], 12).float()
+    ids[1], target[1] = ids[0], target[0] * (1 + 1e-6)
+    return model, (ids, target), (ids[2:], target[2:])
+
+
 class _Attention(nn.Module):
     """nn.MultiheadAttention on batch-first (B, T, d) inputs, returning batch-first outputs: self-attention, or
     (``cross``) sequence-first cross-attention of the first half of the tokens (queries, causal mask) to the second
@@ -379,6 +425,7 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "gram_linear": (lambda: _cancelling_linear(torch.float32, 16, 8, 2, 3e-6, 1e6), 1.0, PRECISIONS),
     "gram_linear_large": (lambda: _cancelling_linear(torch.float32, 16, 8, 2, 3e-4, 1e7), 1.0, ("32-true",)),
     "gram_linear_float64": (lambda: _cancelling_linear(torch.float64, 16, 8, 2, 1e-10, 1e11), 1.0, ("32-true",)),
+    "gram_linear_wide": (lambda: _cancelling_linear(torch.float32, 16, 2500, 2, 3e-6, 1e6), 1.0, ("32-true",)),
     "gram_linear_per_example": (lambda: _cancelling_linear(torch.float32, 4, 3, 9, 1e-7, 1e4), 1.0, ("32-true",)),
     "gram_conv_input_gram": (lambda: _cancelling_conv(16, 64, 5, 3, 1, 1, 1e4), 1.0, PRECISIONS),
     "gram_conv_ghost": (lambda: _cancelling_conv(16, 24, 6, 3, 2, 1, 1e4), 1.0, ("32-true",)),
@@ -393,6 +440,8 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "huge_example_small_clip_depthwise": (lambda: _huge_example(depthwise=True), 1e-4, ("32-true",)),
     "huge_input_small_clip": (_huge_input, 1e-4, ("32-true",)),
     "shared_parameters": (_shared_parameters, 1.0, PRECISIONS),
+    "embedding_repeated_tokens": (_embedding_repeats, 1.0, PRECISIONS),
+    "tied_embedding": (_tied_embedding, 1.0, PRECISIONS),
     "attention_self": (lambda: _cancelling_attention(cross=False), 1.0, PRECISIONS),
     "attention_cross": (lambda: _cancelling_attention(cross=True), 1.0, PRECISIONS),
     # no float16 CPU kernel for nn.LSTM/GRU outside the private step (torch): 32-true and bf16

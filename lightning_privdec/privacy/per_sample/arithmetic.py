@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from lightning_privdec.privacy.dp_step import clip_factor
 from lightning_privdec.privacy.errors import PrivacyConfigError
-from lightning_privdec.privacy.per_sample import bookkeeping, shared
+from lightning_privdec.privacy.per_sample import bookkeeping, bookkeeping_embedding, shared
 from lightning_privdec.privacy.per_sample.capture import Record, Recorder
 from lightning_privdec.privacy.per_sample.replay import (
     replay_grad_samples,
@@ -22,8 +22,10 @@ from lightning_privdec.privacy.per_sample.replay import (
 from lightning_privdec.privacy.rounding import (
     SUM_BLOCK,
     full_precision,
+    gamma,
     norm_upper_bound,
     sum_rounding,
+    unit_roundoff,
     weighted_row_sum,
 )
 
@@ -277,8 +279,11 @@ class _PerSampleArithmetic:
         self, records: list[_Call], max_grad_norm: float, sums: dict[nn.Parameter, Tensor], into: bookkeeping.Into = None
     ) -> Tensor:
         uses = _uses(records)
+        tied = _tied_embeddings(records, uses)
+        tied_ids = {id(r) for group in tied for r in group}
         bookkept = [
-            r for r in records if _has_bookkeeping(r) and all(uses[id(p)] == 1 for p in r.params)
+            r for r in records
+            if _has_bookkeeping(r) and (id(r) in tied_ids or all(uses[id(p)] == 1 for p in r.params))
         ]
         bookkept_ids = {id(r) for r in bookkept}
         materialised = self._grad_samples([r for r in records if id(r) not in bookkept_ids])
@@ -296,7 +301,7 @@ class _PerSampleArithmetic:
         if marked and bool(torch.cat(marked).any()):
             # ill-conditioned examples somewhere (one host synchronisation per pass): computed apart in float64
             bounds = [bookkeeping.compute_exact(r.module, r.activations[0], r.backprops, b) for r, b in zip(bookkept, bounds)]
-        _add_squares(squared, [bound.upper for bound in bounds])
+        _add_squares(squared, _joint_uppers(bookkept, bounds, tied))
         stacked = _stacked_rows(materialised)
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for _, rows in stacked:
@@ -306,10 +311,18 @@ class _PerSampleArithmetic:
         norms = squared.sqrt()
         factor = clip_factor(norms, max_grad_norm)
         # sum_i c_i grad_i: one weight-gradient computation per layer (layers of one shape batched)
+        given: set[nn.Parameter] = set()
+
+        def first_use(p: nn.Parameter) -> Tensor | None:  # a parameter's first sum of its first pass only
+            if into is None or p in sums or p in given:
+                return None
+            given.add(p)
+            return into(p)
+
         summed = bookkeeping.clipped_sums_of([
             (r.module, r.activations[0], r.backprops, factor[: r.backprops.shape[0]], bound)
             for r, bound in zip(bookkept, bounds)
-        ], None if into is None else lambda p: None if p in sums else into(p))  # a parameter's first pass only
+        ], None if into is None else first_use)
         for layer_sums in summed:
             for p, value in layer_sums.items():
                 _accumulate(sums, p, value)
@@ -420,6 +433,61 @@ def _zero_nonfinite_rows(calls: list[_Call], batch: int) -> int:
 def _own_trainable(module: nn.Module) -> list[nn.Parameter]:
     """``module.parameters(recurse=False)`` that require grad, read from the module's own table (no walk)."""
     return [p for p in dict.fromkeys(module._parameters.values()) if p is not None and p.requires_grad]
+
+
+def _tied_embeddings(records: list[_Call], uses: dict[int, int]) -> list[list[_Call]]:
+    """The calls that share a parameter with an nn.Embedding call (a tied input and output embedding: GPT-2's token
+    table and its output layer), in groups of calls joined by shared parameters, where every call of the group has
+    book-keeping; each group's per-example bound is the sum of its calls' (:func:`_joint_uppers`)."""
+    shared = [r for r in records if any(uses[id(p)] > 1 for p in r.params)]
+    if not any(type(r.module) is nn.Embedding for r in shared):
+        return []
+    groups: list[list[_Call]] = []
+    held: list[set[int]] = []
+    for r in shared:
+        own = {id(p) for p in r.params}
+        joined = [k for k, ids in enumerate(held) if ids & own]
+        merged, ids = [r], set(own)
+        for k in reversed(joined):
+            merged = groups.pop(k) + merged
+            ids |= held.pop(k)
+        groups.append(merged)
+        held.append(ids)
+    return [group for group in groups
+            if any(type(r.module) is nn.Embedding for r in group) and all(_has_bookkeeping(r) for r in group)]
+
+
+def _joint_uppers(calls: list[_Call], bounds: list[bookkeeping.NormBound], tied: list[list[_Call]]) -> list[Tensor]:
+    """Per-example bounds of the calls' gradients, one per set of parameters whose squares add up to a bound of the
+    whole gradient's squared norm: each call's bound alone, and one per group of ``tied`` calls (sharing
+    parameters): the embedding calls on one table and the nn.Linear that holds it as its weight (a tied output
+    layer) bounded together (:func:`~.bookkeeping_embedding.tied_bound`), any other group by the sum of its calls'
+    bounds (the triangle inequality) times 1 + gamma_k for the k - 1 additions of their sums (in the parameters'
+    dtype)."""
+    position = {id(r): k for k, r in enumerate(calls)}
+    grouped = {id(r) for group in tied for r in group}
+    out = [bound.upper for r, bound in zip(calls, bounds) if id(r) not in grouped]
+    for group in tied:
+        embeddings = [r for r in group if type(r.module) is nn.Embedding]
+        others = [r for r in group if type(r.module) is not nn.Embedding]
+        table = embeddings[0].module.weight
+        linear = others[0] if len(others) == 1 and type(others[0].module) is nn.Linear else None
+        same_batch = len({r.batch_size for r in group}) == 1
+        if (same_batch and all(r.module.weight is table for r in embeddings)
+                and (not others or (linear is not None and linear.module.weight is table))):
+            out.append(bookkeeping_embedding.tied_bound(
+                embeddings[0].module, [(r.activations[0], r.backprops) for r in embeddings],
+                *((linear.module, linear.activations[0], linear.backprops, bounds[position[id(linear)]])
+                  if linear is not None else ()),
+            ))
+            continue
+        members = [bounds[position[id(r)]].upper for r in group]
+        total = torch.zeros(max(len(m) for m in members), dtype=torch.float64, device=members[0].device)
+        for member in members:  # (a call on fewer examples: its first rows)
+            total[: len(member)] += member
+        u = max(unit_roundoff(p.dtype) for r in group for p in r.params)  # (sums are added in the parameter's dtype)
+        out.append(total * (1 + gamma(len(group), u)))
+    return out
 
 
 def _uses(records: list[_Call]) -> dict[int, int]:

@@ -41,6 +41,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from lightning_privdec.privacy.per_sample import bookkeeping_embedding
 from lightning_privdec.privacy.per_sample.bookkeeping_conv import (  # one chunk size for both per-example paths
     PER_EXAMPLE_ENTRIES,
     _conv_estimates,
@@ -98,16 +99,18 @@ def _is_linear(module: nn.Module) -> bool:
 
 
 def covers(module: nn.Module) -> bool:
-    """Whether ``module``'s type gets this arithmetic: nn.Linear (or Hugging Face's transposed ``Conv1D``), or a
-    zero-padded convolution with numeric padding."""
-    if _is_linear(module):
+    """Whether ``module``'s type gets this arithmetic: nn.Linear (or Hugging Face's transposed ``Conv1D``), a
+    zero-padded convolution with numeric padding, or an nn.Embedding (:mod:`.bookkeeping_embedding`)."""
+    if _is_linear(module) or bookkeeping_embedding.covers(module):
         return True
     return type(module) in _CONVOLUTIONS and module.padding_mode == "zeros" and not isinstance(module.padding, str)
 
 
 def has_bookkeeping(module: nn.Module, backprops: Tensor) -> bool:
     """Whether a rule layer's call gets this arithmetic: a covered layer on (B, d) or (B, T, d) (nn.Linear) or on
-    batch-first (B, C, *spatial) inputs (convolutions)."""
+    batch-first (B, C, *spatial) inputs (convolutions), or a trainable embedding's (B, ..., d) output gradients."""
+    if type(module) is nn.Embedding:
+        return module.weight.requires_grad and bookkeeping_embedding.has_bookkeeping(module, backprops)
     if not covers(module):
         return False
     return backprops.dim() in (2, 3) if _is_linear(module) else backprops.dim() == module.weight.dim()
@@ -130,13 +133,18 @@ class NormBound:
     ``exact_grads`` (float64, one row per marked example) are computed apart and added after the batch's sum.
     ``rows``: a convolution's per-example weight gradients (B, weight entries) kept from its norms
     (:func:`~.bookkeeping_conv.keeps_rows`), whose weighted sum is its clipped weight sum; ``upper`` also covers that
-    sum's rounding; the rows of examples computed apart are zeroed (:func:`compute_exact`).
+    sum's rounding; the rows of examples computed apart are zeroed (:func:`compute_exact`). ``upper`` is the sum of
+    ``estimate`` (a bound of the exact gradient's norm) and ``rounding`` (that of the example's terms in the batch's
+    sum), kept where known for the joint bound of a tied embedding (:mod:`.bookkeeping_embedding`); an example in
+    ``exact`` has only ``upper``.
     """
 
     upper: Tensor
     exact: Tensor | None = None
     exact_grads: dict[nn.Parameter, Tensor] = field(default_factory=dict)
     rows: Tensor | None = None
+    estimate: Tensor | None = None
+    rounding: Tensor | None = None
 
 
 def norm_bound(
@@ -147,6 +155,8 @@ def norm_bound(
     ``defer_exact``: leave the ill-conditioned examples marked in ``exact`` without computing them (no host
     synchronisation); :func:`compute_exact` finishes them. ``keep_rows``: a convolution's per-example weight
     gradients are kept where :func:`~.bookkeeping_conv.keeps_rows` says so (for :func:`clipped_sums`)."""
+    if type(module) is nn.Embedding:  # no ill-conditioned examples: its bound holds for any order of addition
+        return NormBound(bookkeeping_embedding.norm_bound(module, a, g))
     work = _work_dtype(module, g)
     batch = g.shape[0]
     if batch == 0:
@@ -163,14 +173,15 @@ def norm_bound(
         u = unit_roundoff(work)
         # the clipped sum: weight-gradient products over blocks of examples, `rows` = block_examples(T) T terms per
         # entry, the factor's multiplication and the products' underflow (independent of the batch size)
-        upper = mass * sum_rounding(rows, work) + (estimate + rows * _tiny(work) * math.sqrt(_numel(module)))
+        rounding = mass * sum_rounding(rows, work) + rows * _tiny(work) * math.sqrt(_numel(module))
+        upper = estimate + rounding
         # an example whose terms are large against its norm would round the whole batch's sum: computed apart
         isolate = mass * (u * math.sqrt(rows) * 1e3) > estimate
         # an example whose output gradients are all exactly 0 adds exactly 0 (its finite inputs times 0; a non-finite
         # input makes its bound non-finite): its gradient is known exactly, though its bound is all rounding floors
         zero = _all_zero(g)
         exact = ((isolate if loose is None else loose | isolate) & ~zero) | ~torch.isfinite(upper)
-    bound = NormBound(upper, exact, rows=kept)
+    bound = NormBound(upper, exact, rows=kept, estimate=estimate, rounding=rounding)
     return bound if defer_exact else compute_exact(module, a, g, bound)
 
 
@@ -201,9 +212,9 @@ def stack_entries(device: torch.device) -> int:
 def _shape_key(module: nn.Module, a: Tensor, g: Tensor) -> tuple | None:
     """What :func:`norm_bound` reads of a call besides its examples' values: calls with equal keys get the same
     arithmetic per example, whether alone or stacked along the batch dimension; None: not stacked."""
-    weight, bias = module.weight, module.bias
-    if a.numel() + g.numel() > stack_entries(g.device) or a.dim() < 2:
+    if type(module) is nn.Embedding or a.numel() + g.numel() > stack_entries(g.device) or a.dim() < 2:
         return None
+    weight, bias = module.weight, module.bias
     key = (type(module), weight.shape, weight.dtype, weight.requires_grad, bias is not None and bias.requires_grad,
            a.shape[1:], a.dtype, g.shape[1:], g.dtype, g.device)
     if _is_linear(module):
@@ -231,8 +242,10 @@ def norm_bounds(calls: list[tuple[nn.Module, Tensor, Tensor]]) -> list[NormBound
         for k in members:
             rows = slice(start, start + calls[k][2].shape[0])
             start = rows.stop
-            out[k] = NormBound(stacked.upper[rows], None if stacked.exact is None else stacked.exact[rows],
-                               rows=None if stacked.rows is None else stacked.rows[rows])
+            out[k] = NormBound(*(None if part is None else part[rows] for part in (stacked.upper, stacked.exact)),
+                               rows=None if stacked.rows is None else stacked.rows[rows],
+                               estimate=None if stacked.estimate is None else stacked.estimate[rows],
+                               rounding=None if stacked.rounding is None else stacked.rounding[rows])
     return out  # type: ignore[return-value]
 
 
@@ -248,7 +261,7 @@ def compute_exact(module: nn.Module, a: Tensor, g: Tensor, bound: NormBound) -> 
     upper[bound.exact] = exact_upper
     # their kept rows leave the rows' sum (zeroed, not multiplied by 0: an overflowed row is infinite, and 0 inf NaN)
     rows = None if bound.rows is None else bound.rows.masked_fill(bound.exact.unsqueeze(1), 0)
-    return NormBound(upper, bound.exact, grads, rows)
+    return NormBound(upper, bound.exact, grads, rows, bound.estimate, bound.rounding)
 
 
 def clipped_sums(
@@ -258,6 +271,9 @@ def clipped_sums(
     the batch (in float32 at least, full precision), or the weighted sum of ``bound.rows`` for the weight where it
     kept them, plus the examples ``bound`` computed apart (``bound.exact``). ``into(p)``: a buffer of p's shape and
     dtype that p's sum may be written into (or None), when it is one product."""
+    if type(module) is nn.Embedding:
+        upper = bound.upper if bound is not None else torch.zeros(g.shape[0], dtype=torch.float64, device=g.device)
+        return bookkeeping_embedding.clipped_sums(module, a, g, factor, upper, None if into is None else into(module.weight))
     work = _work_dtype(module, g)
     factor = factor.to(g.device, torch.float64)
     exact = bound.exact if bound is not None and bound.exact_grads else None
@@ -486,7 +502,10 @@ def _per_example_weight_norms(g: Tensor, a: Tensor) -> Tensor:
 def exact_rows(module: nn.Module, a: Tensor, g: Tensor, samples: dict[nn.Parameter, Tensor]) -> dict:
     """A rule's materialised per-example gradients of a covered layer with its ill-conditioned rows recomputed in
     float64: rows whose terms are large against their norm (cancelling tokens or positions) round differently in
-    batches of different sizes, which no norm of the rounded row bounds; exact rows do not."""
+    batches of different sizes, which no norm of the rounded row bounds; exact rows do not. An embedding's rows
+    (Opacus's scatter of its output gradients) are returned as they are."""
+    if type(module) is nn.Embedding:
+        return samples
     work = _work_dtype(module, g)
     a, g = (a.to(work) if a.is_floating_point() else a), g.to(work)
     mass, steps = _mass(module, a, g)

@@ -196,7 +196,7 @@ def _conv_estimates(
             else:  # the patches' Gram entries: sums of kernel-tap sums of the input's Gram entries
                 estimate, g_squares, u_squares = _conv_input_gram_norms(module, a, g)
                 inner = module.in_channels // groups + math.prod(module.kernel_size)
-            eps = _gram_error(d_out, inner, u, steps)
+            eps = _gram_error(d_out, inner, u, steps, p_blocked=method == "ghost")
             gn = _root_upper(g_squares, d_out, g.dtype, eps).view(batch, groups, steps)
             un = _root_upper(u_squares, inner, g.dtype, eps).view(batch, groups, steps)
         else:

@@ -29,11 +29,42 @@ def block_examples(steps: int) -> int:
     return max(1, min(SUM_BLOCK, SUM_ROWS // max(steps, 1)))
 
 
-def _gram_error(d_out: int, p: int, u: float, steps: int) -> float:
+#: a Gram matrix over more than this many entries per token is the float64 sum of the Grams of blocks of this many
+#: (:func:`_gram`): each entry then errs by gamma_1024 of its terms' magnitudes, not gamma_d (0.3% for the 50,257
+#: logits of GPT-2's output layer, which made every example's bound loose and computed apart)
+GRAM_BLOCK = 1024
+
+
+def _gram(x: Tensor) -> Tensor:
+    """``x^T x`` per example for x (B, d, T): (B, T, T) in x's dtype, or for d > :data:`GRAM_BLOCK` the float64 sum
+    of the Grams of its blocks of GRAM_BLOCK rows (error: :func:`_gram_entry_error`)."""
+    d = x.shape[1]
+    if d <= GRAM_BLOCK:
+        return torch.bmm(x.transpose(1, 2), x)
+    total = None
+    for start in range(0, d, GRAM_BLOCK):
+        block = x[:, start : start + GRAM_BLOCK]
+        part = torch.bmm(block.transpose(1, 2), block).double()
+        total = part if total is None else total.add_(part)
+    return total
+
+
+def _gram_entry_error(d: int, u: float) -> float:
+    """Relative bound of an entry of :func:`_gram` over d terms against the sum of its terms' magnitudes: gamma_d,
+    or for blocks gamma_1024 and the float64 sum of the blocks' values."""
+    if d <= GRAM_BLOCK:
+        return gamma(d, u)
+    block = gamma(GRAM_BLOCK, u)
+    return block + gamma(-(-d // GRAM_BLOCK), _U64) * (1 + block)
+
+
+def _gram_error(d_out: int, p: int, u: float, steps: int, p_blocked: bool = True) -> float:
     """Relative bound of the ghost norm sum_{t,t'} (g_t . g_t')(u_t . u_t') against (sum_t ||g_t|| ||u_t||)^2:
-    each Gram entry errs by gamma_d ||g_t|| ||g_t'|| (Cauchy-Schwarz), their product by u, the float64 sum of T^2
-    terms by gamma_{T^2} (module docstring, "Rounding")."""
-    gd, gp, sum_error = gamma(d_out, u), gamma(p, u), gamma(steps * steps, _U64)
+    each Gram entry errs by :func:`_gram_entry_error` of its ||g_t|| ||g_t'|| (Cauchy-Schwarz; ``p_blocked`` False:
+    U's Gram was computed elsewhere as p-long sums, gamma_p), their product by u, the float64 sum of T^2 terms by
+    gamma_{T^2} (module docstring, "Rounding")."""
+    gd, sum_error = _gram_entry_error(d_out, u), gamma(steps * steps, _U64)
+    gp = _gram_entry_error(p, u) if p_blocked else gamma(p, u)
     entry = (gd + gp + gd * gp) * (1 + u) + u
     return (entry * (1 + sum_error) + sum_error) * (1 + 1e-9)
 
@@ -68,8 +99,8 @@ def _gram_inner_products(g: Tensor, u: Tensor | None, u_gram: Tensor | None = No
     """``<G_i^T G_i, U_i^T U_i>`` for batches G (B, d_out, T) and U (B, p, T) (or U's Gram (B, T, T) given as
     ``u_gram``): the ghost norm, summed in float64 and NOT clamped (rounding may leave it below zero; the caller
     adds the bound of :func:`_gram_error`); and the Grams' diagonals, ``||g_t||^2`` and ``||u_t||^2`` (B, T)."""
-    u_gram = torch.bmm(u.transpose(1, 2), u) if u_gram is None else u_gram
-    g_gram = torch.bmm(g.transpose(1, 2), g)
+    u_gram = _gram(u) if u_gram is None else u_gram
+    g_gram = _gram(g)
     estimate = (g_gram * u_gram).sum(dim=(1, 2), dtype=torch.float64)
     return estimate, g_gram.diagonal(dim1=1, dim2=2), u_gram.diagonal(dim1=1, dim2=2)
 
