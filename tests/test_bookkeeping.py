@@ -382,7 +382,7 @@ def test_calls_of_one_shape_get_the_clipped_sums_each_would_get_alone(
 
 
 def test_small_materialised_gradients_are_clipped_side_by_side_as_each_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The per-example gradients a closed form materialises (LayerNorms) are bounded and summed side by
+    """The per-example gradients a closed form materialises (small embeddings, LayerNorms) are bounded and summed side by
     side, one norm bound of their concatenated rows and one product for the clipped sums: the norms and sums of each
     taken alone, up to rounding, every norm at least the exact per-example norm."""
     from lightning_privdec.privacy.per_sample import arithmetic
@@ -415,7 +415,7 @@ def test_small_materialised_gradients_are_clipped_side_by_side_as_each_alone(mon
         results.append((norms, [p.grad.clone() for p in model.parameters()]))
         sizes.append({tuple(len(params) for params, _ in stacked) for stacked in groups})
         groups.clear()
-    assert sizes == [{(4,)}, {(1,) * 4}]  # both LayerNorms' together; each alone (the embedding is book-kept)
+    assert sizes == [{(5,)}, {(1,) * 5}]  # the embedding's and both LayerNorms' together; each alone
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=0)  # the bounds' own margins differ
     for together, alone in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)  # (through their clip factors)
@@ -745,12 +745,15 @@ def _embedding_gradients(ids: torch.Tensor, g: torch.Tensor, vocab: int, padding
 
 
 @pytest.mark.parametrize("padding_idx", [None, 2])
-def test_embedding_norm_bounds_hold_the_exact_norms_and_its_clipped_sum_is_the_closed_form_s(padding_idx) -> None:
+def test_embedding_norm_bounds_hold_the_exact_norms_and_its_clipped_sum_is_the_closed_form_s(
+    padding_idx, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Book-keeping of nn.Embedding (bookkeeping_embedding): on ids of shape (B, 3, 4) with repeated tokens, the
     bounds are at least the float64 norms of the per-example gradients and within 1e-3 of them; an example's bound
     does not depend on the other examples (bit for bit); the clipped sum is sum_i c_i W_i."""
     from lightning_privdec.privacy.per_sample import bookkeeping_embedding
 
+    monkeypatch.setattr(bookkeeping_embedding, "MIN_ENTRIES", 0)  # a small table
     torch.manual_seed(11)
     layer = nn.Embedding(20, 6, padding_idx=padding_idx)
     ids, g = torch.randint(0, 6, (7, 3, 4)), torch.randn(7, 3, 4, 6)
@@ -769,9 +772,11 @@ def test_embedding_norm_bounds_hold_the_exact_norms_and_its_clipped_sum_is_the_c
     torch.testing.assert_close(summed.double(), want, rtol=1e-5, atol=1e-4)
     layer.weight.requires_grad_(False)
     assert not bookkeeping.has_bookkeeping(layer, g)  # a frozen table has no gradient to bound
+    monkeypatch.undo()
+    assert not bookkeeping.has_bookkeeping(nn.Embedding(20, 6), g)  # a small table keeps the closed form
 
 
-def test_a_tied_embedding_is_bounded_jointly_within_its_exact_norm() -> None:
+def test_a_tied_embedding_is_bounded_jointly_within_its_exact_norm(monkeypatch: pytest.MonkeyPatch) -> None:
     """An embedding table that is also an output layer's weight (and an embedding called twice) is book-kept: each
     example's norm bound is at least its float64 gradient norm and within 2e-3 of it (the cross term <A, E> of the
     two uses, not the triangle inequality's ||A|| + ||E||), and the clipped sums are the per-example loop's."""
@@ -787,6 +792,9 @@ def test_a_tied_embedding_is_bounded_jointly_within_its_exact_norm() -> None:
             h = self.embed(ids) + self.embed(context).mean(dim=1, keepdim=True)
             return self.out(torch.tanh(self.block(h)))
 
+    from lightning_privdec.privacy.per_sample import bookkeeping_embedding
+
+    monkeypatch.setattr(bookkeeping_embedding, "MIN_ENTRIES", 0)  # a small table
     torch.manual_seed(12)
     model = TiedLM()
     ids, context, targets = torch.randint(0, 30, (6, 7)), torch.randint(0, 30, (6, 3)), torch.randint(0, 30, (6, 7))

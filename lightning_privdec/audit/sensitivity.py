@@ -288,7 +288,7 @@ def _embedding_repeats(batch: int = 5, magnitude: float = 1e6) -> tuple[nn.Modul
     -M e (1 + 1e-7): the row sum of its gradient is rounding noise of size ~u M, whatever the order of addition;
     example 1 a near-duplicate of it."""
     gen = torch.Generator().manual_seed(7)
-    model = nn.Embedding(16, 8)
+    model = nn.Embedding(8192, 8)  # (a table book-keeping covers: bookkeeping_embedding.MIN_ENTRIES)
     ids = torch.randint(0, 16, (batch, 6), generator=gen)
     target = torch.randn(batch, 6, 8, generator=gen)
     e = torch.randn(8, generator=gen)
@@ -304,7 +304,7 @@ class _TiedEmbedding(nn.Module):
     gradient M e_id at a position, the output layer's gradient M e_id (K W[id])^T and the table's M e_id (K^T
     W[id])^T cancel exactly."""
 
-    def __init__(self, vocab: int = 12, dim: int = 8) -> None:
+    def __init__(self, vocab: int = 8192, dim: int = 8) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(8)
         self.embed, self.mix, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, vocab, bias=False)
@@ -322,9 +322,10 @@ def _tied_embedding(batch: int = 5, magnitude: float = 1e6) -> tuple[nn.Module, 
     gradients cancel to rounding noise in the clipped sum; example 1 a near-duplicate of it."""
     gen = torch.Generator().manual_seed(9)
     model = _TiedEmbedding()
+    vocab = model.embed.num_embeddings
     ids = torch.randint(0, 12, (batch, 5), generator=gen)
-    target = torch.randn(batch, 5, 12, generator=gen)
-    target[0] = magnitude * nn.functional.one_hot(ids[0], 12).float()
+    target = torch.randn(batch, 5, vocab, generator=gen)
+    target[0] = magnitude * nn.functional.one_hot(ids[0], vocab).float()
     ids[1], target[1] = ids[0], target[0] * (1 + 1e-6)
     return model, (ids, target), (ids[2:], target[2:])
 

@@ -475,8 +475,10 @@ def _joint_uppers(calls: list[_Call], bounds: list[bookkeeping.NormBound], tied:
         same_batch = len({r.batch_size for r in group}) == 1
         if (same_batch and all(r.module.weight is table for r in embeddings)
                 and (not others or (linear is not None and linear.module.weight is table))):
+            own = [bounds[position[id(r)]] for r in embeddings]
             out.append(bookkeeping_embedding.tied_bound(
-                embeddings[0].module, [(r.activations[0], r.backprops) for r in embeddings],
+                [(r.module, r.activations[0], r.backprops) for r in embeddings], [b.upper for b in own],
+                [b.apart for b in own],
                 *((linear.module, linear.activations[0], linear.backprops, bounds[position[id(linear)]])
                   if linear is not None else ()),
             ))

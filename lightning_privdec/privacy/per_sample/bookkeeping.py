@@ -37,6 +37,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -136,7 +137,8 @@ class NormBound:
     sum's rounding; the rows of examples computed apart are zeroed (:func:`compute_exact`). ``upper`` is the sum of
     ``estimate`` (a bound of the exact gradient's norm) and ``rounding`` (that of the example's terms in the batch's
     sum), kept where known for the joint bound of a tied embedding (:mod:`.bookkeeping_embedding`); an example in
-    ``exact`` has only ``upper``.
+    ``exact`` has only ``upper``. An embedding's examples computed apart are ``apart``
+    (:class:`~.bookkeeping_embedding.Apart`), not ``exact``.
     """
 
     upper: Tensor
@@ -145,6 +147,7 @@ class NormBound:
     rows: Tensor | None = None
     estimate: Tensor | None = None
     rounding: Tensor | None = None
+    apart: Any = None
 
 
 def norm_bound(
@@ -155,8 +158,9 @@ def norm_bound(
     ``defer_exact``: leave the ill-conditioned examples marked in ``exact`` without computing them (no host
     synchronisation); :func:`compute_exact` finishes them. ``keep_rows``: a convolution's per-example weight
     gradients are kept where :func:`~.bookkeeping_conv.keeps_rows` says so (for :func:`clipped_sums`)."""
-    if type(module) is nn.Embedding:  # no ill-conditioned examples: its bound holds for any order of addition
-        return NormBound(bookkeeping_embedding.norm_bound(module, a, g))
+    if type(module) is nn.Embedding:  # its examples computed apart are its own (bound.apart)
+        upper, apart = bookkeeping_embedding.norm_bound(module, a, g)
+        return NormBound(upper, apart=apart)
     work = _work_dtype(module, g)
     batch = g.shape[0]
     if batch == 0:
@@ -272,8 +276,10 @@ def clipped_sums(
     kept them, plus the examples ``bound`` computed apart (``bound.exact``). ``into(p)``: a buffer of p's shape and
     dtype that p's sum may be written into (or None), when it is one product."""
     if type(module) is nn.Embedding:
-        upper = bound.upper if bound is not None else torch.zeros(g.shape[0], dtype=torch.float64, device=g.device)
-        return bookkeeping_embedding.clipped_sums(module, a, g, factor, upper, None if into is None else into(module.weight))
+        if bound is None:
+            bound = norm_bound(module, a, g)
+        return bookkeeping_embedding.clipped_sums(module, a, g, factor, bound.upper, bound.apart,
+                                                  None if into is None else into(module.weight))
     work = _work_dtype(module, g)
     factor = factor.to(g.device, torch.float64)
     exact = bound.exact if bound is not None and bound.exact_grads else None

@@ -11,11 +11,15 @@ the positions where token v occurs, every other row is 0. So
   rows per block of examples (:func:`~.gram.block_examples`), the blocks added in float64.
 
 Rounding (docs/privacy.md, "What clipping guarantees"), with m_i = sum_t ||g_t|| the example's mass (float64, from
-per-position norm bounds): the computed row sums err from the exact ones by at most gamma_T m_i (any order of
-addition), and the example's terms in the batch's sum, at most R = block_examples(T) T per entry, by
-(gamma_R + 2u) m_i (the factor's multiplication included); both are added to the norm bound of the computed rows, so
-the bound holds whatever order a device adds in. The padding row gets no gradient (as in autograd). An example whose
-bound is not finite (a non-finite output gradient, or one whose squares overflow) adds nothing.
+per-position norm bounds): the computed row sums of an example that repeats a token err from the exact ones by at
+most gamma_T m_i (any order of addition), and the example's terms in the batch's sum, at most R + 1 per entry
+(R = block_examples(T) T, and the examples computed apart), by (gamma_{R+1} + 2u) m_i (the factor's multiplication
+included); both are added to the norm bound of the computed rows, so the bound holds whatever order a device adds
+in, and depends on the example alone. An example whose terms are large against its bound (u sqrt(R) 1e3 m_i above
+it: tokens whose output gradients cancel) would, clipped, round the other examples' terms differently once another
+example is removed: its rows are computed in float64 and added after the batch's sum, as book-keeping's ill-conditioned
+nn.Linear examples are. The padding row gets no gradient (as in autograd). An example whose bound is not finite adds
+nothing. Tables of fewer than :data:`MIN_ENTRIES` entries keep the closed form (cheaper there).
 """
 
 from __future__ import annotations
@@ -39,11 +43,17 @@ from lightning_privdec.privacy.rounding import (
     unit_roundoff,
 )
 
+#: tables with fewer entries (V d) keep Opacus's closed form: each example's V d entries then cost less than this
+#: arithmetic's host operations (a 64-token table: GPT-2's step 2.11x -> 2.33x its non-private one with book-keeping)
+MIN_ENTRIES = 1 << 16
+
 
 def covers(module: nn.Module) -> bool:
-    """Whether ``module`` gets this arithmetic: an nn.Embedding with a dense gradient whose rows are not scaled by
-    the batch's token counts (``scale_grad_by_freq`` couples the examples; those keep Opacus's closed form)."""
-    return type(module) is nn.Embedding and not module.scale_grad_by_freq and not module.sparse
+    """Whether ``module`` gets this arithmetic: an nn.Embedding of at least :data:`MIN_ENTRIES` entries with a dense
+    gradient whose rows are not scaled by the batch's token counts (``scale_grad_by_freq`` couples the examples;
+    those keep Opacus's closed form)."""
+    return (type(module) is nn.Embedding and not module.scale_grad_by_freq and not module.sparse
+            and module.weight.numel() >= MIN_ENTRIES)  # fmt: skip
 
 
 def has_bookkeeping(module: nn.Module, backprops: Tensor) -> bool:
@@ -56,7 +66,7 @@ def _flat(module: nn.Module, ids: Tensor, g: Tensor) -> tuple[Tensor, Tensor, to
     dtype) of a call on ids of any shape (B, ...)."""
     work = torch.promote_types(torch.promote_types(g.dtype, module.weight.dtype), torch.float32)
     batch = g.shape[0]
-    ids = ids.reshape(batch, -1)
+    ids = ids.reshape(batch, math.prod(ids.shape[1:]))
     g = g.to(work).reshape(batch, ids.shape[1], module.embedding_dim)
     if module.padding_idx is not None:  # autograd gives the padding row no gradient, whatever g holds there
         g = g.masked_fill((ids == module.padding_idx).unsqueeze(-1), 0.0)
@@ -64,109 +74,175 @@ def _flat(module: nn.Module, ids: Tensor, g: Tensor) -> tuple[Tensor, Tensor, to
 
 
 @dataclass
+class Apart:
+    """The examples of a call computed apart (``examples``, bool (B,)): their rows in float64, ``rows`` (K, d), of
+    examples ``example`` and tokens ``token`` (K,)."""
+
+    examples: Tensor
+    rows: Tensor
+    example: Tensor
+    token: Tensor
+
+
+@dataclass
 class _Rows:
-    """An embedding's per-example gradients of one or more calls on the same table, as their non-zero rows: ``rows``
+    """An embedding's per-example gradients of one or more calls on one table, as their non-zero rows: ``rows``
     (U, d) the computed sums of the output gradients per (example, token), ``example`` and ``token`` (U,) whose rows
-    they are; per example, ``estimate`` (float64) bounds the norm of the exact gradient and ``rounding`` that of the
-    example's terms in the calls' clipped sums, so their sum bounds what the calls add for it (module docstring);
-    ``mass`` is sum_t ||g_t||, ``summed`` the relative error of a row sum (gamma_T, 0 where no token repeats)."""
+    they are, ``counts`` (B,) how many rows each example has; per example (float64), ``estimate`` bounds the norm of
+    the exact gradient and ``rounding`` that of the example's terms in the calls' clipped sums (module docstring),
+    ``mass`` is sum_t ||g_t||, ``summed`` the relative error of its row sums (gamma_T, 0 where it repeats no
+    token), ``terms`` the most terms an entry of a call's sum adds (R + 1)."""
 
     rows: Tensor
     example: Tensor
     token: Tensor
+    counts: Tensor
     estimate: Tensor
     rounding: Tensor
     mass: Tensor
-    summed: float
+    summed: Tensor
+    terms: int
 
 
-def _rows(module: nn.Module, calls: list[tuple[Tensor, Tensor]]) -> _Rows:
-    """:class:`_Rows` of ``calls`` ((ids, output gradients) of ``module``'s table, one batch size), their positions
-    taken together (an embedding called on a model's input and on its target, a tied table's calls)."""
-    flat = [_flat(module, ids, g) for ids, g in calls]
-    batch, dim, work = calls[0][1].shape[0], module.embedding_dim, flat[0][2]
+def _rows(calls: list[tuple[nn.Module, Tensor, Tensor]]) -> _Rows:
+    """:class:`_Rows` of ``calls`` ((module, ids, output gradients) on one table, one batch size), their positions
+    taken together (an embedding called on a model's input and on its target, modules sharing a table)."""
+    table = calls[0][0]
+    flat = [_flat(module, ids, g) for module, ids, g in calls]
+    batch, dim, work = flat[0][1].shape[0], table.embedding_dim, flat[0][2]
     ids = torch.cat([f[0] for f in flat], dim=1)
     g = torch.cat([f[1] for f in flat], dim=1)
     steps = ids.shape[1]
     norms = norm_upper_bound(g, dim=-1) if steps else g.new_zeros(batch, 0, dtype=torch.float64)
+    terms = max(block_examples(f[0].shape[1]) * f[0].shape[1] for f in flat) + 1
     rounding = torch.zeros(batch, dtype=torch.float64, device=g.device)
     start = 0
-    for f in flat:  # each call's clipped sum is its own, over blocks of its own positions
-        terms = block_examples(f[0].shape[1]) * f[0].shape[1]
-        rounding += norms[:, start : start + f[0].shape[1]].sum(dim=1) * sum_rounding(terms, work)
-        rounding += terms * tiny(work) * math.sqrt(module.weight.numel())
+    for f in flat:  # each call's clipped sum is its own, over blocks of its own positions (and those computed apart)
+        call_terms = block_examples(f[0].shape[1]) * f[0].shape[1] + 1
+        rounding += norms[:, start : start + f[0].shape[1]].sum(dim=1) * sum_rounding(call_terms, work)
+        rounding += call_terms * tiny(work) * math.sqrt(table.weight.numel())
         start += f[0].shape[1]
     mass = norms.sum(dim=1)
-    keys = torch.arange(batch, device=ids.device).unsqueeze(1) * module.num_embeddings + ids.long()
+    keys = torch.arange(batch, device=ids.device).unsqueeze(1) * table.num_embeddings + ids.long()
     unique, inverse = torch.unique(keys.flatten(), return_inverse=True)
     if unique.numel() == keys.numel():  # no token twice in an example: the rows are the output gradients
         order = torch.argsort(keys.flatten())
-        rows, unique, summed = g.reshape(-1, dim)[order], keys.flatten()[order], 0.0
+        rows, unique = g.reshape(-1, dim)[order], keys.flatten()[order]
     else:
         rows = g.new_zeros(unique.numel(), dim).index_add_(0, inverse, g.reshape(-1, dim))
-        summed = gamma(steps, unit_roundoff(work))
-    example = unique // module.num_embeddings
+    example = unique // table.num_embeddings
+    counts = torch.bincount(example, minlength=batch)
+    summed = torch.where(counts < steps, gamma(steps, unit_roundoff(work)), 0.0).double()  # (per example alone)
     squares = torch.zeros(batch, dtype=torch.float64, device=g.device)
     squares.index_add_(0, example, norm_upper_bound(rows, dim=1).square())
     estimate = squares.mul_(1 + gamma(steps + 2, U64)).sqrt_() + summed * mass
-    return _Rows(rows, example, unique - example * module.num_embeddings, estimate, rounding, mass, summed)
+    return _Rows(rows, example, unique - example * table.num_embeddings, counts, estimate, rounding, mass, summed,
+                 terms)
 
 
-def norm_bound(module: nn.Module, ids: Tensor, g: Tensor) -> Tensor:
+def _ill_conditioned(mass: Tensor, bound: Tensor, terms: int, u: float) -> Tensor:
+    """Per example, whether its terms are large against its bound (book-keeping's criterion for nn.Linear)."""
+    return mass * (u * math.sqrt(terms) * 1e3) > bound
+
+
+def norm_bound(module: nn.Module, ids: Tensor, g: Tensor) -> tuple[Tensor, Apart | None]:
     """Per example, an upper bound (float64) of the norm of what :func:`clipped_sums` adds for it at clip factor 1,
-    rounding included (module docstring); inf where it is not finite."""
+    rounding included (module docstring; inf where it is not finite), and the examples computed apart (None:
+    none)."""
     if g.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.float64, device=g.device)
+        return torch.zeros(0, dtype=torch.float64, device=g.device), None
     with full_precision():
-        parts = _rows(module, [(ids, g)])
-        return _finite_or_inf(parts.estimate + parts.rounding)
+        parts = _rows([(module, ids, g)])
+        upper = parts.estimate + parts.rounding
+        apart = _ill_conditioned(parts.mass, parts.estimate, parts.terms, unit_roundoff(parts.rows.dtype))
+        if not bool(apart.any()):
+            return _finite_or_inf(upper), None
+        ids, g, work = _flat(module, ids, g)
+        keys = torch.arange(g.shape[0], device=ids.device).unsqueeze(1) * module.num_embeddings + ids.long()
+        unique, inverse = torch.unique(keys[apart].flatten(), return_inverse=True)
+        rows = torch.zeros(unique.numel(), module.embedding_dim, dtype=torch.float64, device=g.device)
+        rows.index_add_(0, inverse, g[apart].double().reshape(-1, module.embedding_dim))  # float32 terms: exact
+        example = unique // module.num_embeddings
+        squares = torch.zeros(g.shape[0], dtype=torch.float64, device=g.device)
+        squares.index_add_(0, example, rows.square().sum(dim=1))
+        steps = ids.shape[1]
+        exact = (squares.sqrt() * (1 + gamma(steps * module.embedding_dim + 2, U64)) + gamma(steps, U64) * parts.mass)
+        # their float64 rows' cast to the work dtype and the addition after the batch's sum
+        upper = torch.where(apart, exact * (1 + 2 * unit_roundoff(work)) * (1 + 1e-12), upper)
+        return _finite_or_inf(upper), Apart(apart, rows, example, unique - example * module.num_embeddings)
 
 
-def tied_bound(module: nn.Module, calls: list[tuple[Tensor, Tensor]], linear: nn.Module | None = None,
-               x: Tensor | None = None, g_out: Tensor | None = None, bound: Any = None) -> Tensor:
-    """Per example, an upper bound (float64) of the norm of what the embedding ``calls`` on one table and, where
-    given, the nn.Linear ``linear`` whose weight is that table (a tied output layer: input ``x``, output gradient
-    ``g_out``, its book-keeping ``bound``) add to the table's clipped sum together, at clip factor 1.
+def tied_bound(calls: list[tuple[nn.Module, Tensor, Tensor]], call_uppers: list[Tensor], aparts: list[Apart | None],
+               linear: nn.Module | None = None, x: Tensor | None = None, g_out: Tensor | None = None,
+               bound: Any = None) -> Tensor:
+    """Per example, an upper bound (float64) of the norm of what the embedding ``calls`` on one table (each with its
+    own bound ``call_uppers`` and examples computed apart ``aparts``) and, where given, the nn.Linear ``linear``
+    whose weight is that table (a tied output layer: input ``x``, output gradient ``g_out``, its book-keeping
+    ``bound``) add to the table's clipped sum together, at clip factor 1.
 
     With E the embedding's gradient and A the output layer's, ||A + E||^2 = ||A||^2 + ||E||^2 + 2 <A, E>, where
-    <A, E> = sum_t sum_v g_out[t, v] <x_t, E[v]> runs over the tokens v the example holds only (E's non-zero rows):
-    computed in float32 with its error bound gamma_{d + T U + 1} sum_t ||x_t|| sum_v |g_out[t, v]| ||E[v]||, and the
-    rows' own rounding ||A|| gamma_T m_i. The bound is the root of the bounds of the three terms plus both calls'
-    rounding in the sums, times 1 + gamma_k for the k sums' additions; never above the triangle inequality's
-    ||A|| + ||E|| (the output layer's examples computed apart have only that one)."""
+    <A, E> = sum_t sum_v g_out[t, v] <x_t, E[v]> runs over the U_i tokens v the example holds only (E's non-zero
+    rows): computed in float32 with its error bound gamma_{d + T U_i + 1} sum_t ||x_t|| sum_v |g_out[t, v]| ||E[v]||
+    and the products' underflow, plus ||A|| gamma_T m_i for the rows' rounding. The bound is the root of the bounds
+    of the three terms plus every call's rounding in its sum, times 1 + gamma_k for the k sums' additions; it is the
+    triangle inequality's sum of the calls' own bounds instead where that is smaller, where a call computed the
+    example apart, and where the example's terms are large against the joint bound (the calls' terms, clipped by it,
+    would round the other examples' terms)."""
+    batch = calls[0][2].shape[0]
+    table = calls[0][0]
+    k = len(calls) + (linear is not None)
+    if batch == 0:
+        return torch.zeros(0, dtype=torch.float64, device=calls[0][2].device)
     with full_precision():
-        parts = _rows(module, calls)
-        k = len(calls)
+        parts = _rows(calls)
+        u = unit_roundoff(parts.rows.dtype)
+        triangle = sum(call_uppers)
+        apart = torch.zeros(batch, dtype=torch.bool, device=triangle.device)
+        for call_apart in aparts:
+            if call_apart is not None:
+                apart |= call_apart.examples
+        mass = parts.mass
         if linear is None:
             joint = parts.estimate + parts.rounding
-        elif bound.estimate is None or bound.rounding is None:
-            k += 1
-            joint = bound.upper + parts.estimate + parts.rounding
         else:
-            k += 1
-            triangle = bound.upper + parts.estimate + parts.rounding
-            cross = _cross_upper(parts, x, g_out, bound.estimate)
-            estimate_a = bound.estimate
-            squared = estimate_a.square() + parts.estimate.square() + 2 * cross
-            magnitude = estimate_a.square() + parts.estimate.square() + 2 * cross.abs()
-            squared = (squared + 4 * U64 * magnitude).clamp_min(0)
-            joint = squared.sqrt() * (1 + 1e-12) + bound.rounding + parts.rounding
-            apart = bound.exact if bound.exact is not None else torch.zeros_like(triangle, dtype=torch.bool)
-            joint = torch.where(apart | ~torch.isfinite(joint), triangle, torch.minimum(joint, triangle))
-        return _finite_or_inf(joint * (1 + gamma(k, unit_roundoff(module.weight.dtype))))  # (sums added in its dtype)
+            triangle = triangle + bound.upper
+            if bound.exact is not None:
+                apart |= bound.exact
+            if bound.estimate is None or bound.rounding is None:
+                joint = triangle
+            else:
+                cross = _cross_upper(parts, x, g_out, bound.estimate)
+                squared = bound.estimate.square() + parts.estimate.square() + 2 * cross
+                magnitude = bound.estimate.square() + parts.estimate.square() + 2 * cross.abs()
+                squared = (squared + 4 * U64 * magnitude).clamp_min(0)
+                joint = squared.sqrt() * (1 + 1e-12) + bound.rounding + parts.rounding
+                mass = mass + _linear_mass(x, g_out)
+        terms = parts.terms if x is None else max(parts.terms, block_examples(_steps_of(x).shape[1]) * _steps_of(x).shape[1])
+        conditioned = ~_ill_conditioned(mass, joint, terms, u)
+        joint = torch.where(apart | ~conditioned | ~torch.isfinite(joint), triangle, torch.minimum(joint, triangle))
+        return _finite_or_inf(joint * (1 + gamma(k, unit_roundoff(table.weight.dtype))))  # (sums: the table's dtype)
+
+
+def _steps_of(t: Tensor) -> Tensor:
+    """``t`` (B, ..., n) as (B, T, n)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
+
+
+def _linear_mass(x: Tensor, g_out: Tensor) -> Tensor:
+    """The output layer's terms' mass sum_t ||g_out[t]|| ||x_t|| per example (float64)."""
+    return (norm_upper_bound(_steps_of(g_out), dim=-1) * norm_upper_bound(_steps_of(x), dim=-1)).sum(dim=1)
 
 
 def _cross_upper(parts: _Rows, x: Tensor, g_out: Tensor, estimate_a: Tensor) -> Tensor:
     """An upper bound (float64) of <A_i, E_i> per example (:func:`tied_bound`): its float32 value over the example's
-    rows, padded to the most rows an example has, plus the error bounds."""
+    rows, padded with zero rows to the most rows an example has (exact zeros: no rounding), plus its error bounds,
+    each of the example's own sizes."""
     batch, dim = g_out.shape[0], parts.rows.shape[1]
     work = parts.rows.dtype
-    x = x.to(work).reshape(batch, -1, dim)
-    g_out = g_out.to(work).reshape(batch, x.shape[1], -1)
+    x, g_out = _steps_of(x.to(work)), _steps_of(g_out.to(work))
     steps = x.shape[1]
-    counts = torch.bincount(parts.example, minlength=batch)
-    most = int(counts.max()) if counts.numel() else 0
-    first = torch.cumsum(counts, 0) - counts
+    most = int(parts.counts.max()) if parts.counts.numel() else 0
+    first = torch.cumsum(parts.counts, 0) - parts.counts
     slot = torch.arange(parts.example.numel(), device=x.device) - first[parts.example]
     padded = parts.rows.new_zeros(batch, most, dim)
     padded[parts.example, slot] = parts.rows
@@ -178,10 +254,12 @@ def _cross_upper(parts: _Rows, x: Tensor, g_out: Tensor, estimate_a: Tensor) -> 
     value = (torch.bmm(x, padded.transpose(1, 2)) * picked).sum(dim=(1, 2)).double()  # (B, T, U) products
     row_norms = norm_upper_bound(padded, dim=2)  # (B, U), 0 at the padding
     x_norms = norm_upper_bound(x, dim=2)  # (B, T)
-    majorant = ((picked.abs().double() @ row_norms.unsqueeze(2)).squeeze(2) * x_norms).sum(dim=1) * (1 + 1e-6)
-    error = (gamma(dim + steps * most + 1, unit_roundoff(work)) * majorant + estimate_a * parts.summed * parts.mass
-             + steps * most * (dim + 1) * tiny(work))  # (and each product that underflows)
-    return value + error
+    absolute = picked.abs().double()
+    majorant = ((absolute @ row_norms.unsqueeze(2)).squeeze(2) * x_norms).sum(dim=1) * (1 + 1e-6)
+    n = (dim + steps * parts.counts + 1).double() * unit_roundoff(work)  # gamma_{d + T U_i + 1}, per example
+    relative = torch.where(n < 0.5, n / (1 - n), math.inf)
+    underflow = (dim * absolute.sum(dim=(1, 2)) + steps * parts.counts) * tiny(work)
+    return value + relative * majorant + estimate_a * parts.summed * parts.mass + underflow
 
 
 def _finite_or_inf(upper: Tensor) -> Tensor:
@@ -189,17 +267,23 @@ def _finite_or_inf(upper: Tensor) -> Tensor:
 
 
 def clipped_sums(
-    module: nn.Module, ids: Tensor, g: Tensor, factor: Tensor, upper: Tensor, into: Tensor | None = None
+    module: nn.Module, ids: Tensor, g: Tensor, factor: Tensor, upper: Tensor, apart: Apart | None = None,
+    into: Tensor | None = None,
 ) -> dict[nn.Parameter, Tensor]:
     """``{weight: sum_i factor_i W_i}``: the weighted output gradients added into the table's rows, per block of
-    examples (module docstring); an example whose bound ``upper`` is not finite adds nothing. ``into``: a buffer of
-    the weight's shape and dtype the sum may be written into when the batch is one block."""
+    examples, then the rows of the examples computed ``apart`` (module docstring); an example whose bound ``upper``
+    is not finite adds nothing. ``into``: a buffer of the weight's shape and dtype the sum may be written into when
+    the batch is one block."""
+    if g.shape[0] == 0:
+        return {module.weight: torch.zeros_like(module.weight)}
     with full_precision():
         ids, g, work = _flat(module, ids, g)
         steps, dim = ids.shape[1], module.embedding_dim
-        finite = torch.isfinite(upper.to(g.device))
-        factor = torch.where(finite, factor.to(g.device, torch.float64), 0.0).to(work)
-        weighted = torch.where(finite.view(-1, 1, 1), g * factor.view(-1, 1, 1), 0.0)
+        factor = factor.to(g.device, torch.float64)
+        batch_factor = torch.where(torch.isfinite(upper.to(g.device)), factor, 0.0)
+        if apart is not None:
+            batch_factor = torch.where(apart.examples, 0.0, batch_factor)
+        weighted = torch.where((batch_factor > 0).view(-1, 1, 1), g * batch_factor.to(work).view(-1, 1, 1), 0.0)
         block = block_examples(steps)
         use = into if g.shape[0] <= block and into is not None and into.dtype == work else None
 
@@ -207,4 +291,10 @@ def clipped_sums(
             out = weighted.new_zeros(module.weight.shape) if use is None else use.zero_()
             return {0: out.index_add_(0, ids.flatten(), weighted.reshape(-1, dim))}
 
-        return {module.weight: sum_by_blocks((ids, weighted), block, table)[0]}
+        summed = sum_by_blocks((ids, weighted), block, table)[0]
+        if apart is not None:
+            rows = apart.rows * torch.where(torch.isfinite(upper), factor, 0.0)[apart.example].unsqueeze(1)
+            tokens, inverse = torch.unique(apart.token, return_inverse=True)
+            added = torch.zeros(tokens.numel(), dim, dtype=torch.float64, device=g.device).index_add_(0, inverse, rows)
+            summed.index_add_(0, tokens, added.to(work))
+        return {module.weight: summed}
