@@ -58,6 +58,9 @@ NOTES = {
     "refuses.",
     "ghost": "Ghost clipping needs training_step to return per-sample losses; the unchanged demos return a mean loss "
     "and are refused with that message.",
+    "published size": "GPT-2 small and BERT-base as published (124M and 110M parameters, 50,257- and 30,522-token "
+    "tables), 16 sequences of 64 tokens: the step-time ratio only (`--ratios-only --published`); their cells are the "
+    "tiny configurations' above.",
 }
 
 
@@ -304,6 +307,49 @@ def cases(image_size: int = 32) -> dict[str, Case]:
     }
 
 
+def published_size_cases() -> dict[str, Case]:
+    """GPT-2 small (124M parameters, its 50,257-token table tied to its output layer) and BERT-base (110M, a
+    30,522-token table) as published, on 16 sequences of 64 tokens, for the step-time ratio only (``--published``):
+    the zoo's tiny configurations have 64-token tables, which hide what a real vocabulary costs."""
+    import torch
+    from torch import nn
+
+    def gpt2_small():  # noqa: ANN202
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config())
+
+        class Logits(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lm = model
+
+            def forward(self, ids: torch.Tensor) -> torch.Tensor:
+                return self.lm(input_ids=ids).logits
+
+        return Logits()
+
+    def bert_base():  # noqa: ANN202
+        from transformers import BertConfig, BertForSequenceClassification
+
+        model = BertForSequenceClassification(BertConfig(num_labels=2))
+
+        class Logits(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.bert = model
+
+            def forward(self, ids: torch.Tensor) -> torch.Tensor:
+                return self.bert(input_ids=ids, attention_mask=(ids != 0).long()).logits
+
+        return Logits()
+
+    return {
+        "gpt2_small (published size)": Case(_language_model(gpt2_small), lambda: _tokens(16, 64, 50257)),
+        "bert_base (published size)": Case(_language_model(bert_base), lambda: _tokens(16, 64, 30522)),
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # child: every cell, in the same 2 processes
 # ---------------------------------------------------------------------------------------------------------------------
@@ -463,7 +509,8 @@ def format_table(
 
     lines = ["| model | private / non-private step (1 process) | " + " | ".join(args.strategy_list) + " |",
              "|---|---|" + ":-:|" * len(args.strategy_list)]
-    for name, row in results.items():
+    for name in [*results, *(name for name in ratios if name not in results)]:  # (ratio-only rows last)
+        row = results.get(name, {})
         ratio = ratios.get(name, "-")
         ratio = ratio if ratio == "-" or ratio[0].isdigit() else symbol(ratio)
         cells = [" ".join(symbol(row.get(f"{s}/{m}", "-")) for m in args.mode_list) for s in args.strategy_list]
@@ -491,6 +538,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=32,
                         help="with --ratios-only: the image models' input side (docs/models.md's column: 32; a "
                         "larger one shows the ratio where the per-example work, not the noise, dominates)")
+    parser.add_argument("--published", action="store_true",
+                        help="with --ratios-only: GPT-2 small and BERT-base at their published sizes instead of the "
+                        "zoo (a few minutes of CPU; docs/models.md's rows marked 'published size')")
     parser.add_argument("--library", type=Path, default=None,
                         help="import lightning_privdec from this tree (e.g. a git worktree of an older commit) to "
                         "compare its ratios with this checkout's on the same models")
@@ -509,7 +559,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    known = list(cases()) if args.child or args.models == "all" else None
+    if args.published and not args.ratios_only:
+        parser.error("--published measures the step-time ratios only: use it with --ratios-only")
+    known = list((published_size_cases if args.published else cases)()) if args.child or args.models == "all" else None
     args.model_list = known if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
     args.strategy_list = [s.strip() for s in args.strategies.split(",") if s.strip()]
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -644,7 +696,7 @@ def run_ratios(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    zoo = cases(args.image_size)
+    zoo = published_size_cases() if args.published else cases(args.image_size)
     unknown = [m for m in args.model_list if m not in zoo]
     if unknown:
         raise SystemExit(f"unknown models {unknown}; choose from {', '.join(zoo)}")
@@ -686,7 +738,7 @@ def run_interleaved_ratios(args: argparse.Namespace) -> None:
                 command = [sys.executable, os.path.abspath(__file__), "--ratios-only",
                            "--models", ",".join(args.model_list), "--ratio-steps", str(args.ratio_steps or 20),
                            "--image-size", str(args.image_size),
-                           "--json", str(out)]
+                           "--json", str(out)] + (["--published"] if args.published else [])
                 if side == "before":
                     command += ["--library", str(args.before.resolve())]
                 subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
