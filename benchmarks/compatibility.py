@@ -202,40 +202,11 @@ def cases(image_size: int = 32) -> dict[str, Case]:
             return self.out(self.norm(h + self.block(h)))
 
     def gpt2(lora: bool = False):  # noqa: ANN202
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
-        if lora:
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True))
-
-        class Logits(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.lm = model
-
-            def forward(self, ids: torch.Tensor) -> torch.Tensor:
-                return self.lm(input_ids=ids).logits
-
-        return Logits()
+        return _gpt2_logits(dict(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2), lora)
 
     def bert():  # noqa: ANN202
-        from transformers import BertConfig, BertForSequenceClassification
-
-        config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                            intermediate_size=64, max_position_embeddings=32, num_labels=2)
-        model = BertForSequenceClassification(config)
-
-        class Logits(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.bert = model
-
-            def forward(self, ids: torch.Tensor) -> torch.Tensor:
-                return self.bert(input_ids=ids, attention_mask=(ids != 0).long()).logits  # a padding mask
-
-        return Logits()
+        return _bert_logits(dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=64, max_position_embeddings=32, num_labels=2))
 
     def frozen_backbone():  # noqa: ANN202
         backbone = nn.Sequential(nn.Flatten(), nn.Linear(3 * image_size * image_size, 64), nn.ReLU())
@@ -307,46 +278,58 @@ def cases(image_size: int = 32) -> dict[str, Case]:
     }
 
 
+def _gpt2_logits(config: dict, lora: bool = False):  # noqa: ANN202
+    """Hugging Face's GPT2LMHeadModel of ``config`` (with LoRA adapters on its attention projections where
+    ``lora``), returning the logits of input ids."""
+    import torch
+    from torch import nn
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(**config))
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True))
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.lm(input_ids=ids).logits
+
+    return Logits()
+
+
+def _bert_logits(config: dict):  # noqa: ANN202
+    """Hugging Face's BertForSequenceClassification of ``config``, returning the logits of input ids (token 0 is
+    padding, masked)."""
+    import torch
+    from torch import nn
+    from transformers import BertConfig, BertForSequenceClassification
+
+    model = BertForSequenceClassification(BertConfig(**config))
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.bert(input_ids=ids, attention_mask=(ids != 0).long()).logits  # a padding mask
+
+    return Logits()
+
+
 def published_size_cases() -> dict[str, Case]:
     """GPT-2 small (124M parameters, its 50,257-token table tied to its output layer) and BERT-base (110M, a
     30,522-token table) as published, on 16 sequences of 64 tokens, for the step-time ratio only (``--published``):
     the zoo's tiny configurations have 64-token tables, which hide what a real vocabulary costs."""
-    import torch
-    from torch import nn
-
-    def gpt2_small():  # noqa: ANN202
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        model = GPT2LMHeadModel(GPT2Config())
-
-        class Logits(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.lm = model
-
-            def forward(self, ids: torch.Tensor) -> torch.Tensor:
-                return self.lm(input_ids=ids).logits
-
-        return Logits()
-
-    def bert_base():  # noqa: ANN202
-        from transformers import BertConfig, BertForSequenceClassification
-
-        model = BertForSequenceClassification(BertConfig(num_labels=2))
-
-        class Logits(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.bert = model
-
-            def forward(self, ids: torch.Tensor) -> torch.Tensor:
-                return self.bert(input_ids=ids, attention_mask=(ids != 0).long()).logits
-
-        return Logits()
-
     return {
-        "gpt2_small (published size)": Case(_language_model(gpt2_small), lambda: _tokens(16, 64, 50257)),
-        "bert_base (published size)": Case(_language_model(bert_base), lambda: _tokens(16, 64, 30522)),
+        "gpt2_small (published size)": Case(_language_model(lambda: _gpt2_logits({})), lambda: _tokens(16, 64, 50257)),
+        "bert_base (published size)": Case(_language_model(lambda: _bert_logits(dict(num_labels=2))),
+                                           lambda: _tokens(16, 64, 30522)),
     }
 
 
