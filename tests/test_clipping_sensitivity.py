@@ -216,6 +216,28 @@ def test_an_embedding_s_bounds_are_each_example_s_own(monkeypatch: pytest.Monkey
     assert float(ratios.max()) <= 1 + TOLERANCE
 
 
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_a_tied_table_s_bound_does_not_move_with_the_other_examples_token_counts(precision: str) -> None:
+    """A second review's case (then 1.0064 C at 16 copies, 1.026 C at 64): 16 copies of y, whose tied table's two
+    gradients cancel but for a small output gradient elsewhere, and x holding more distinct tokens than any other
+    example. The cross term <A, E> was summed in float32 over rows padded to the batch's largest token count, so
+    removing x changed how every y's value rounded, and with it y's bound; now float64 over a width of the shapes."""
+    from lightning_privdec.audit.sensitivity import _TiedEmbedding
+
+    torch.manual_seed(0)  # (the table's values: with this one the float32 version moved the sum by 1.0057 C)
+    model = _TiedEmbedding()
+    vocab, copies = model.embed.num_embeddings, 16
+    y_ids = torch.tensor([3, 3, 4, 4, 5, 5, 5, 5])
+    x_ids = torch.tensor([3, 3, 4, 4, 5, 6, 7, 8])
+    y = 1e3 * nn.functional.one_hot(y_ids, vocab).float()
+    y[:5, 100] += 5.0
+    x = torch.zeros(8, vocab)
+    x[:5, 100] = 5.0
+    z = torch.randn(8, vocab, generator=torch.Generator().manual_seed(0))
+    batch = (torch.stack([x_ids, torch.full((8,), 9)] + [y_ids] * copies), torch.stack([x, z] + [y] * copies))
+    assert _removing(model, batch, 0, precision) <= 1 + TOLERANCE
+
+
 def test_an_overflowing_example_stops_a_materialising_mode_rather_than_leaving_the_sum() -> None:
     """The overflow attacks' example in the modes that compute it in float32 ("hooks", "functorch": infinity, the
     attack is not theirs): the clipped sum is not finite, so the node stops at it; no example is left out

@@ -438,7 +438,7 @@ def _own_trainable(module: nn.Module) -> list[nn.Parameter]:
 def _tied_embeddings(records: list[_Call], uses: dict[int, int]) -> list[list[_Call]]:
     """The calls that share a parameter with an nn.Embedding call (a tied input and output embedding: GPT-2's token
     table and its output layer), in groups of calls joined by shared parameters, where every call of the group has
-    book-keeping; each group's per-example bound is the sum of its calls' (:func:`_joint_uppers`)."""
+    book-keeping; each group gets one per-example bound (:func:`_joint_uppers`)."""
     shared = [r for r in records if any(uses[id(p)] > 1 for p in r.params)]
     if not any(type(r.module) is nn.Embedding for r in shared):
         return []

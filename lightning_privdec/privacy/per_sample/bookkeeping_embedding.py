@@ -6,18 +6,19 @@ Example i's gradient of the table is ``W_i = sum_t e_{id_t} g_t^T``: row v is th
 the positions where token v occurs, every other row is 0. So
 
 * its norm is that of at most T row sums: the positions' keys (example, token) are sorted, the g_t of each key
-  added (``index_add_``), and the rows' norms summed per example;
+  added in float64 (``index_add_``), and the rows' norms summed per example;
 * the clipped sum ``sum_i c_i W_i`` is one ``index_add_`` of the weighted output gradients c_i g_t into the table's
   rows per block of examples (:func:`~.gram.block_examples`), the blocks added in float64.
 
 Rounding (docs/privacy.md, "What clipping guarantees"), with m_i = sum_t ||g_t|| the example's mass (float64, from
-per-position norm bounds): the computed row sums of an example that repeats a token err from the exact ones by at
-most gamma_T m_i (any order of addition), and the example's terms in the batch's sum, at most R + 1 per entry
+per-position norm bounds): the float64 row sums of an example that repeats a token err from the exact ones by at
+most float64's gamma_T m_i (any order of addition: a device's atomic additions move the bound by about 1e-16 only),
+and the example's terms in the batch's sum, at most R + 1 per entry
 (R = block_examples(T) T, and the examples computed apart), by (gamma_{R+1} + 2u) m_i (the factor's multiplication
 included); both are added to the norm bound of the computed rows, so the bound holds whatever order a device adds
 in, and depends on the example alone. An example whose terms are large against its bound (u sqrt(R) 1e3 m_i above
 it: tokens whose output gradients cancel) would, clipped, round the other examples' terms differently once another
-example is removed: its rows are computed in float64 and added after the batch's sum, as book-keeping's ill-conditioned
+example is removed: its float64 rows are added after the batch's sum instead, as book-keeping's ill-conditioned
 nn.Linear examples are. The padding row gets no gradient (as in autograd). An example whose bound is not finite adds
 nothing. Tables of fewer than :data:`MIN_ENTRIES` entries keep the closed form (cheaper there).
 """
@@ -87,11 +88,12 @@ class Apart:
 @dataclass
 class _Rows:
     """An embedding's per-example gradients of one or more calls on one table, as their non-zero rows: ``rows``
-    (U, d) the computed sums of the output gradients per (example, token), ``example`` and ``token`` (U,) whose rows
-    they are, ``counts`` (B,) how many rows each example has; per example (float64), ``estimate`` bounds the norm of
-    the exact gradient and ``rounding`` that of the example's terms in the calls' clipped sums (module docstring),
-    ``mass`` is sum_t ||g_t||, ``summed`` the relative error of its row sums (gamma_T, 0 where it repeats no
-    token), ``terms`` the most terms an entry of a call's sum adds (R + 1)."""
+    (U, d) the sums of the output gradients per (example, token) in float64 (whatever order a device adds in, the
+    same to about 1e-16), ``example`` and ``token`` (U,) whose rows they are, ``counts`` (B,) how many rows each
+    example has; per example (float64), ``estimate`` bounds the norm of the exact gradient and ``rounding`` that of
+    the example's terms in the calls' clipped sums (module docstring), ``mass`` is sum_t ||g_t||, ``summed`` the
+    relative error of its row sums (float64's gamma_T, 0 where it repeats no token), ``steps`` its positions T (at
+    least U_i), ``terms`` the most terms an entry of a call's sum adds (R + 1)."""
 
     rows: Tensor
     example: Tensor
@@ -101,6 +103,7 @@ class _Rows:
     rounding: Tensor
     mass: Tensor
     summed: Tensor
+    steps: int
     terms: int
 
 
@@ -127,17 +130,18 @@ def _rows(calls: list[tuple[nn.Module, Tensor, Tensor]]) -> _Rows:
     unique, inverse = torch.unique(keys.flatten(), return_inverse=True)
     if unique.numel() == keys.numel():  # no token twice in an example: the rows are the output gradients
         order = torch.argsort(keys.flatten())
-        rows, unique = g.reshape(-1, dim)[order], keys.flatten()[order]
+        rows, unique = g.reshape(-1, dim)[order].double(), keys.flatten()[order]
     else:
-        rows = g.new_zeros(unique.numel(), dim).index_add_(0, inverse, g.reshape(-1, dim))
+        rows = torch.zeros(unique.numel(), dim, dtype=torch.float64, device=g.device)
+        rows.index_add_(0, inverse, g.reshape(-1, dim).double())
     example = unique // table.num_embeddings
     counts = torch.bincount(example, minlength=batch)
-    summed = torch.where(counts < steps, gamma(steps, unit_roundoff(work)), 0.0).double()  # (per example alone)
+    summed = torch.where(counts < steps, gamma(steps, U64), 0.0).double()  # (each example's own)
     squares = torch.zeros(batch, dtype=torch.float64, device=g.device)
     squares.index_add_(0, example, norm_upper_bound(rows, dim=1).square())
     estimate = squares.mul_(1 + gamma(steps + 2, U64)).sqrt_() + summed * mass
     return _Rows(rows, example, unique - example * table.num_embeddings, counts, estimate, rounding, mass, summed,
-                 terms)
+                 steps, terms)
 
 
 def _ill_conditioned(mass: Tensor, bound: Tensor, terms: int, u: float) -> Tensor:
@@ -148,28 +152,21 @@ def _ill_conditioned(mass: Tensor, bound: Tensor, terms: int, u: float) -> Tenso
 def norm_bound(module: nn.Module, ids: Tensor, g: Tensor) -> tuple[Tensor, Apart | None]:
     """Per example, an upper bound (float64) of the norm of what :func:`clipped_sums` adds for it at clip factor 1,
     rounding included (module docstring; inf where it is not finite), and the examples computed apart (None:
-    none)."""
+    none): their float64 rows, bounded by the same estimate, times 1 + 2u for their cast to the work dtype and their
+    addition after the batch's sum."""
     if g.shape[0] == 0:
         return torch.zeros(0, dtype=torch.float64, device=g.device), None
     with full_precision():
         parts = _rows([(module, ids, g)])
+        work = torch.promote_types(torch.promote_types(g.dtype, module.weight.dtype), torch.float32)
+        u = unit_roundoff(work)
+        apart = _ill_conditioned(parts.mass, parts.estimate, parts.terms, u)
         upper = parts.estimate + parts.rounding
-        apart = _ill_conditioned(parts.mass, parts.estimate, parts.terms, unit_roundoff(parts.rows.dtype))
         if not bool(apart.any()):
             return _finite_or_inf(upper), None
-        ids, g, work = _flat(module, ids, g)
-        keys = torch.arange(g.shape[0], device=ids.device).unsqueeze(1) * module.num_embeddings + ids.long()
-        unique, inverse = torch.unique(keys[apart].flatten(), return_inverse=True)
-        rows = torch.zeros(unique.numel(), module.embedding_dim, dtype=torch.float64, device=g.device)
-        rows.index_add_(0, inverse, g[apart].double().reshape(-1, module.embedding_dim))  # float32 terms: exact
-        example = unique // module.num_embeddings
-        squares = torch.zeros(g.shape[0], dtype=torch.float64, device=g.device)
-        squares.index_add_(0, example, rows.square().sum(dim=1))
-        steps = ids.shape[1]
-        exact = (squares.sqrt() * (1 + gamma(steps * module.embedding_dim + 2, U64)) + gamma(steps, U64) * parts.mass)
-        # their float64 rows' cast to the work dtype and the addition after the batch's sum
-        upper = torch.where(apart, exact * (1 + 2 * unit_roundoff(work)) * (1 + 1e-12), upper)
-        return _finite_or_inf(upper), Apart(apart, rows, example, unique - example * module.num_embeddings)
+        upper = torch.where(apart, parts.estimate * (1 + 2 * u) * (1 + 1e-12), upper)
+        rows = apart[parts.example]
+        return _finite_or_inf(upper), Apart(apart, parts.rows[rows], parts.example[rows], parts.token[rows])
 
 
 def tied_bound(calls: list[tuple[nn.Module, Tensor, Tensor]], call_uppers: list[Tensor], aparts: list[Apart | None],
@@ -182,7 +179,7 @@ def tied_bound(calls: list[tuple[nn.Module, Tensor, Tensor]], call_uppers: list[
 
     With E the embedding's gradient and A the output layer's, ||A + E||^2 = ||A||^2 + ||E||^2 + 2 <A, E>, where
     <A, E> = sum_t sum_v g_out[t, v] <x_t, E[v]> runs over the U_i tokens v the example holds only (E's non-zero
-    rows): computed in float32 with its error bound gamma_{d + T U_i + 1} sum_t ||x_t|| sum_v |g_out[t, v]| ||E[v]||
+    rows): computed in float64 with its error bound gamma_{d + T U_i + 1} sum_t ||x_t|| sum_v |g_out[t, v]| ||E[v]||
     and the products' underflow, plus ||A|| gamma_T m_i for the rows' rounding. The bound is the root of the bounds
     of the three terms plus every call's rounding in its sum, times 1 + gamma_k for the k sums' additions; it is the
     triangle inequality's sum of the calls' own bounds instead where that is smaller, where a call computed the
@@ -195,7 +192,8 @@ def tied_bound(calls: list[tuple[nn.Module, Tensor, Tensor]], call_uppers: list[
         return torch.zeros(0, dtype=torch.float64, device=calls[0][2].device)
     with full_precision():
         parts = _rows(calls)
-        u = unit_roundoff(parts.rows.dtype)
+        g = calls[0][2]
+        u = unit_roundoff(torch.promote_types(torch.promote_types(g.dtype, table.weight.dtype), torch.float32))
         triangle = sum(call_uppers)
         apart = torch.zeros(batch, dtype=torch.bool, device=triangle.device)
         for call_apart in aparts:
@@ -234,31 +232,31 @@ def _linear_mass(x: Tensor, g_out: Tensor) -> Tensor:
 
 
 def _cross_upper(parts: _Rows, x: Tensor, g_out: Tensor, estimate_a: Tensor) -> Tensor:
-    """An upper bound (float64) of <A_i, E_i> per example (:func:`tied_bound`): its float32 value over the example's
-    rows, padded with zero rows to the most rows an example has (exact zeros: no rounding), plus its error bounds,
-    each of the example's own sizes."""
-    batch, dim = g_out.shape[0], parts.rows.shape[1]
-    work = parts.rows.dtype
-    x, g_out = _steps_of(x.to(work)), _steps_of(g_out.to(work))
+    """An upper bound (float64) of <A_i, E_i> per example (:func:`tied_bound`): its value over the example's rows,
+    computed in float64, the rows padded with zero rows to the positions T (a width of the shapes alone: a width
+    taken from the batch's largest U_i made the reduction's rounding, and with it each example's bound, depend on
+    the other examples), plus its error bounds, each of the example's own sizes."""
+    batch, dim, width = g_out.shape[0], parts.rows.shape[1], parts.steps
+    x, g_out = _steps_of(x).double(), _steps_of(g_out)
     steps = x.shape[1]
-    most = int(parts.counts.max()) if parts.counts.numel() else 0
     first = torch.cumsum(parts.counts, 0) - parts.counts
     slot = torch.arange(parts.example.numel(), device=x.device) - first[parts.example]
-    padded = parts.rows.new_zeros(batch, most, dim)
+    padded = parts.rows.new_zeros(batch, width, dim)
     padded[parts.example, slot] = parts.rows
-    tokens = torch.zeros(batch, most, dtype=torch.long, device=x.device)
+    tokens = torch.zeros(batch, width, dtype=torch.long, device=x.device)
     tokens[parts.example, slot] = parts.token
-    held = torch.zeros(batch, most, dtype=torch.bool, device=x.device)
+    held = torch.zeros(batch, width, dtype=torch.bool, device=x.device)
     held[parts.example, slot] = True
-    picked = torch.where(held.unsqueeze(1), g_out.gather(2, tokens.unsqueeze(1).expand(batch, steps, most)), 0.0)
-    value = (torch.bmm(x, padded.transpose(1, 2)) * picked).sum(dim=(1, 2)).double()  # (B, T, U) products
+    picked = torch.where(held.unsqueeze(1), g_out.gather(2, tokens.unsqueeze(1).expand(batch, steps, width)).double(),
+                         0.0)  # g_out[t, v] (float32 or narrower: exact in float64)
+    value = (torch.bmm(x, padded.transpose(1, 2)) * picked).sum(dim=(1, 2))  # (B, T, U) products
     row_norms = norm_upper_bound(padded, dim=2)  # (B, U), 0 at the padding
     x_norms = norm_upper_bound(x, dim=2)  # (B, T)
-    absolute = picked.abs().double()
+    absolute = picked.abs()
     majorant = ((absolute @ row_norms.unsqueeze(2)).squeeze(2) * x_norms).sum(dim=1) * (1 + 1e-6)
-    n = (dim + steps * parts.counts + 1).double() * unit_roundoff(work)  # gamma_{d + T U_i + 1}, per example
+    n = (dim + steps * parts.counts + 1).double() * U64  # float64's gamma_{d + T U_i + 1}, per example
     relative = torch.where(n < 0.5, n / (1 - n), math.inf)
-    underflow = (dim * absolute.sum(dim=(1, 2)) + steps * parts.counts) * tiny(work)
+    underflow = (dim * absolute.sum(dim=(1, 2)) + steps * parts.counts) * tiny(torch.float64)
     return value + relative * majorant + estimate_a * parts.summed * parts.mass + underflow
 
 
