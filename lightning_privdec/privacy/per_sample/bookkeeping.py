@@ -26,7 +26,7 @@ instead of a second computation of T p d_out per example.
 Rounding: every norm that sets a clip factor is an upper bound of the norm of what the example adds, whatever the
 inputs (:func:`norm_bound`; docs/privacy.md, "What clipping guarantees"). With m_i = sum_t ||g_t|| ||u_t|| the
 example's mass (float64, from per-token norms), the Gram norm errs by at most gamma m_i^2 (:func:`_gram_error`), a
-per-example or bias sum by gamma_T m_i, and the example's terms in the batch's sum by (gamma_R + 2u) m_i; each
+per-example or bias sum by gamma_T m_i, and the example's terms in the batch's sum by (gamma_R + 4u) m_i; each
 bound is added. An example whose bound is loose, or whose terms are large against its norm, is computed alone in
 float64 and added after the batch's product (:class:`NormBound`).
 """
@@ -176,8 +176,9 @@ def norm_bound(
                                                                 keep_rows and keeps_rows(module, a, g))
         u = unit_roundoff(work)
         # the clipped sum: weight-gradient products over blocks of examples, `rows` = block_examples(T) T terms per
-        # entry, the factor's multiplication and the products' underflow (independent of the batch size)
-        rounding = mass * sum_rounding(rows, work) + rows * _tiny(work) * math.sqrt(_numel(module))
+        # entry, the factor's multiplication, the float64 sum of the blocks' cast back to `work` and the addition of
+        # the examples computed apart (2u), and the products' underflow (independent of the batch size)
+        rounding = mass * (sum_rounding(rows, work) + 2 * u) + rows * _tiny(work) * math.sqrt(_numel(module))
         upper = estimate + rounding
         # an example whose terms are large against its norm would round the whole batch's sum: computed apart
         isolate = mass * (u * math.sqrt(rows) * 1e3) > estimate
