@@ -382,9 +382,9 @@ def test_calls_of_one_shape_get_the_clipped_sums_each_would_get_alone(
 
 
 def test_small_materialised_gradients_are_clipped_side_by_side_as_each_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The per-example gradients a closed form materialises (small embeddings, LayerNorms) are bounded and summed side by
-    side, one norm bound of their concatenated rows and one product for the clipped sums: the norms and sums of each
-    taken alone, up to rounding, every norm at least the exact per-example norm."""
+    """The per-example gradients a closed form materialises (small embeddings, LayerNorms) are bounded and summed
+    side by side, one norm bound of their concatenated rows and one product for the clipped sums: the norms and sums
+    of each taken alone, up to rounding, every norm at least the exact per-example norm."""
     from lightning_privdec.privacy.per_sample import arithmetic
 
     class Tagger(nn.Module):

@@ -307,7 +307,8 @@ class _TiedEmbedding(nn.Module):
     def __init__(self, vocab: int = 8192, dim: int = 8) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(8)
-        self.embed, self.mix, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, vocab, bias=False)
+        self.embed, self.mix = nn.Embedding(vocab, dim), nn.Linear(dim, dim, bias=False)
+        self.out = nn.Linear(dim, vocab, bias=False)
         skew = torch.randn(dim, dim, generator=gen)
         self.mix.weight.data.copy_(skew - skew.T)
         self.mix.weight.requires_grad_(False)

@@ -478,7 +478,7 @@ def _joint_uppers(calls: list[_Call], bounds: list[bookkeeping.NormBound], tied:
             own = [bounds[position[id(r)]] for r in embeddings]
             out.append(bookkeeping_embedding.tied_bound(
                 [(r.module, r.activations[0], r.backprops) for r in embeddings], [b.upper for b in own],
-                [b.apart for b in own],
+                [b.embedding for b in own],
                 *((linear.module, linear.activations[0], linear.backprops, bounds[position[id(linear)]])
                   if linear is not None else ()),
             ))

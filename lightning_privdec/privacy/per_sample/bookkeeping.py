@@ -137,8 +137,8 @@ class NormBound:
     sum's rounding; the rows of examples computed apart are zeroed (:func:`compute_exact`). ``upper`` is the sum of
     ``estimate`` (a bound of the exact gradient's norm) and ``rounding`` (that of the example's terms in the batch's
     sum), kept where known for the joint bound of a tied embedding (:mod:`.bookkeeping_embedding`); an example in
-    ``exact`` has only ``upper``. An embedding's examples computed apart are ``apart``
-    (:class:`~.bookkeeping_embedding.Apart`), not ``exact``.
+    ``exact`` has only ``upper``. An embedding's rows and examples computed apart are ``embedding``
+    (:class:`~.bookkeeping_embedding.CallBound`), not ``exact``.
     """
 
     upper: Tensor
@@ -147,7 +147,7 @@ class NormBound:
     rows: Tensor | None = None
     estimate: Tensor | None = None
     rounding: Tensor | None = None
-    apart: Any = None
+    embedding: Any = None
 
 
 def norm_bound(
@@ -158,9 +158,9 @@ def norm_bound(
     ``defer_exact``: leave the ill-conditioned examples marked in ``exact`` without computing them (no host
     synchronisation); :func:`compute_exact` finishes them. ``keep_rows``: a convolution's per-example weight
     gradients are kept where :func:`~.bookkeeping_conv.keeps_rows` says so (for :func:`clipped_sums`)."""
-    if type(module) is nn.Embedding:  # its examples computed apart are its own (bound.apart)
-        upper, apart = bookkeeping_embedding.norm_bound(module, a, g)
-        return NormBound(upper, apart=apart)
+    if type(module) is nn.Embedding:  # its rows and examples computed apart: bound.embedding
+        upper, call = bookkeeping_embedding.norm_bound(module, a, g)
+        return NormBound(upper, embedding=call)
     work = _work_dtype(module, g)
     batch = g.shape[0]
     if batch == 0:
@@ -279,7 +279,7 @@ def clipped_sums(
     if type(module) is nn.Embedding:
         if bound is None:
             bound = norm_bound(module, a, g)
-        return bookkeeping_embedding.clipped_sums(module, a, g, factor, bound.upper, bound.apart,
+        return bookkeeping_embedding.clipped_sums(module, a, g, factor, bound.upper, bound.embedding,
                                                   None if into is None else into(module.weight))
     work = _work_dtype(module, g)
     factor = factor.to(g.device, torch.float64)

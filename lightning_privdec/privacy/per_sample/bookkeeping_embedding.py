@@ -75,17 +75,6 @@ def _flat(module: nn.Module, ids: Tensor, g: Tensor) -> tuple[Tensor, Tensor, to
 
 
 @dataclass
-class Apart:
-    """The examples of a call computed apart (``examples``, bool (B,)): their rows in float64, ``rows`` (K, d), of
-    examples ``example`` and tokens ``token`` (K,)."""
-
-    examples: Tensor
-    rows: Tensor
-    example: Tensor
-    token: Tensor
-
-
-@dataclass
 class _Rows:
     """An embedding's per-example gradients of one or more calls on one table, as their non-zero rows: ``rows``
     (U, d) the sums of the output gradients per (example, token) in float64 (whatever order a device adds in, the
@@ -93,7 +82,7 @@ class _Rows:
     example has; per example (float64), ``estimate`` bounds the norm of the exact gradient and ``rounding`` that of
     the example's terms in the calls' clipped sums (module docstring), ``mass`` is sum_t ||g_t||, ``summed`` the
     relative error of its row sums (float64's gamma_T, 0 where it repeats no token), ``steps`` its positions T (at
-    least U_i), ``terms`` the most terms an entry of a call's sum adds (R + 1)."""
+    least U_i), ``terms`` the most terms an entry of a call's sum adds (R + 1), ``work`` the sums' dtype."""
 
     rows: Tensor
     example: Tensor
@@ -105,6 +94,16 @@ class _Rows:
     summed: Tensor
     steps: int
     terms: int
+    work: torch.dtype
+
+
+@dataclass
+class CallBound:
+    """What :func:`clipped_sums` and :func:`tied_bound` take from a call's :func:`norm_bound`: its rows, and which
+    examples are computed apart (bool (B,); None: none), whose float64 rows are added after the batch's sum."""
+
+    parts: _Rows
+    apart: Tensor | None
 
 
 def _rows(calls: list[tuple[nn.Module, Tensor, Tensor]]) -> _Rows:
@@ -141,7 +140,7 @@ def _rows(calls: list[tuple[nn.Module, Tensor, Tensor]]) -> _Rows:
     squares.index_add_(0, example, norm_upper_bound(rows, dim=1).square())
     estimate = squares.mul_(1 + gamma(steps + 2, U64)).sqrt_() + summed * mass
     return _Rows(rows, example, unique - example * table.num_embeddings, counts, estimate, rounding, mass, summed,
-                 steps, terms)
+                 steps, terms, work)
 
 
 def _ill_conditioned(mass: Tensor, bound: Tensor, terms: int, u: float) -> Tensor:
@@ -149,31 +148,30 @@ def _ill_conditioned(mass: Tensor, bound: Tensor, terms: int, u: float) -> Tenso
     return mass * (u * math.sqrt(terms) * 1e3) > bound
 
 
-def norm_bound(module: nn.Module, ids: Tensor, g: Tensor) -> tuple[Tensor, Apart | None]:
+def norm_bound(module: nn.Module, ids: Tensor, g: Tensor) -> tuple[Tensor, CallBound | None]:
     """Per example, an upper bound (float64) of the norm of what :func:`clipped_sums` adds for it at clip factor 1,
-    rounding included (module docstring; inf where it is not finite), and the examples computed apart (None:
-    none): their float64 rows, bounded by the same estimate, times 1 + 2u for their cast to the work dtype and their
-    addition after the batch's sum."""
+    rounding included (module docstring; inf where it is not finite), and the call's rows with the examples computed
+    apart (None for an empty batch): their float64 rows, bounded by the same estimate, times 1 + 2u for their cast
+    to the work dtype and their addition after the batch's sum."""
     if g.shape[0] == 0:
         return torch.zeros(0, dtype=torch.float64, device=g.device), None
     with full_precision():
         parts = _rows([(module, ids, g)])
-        work = torch.promote_types(torch.promote_types(g.dtype, module.weight.dtype), torch.float32)
-        u = unit_roundoff(work)
+        u = unit_roundoff(parts.work)
         apart = _ill_conditioned(parts.mass, parts.estimate, parts.terms, u)
         upper = parts.estimate + parts.rounding
         if not bool(apart.any()):
-            return _finite_or_inf(upper), None
+            return _finite_or_inf(upper), CallBound(parts, None)
         upper = torch.where(apart, parts.estimate * (1 + 2 * u) * (1 + 1e-12), upper)
-        rows = apart[parts.example]
-        return _finite_or_inf(upper), Apart(apart, parts.rows[rows], parts.example[rows], parts.token[rows])
+        return _finite_or_inf(upper), CallBound(parts, apart)
 
 
-def tied_bound(calls: list[tuple[nn.Module, Tensor, Tensor]], call_uppers: list[Tensor], aparts: list[Apart | None],
-               linear: nn.Module | None = None, x: Tensor | None = None, g_out: Tensor | None = None,
-               bound: Any = None) -> Tensor:
+def tied_bound(calls: list[tuple[nn.Module, Tensor, Tensor]], call_uppers: list[Tensor],
+               call_bounds: list[CallBound | None], linear: nn.Module | None = None, x: Tensor | None = None,
+               g_out: Tensor | None = None, bound: Any = None) -> Tensor:
     """Per example, an upper bound (float64) of the norm of what the embedding ``calls`` on one table (each with its
-    own bound ``call_uppers`` and examples computed apart ``aparts``) and, where given, the nn.Linear ``linear``
+    own bound ``call_uppers`` and :class:`CallBound`, whose rows serve a single call) and, where given, the nn.Linear
+    ``linear``
     whose weight is that table (a tied output layer: input ``x``, output gradient ``g_out``, its book-keeping
     ``bound``) add to the table's clipped sum together, at clip factor 1.
 
@@ -191,14 +189,13 @@ def tied_bound(calls: list[tuple[nn.Module, Tensor, Tensor]], call_uppers: list[
     if batch == 0:
         return torch.zeros(0, dtype=torch.float64, device=calls[0][2].device)
     with full_precision():
-        parts = _rows(calls)
-        g = calls[0][2]
-        u = unit_roundoff(torch.promote_types(torch.promote_types(g.dtype, table.weight.dtype), torch.float32))
+        parts = call_bounds[0].parts if len(calls) == 1 and call_bounds[0] is not None else _rows(calls)
+        u = unit_roundoff(parts.work)
         triangle = sum(call_uppers)
         apart = torch.zeros(batch, dtype=torch.bool, device=triangle.device)
-        for call_apart in aparts:
-            if call_apart is not None:
-                apart |= call_apart.examples
+        for call_bound in call_bounds:
+            if call_bound is not None and call_bound.apart is not None:
+                apart |= call_bound.apart
         mass = parts.mass
         if linear is None:
             joint = parts.estimate + parts.rounding
@@ -215,7 +212,8 @@ def tied_bound(calls: list[tuple[nn.Module, Tensor, Tensor]], call_uppers: list[
                 squared = (squared + 4 * U64 * magnitude).clamp_min(0)
                 joint = squared.sqrt() * (1 + 1e-12) + bound.rounding + parts.rounding
                 mass = mass + _linear_mass(x, g_out)
-        terms = parts.terms if x is None else max(parts.terms, block_examples(_steps_of(x).shape[1]) * _steps_of(x).shape[1])
+        linear_steps = 0 if x is None else _steps_of(x).shape[1]
+        terms = max(parts.terms, block_examples(linear_steps) * linear_steps)
         conditioned = ~_ill_conditioned(mass, joint, terms, u)
         joint = torch.where(apart | ~conditioned | ~torch.isfinite(joint), triangle, torch.minimum(joint, triangle))
         return _finite_or_inf(joint * (1 + gamma(k, unit_roundoff(table.weight.dtype))))  # (sums: the table's dtype)
@@ -265,13 +263,13 @@ def _finite_or_inf(upper: Tensor) -> Tensor:
 
 
 def clipped_sums(
-    module: nn.Module, ids: Tensor, g: Tensor, factor: Tensor, upper: Tensor, apart: Apart | None = None,
+    module: nn.Module, ids: Tensor, g: Tensor, factor: Tensor, upper: Tensor, call: CallBound | None = None,
     into: Tensor | None = None,
 ) -> dict[nn.Parameter, Tensor]:
     """``{weight: sum_i factor_i W_i}``: the weighted output gradients added into the table's rows, per block of
-    examples, then the rows of the examples computed ``apart`` (module docstring); an example whose bound ``upper``
-    is not finite adds nothing. ``into``: a buffer of the weight's shape and dtype the sum may be written into when
-    the batch is one block."""
+    examples, then the float64 rows of the examples ``call`` computes apart (module docstring); an example whose
+    bound ``upper`` is not finite adds nothing. ``into``: a buffer of the weight's shape and dtype the sum may be
+    written into when the batch is one block."""
     if g.shape[0] == 0:
         return {module.weight: torch.zeros_like(module.weight)}
     with full_precision():
@@ -279,8 +277,9 @@ def clipped_sums(
         steps, dim = ids.shape[1], module.embedding_dim
         factor = factor.to(g.device, torch.float64)
         batch_factor = torch.where(torch.isfinite(upper.to(g.device)), factor, 0.0)
+        apart = None if call is None else call.apart
         if apart is not None:
-            batch_factor = torch.where(apart.examples, 0.0, batch_factor)
+            batch_factor = torch.where(apart, 0.0, batch_factor)
         weighted = torch.where((batch_factor > 0).view(-1, 1, 1), g * batch_factor.to(work).view(-1, 1, 1), 0.0)
         block = block_examples(steps)
         use = into if g.shape[0] <= block and into is not None and into.dtype == work else None
@@ -291,8 +290,10 @@ def clipped_sums(
 
         summed = sum_by_blocks((ids, weighted), block, table)[0]
         if apart is not None:
-            rows = apart.rows * torch.where(torch.isfinite(upper), factor, 0.0)[apart.example].unsqueeze(1)
-            tokens, inverse = torch.unique(apart.token, return_inverse=True)
+            parts, held = call.parts, apart[call.parts.example]  # the rows of the examples computed apart
+            example, token = parts.example[held], parts.token[held]
+            rows = parts.rows[held] * torch.where(torch.isfinite(upper), factor, 0.0)[example].unsqueeze(1)
+            tokens, inverse = torch.unique(token, return_inverse=True)
             added = torch.zeros(tokens.numel(), dim, dtype=torch.float64, device=g.device).index_add_(0, inverse, rows)
             summed.index_add_(0, tokens, added.to(work))
         return {module.weight: summed}
