@@ -50,6 +50,7 @@ from lightning_privdec.privacy.per_sample.bookkeeping_conv import (  # one chunk
     _live_taps,
     _patch_norms,
     keeps_rows,
+    writes_into,
 )
 from lightning_privdec.privacy.per_sample.gram import (
     _bias_bound,
@@ -354,8 +355,8 @@ def _weight_gradient(module: nn.Module, a: Tensor, weighted: Tensor, into: Into 
                               None if into is None or not weight.requires_grad else into(weight))  # fmt: skip
         return {p: grad for p, grad in zip((weight, bias), grads) if grad is not None}
     if weight.requires_grad:
-        dead_taps = _live_taps(module, a.shape[2:], weighted.shape[2:]) is not None  # a cropped kernel: zeros + taps
-        out[weight] = _conv_weight_grad(module, weighted, a, out=into(weight) if into and dead_taps else None)
+        writes = into is not None and writes_into(module, a.shape[2:], weighted.shape[2:])
+        out[weight] = _conv_weight_grad(module, weighted, a, out=into(weight) if writes else None)
     out.update(_bias_gradient(module, weighted))
     return out
 
