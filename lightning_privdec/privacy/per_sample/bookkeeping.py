@@ -47,7 +47,6 @@ from lightning_privdec.privacy.per_sample.bookkeeping_conv import (  # one chunk
     PER_EXAMPLE_ENTRIES,
     _conv_estimates,
     _conv_weight_grad,
-    _live_taps,
     _patch_norms,
     keeps_rows,
     writes_into,
