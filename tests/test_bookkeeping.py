@@ -3,6 +3,7 @@ loop in float64, through both of its ways to a norm (ghost Gram matrices and one
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -430,8 +431,16 @@ def test_small_materialised_gradients_are_clipped_side_by_side_as_each_alone(mon
 
 
 @pytest.mark.parametrize("name", ["conv2d_per_example", "conv2d_groups_dilation", "conv2d_dead_taps",
-                                  "conv1d_per_example"])  # fmt: skip
-def test_per_example_convolution_norms_in_chunks_equal_one_at_a_time(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+                                  "conv1d_per_example", "conv2d_asymmetric", "conv3d"])  # fmt: skip
+@pytest.mark.parametrize("position_block", [1 << 10, 1, 3])
+def test_per_example_convolution_norms_in_chunks_equal_one_at_a_time(
+    name: str, position_block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-example weight gradients by chunks of examples and, where the map holds more than POSITION_BLOCK
+    positions (BLOCKED_LOOSENESS 0), by blocks of output rows added in float64: each example's own gradient and
+    norm."""
+    monkeypatch.setattr(bookkeeping_conv, "POSITION_BLOCK", position_block)
+    monkeypatch.setattr(bookkeeping_conv, "BLOCKED_LOOSENESS", 0.0)  # blocks wherever the map holds more
     build, shape = LAYERS[name]
     torch.manual_seed(9)
     layer = build()
@@ -446,10 +455,57 @@ def test_per_example_convolution_norms_in_chunks_equal_one_at_a_time(name: str, 
     ])  # fmt: skip
     for entries in (1, 2 * layer.weight.numel(), 1 << 22):  # one example, two, all at once
         monkeypatch.setattr(bookkeeping_conv, "PER_EXAMPLE_ENTRIES", entries)
-        norms, kept = bookkeeping_conv._per_example_weight_norms(layer, a, g, keep=True)
+        norms, kept, terms, products = bookkeeping_conv._per_example_weight_norms(layer, a, g, keep=True)
         torch.testing.assert_close(norms, one_at_a_time, rtol=1e-5, atol=0)
         torch.testing.assert_close(kept, one_gradient_each, rtol=1e-4, atol=1e-5)  # (rounded in another grouping)
+        assert kept.dtype == g.dtype
         assert bookkeeping_conv._per_example_weight_norms(layer, a, g)[1] is None  # kept only when asked
+        positions, per_row = g.shape[2:].numel(), g.shape[3:].numel()
+        if positions <= position_block:
+            assert (terms, products) == (positions, 1)
+        else:  # rows of at most position_block positions (one row at least)
+            rows = max(1, position_block // per_row)
+            assert (terms, products) == (rows * per_row, -(-g.shape[2] // rows))
+
+
+def test_only_maps_whose_whole_map_bound_would_be_loose_are_summed_by_blocks() -> None:
+    """ResNet's stem on a 224 x 224 image (12,544 positions, patches of 147) by blocks; its 64-channel 3 x 3 layers on
+    56 x 56 maps (3,136 positions, bound about 1.2% above) and any map of at most POSITION_BLOCK positions not."""
+    needs = bookkeeping_conv._needs_position_blocks
+    assert needs(112 * 112, 147, torch.float32)
+    assert not needs(56 * 56, 576, torch.float32)
+    assert not needs(bookkeeping_conv.POSITION_BLOCK, 10**6, torch.bfloat16)
+    assert needs(56 * 56, 576, torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["conv2d_per_example", "conv1d_per_example", "conv3d", "conv2d_asymmetric"])
+def test_per_example_bounds_by_blocks_of_positions_hold_each_example_s_exact_norm(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float32 per-example weight gradients summed by blocks of output rows, the blocks added in float64 (a small
+    POSITION_BLOCK): every bound, with and without the kept rows, is at least the example's float64 norm and within
+    1% of it (nobody is computed apart), and the kept rows' clipped sum is the per-example loop's."""
+    monkeypatch.setattr(bookkeeping_conv, "POSITION_BLOCK", 3)
+    monkeypatch.setattr(bookkeeping_conv, "BLOCKED_LOOSENESS", 0.0)
+    build, shape = LAYERS[name]
+    torch.manual_seed(5)
+    layer = build()
+    a = torch.randn(6, *shape) * 10 + 3
+    g = torch.randn_like(layer(a))
+    reference = copy.deepcopy(layer).double()
+    expected = _per_example(reference, a.double(), g.double())
+    exact = torch.stack([sum(e.square().sum() for e in grads.values()) for grads in expected]).sqrt()
+    bounds = bookkeeping.norm_bound(layer, a, g, "per_example"), bookkeeping.norm_bounds([(layer, a, g)])[0]
+    kept = bookkeeping.norm_method(layer, a, g) == "per_example" and bookkeeping_conv.keeps_rows(layer, a, g)
+    assert (bounds[1].rows is not None) == kept
+    for bound in bounds:
+        assert not bool(bound.exact.any())
+        assert bool((bound.upper >= exact).all()) and bool((bound.upper <= exact * 1.01).all())
+    factor = torch.rand(6, dtype=torch.float64)
+    for p, value in bookkeeping.clipped_sums(layer, a, g, factor, bounds[1]).items():  # kept rows (where kept)
+        name_of = next(n for n, q in layer.named_parameters() if q is p)
+        want = sum(f * e[name_of] for f, e in zip(factor, expected))
+        torch.testing.assert_close(value.double(), want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["conv2d_per_example", "conv1d_per_example", "conv3d"])

@@ -21,7 +21,7 @@ from lightning_privdec.audit.sensitivity import (
     run_attacks,
 )
 from lightning_privdec.privacy import PerSampleGradients
-from lightning_privdec.privacy.per_sample import bookkeeping
+from lightning_privdec.privacy.per_sample import bookkeeping, bookkeeping_conv
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")
 
@@ -47,6 +47,11 @@ def test_the_attacks_exercise_every_norm_method() -> None:
     }  # fmt: skip
     model, (x, _), _ = ATTACKS["gram_conv_per_example"][0]()  # its per-example gradients are kept and summed
     assert bookkeeping.norm_bounds([(model, x, torch.zeros_like(model(x)))])[0].rows is not None
+    model, (x, _), _ = ATTACKS["long_map_conv"][0]()  # by blocks of positions, kept too
+    g = torch.zeros_like(model(x))
+    assert bookkeeping.norm_method(model, x, g) == "per_example"
+    assert bookkeeping_conv._needs_position_blocks(g.shape[2], model.weight[0].numel(), g.dtype)
+    assert bookkeeping.norm_bounds([(model, x, g)])[0].rows is not None
 
 
 @pytest.mark.parametrize("attack", ["one_position_conv", "gram_conv_ghost", "gram_linear"])

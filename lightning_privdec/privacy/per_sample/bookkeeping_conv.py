@@ -203,28 +203,85 @@ def _live_taps_of(
 
 #: entries of the per-example weight gradients that :func:`_per_example_weight_norms` holds at once
 PER_EXAMPLE_ENTRIES = 1 << 22
+#: output positions per product of a per-example weight gradient on a map whose whole-map rounding bound would be
+#: loose (:func:`_needs_position_blocks`): it is summed by blocks of rows of this many positions at most, the blocks'
+#: gradients added in float64, so that each entry errs by gamma of a block's positions, not of the whole map's
+#: (ResNet's stem on a 224 x 224 image has 12,544 output positions: gamma_12691 of its terms' mass bounded every
+#: example 7% above its norm, and every example was then computed apart in float64, one at a time)
+POSITION_BLOCK = 1024
+#: a map of T positions is summed by blocks where gamma_{T + p} sqrt(T) exceeds this (an example's norm is about its
+#: terms' mass over sqrt(T), so the whole-map bound would be about that much above it; 5% isolates an example): the
+#: blocks cost more than one product (ResNet-18's 64-channel 3 x 3 layers on 56 x 56 maps: 330 against 220 ms per
+#: step at batch 16, where that bound is 1.2% above the norm), so only maps that need them get them
+BLOCKED_LOOSENESS = 0.02
+
+
+def _needs_position_blocks(positions: int, patch: int, dtype: torch.dtype) -> bool:
+    """Whether a per-example weight gradient over ``positions`` output positions of patches of ``patch`` entries is
+    summed by blocks of positions (:data:`BLOCKED_LOOSENESS`)."""
+    return positions > POSITION_BLOCK and gamma(positions + patch, unit_roundoff(dtype)) * math.sqrt(positions) > (
+        BLOCKED_LOOSENESS)
+
+
+def _position_blocks(out_size: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Ranges of the output's first spatial dimension, each holding at most :data:`POSITION_BLOCK` positions (one
+    row at least): one range where the whole map fits."""
+    per_row = math.prod(out_size[1:])
+    rows = max(1, POSITION_BLOCK // per_row)
+    return [(r, min(r + rows, out_size[0])) for r in range(0, out_size[0], rows)]
+
+
+def _blocked_weight_grads(module: nn.Module, g: Tensor, a: Tensor, examples: int) -> Tensor:
+    """:func:`_conv_weight_grad` of ``examples`` examples side by side (as there) summed by blocks of output rows
+    (:func:`_position_blocks`), each block by the convolution kernel on the explicitly padded input rows it reads,
+    the blocks added in float64: float64, the weight's shape times ``examples``."""
+    weight, dims = module.weight, module.weight.dim() - 2
+    shape = (examples * weight.shape[0], *weight.shape[1:])
+    padded = nn.functional.pad(a, [pad for pad in reversed(module.padding) for _ in (0, 1)])
+    stride, dilation, kernel = module.stride[0], module.dilation[0], module.kernel_size[0]
+    total = None
+    for first, last in _position_blocks(tuple(g.shape[2:])):
+        rows = padded[:, :, first * stride : (last - 1) * stride + (kernel - 1) * dilation + 1]
+        part = torch.ops.aten.convolution_backward(
+            g[:, :, first:last], rows, _weight_shaped(weight, shape, g.dtype), None, list(module.stride), [0] * dims,
+            list(module.dilation), False, [0] * dims, module.groups * examples, [False, True, False],
+        )[1]
+        total = part.double() if total is None else total.add_(part)
+    return total
 
 
 def _per_example_weight_norms(
     module: nn.Module, a: Tensor, g: Tensor, keep: bool = False
-) -> tuple[Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor | None, int, int]:
     """:func:`norm_upper_bound` of each example's weight gradient, as many examples per convolution as
     :data:`PER_EXAMPLE_ENTRIES` allows (each example's gradient is the same sum over its positions as alone), and
-    with ``keep`` the gradients themselves, (B, weight entries), else None."""
-    batch = g.shape[0]
+    with ``keep`` the gradients themselves, (B, weight entries, ``g``'s dtype), else None; and the output positions
+    per product and the number of products added in float64 per example (1 but where
+    :func:`_needs_position_blocks`: :func:`_blocked_weight_grads`, whose float64 sums the norms are taken of and the
+    kept rows rounded from)."""
+    batch, out_size = g.shape[0], tuple(g.shape[2:])
+    positions = math.prod(out_size)
+    blocks = _position_blocks(out_size) if _needs_position_blocks(positions, module.weight[0].numel(), g.dtype) else None
     chunk = max(1, PER_EXAMPLE_ENTRIES // module.weight.numel())
     norms, kept = [], []
     for start in range(0, batch, chunk):
         rows = slice(start, start + chunk)
         k = min(chunk, batch - start)
-        grads = _conv_weight_grad(module, g[rows].reshape(1, -1, *g.shape[2:]), a[rows].reshape(1, -1, *a.shape[2:]), k)
+        g_k, a_k = g[rows].reshape(1, -1, *out_size), a[rows].reshape(1, -1, *a.shape[2:])
+        if blocks is None:
+            grads = _conv_weight_grad(module, g_k, a_k, k)
+        else:
+            grads = _blocked_weight_grads(module, g_k, a_k, k)
         grads = grads.reshape(k, -1)
         norms.append(norm_upper_bound(grads, dim=1))
         if keep:
-            kept.append(grads)
-    if not keep:
-        return torch.cat(norms), None
-    return torch.cat(norms), kept[0] if len(kept) == 1 else torch.cat(kept)  # one chunk (usual): no copy
+            kept.append(grads.to(g.dtype))
+    if blocks is None:
+        terms, products = positions, 1
+    else:
+        terms, products = max(last - first for first, last in blocks) * math.prod(out_size[1:]), len(blocks)
+    rows_kept = None if not keep else kept[0] if len(kept) == 1 else torch.cat(kept)  # one chunk (usual): no copy
+    return torch.cat(norms), rows_kept, terms, products
 
 
 def keeps_rows(module: nn.Module, a: Tensor, g: Tensor) -> bool:
@@ -274,10 +331,17 @@ def _conv_estimates(
             squared = torch.minimum(estimate.clamp_min(0) + error, group_mass.square() * (1 + 1e-9)).sum(dim=1)
             loose = loose | ~(error.sum(dim=1) <= 0.1 * estimate.sum(dim=1))
         else:
-            norms, kept = _per_example_weight_norms(module, a, g, keep)
-            error = gamma(steps + p, u) * group_mass.sum(dim=1) + steps * tiny * math.sqrt(module.weight.numel())
-            # kept rows: summed as they are, by weighted_row_sum (blocks of SUM_BLOCK examples)
+            norms, kept, terms, products = _per_example_weight_norms(module, a, g, keep)
+            # each product errs by gamma_{terms + p} of its terms' mass; several products are added in float64
+            block_error = gamma(terms + p, u)
+            if products > 1:
+                block_error += gamma(products, _U64) * (1 + block_error)
+            error = block_error * group_mass.sum(dim=1) + steps * tiny * math.sqrt(module.weight.numel())
+            # kept rows: summed as they are, by weighted_row_sum (blocks of SUM_BLOCK examples), and where they were
+            # float64 sums, rounded to g's dtype first (u of their norm)
             rounding = 1.0 if kept is None else 1 + sum_rounding(SUM_BLOCK, g.dtype)
+            if kept is not None and products > 1:
+                rounding *= 1 + u
             squared = ((norms + error) * rounding).square()
             loose = loose | ~(error <= 0.05 * norms)
         mass = group_mass.sum(dim=1)
