@@ -509,10 +509,13 @@ def test_per_example_bounds_by_blocks_of_positions_hold_each_example_s_exact_nor
 
 
 @pytest.mark.parametrize("name", ["conv2d_per_example", "conv1d_per_example", "conv3d"])
-def test_a_convolution_keeps_its_per_example_gradients_for_its_clipped_sum(name: str) -> None:
+def test_a_convolution_keeps_its_per_example_gradients_for_its_clipped_sum(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A convolution whose norms are computed one example at a time keeps those gradients (where they hold no more
-    entries than its input or its output gradient) and sums them with the clip factors instead of a second weight-gradient computation:
-    the sums of that computation, a bound at least as large, and examples computed apart still added apart."""
+    entries than its input, its output gradient or PER_EXAMPLE_ENTRIES) and sums them with the clip factors instead
+    of a second weight-gradient computation: the sums of that computation, a bound at least as large, and examples
+    computed apart still added apart."""
     build, shape = LAYERS[name]
     torch.manual_seed(4)
     layer = build()
@@ -537,6 +540,7 @@ def test_a_convolution_keeps_its_per_example_gradients_for_its_clipped_sum(name:
     for p, value in bookkeeping.clipped_sums(layer, a, g, factor, marked).items():
         torch.testing.assert_close(value, apart[p], rtol=1e-5, atol=1e-6)
     # 3,200 weight entries per example against 2 x 10 x 10 input entries and 64 x 6 x 6 output gradient entries
+    monkeypatch.setattr(bookkeeping_conv, "PER_EXAMPLE_ENTRIES", 6 * 3200 - 1)
     wide = nn.Conv2d(2, 64, 5)
     x = torch.randn(6, 2, 10, 10)
     assert bookkeeping.norm_method(wide, x, wide(x)) == "per_example"
