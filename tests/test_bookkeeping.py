@@ -468,6 +468,32 @@ def test_per_example_convolution_norms_in_chunks_equal_one_at_a_time(
             assert (terms, products) == (rows * per_row, -(-g.shape[2] // rows))
 
 
+def test_a_kept_row_whose_blocks_overflow_only_when_added_is_computed_apart() -> None:
+    """Each block's float32 gradient finite, their float64 sum past float32's largest value (a review's case): the
+    kept row is infinite, so the example's norm is too and it is computed apart, its row left out of the sum; the
+    clipped sums stay finite and one example moves them by at most C."""
+    from lightning_privdec.privacy.dp_step import clip_factor
+
+    torch.manual_seed(0)
+    length = 16 * bookkeeping_conv.POSITION_BLOCK
+    conv = nn.Conv1d(1, 1, 1, bias=False)
+    a, g = torch.randn(4, 1, length), torch.randn(4, 1, length)
+    a[0], g[0] = 1.0, 3e34  # a block: 3.1e37; the example: 4.9e38
+    assert bookkeeping_conv._needs_position_blocks(length, 1, torch.float32)
+
+    def clipped(a: torch.Tensor, g: torch.Tensor, clip: float) -> torch.Tensor:
+        bound = bookkeeping.compute_exact(conv, a, g, bookkeeping.norm_bounds([(conv, a, g)])[0])
+        assert bound.rows is not None
+        return bookkeeping.clipped_sums(conv, a, g, clip_factor(bound.upper, clip), bound)[conv.weight].double()
+
+    bound = bookkeeping.norm_bounds([(conv, a, g)])[0]
+    assert not bool(torch.isfinite(bound.upper[0])) and bool(bound.exact[0])
+    for clip in (1.0, 100.0):
+        full = clipped(a, g, clip)
+        assert bool(torch.isfinite(full).all())
+        assert float((full - clipped(a[1:], g[1:], clip)).norm()) <= clip * (1 + 1e-5)
+
+
 def test_only_maps_whose_whole_map_bound_would_be_loose_are_summed_by_blocks() -> None:
     """ResNet's stem on a 224 x 224 image (12,544 positions, patches of 147) by blocks; its 64-channel 3 x 3 layers on
     56 x 56 maps (3,136 positions, bound about 1.2% above) and any map of at most POSITION_BLOCK positions not."""

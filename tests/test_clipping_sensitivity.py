@@ -47,11 +47,12 @@ def test_the_attacks_exercise_every_norm_method() -> None:
     }  # fmt: skip
     model, (x, _), _ = ATTACKS["gram_conv_per_example"][0]()  # its per-example gradients are kept and summed
     assert bookkeeping.norm_bounds([(model, x, torch.zeros_like(model(x)))])[0].rows is not None
-    model, (x, _), _ = ATTACKS["long_map_conv"][0]()  # by blocks of positions, kept too
-    g = torch.zeros_like(model(x))
-    assert bookkeeping.norm_method(model, x, g) == "per_example"
-    assert bookkeeping_conv._needs_position_blocks(g.shape[2], model.weight[0].numel(), g.dtype)
-    assert bookkeeping.norm_bounds([(model, x, g)])[0].rows is not None
+    for name in ("long_map_conv", "long_map_conv_kept"):  # by blocks of positions, kept too
+        model, (x, target), _ = ATTACKS[name][0]()
+        assert bookkeeping.norm_method(model, x, target) == "per_example"
+        assert bookkeeping_conv._needs_position_blocks(target.shape[2], model.weight[0].numel(), target.dtype)
+        bound = bookkeeping.norm_bounds([(model, x, target)])[0]
+        assert bound.rows is not None and bool(bound.exact[0]) == (name == "long_map_conv")  # ill-conditioned: apart
 
 
 @pytest.mark.parametrize("attack", ["one_position_conv", "gram_conv_ghost", "gram_linear"])
@@ -266,6 +267,24 @@ def test_a_norm_without_its_rounding_bound_is_caught(attack: str) -> None:
     with broken_norms():
         results = run_attacks((attack,), modes=("bookkeeping",))
     assert max(r.ratio for r in results) > 2, results
+
+
+def test_per_example_norms_by_blocks_reported_too_low_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The positive control of long_map_conv_kept (whose crafted example is bounded by its blocks' kept rows, neither
+    computed apart nor loose, about 4% above its norm): the blocks' norms reported 10% too low let it through above
+    C; as computed, it stays within C."""
+    wide = ("32-true", "bf16-mixed")  # (in float16 the crafted example's products overflow: it is dropped)
+    honest = [r for r in run_attacks(("long_map_conv_kept",), modes=("bookkeeping",)) if r.precision in wide]
+    assert len(honest) == 2 and all(r.holds for r in honest) and min(r.ratio for r in honest) > 0.95
+    norms_of = bookkeeping_conv._per_example_weight_norms
+
+    def too_low(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        norms, *rest = norms_of(*args, **kwargs)
+        return (norms * 0.9, *rest)
+
+    monkeypatch.setattr(bookkeeping_conv, "_per_example_weight_norms", too_low)
+    results = [r for r in run_attacks(("long_map_conv_kept",), modes=("bookkeeping",)) if r.precision in wide]
+    assert min(r.ratio for r in results) > 1.03, results
 
 
 def test_a_float32_mean_loss_without_the_power_of_two_multiplier_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -174,11 +174,13 @@ def _cancelling_conv(channels: int, out_channels: int, size: int, kernel: int, s
     return model, (x, target), (x[1:], target[1:])
 
 
-def _long_map_conv(magnitude: float, batch: int = 4) -> tuple[nn.Module, Batch, Batch]:
+def _long_map_conv(magnitude: float, difference: float, batch: int = 4) -> tuple[nn.Module, Batch, Batch]:
     """A Conv1d over 16,384 positions, whose per-example gradients are summed by blocks of positions added in
-    float64 (bookkeeping_conv._blocked_weight_grads). Example 0: a constant signal (10) but one value, and output
-    gradients +M e and -M e at the two positions on either side of the first blocks' boundary, whose patches differ
-    only by that value: each block's gradient is about 39 M, their sum about 3e-3 M."""
+    float64 and kept for the clipped sum (bookkeeping_conv._blocked_weight_grads). Example 0: a constant signal (10)
+    but one value, ``difference`` more, and output gradients +M e and -M e at the two positions on either side of the
+    first blocks' boundary, whose patches differ only by that value: each block's gradient is about 39 M, their sum
+    ``difference`` M. With 3e-3 the example is ill-conditioned and computed apart; with 2 its bound is the blocks'
+    (neither computed apart nor loose)."""
     from lightning_privdec.privacy.per_sample.bookkeeping_conv import POSITION_BLOCK
 
     gen = torch.Generator().manual_seed(3)
@@ -187,7 +189,7 @@ def _long_map_conv(magnitude: float, batch: int = 4) -> tuple[nn.Module, Batch, 
     x, target = torch.randn(batch, 3, length, generator=gen), torch.randn(batch, 4, length, generator=gen)
     x[0] = 10.0
     left = POSITION_BLOCK - 1  # positions left and left + 1 lie in two blocks
-    x[0, :, left - 2] += 3e-3  # the first value of position left's patch (positions left - 2 to left + 2) only
+    x[0, 0, left - 2] += difference  # the first value of position left's patch (positions left - 2 to left + 2) only
     e = torch.randn(4, generator=gen)
     e = magnitude * e / e.norm()
     target[0] = 0
@@ -453,7 +455,8 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "gram_conv_input_gram": (lambda: _cancelling_conv(16, 64, 5, 3, 1, 1, 1e4), 1.0, PRECISIONS),
     "gram_conv_ghost": (lambda: _cancelling_conv(16, 24, 6, 3, 2, 1, 1e4), 1.0, ("32-true",)),
     "gram_conv_per_example": (lambda: _cancelling_conv(3, 4, 8, 3, 1, 1, 1e4), 1.0, ("32-true",)),
-    "long_map_conv": (lambda: _long_map_conv(1e4), 1.0, PRECISIONS),
+    "long_map_conv": (lambda: _long_map_conv(1e4, 3e-3), 1.0, PRECISIONS),
+    "long_map_conv_kept": (lambda: _long_map_conv(1e4, 2.0), 1.0, PRECISIONS),
     "half_precision": (_aligned_mlp, 1.0, PRECISIONS),
     "underflow": (_underflow, 1.0, ("32-true",)),
     "overflow_conv": (lambda: _overflowing_conv(bias=False), 1.0, ("32-true", "bf16-mixed")),

@@ -17,11 +17,11 @@ u = the unfolded input patches, T = output positions) has per-example weight gra
 
 :func:`norm_method` picks the cheapest of these by multiply-adds (per group of a grouped convolution). The clipped
 sum ``sum_i c_i G_i U_i^T`` is then ONE weight-gradient computation with the output gradients scaled by ``c_i`` (a
-matrix product for nn.Linear, ``convolution_backward`` for convolutions or, where a convolution's output has one
-position, one matrix product per group), except for a convolution whose norms were
-computed one example at a time and whose examples' weight gradients hold no more entries than its input
-(:func:`~.bookkeeping_conv.keeps_rows`): those gradients are kept, and its clipped sum is their weighted sum, B rows
-instead of a second computation of T p d_out per example.
+matrix product for nn.Linear, ``convolution_backward`` for convolutions or, where a convolution's output has few
+positions, matrix products of its input patches), except for a convolution whose norms were computed one example at
+a time and whose examples' weight gradients hold no more entries than its input, its output gradient or
+``PER_EXAMPLE_ENTRIES`` (:func:`~.bookkeeping_conv.keeps_rows`): those gradients are kept, and its clipped sum is
+their weighted sum, B rows instead of a second computation of T p d_out per example.
 
 Rounding: every norm that sets a clip factor is an upper bound of the norm of what the example adds, whatever the
 inputs (:func:`norm_bound`; docs/privacy.md, "What clipping guarantees"). With m_i = sum_t ||g_t|| ||u_t|| the

@@ -38,12 +38,12 @@ def _conv_weight_grad(
     convolution of one group has at most :data:`SMALL_MAP` output positions (:func:`_small_map_weight_grad`), of the
     input window the live taps read where a grouped convolution's output has one position
     (:func:`_one_position_weight_grad`). Otherwise kernel taps that read only zero padding at every output position
-    (a 5 x 5 kernel on a 3 x 3 map keeps its centre 3 x 3) get gradient 0 without being computed: the live taps'
-    gradient is that of a cropped kernel on the explicitly padded input. ``examples`` > 1: ``a`` and ``g`` hold that
-    many examples' channels one after the other in one batch row, and the result is their ``examples`` weight
-    gradients one after the other (a convolution with ``examples`` times the groups). ``out`` (the weight's shape and
-    ``g``'s dtype): where the gradient is written (no fresh tensor of the weight's size) if :func:`writes_into` says
-    so.
+    (a depthwise 5 x 5 kernel with padding 2 on a 2 x 2 map keeps its centre 3 x 3) get gradient 0 without being
+    computed: the live taps' gradient is that of a cropped kernel on the explicitly padded input. ``examples`` > 1:
+    ``a`` and ``g`` hold that many examples' channels one after the other in one batch row, and the result is their
+    ``examples`` weight gradients one after the other (a convolution with ``examples`` times the groups). ``out``
+    (the weight's shape and ``g``'s dtype): where the gradient is written (no fresh tensor of the weight's size) if
+    :func:`writes_into` says so.
 
     The kernel reads its weight argument's shape and layout only (a weight's gradient needs no weight values):
     it gets an uninitialised tensor of that shape, not a copy of the (repeated or cropped) weight."""
@@ -276,6 +276,8 @@ def _per_example_weight_norms(
         norms.append(norm_upper_bound(grads, dim=1))
         if keep:
             kept.append(grads.to(g.dtype))
+            if blocks is not None:  # a float64 sum past g's dtype's range: an infinite kept row, so its norm too
+                norms[-1] = norms[-1].masked_fill(~torch.isfinite(kept[-1]).all(dim=1), math.inf)
     if blocks is None:
         terms, products = positions, 1
     else:
