@@ -271,20 +271,20 @@ def test_a_norm_without_its_rounding_bound_is_caught(attack: str) -> None:
 
 def test_per_example_norms_by_blocks_reported_too_low_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The positive control of long_map_conv_kept (whose crafted example is bounded by its blocks' kept rows, neither
-    computed apart nor loose, about 4% above its norm): the blocks' norms reported 10% too low let it through above
-    C; as computed, it stays within C."""
+    computed apart nor loose, about 0.3% above its norm): the blocks' norms reported 0.5% too low let it through
+    above C; as computed, it stays within C."""
     wide = ("32-true", "bf16-mixed")  # (in float16 the crafted example's products overflow: it is dropped)
     honest = [r for r in run_attacks(("long_map_conv_kept",), modes=("bookkeeping",)) if r.precision in wide]
-    assert len(honest) == 2 and all(r.holds for r in honest) and min(r.ratio for r in honest) > 0.95
+    assert len(honest) == 2 and all(r.holds for r in honest) and min(r.ratio for r in honest) > 0.99
     norms_of = bookkeeping_conv._per_example_weight_norms
 
     def too_low(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         norms, *rest = norms_of(*args, **kwargs)
-        return (norms * 0.9, *rest)
+        return (norms * 0.995, *rest)
 
     monkeypatch.setattr(bookkeeping_conv, "_per_example_weight_norms", too_low)
     results = [r for r in run_attacks(("long_map_conv_kept",), modes=("bookkeeping",)) if r.precision in wide]
-    assert min(r.ratio for r in results) > 1.03, results
+    assert min(r.ratio for r in results) > 1.001, results
 
 
 def test_a_float32_mean_loss_without_the_power_of_two_multiplier_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -302,7 +302,8 @@ def _conv_estimates(
 ) -> tuple[Tensor, Tensor, Tensor | None, int, Tensor | None]:
     """As :func:`_linear_estimates`, for a convolution: u_t is the input patch read at output position t; and the
     per-example weight gradients (B, weight entries) where ``method`` is ``"per_example"`` and ``keep`` (else None),
-    the bound then covering also their own weighted sum's rounding (:func:`~.bookkeeping.clipped_sums`)."""
+    the bound then covering also their own weighted sum's rounding (:func:`~.bookkeeping.clipped_sums`), and the
+    mass (of the terms in the batch's weight-gradient products) leaving out the weight's."""
     kept = None
     batch, groups, steps = g.shape[0], module.groups, math.prod(g.shape[2:])
     d_out, p = module.out_channels // groups, module.weight[0].numel()
@@ -340,14 +341,16 @@ def _conv_estimates(
             if products > 1:
                 block_error += gamma(products, _U64) * (1 + block_error)
             error = block_error * group_mass.sum(dim=1) + steps * tiny * math.sqrt(module.weight.numel())
-            # kept rows: summed as they are, by weighted_row_sum (blocks of SUM_BLOCK examples), and where they were
-            # float64 sums, rounded to g's dtype first (u of their norm)
-            rounding = 1.0 if kept is None else 1 + sum_rounding(SUM_BLOCK, g.dtype)
+            # kept rows: what the clipped sum adds is the rows themselves, by weighted_row_sum (blocks of SUM_BLOCK
+            # examples, gamma_256 + 2u), the float64 sum of its blocks cast back and the addition of the examples
+            # computed apart (2u), and where they were float64 sums, rounded to g's dtype first (u of their norm);
+            # the weight's terms are then in no batch-sum product, so its mass leaves the batch's rounding below
+            rounding = 1.0 if kept is None else 1 + sum_rounding(SUM_BLOCK, g.dtype) + 2 * u
             if kept is not None and products > 1:
                 rounding *= 1 + u
             squared = ((norms + error) * rounding).square()
             loose = loose | ~(error <= 0.05 * norms)
-        mass = group_mass.sum(dim=1)
+        mass = group_mass.sum(dim=1) if kept is None else torch.zeros_like(group_mass[:, 0])
     if module.bias is not None and module.bias.requires_grad:
         token_norms = norm_upper_bound(g.reshape(batch, -1, steps), dim=1)  # whole output vectors per position
         bias_bound, bias_mass, bias_loose = _bias_bound(token_norms, g.flatten(2).sum(dim=2), u, squared)
