@@ -494,6 +494,26 @@ def test_a_kept_row_whose_blocks_overflow_only_when_added_is_computed_apart() ->
         assert float((full - clipped(a[1:], g[1:], clip)).norm()) <= clip * (1 + 1e-5)
 
 
+def test_an_ill_conditioned_kept_row_is_computed_apart() -> None:
+    """A kept per-example row whose terms are large against its norm (two positions' patches differing by one pixel
+    under opposite output gradients: mass about 5,000 times the norm) is computed apart, as exact_rows does for
+    materialised rows, though its bound is not loose (its rounding bound about 3% of its norm); an honest row is
+    not."""
+    torch.manual_seed(2)
+    layer = nn.Conv2d(3, 4, 3, bias=False)
+    a, g = torch.randn(5, 3, 8, 8), torch.randn(5, 4, 6, 6)
+    a[0] = 10.0
+    a[0, :, 2, 2] += 0.02  # the top-left pixel of position (2, 2)'s patch only
+    e = torch.randn(4)
+    g[0] = 0
+    g[0, :, 2, 2], g[0, :, 2, 3] = 1e4 * e / e.norm(), -1e4 * e / e.norm()
+    assert bookkeeping.norm_method(layer, a, g) == "per_example" and bookkeeping_conv.keeps_rows(layer, a, g)
+    bound = bookkeeping.norm_bounds([(layer, a, g)])[0]
+    assert bound.rows is not None and bound.exact.tolist() == [True, False, False, False, False]
+    exact = bookkeeping.compute_exact(layer, a, g, bound)
+    assert not bool(exact.rows[0].any()) and bool(torch.isfinite(exact.upper).all())
+
+
 def test_only_maps_whose_whole_map_bound_would_be_loose_are_summed_by_blocks() -> None:
     """ResNet's stem on a 224 x 224 image (12,544 positions, patches of 147) by blocks; its 64-channel 3 x 3 layers on
     56 x 56 maps (3,136 positions, bound about 1.2% above) and any map of at most POSITION_BLOCK positions not."""

@@ -350,6 +350,10 @@ def _conv_estimates(
                 rounding *= 1 + u
             squared = ((norms + error) * rounding).square()
             loose = loose | ~(error <= 0.05 * norms)
+            if kept is not None:  # an ill-conditioned kept row (terms large against its norm) is computed apart, as
+                # bookkeeping.exact_rows does for materialised rows: the batch's sum no longer isolates it, and a row
+                # computed with other examples may round differently in batches of other sizes (a GPU's kernels)
+                loose = loose | ~(u * math.sqrt(terms) * group_mass.sum(dim=1) <= 1e-3 * norms)
         mass = group_mass.sum(dim=1) if kept is None else torch.zeros_like(group_mass[:, 0])
     if module.bias is not None and module.bias.requires_grad:
         token_norms = norm_upper_bound(g.reshape(batch, -1, steps), dim=1)  # whole output vectors per position
