@@ -49,10 +49,10 @@ def _conv_weight_grad(
     it gets an uninitialised tensor of that shape, not a copy of the (repeated or cropped) weight."""
     dims, weight = module.weight.dim() - 2, module.weight
     shape = (examples * weight.shape[0], *weight.shape[1:])
-    positions = math.prod(g.shape[2:])
-    if positions <= SMALL_MAP and module.groups == 1:
+    by_product = _product_path(module, g.shape[2:])
+    if by_product == "small_map":
         return _small_map_weight_grad(module, g, a, examples, shape, out)
-    if positions == 1:
+    if by_product == "one_position":
         return _one_position_weight_grad(module, g, a, module.groups * examples, shape, out)
     live = _live_taps(module, a.shape[2:], g.shape[2:])
     if live is None:  # (``out`` is not written: :func:`writes_into`)
@@ -79,9 +79,22 @@ def writes_into(module: nn.Module, in_size: torch.Size, out_size: torch.Size) ->
     """Whether :func:`_conv_weight_grad` writes the gradient into its ``out`` for a map of ``in_size`` and an output
     of ``out_size`` (a matrix product, or a cropped kernel's taps into zeros); else it returns the kernel's fresh
     tensor and ignores ``out``."""
+    return _product_path(module, out_size) is not None or _live_taps(module, in_size, out_size) is not None
+
+
+def _product_path(module: nn.Module, out_size: torch.Size) -> str | None:
+    """Which matrix product :func:`_conv_weight_grad` makes the weight gradient with for an output of ``out_size``:
+    ``"small_map"`` (one group, at most :data:`SMALL_MAP` positions), ``"one_position"`` (a grouped convolution with
+    one position), or None (the convolution kernel)."""
     positions = math.prod(out_size)
-    return (positions <= SMALL_MAP and module.groups == 1) or positions == 1 or (
-        _live_taps(module, in_size, out_size) is not None)
+    if positions <= SMALL_MAP and module.groups == 1:
+        return "small_map"
+    return "one_position" if positions == 1 else None
+
+
+def _padded(a: Tensor, padding: tuple) -> Tensor:
+    """``a`` zero-padded by ``padding`` on both sides of each spatial dimension (F.pad lists the last one first)."""
+    return nn.functional.pad(a, [pad for pad in reversed(padding) for _ in (0, 1)])
 
 
 def _with_dead_taps(grads: Tensor, live: list[tuple[int, int]], shape: tuple[int, ...], out: Tensor | None) -> Tensor:
@@ -154,7 +167,7 @@ def _patch_rows(a: Tensor, kernel: tuple, dilation: tuple, padding: tuple, strid
     output position, channels outer and taps inner (the weight's (in channels, *kernel) order), copied once out of a
     strided view of the padded input (one copy: 1.1 against 1.7 ms for unfolding and then transposing a batch of 16
     of ResNet-18's 256-channel 3 x 3 layer on a 2 x 2 map, product included)."""
-    padded = nn.functional.pad(a, [pad for pad in reversed(padding) for _ in (0, 1)])  # F.pad: last dimension first
+    padded = _padded(a, padding)
     batch, channels, strides = padded.shape[0], padded.shape[1], padded.stride()
     view = padded.as_strided(
         (batch, *out_size, channels, *kernel),
@@ -237,7 +250,7 @@ def _blocked_weight_grads(module: nn.Module, g: Tensor, a: Tensor, examples: int
     the blocks added in float64: float64, the weight's shape times ``examples``."""
     weight, dims = module.weight, module.weight.dim() - 2
     shape = (examples * weight.shape[0], *weight.shape[1:])
-    padded = nn.functional.pad(a, [pad for pad in reversed(module.padding) for _ in (0, 1)])
+    padded = _padded(a, module.padding)
     stride, dilation, kernel = module.stride[0], module.dilation[0], module.kernel_size[0]
     total = None
     for first, last in _position_blocks(tuple(g.shape[2:])):
