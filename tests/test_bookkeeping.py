@@ -655,11 +655,11 @@ def test_patch_norms_bound_the_patches_norms(build, shape) -> None:
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_clipped_sums_written_into_kept_buffers_equal_fresh_ones_over_steps_and_micro_batches(set_to_none: bool) -> None:
-    """An nn.Linear's clipped sum is written into its .grad when there is one, else (on the host) into a buffer kept
-    across steps that becomes its .grad (no allocation of tens of MB, and its page faults, per step): bit for bit the
-    sums of fresh tensors, over steps, with zero_grad setting .grad to None or zeroing it, and with two backward
-    passes (micro-batches) per step, whose sums add up (the second pass must not write where the first's is). A .grad
-    that user code kept from an earlier step is never written: the sum then goes to a new buffer."""
+    """An nn.Linear's float64 clipped sum is written, on the host, into a buffer kept across steps (no allocation of
+    tens of MB, and its page faults, per step), and its .grad gets it rounded: bit for bit the sums of fresh tensors,
+    over steps, with zero_grad setting .grad to None or zeroing it, and with two backward passes (micro-batches) per
+    step, whose sums add up (the second pass must not write where the first's is). Sums that a caller still holds
+    (taken with take_clipped_sums) are never written: the next step's sum then goes to a new buffer."""
     torch.manual_seed(5)
     model_a = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     model_b = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -668,33 +668,40 @@ def test_clipped_sums_written_into_kept_buffers_equal_fresh_ones_over_steps_and_
     fresh = PerSampleGradients(model_b, "bookkeeping", allow_grad_accumulation=True)
     fresh._arithmetic._sum_buffer = lambda p: None  # every sum in a fresh tensor, as before the buffers
     seen: dict[str, int] = {}
-    held = None  # a .grad the "user" keeps from step 2 on
+    held = None  # the float64 sums the "caller" keeps from step 2 on
+    middle_index = 2  # model[2].weight
     for step in range(5):
         micro_batches = [(torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(1 + step % 2)]
+        sums = {}
         for model, per in ((model_a, kept), (model_b, fresh)):
             model.zero_grad(set_to_none=set_to_none)
             for x, y in micro_batches:
                 nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
             per.clip_and_sum(0.5)
             per.clear()
-        for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+            sums[id(per)] = per.take_clipped_sums()
+        for (name, a), b, sum_a, sum_b in zip(model_a.named_parameters(), model_b.parameters(), sums[id(kept)],
+                                              sums[id(fresh)]):
             assert torch.equal(a.grad, b.grad), (step, name)
-        middle = model_a[2].weight.grad
-        if not set_to_none:  # the .grad autograd made at the first step (before the layer's weight gradients are
-            # skipped), zeroed by zero_grad and written into every step
-            assert seen.setdefault("grad", middle.data_ptr()) == middle.data_ptr()
-            assert model_a[2].weight not in kept._arithmetic._sum_buffers
-            continue
-        buffer = kept._arithmetic._sum_buffers[model_a[2].weight][0] if step > 0 else None
-        if step in (2, 4):  # one pass: the sum is the kept buffer itself
+            assert sum_a.dtype == torch.float64 and torch.equal(sum_a, sum_b), (step, name)
+            assert torch.equal(a.grad, sum_a.float()), (step, name)  # .grad: the float64 sum rounded
+        middle = sums[id(kept)][middle_index]
+        if not set_to_none:  # the .grad autograd made at the first step, written into every step
+            grad = model_a[2].weight.grad
+            assert seen.setdefault("grad", grad.data_ptr()) == grad.data_ptr()
+        buffer = kept._arithmetic._sum_buffers._kept[model_a[2].weight][0]
+        if step in (0, 2, 4):  # one pass: the sum is the kept buffer itself
             assert middle.data_ptr() == buffer.data_ptr()
-            if step == 2:
+            if step == 0:
                 seen["buffer"] = buffer.data_ptr()
-                held, released = middle, middle.clone()  # kept by the "user" across the next steps
+            elif step == 2:
+                assert buffer.data_ptr() == seen["buffer"]  # reused: nobody held step 0's sums
+                held, released = middle, middle.clone()  # kept by the "caller" across the next steps
             else:  # step 2's buffer is still held: a new one
                 assert buffer.data_ptr() != seen["buffer"]
-        elif step == 1:  # two passes: the first wrote the buffer, their sum is a fresh tensor
+        else:  # two passes: the first wrote the buffer, their sum is a fresh tensor
             assert middle.data_ptr() != buffer.data_ptr()
+        del sums, middle
     if held is not None:
         assert torch.equal(held, released)  # never overwritten by a later step's sum
     kept.detach()
@@ -738,8 +745,8 @@ def test_a_convolution_weight_gradient_never_reads_the_weight_values(name: str) 
 
 @pytest.mark.parametrize("dims", [1, 2, 3])
 def test_a_convolution_on_a_small_map_gets_autograd_s_weight_gradient(dims: int) -> None:
-    """Where the output has at most SMALL_MAP positions the weight gradient is one matrix product per group of the
-    unfolded input (bookkeeping_conv._small_map_weight_grad): autograd's, in float64, for the batch and for
+    """Where the output has at most SMALL_MAP positions (FLOAT64_SMALL_MAP in float64, the clipped sums') the weight
+    gradient is one matrix product per group of the unfolded input (bookkeeping_conv._small_map_weight_grad): autograd's, in float64, for the batch and for
     examples side by side, over kernels, padding (dead taps, and a position that reads only padding), strides,
     dilations and groups; a kept buffer holding NaN gets it with zeros in the dead taps."""
     torch.manual_seed(14)
@@ -754,7 +761,7 @@ def test_a_convolution_on_a_small_map_gets_autograd_s_weight_gradient(dims: int)
             out = layer(a)
         except RuntimeError:  # a kernel larger than the padded input
             continue
-        if out.shape[2:].numel() > bookkeeping_conv.SMALL_MAP:
+        if out.shape[2:].numel() > bookkeeping_conv.FLOAT64_SMALL_MAP:  # (float64: the clipped sums' threshold)
             continue
         seen += 1
         g = torch.randn_like(out)
@@ -766,7 +773,7 @@ def test_a_convolution_on_a_small_map_gets_autograd_s_weight_gradient(dims: int)
         torch.testing.assert_close(stacked.reshape(each.shape), each, rtol=1e-12, atol=1e-12)
         buffer = torch.full_like(expected, float("nan"))
         written = bookkeeping_conv._conv_weight_grad(layer, g, a, out=buffer)
-        writes = bookkeeping_conv.writes_into(layer, a.shape[2:], out.shape[2:])
+        writes = bookkeeping_conv.writes_into(layer, a.shape[2:], out.shape[2:], g.dtype)
         assert writes or not (groups == 1 or out.shape[2:].numel() == 1)  # (a product always writes)
         assert (written.data_ptr() == buffer.data_ptr()) == writes
         torch.testing.assert_close(written, expected, rtol=1e-12, atol=1e-12)
@@ -774,9 +781,9 @@ def test_a_convolution_on_a_small_map_gets_autograd_s_weight_gradient(dims: int)
 
 
 def test_a_convolution_with_dead_taps_writes_its_clipped_sum_into_the_kept_buffer() -> None:
-    """A convolution whose dead taps are cropped writes its clipped sum into the buffer kept across steps (as an
-    nn.Linear does), bit for bit the fresh tensor's sum, its dead taps zero though the released .grad of the step
-    before held noise there."""
+    """A convolution whose dead taps are cropped writes its float64 clipped sum into the buffer kept across steps (as
+    an nn.Linear does), bit for bit the fresh tensor's sum, its dead taps zero though the buffer held other values
+    (the step before's sum, changed by the caller that took it) in them."""
     torch.manual_seed(12)
 
     def model() -> nn.Module:
@@ -790,18 +797,19 @@ def test_a_convolution_with_dead_taps_writes_its_clipped_sum_into_the_kept_buffe
     fresh._arithmetic._sum_buffer = lambda p: None
     for step in range(3):
         x, y = torch.randn(5, 3, 1, 1), torch.randint(0, 3, (5,))
+        sums = []
         for m, per in ((model_a, kept), (model_b, fresh)):
             m.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(m(x), y, reduction="sum").backward()
             per.clip_and_sum(0.5)
             per.clear()
-        conv_a, conv_b = model_a[2].weight, model_b[2].weight
-        assert torch.equal(conv_a.grad, conv_b.grad), step
-        assert torch.count_nonzero(conv_a.grad[..., 1, 1]) > 0 and torch.count_nonzero(conv_a.grad[..., 0, :]) == 0
-        if step > 0:
-            assert conv_a.grad.data_ptr() == kept._arithmetic._sum_buffers[conv_a][0].data_ptr()
-        conv_a.grad.add_(1.0)  # the released gradient's noise, in the dead taps too
-        conv_b.grad.add_(1.0)
+            sums.append(per.take_clipped_sums()[2])  # the second convolution's weight
+        conv_a, conv_b = sums
+        assert torch.equal(conv_a, conv_b) and torch.equal(model_a[2].weight.grad, conv_a.float()), step
+        assert torch.count_nonzero(conv_a[..., 1, 1]) > 0 and torch.count_nonzero(conv_a[..., 0, :]) == 0
+        assert conv_a.data_ptr() == kept._arithmetic._sum_buffers._kept[model_a[2].weight][0].data_ptr()
+        conv_a.add_(1.0)  # a caller's use of the taken sum (the noise), in the dead taps too
+        del sums, conv_a, conv_b
     kept.detach()
     fresh.detach()
 

@@ -25,13 +25,13 @@ def privatize_gradients(
     params: list[nn.Parameter], grad_samples: list[torch.Tensor], *, max_grad_norm: float, noise_multiplier: float,
     expected_batch_size: float, generator: NoiseGenerator,
 ) -> DPStepStats:
-    """The library's DP step on given per-sample gradients: clip and sum into ``p.grad`` (``clip_and_accumulate``, as
-    ``PerSampleGradients.clip_and_sum`` does), then the node's noise and the division by q J (``noise_clipped_sum``)."""
+    """The library's DP step on given per-sample gradients: clip and sum in float64 (``clip_and_accumulate``, as
+    ``PerSampleGradients.clip_and_sum`` does), then the node's noise and the division by q J (``noise_clipped_sum``),
+    into ``p.grad``."""
     sums, norms = clip_and_accumulate(grad_samples, max_grad_norm, params[0].device)
-    for p, summed in zip(params, sums):
-        p.grad = summed.to(device=p.device, dtype=p.dtype)
+    sums = [summed.to(p.device).view_as(p) for p, summed in zip(params, sums)]
     return noise_clipped_sum(params, norms, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-                             expected_batch_size=expected_batch_size, generator=generator)
+                             expected_batch_size=expected_batch_size, generator=generator, clipped_sums=sums)
 
 def fixed_grad_samples(batch_size: int, seed: int = 0) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)

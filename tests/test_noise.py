@@ -344,14 +344,18 @@ def test_the_host_transform_and_the_accelerator_transform_give_the_same_draws() 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("gathered", [True, False])
+@pytest.mark.parametrize("sums64", [False, True])
 def test_noise_added_into_pieces_is_the_one_draw_split_over_them(
-    monkeypatch: pytest.MonkeyPatch, secure_mode: bool, chunk: int, threads: int, fused: bool, gathered: bool
+    monkeypatch: pytest.MonkeyPatch, secure_mode: bool, chunk: int, threads: int, fused: bool, gathered: bool,
+    sums64: bool,
 ) -> None:
     """add_normal_ (the DP step's noise, added into each parameter's gradient chunk by chunk) gives bit for bit
     ``normal(total)`` split over the pieces plus the scaled sums, whatever the chunk size, the pieces' sizes and
     the intra-op threads (with several, it adds in pieces small enough for torch to run on this thread), with the
     compiled addition where it runs (``fused``) and with the noise written and added by torch, small pieces
-    gathered into one vector or each drawn into as it is (``gathered``)."""
+    gathered into one vector or each drawn into as it is (``gathered``). Float64 sums (``sums64``, the clipped sums
+    the strategies noise) are added in float64 and the noisy value rounded to the float32 output once: never the
+    sum rounded to float32 first, which would not be a post-processing of the noisy value."""
     from lightning_privdec.privacy import keystream, noise
 
     if not fused:
@@ -362,14 +366,21 @@ def test_noise_added_into_pieces_is_the_one_draw_split_over_them(
     torch.set_num_threads(threads)  # (tests/conftest.py restores the count)
     monkeypatch.setattr(noise, "_SERIAL", 4)  # the several-thread path's pieces, small enough to split these sums
     sizes, std, scale = (5, 1, 12, 3, 40), 0.3, 0.25
-    sums = [torch.randn(n) for n in sizes]
+    # float64 sums 1 + 2^-30 k: every one rounds to another float32 value than itself
+    sums = [(1 + torch.randint(1, 1000, (n,), dtype=torch.float64) * 2.0**-30) if sums64 else torch.randn(n)
+            for n in sizes]
     expected = node_noise_generator("cpu", 4, 1, secure_mode=secure_mode).normal(sum(sizes), std).split(sizes)
     inputs = [s.clone() for s in sums]
     outs = [torch.empty(n) for n in sizes]
-    outs[2] = inputs[2]  # an out may be its own sum (p.grad holding the clipped sum)
+    if not sums64:
+        outs[2] = inputs[2]  # an out may be its own sum (p.grad holding the clipped sum)
     node_noise_generator("cpu", 4, 1, secure_mode=secure_mode).add_normal_(outs, std, inputs, scale)
     for out, noise_piece, summed in zip(outs, expected, sums):
-        assert torch.equal(out, torch.add(noise_piece, summed, alpha=scale))
+        assert torch.equal(out, torch.add(noise_piece, summed, alpha=scale).float())
+        if sums64:  # not the sum rounded first (these differ in about 1 entry in 8)
+            assert out.dtype == torch.float32 and not all(
+                torch.equal(o, torch.add(noise_piece, summed.float(), alpha=scale)) for o, noise_piece, summed in
+                zip(outs, expected, sums))
 
 
 @pytest.mark.parametrize("threads", [1, 3])

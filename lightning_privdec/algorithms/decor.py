@@ -47,7 +47,7 @@ from lightning_privdec.privacy.errors import PrivacyConfigError
 from lightning_privdec.privacy.local_dp import GaussianMechanism
 from lightning_privdec.privacy.noise import NoiseGenerator
 from lightning_privdec.privacy.pairwise import CorrelatedNoise, PairwiseSecrets
-from lightning_privdec.tensors import split_like
+from lightning_privdec.tensors import round_into_grad, split_like
 
 
 class CorrelatedNoiseSource(Protocol):
@@ -211,10 +211,12 @@ class DecorNode(PrivateNodeAlgorithm):
         assert self.sigma_cdp is not None
         params = [p for p in self.module.parameters() if p.requires_grad]
         C = self.parameters.max_grad_norm
+        sums = None
         if self.options.clipping == "per_sample":
             assert self.expected_batch_size is not None
-            stats = self.clipping.clipped_mean(self.expected_batch_size)  # p.grad = clipped sum / qJ
-            scale = self.expected_batch_size  # the noise goes on the clipped sum, before the division
+            stats = DPStepStats.of(self.clipping.clipped_sum(into_grads=False), C, noise_std=0.0)
+            sums = self.clipping.take_clipped_sums()  # float64: the noise goes on them before any rounding
+            scale = self.expected_batch_size  # and the noisy sum is divided by qJ
         else:
             # the user's whole-batch gradient, unscaled (16-mixed's loss scale); one that overflowed float16 is 0: the
             # privacy unit here is the node's whole batch, so dropping it keeps the sensitivity at C
@@ -236,9 +238,12 @@ class DecorNode(PrivateNodeAlgorithm):
         noise = decor_perturbation(
             sum(p.numel() for p in params), self.steps, correlated=self.correlated, sigma_cdp=self.sigma_cdp,
             generator=self.gaussian.generator, dtype=params[0].dtype, device=params[0].device,
-        ).div_(scale)
-        for p, chunk in zip(params, split_like(noise, params)):
-            p.grad.add_(chunk)
+        )
+        for k, (p, chunk) in enumerate(zip(params, split_like(noise, params))):
+            if sums is None:
+                p.grad.add_(chunk)
+            else:  # (S + noise) / qJ in float64, rounded to p.grad once
+                round_into_grad(p, sums[k].add_(chunk.view_as(p)).div_(scale))
         self.last_step = stats
         return stats
 

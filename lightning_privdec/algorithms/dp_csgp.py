@@ -77,10 +77,11 @@ class DPCSGPNode(PrivateNodeAlgorithm):
         """Lines 8-10: clip each example to C, sum, add N(0, sigma^2 C^2 I), divide by qJ."""
         if self.clipping.hooks is None or self.noise_multiplier is None or self.expected_batch_size is None:
             raise RuntimeError("DPCSGPNode.privatize called before attach() and private_dataloader()")
-        norms = self.clipping.clipped_sum()
+        norms = self.clipping.clipped_sum(into_grads=False)
         self.last_step = self.gaussian.noise_clipped_sum(
             self.clipping.parameters, norms, max_grad_norm=self.clipping.max_grad_norm,
             noise_multiplier=self.noise_multiplier, expected_batch_size=self.expected_batch_size,
+            clipped_sums=self.clipping.take_clipped_sums(),
         )
         return self.last_step
 

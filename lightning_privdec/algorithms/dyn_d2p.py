@@ -218,9 +218,10 @@ class DynD2PNode(PrivateNodeAlgorithm):
         if clipping.ghost is not None and clipping.max_grad_norm != clip:  # ghost clipping clipped in the backward
             raise RuntimeError(f"ghost clipping ran at C={clipping.max_grad_norm:g}, but step {k} needs C_k={clip:g}")
         clipping.max_grad_norm = clip
+        norms = clipping.clipped_sum(into_grads=False)
         self.last_step = self.gaussian.noise_clipped_sum(
-            clipping.parameters, clipping.clipped_sum(), max_grad_norm=clip, noise_multiplier=noise_multiplier,
-            expected_batch_size=self.expected_batch_size,
+            clipping.parameters, norms, max_grad_norm=clip, noise_multiplier=noise_multiplier,
+            expected_batch_size=self.expected_batch_size, clipped_sums=clipping.take_clipped_sums(),
         )
         self.noise_multiplier = schedule.noise_multiplier(k + 1)
         clipping.max_grad_norm = schedule.clip(k + 1)

@@ -164,14 +164,15 @@ class SagaTable:
     @torch.no_grad()
     def store(self, indices: Tensor | Sequence[int], values: Tensor) -> Tensor:
         """Line 7: table[indices] = values and g_bar += (new - old) / J; returns sum_{xi in S} (values[xi] - old
-        table[xi]), line 6's correction, as stored. The float64 sum is recomputed from the rows every
+        table[xi]), line 6's correction, as stored, summed in float64. The float64 sum is recomputed from the rows every
         ``REFRESH_PASSES`` passes' worth of stored rows, so the rounding of the corrections cannot accumulate."""
         index = torch.as_tensor(indices, dtype=torch.long).tolist()
         if len(index) != values.shape[0]:
             raise RuntimeError(f"{values.shape[0]} per-sample gradients for {len(index)} sampled examples")
         if len(set(index)) != len(index):
             raise RuntimeError("an example was sampled twice in one batch; each table row is replaced once per step")
-        correction = torch.zeros(self.dim, dtype=torch.promote_types(values.dtype, torch.float32), device=self.rows.device)
+        # float64: a float32 sum over examples would round every other example's row anew when one leaves the batch
+        correction = torch.zeros(self.dim, dtype=torch.float64, device=self.rows.device)
         if not index:
             return correction
         new = self._fit(values.to(self.rows.device))
@@ -205,7 +206,8 @@ def saga_step(table: SagaTable, indices: Tensor | Sequence[int], fresh: Tensor, 
     mean_term = sample_rate * table.total  # line 6: q sum_j table[j], the table before line 7
     correction = table.store(indices, fresh)  # lines 6-7: sum_{xi in S} (c_xi - table[xi]); table[xi] = c_xi
     summed = correction + mean_term.to(correction.dtype)
-    return (summed + noise.to(summed.dtype)) / (sample_rate * table.num_rows)  # line 8, divided by qJ
+    # line 8, divided by qJ: in float64, the noisy value rounded to the rows' dtype once (post-processing)
+    return ((summed + noise.to(summed.dtype)) / (sample_rate * table.num_rows)).to(fresh.dtype)
 
 
 class PrivSGPVRNode(PrivateNodeAlgorithm):

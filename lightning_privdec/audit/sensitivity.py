@@ -11,6 +11,8 @@ makes that hard:
   ``<G^T G, U^T U>``, a difference of numbers of size ``M^2 |u|^2``, rounds to 0 or below the truth. One attack per
   norm method of nn.Linear and of convolutions (ghost, the input's position Gram, one example at a time), one in
   float64, and one with 2,500 outputs (its Gram summed over blocks of 1,024, gram.GRAM_BLOCK);
+* ``batch_rounding``: 255 clipped examples adding about C each in one direction and one small one: summed over
+  examples in float32, removing x rounds the others' terms anew (1.0009 C); the sums are float64;
 * ``half_precision``: a batch of large, aligned gradients (every example clipped) under bfloat16 and float16
   autocast: a clip factor or a sum computed in half precision adds more than C;
 * ``underflow``: tiny inputs and huge output gradients (what a LayerNorm after a layer does to a tiny input), whose
@@ -100,7 +102,8 @@ def _clipped_sum(clipper: PerSampleGradients | GhostClipping, model: nn.Module, 
         (per_example.float().mean() * (scale * multiplier)).backward()
         clipper.clip_and_sum(clip)
         clipper.clear()
-    return torch.cat([p.grad.double().flatten() for p in model.parameters() if p.requires_grad])
+    # the float64 sums the noise is added to (p.grad holds them rounded: not what the mechanism releases)
+    return torch.cat([summed.flatten() for summed in clipper.take_clipped_sums()])
 
 
 def sensitivity(model: nn.Module, batch: Batch, losses: Losses, *, clip: float, mode: str = "bookkeeping",
@@ -195,6 +198,19 @@ def _long_map_conv(magnitude: float, difference: float, batch: int = 4) -> tuple
     target[0] = 0
     target[0, :, left], target[0, :, left + 1] = e, -e
     return model, (x, target), (x[1:], target[1:])
+
+
+def _batch_rounding(batch: int = 256, small: float = 0.37) -> tuple[nn.Module, Batch, Batch]:
+    """Every example but the last clipped, all adding about C in one direction (the sum's norm about B C), and the
+    last one small and unclipped: it sets where the sum falls between float32 values. Summed over examples in
+    float32, removing x rounds every other example's terms anew, by up to half a float32 unit of the whole sum
+    (1.0009 C for 256 examples of this nn.Linear(1, 1); 1.00014 C from the one final rounding of 4,000); the
+    clipped sums are therefore float64 until the noise is added (rounding.sum_by_blocks)."""
+    model = nn.Linear(1, 1, bias=False)
+    x = torch.ones(batch, 1, 1)
+    target = torch.full((batch, 1, 1), 100.0)
+    target[-1] = small
+    return model, (x, target), (x[:8], target[:8])
 
 
 def _aligned_mlp(batch: int = 24) -> tuple[nn.Module, Batch, Batch]:
@@ -458,6 +474,7 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "long_map_conv": (lambda: _long_map_conv(1e4, 3e-3), 1.0, PRECISIONS),
     "long_map_conv_kept": (lambda: _long_map_conv(1e4, 2.0), 1.0, PRECISIONS),
     "half_precision": (_aligned_mlp, 1.0, PRECISIONS),
+    "batch_rounding": (_batch_rounding, 1.0001, PRECISIONS),
     "underflow": (_underflow, 1.0, ("32-true",)),
     "overflow_conv": (lambda: _overflowing_conv(bias=False), 1.0, ("32-true", "bf16-mixed")),
     "overflow_conv_bias": (lambda: _overflowing_conv(bias=True), 1.0, ("32-true",)),

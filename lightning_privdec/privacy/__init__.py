@@ -9,8 +9,9 @@ Building blocks, in the order a strategy calls them:
 
 * :func:`check_private_model` / :class:`PerSampleGradients` - validate the model, attach per-sample gradient hooks;
 * :func:`poisson_dataloader` - Poisson batches of the node's shard (empty batches included);
-* :meth:`PerSampleGradients.clip_and_sum`, then :func:`noise_clipped_sum` with :func:`node_noise_generator` - clip,
-  sum, noise, scale into ``p.grad``;
+* :meth:`PerSampleGradients.clip_and_sum` and :meth:`~PerSampleGradients.take_clipped_sums`, then
+  :func:`noise_clipped_sum` (``clipped_sums=``) with :func:`node_noise_generator` - clip, sum in float64, noise,
+  round and scale into ``p.grad``;
 * :class:`SubsampledGaussianAccountant`, :func:`epsilon_for`, :func:`calibrate_noise_multiplier` - accounting;
 * :func:`causal_lm_loss`, :func:`seq2seq_loss` - sequence losses averaged within each example (per-example
   gradients that depend on their own example only);

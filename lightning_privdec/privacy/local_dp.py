@@ -32,6 +32,7 @@ from lightning_privdec.privacy.per_sample import (
 )
 from lightning_privdec.privacy.sampling import poisson_dataloader, sampler_shard_indices
 from lightning_privdec.privacy.validation import check_max_grad_norm
+from lightning_privdec.tensors import KeptBuffers, round_into_grad
 
 
 def check_sampler_is_replaceable(sampler: Sampler, num_examples: int) -> None:
@@ -169,6 +170,7 @@ class PerSampleClipping:
         self.examples_checked: str | None = None  # what check_examples found for the attached model
         self._ghost_norms: torch.Tensor | None = None
         self._accumulated: list[torch.Tensor] | None = None  # clipped sums of this logical step's earlier micro-batches
+        self._clipped_sums: list[torch.Tensor] | None = None  # the last clipped_sum's float64 sums, until taken
         self._accumulated_norms: list[torch.Tensor] = []
 
     @property
@@ -262,54 +264,68 @@ class PerSampleClipping:
         )
         return self.examples_checked
 
-    def _micro_batch_into_grads(self) -> torch.Tensor:
-        """p.grad <- the sum of this micro-batch's per-sample gradients clipped to C; returns the unclipped norms.
-        The per-sample state is cleared for the next batch."""
+    def _micro_batch_into_grads(self, into_grads: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The sum of this micro-batch's per-sample gradients clipped to C (float64, one per parameter; ``p.grad``
+        holds it rounded, with ``into_grads``) and the unclipped norms. The per-sample state is cleared for the next
+        batch."""
         if self.ghost is not None:
             norms = self._ghost_norms
             if norms is None:  # training_step returned None: no backward, nothing to clip
-                for p in self.ghost.parameters:
-                    p.grad = torch.zeros_like(p)
+                self.ghost.clip_nothing()
                 norms = torch.zeros(0, device=self.ghost.parameters[0].device)
             self._ghost_norms = None
-            return norms
+            return norms, self.ghost.take_clipped_sums()
         assert self.per_sample is not None
-        norms = self.per_sample.clip_and_sum(self.max_grad_norm)  # book-keeping: not the batch's per-sample gradients
+        # book-keeping: not the batch's per-sample gradients
+        norms = self.per_sample.clip_and_sum(self.max_grad_norm, into_grads=into_grads)
         self.per_sample.clear()
-        return norms
+        return norms, self.per_sample.take_clipped_sums()
 
     def accumulate_micro_batch(self) -> None:
         """Clip one micro-batch of a logical Poisson batch and keep its clipped sum for the step (Opacus's
-        BatchMemoryManager, with Lightning's ``accumulate_grad_batches``); ``p.grad`` is freed."""
-        norms = self._micro_batch_into_grads()
-        params = self.parameters
+        BatchMemoryManager, with Lightning's ``accumulate_grad_batches``), in float64; ``p.grad`` is freed."""
+        norms, sums = self._micro_batch_into_grads(into_grads=False)
         if self._accumulated is None:
-            self._accumulated = [p.grad.detach().clone() for p in params]
+            self._accumulated = [summed.clone() for summed in sums]
         else:
-            for total, p in zip(self._accumulated, params):
-                total.add_(p.grad)
+            for total, summed in zip(self._accumulated, sums):
+                total.add_(summed)
         self._accumulated_norms.append(norms)
-        for p in params:
+        for p in self.parameters:
             p.grad = None
 
-    def clipped_sum(self) -> torch.Tensor:
+    def clipped_sum(self, into_grads: bool = True) -> torch.Tensor:
         """p.grad <- the sum of per-sample gradients clipped to C over the whole logical batch (its micro-batches
-        included); returns the unclipped norms (for the step's statistics only)."""
-        norms = self._micro_batch_into_grads()
+        included), rounded to p's dtype (unless ``into_grads`` is False: the caller noises the float64 sums into
+        ``p.grad``); the float64 sums themselves go to :meth:`take_clipped_sums`. Returns the unclipped norms (for the
+        step's statistics only)."""
+        norms, sums = self._micro_batch_into_grads(into_grads and self._accumulated is None)
         if self._accumulated is not None:  # the earlier micro-batches of this logical batch
-            for p, total in zip(self.parameters, self._accumulated):
-                p.grad.add_(total)
+            sums = [summed + total for summed, total in zip(sums, self._accumulated)]
+            for p, summed in zip(self.parameters, sums):
+                if into_grads:
+                    round_into_grad(p, summed)
             norms = torch.cat([*self._accumulated_norms, norms.to(self._accumulated_norms[0].device)])
             self._accumulated, self._accumulated_norms = None, []
+        self._clipped_sums = sums
         return norms
+
+    def take_clipped_sums(self) -> list[torch.Tensor]:
+        """The last :meth:`clipped_sum`'s sums in float64, one per parameter (:attr:`parameters`' order), handed
+        over: a mechanism adds its noise to them before any rounding to float32
+        (:meth:`PerSampleGradients.take_clipped_sums` says why)."""
+        if self._clipped_sums is None:
+            raise RuntimeError("take_clipped_sums() without a clipped_sum() since the last one")
+        sums, self._clipped_sums = self._clipped_sums, None
+        return sums
 
     @torch.no_grad()
     def clipped_mean(self, expected_batch_size: float) -> DPStepStats:
         """p.grad <- the clipped sum divided by the expected batch size qJ, without noise (CPGT's and Decor's noise
-        is their own)."""
-        norms = self.clipped_sum()
-        for p in self.parameters:
-            p.grad.mul_(1.0 / expected_batch_size)
+        is their own), divided in float64 and rounded once."""
+        norms = self.clipped_sum(into_grads=False)
+        for p, summed in zip(self.parameters, self.take_clipped_sums()):
+            round_into_grad(p, summed.mul_(1.0 / expected_batch_size))
         return DPStepStats.of(norms, self.max_grad_norm, noise_std=0.0)
 
 
@@ -320,8 +336,10 @@ def _noise_and_scale_into_grads(
     noise_multiplier: float,
     expected_batch_size: float,
     generator: NoiseGenerator,
+    outputs: KeptBuffers | None = None,
 ) -> float:
     """p.grad <- (clipped sum + N(0, sigma^2 C^2 I)) / (q J) for every parameter; returns the noise std sigma C.
+    A parameter without a ``.grad`` that fits gets a buffer from ``outputs`` (kept across steps) where given.
 
     Computed as ``N(0, (sigma C / qJ)^2 I) + clipped sum / qJ`` in one pass per parameter, into the existing
     ``p.grad`` where it fits (a clipped sum may BE ``p.grad``), the noise added chunk by chunk as it is drawn
@@ -333,7 +351,8 @@ def _noise_and_scale_into_grads(
     for p in params:
         grad = p.grad
         if grad is None or grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
-            grad = torch.empty_like(p)
+            grad = None if outputs is None else outputs.get(p, p.shape, p.dtype, p.device)
+            grad = torch.empty_like(p) if grad is None else grad
         grads.append(grad if grad.is_contiguous() else torch.empty_like(p, memory_format=torch.contiguous_format))
     if std > 0:
         generator.add_normal_(grads, std * scale, clipped_sums, scale)
@@ -354,9 +373,13 @@ def noise_clipped_sum(
     noise_multiplier: float,
     expected_batch_size: float,
     generator: NoiseGenerator,
+    clipped_sums: Sequence[torch.Tensor] | None = None,
+    outputs: KeptBuffers | None = None,
 ) -> DPStepStats:
     """Finish a DP-SGD step whose ``p.grad`` already holds the sum of clipped per-sample gradients (Abadi et al. 2016,
-    Algorithm 1, lines 5-6).
+    Algorithm 1, lines 5-6), or whose float64 ``clipped_sums`` are given (:meth:`PerSampleClipping.take_clipped_sums`:
+    the noise is then added to them in float64 and the noisy value rounded to ``p.grad``'s dtype once, a
+    post-processing; rounding the sum first is not, and moves it by up to half a float32 unit of the whole sum).
 
     Args:
         params: the trainable parameters; ``p.grad`` holds the clipped sum (None: no example reached it).
@@ -365,13 +388,23 @@ def noise_clipped_sum(
         expected_batch_size: ``q J``; the noisy sum is divided by it, not by the realised batch size ``B``.
         generator: THIS node's generator (:func:`~lightning_privdec.privacy.noise.node_noise_generator`: ChaCha20
             under a 256-bit key).
+        clipped_sums: the float64 clipped sums, one per parameter (:meth:`PerSampleGradients.take_clipped_sums`);
+            None: ``p.grad`` (already rounded: the rounding is then not a post-processing of the noisy value).
+        outputs: host buffers kept across steps for the noisy gradients of parameters without a ``.grad`` to write.
 
     The values are checked once, where they are set (:mod:`.validation`): C when the node's clipping is built,
     sigma with the privacy parameters, qJ when the node's shard is sampled.
     """
     params = list(params)
-    sums = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    std = _noise_and_scale_into_grads(params, sums, max_grad_norm, noise_multiplier, expected_batch_size, generator)
+    if clipped_sums is None:
+        sums = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    else:
+        sums = list(clipped_sums)
+        if len(sums) != len(params) or any(t.shape != p.shape for t, p in zip(sums, params)):
+            raise ValueError(f"noise_clipped_sum: {len(sums)} clipped sums for {len(params)} parameters, or a shape "
+                             "that differs from its parameter's")
+    std = _noise_and_scale_into_grads(params, sums, max_grad_norm, noise_multiplier, expected_batch_size, generator,
+                                      outputs)
     return DPStepStats.of(per_sample_norms, max_grad_norm, noise_std=std)
 
 
@@ -390,13 +423,17 @@ class GaussianMechanism:
         self.generator: NoiseGenerator = node_noise_generator(
             device, noise_seed, rank, stream="noise", secure_mode=secure_mode
         )
+        self._outputs = KeptBuffers()  # the noisy gradients' memory on the host, reused across steps
 
     def noise_clipped_sum(self, params: list[nn.Parameter], norms: torch.Tensor, *, max_grad_norm: float,
-                          noise_multiplier: float, expected_batch_size: float) -> DPStepStats:
-        """p.grad (the clipped sum) <- (p.grad + N(0, sigma^2 C^2 I)) / qJ (:func:`noise_clipped_sum`)."""
+                          noise_multiplier: float, expected_batch_size: float,
+                          clipped_sums: Sequence[torch.Tensor] | None = None) -> DPStepStats:
+        """p.grad <- (the clipped sum + N(0, sigma^2 C^2 I)) / qJ (:func:`noise_clipped_sum`; the float64
+        ``clipped_sums`` where given, else ``p.grad``)."""
         return noise_clipped_sum(
             params, norms, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-            expected_batch_size=expected_batch_size, generator=self.generator,
+            expected_batch_size=expected_batch_size, generator=self.generator, clipped_sums=clipped_sums,
+            outputs=self._outputs,
         )
 
     def normal(self, numel: int, std: float, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

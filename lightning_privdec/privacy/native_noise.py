@@ -51,27 +51,32 @@ class NativeTransform:
     """The compiled transform: called as :data:`Transform`; :meth:`add_at` adds a chunk's noise into gradients."""
 
     def __init__(self, library: Any) -> None:
-        #: whether :meth:`add_at` gave torch.add's bits in the load-time check (else only the written transform runs)
-        self.adds = False
+        #: whether :meth:`add_at` gave torch.add's bits in the load-time check, for float32 and for float64 sums
+        #: (else only the written transform runs, and torch adds)
+        self.adds = self.adds_wide = False
         self._write, self._add = library.narrow_box_muller, library.narrow_box_muller_add
-        self._write.restype = self._add.restype = None
+        self._add_wide = library.narrow_box_muller_add64
+        self._write.restype = self._add.restype = self._add_wide.restype = None
         self._write.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float] * 3
         self._add.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2 + [ctypes.c_float] * 4
+        self._add_wide.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2 + [ctypes.c_float] * 3 + [ctypes.c_double]
 
     def __call__(self, words: np.ndarray, angles: np.ndarray, cosines: np.ndarray, sines: np.ndarray,
                  radius_factor: float, angle_scale: float, near_one: float) -> None:
         _call(self._write, words, angles, cosines, sines, radius_factor, angle_scale, near_one)
 
     def add_at(self, words: int, angles: int, p: int, cosines: int, cos_sums: int, sines: int, sin_sums: int, q: int,
-               constants: tuple[float, float, float], alpha: float) -> None:
+               constants: tuple[float, float, float], alpha: float, wide: bool = False) -> None:
         """The transform of ``p`` pairs (their int64 radius words and int32 angle words at ``words`` and ``angles``)
         added: ``cosines[i] = noise_i + alpha cos_sums[i]`` for every pair, ``sines[i]`` likewise for the first ``q``
         (fused, as ``torch.add(noise, sums, alpha=alpha)`` rounds). Every argument but the counts is the address of a
-        vector of that length (float32 for the outputs and sums), which the caller has checked (an output may be
-        its sums; nothing else may share memory: see :func:`~.noise._added_as_made`)."""
+        vector of that length (float32 for the outputs; float32 sums, or float64 with ``wide``: then the addition is
+        float64 and its result rounded to float32 once), which the caller has checked (an output may be its float32
+        sums; nothing else may share memory: see :func:`~.noise._added_as_made`)."""
         if not 0 <= q <= p or not (words and angles and cosines and cos_sums) or (q and not (sines and sin_sums)):
             raise ValueError(f"native noise transform: {q} sines of {p} pairs, or a missing address")
-        self._add(words, angles, cosines, cos_sums, sines or None, sin_sums or None, p, q, *constants, alpha)
+        add = self._add_wide if wide else self._add
+        add(words, angles, cosines, cos_sums, sines or None, sin_sums or None, p, q, *constants, alpha)
 
 
 def _call(function: Any, words: np.ndarray, angles: np.ndarray, cosines: np.ndarray, sines: np.ndarray,
@@ -116,6 +121,7 @@ def _check(transform: Transform) -> str | None:
     step = buffers.chunk_words  # NumPy's transform in chunks its buffers hold (the chunk size a draw has now)
     buffers.reserve(step)
     add_failure = None
+    written: dict[float, np.ndarray] = {}  # the written noise per scale, for the float64 sums' check
     for scale in (1.0, 3.5):
         expected = np.empty(2 * p, np.float32)
         for a in range(0, p, step):
@@ -136,17 +142,25 @@ def _check(transform: Transform) -> str | None:
             if not (np.array_equal(later[0], got[start:p]) and np.array_equal(later[1][:-1], got[p + start : -1])):
                 return f"gave other values for the same words started {start} pairs later (scale {scale})"
         add_failure = add_failure or _check_add(transform, words, angles, got[: 2 * p - 1], scale)
+        written[scale] = got[: 2 * p - 1]
     if add_failure is not None:  # the written transform stands; its noise is written, then added by torch
         log.info("float32 noise on the host: written, then added (the compiled addition %s)", add_failure)
     elif isinstance(transform, NativeTransform):
         transform.adds = True
+        wide_failure = next(filter(None, (_check_add(transform, words, angles, noise, scale, wide=True)
+                                          for scale, noise in written.items())), None)
+        if wide_failure is not None:
+            log.info("float32 noise on float64 sums: written, then added (the compiled addition %s)", wide_failure)
+        else:
+            transform.adds_wide = True
     return None
 
 
 def _check_add(transform: Transform, words: np.ndarray, angles: np.ndarray, noise: np.ndarray,
-               scale: float) -> str | None:
+               scale: float, wide: bool = False) -> str | None:
     """:meth:`NativeTransform.add_at` against the written ``noise`` (cosines, then the sines of all pairs but the
-    last) followed by ``torch.add(noise, sums, alpha=...)``, in place and into other vectors: the same bits."""
+    last) followed by ``torch.add(noise, sums, alpha=...)``, in place and into other vectors: the same bits (``wide``:
+    float64 sums, whose sum with the noise torch computes in float64 and rounds to the float32 output once)."""
     import torch
 
     from lightning_privdec.privacy.keystream import _narrow_constants
@@ -154,15 +168,16 @@ def _check_add(transform: Transform, words: np.ndarray, angles: np.ndarray, nois
     if not isinstance(transform, NativeTransform):
         return None  # a stand-in without the fused addition (tests): the written transform is checked
     p = len(words)
-    sums = torch.from_numpy(np.random.default_rng(7).standard_normal(2 * p - 1).astype(np.float32) * 100)
+    sums = torch.from_numpy(np.random.default_rng(7).standard_normal(2 * p - 1) * 100)
+    sums = sums if wide else sums.float()
     for alpha in (1.0, -0.37):
-        expected = torch.add(torch.from_numpy(noise), sums, alpha=alpha)
-        for in_place in (True, False):
+        expected = torch.add(torch.from_numpy(noise), sums, alpha=alpha).float()
+        for in_place in (False,) if wide else (True, False):
             out = sums.clone() if in_place else torch.full((2 * p - 1,), float("nan"))
             read = out if in_place else sums
             radius_words, angle_words = words.copy(), angles.copy()
             transform.add_at(radius_words.ctypes.data, angle_words.ctypes.data, p, out.data_ptr(), read.data_ptr(),
-                             out[p:].data_ptr(), read[p:].data_ptr(), p - 1, _narrow_constants(scale), alpha)
+                             out[p:].data_ptr(), read[p:].data_ptr(), p - 1, _narrow_constants(scale), alpha, wide)
             if not torch.equal(out.view(torch.int32), expected.view(torch.int32)):
                 return (f"added its noise with other bits than torch.add (alpha {alpha}, scale {scale}, "
                         f"{'in place' if in_place else 'into other vectors'})")

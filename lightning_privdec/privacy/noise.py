@@ -101,20 +101,24 @@ def _added_as_made(
     torch.add's bits here, where a tensor is not a contiguous float32 host vector of its output's size, or where
     outputs and sums share memory other than an output being its own sum."""
     compiled = keystream.native_transform()
-    if not getattr(compiled, "adds", False) or not all(
-        native.host_float32(o) and native.host_float32(t) and o.numel() == t.numel() for o, t in zip(outs, sums)
+    wide = bool(sums) and all(t.dtype == torch.float64 for t in sums)  # the clipped sums, float64 until the noise
+    if not getattr(compiled, "adds_wide" if wide else "adds", False) or not all(
+        native.host_float32(o) and (_host_float64(t) if wide else native.host_float32(t)) and o.numel() == t.numel()
+        for o, t in zip(outs, sums)
     ):
         return None
-    if native.tensors_overlap([], in_place=list(zip(outs, sums))):  # an output may be its own sum
+    # a float32 output may be its own sum; float64 sums share memory with nothing
+    if native.tensors_overlap([*outs, *sums]) if wide else native.tensors_overlap([], in_place=list(zip(outs, sums))):
         return None
     add_at = compiled.add_at
     out_at, sum_at = [o.data_ptr() for o in outs], [t.data_ptr() for t in sums]
     constants, half = keystream._narrow_constants(scale), (offsets[-1] + 1) // 2
+    sum_size = 8 if wide else 4
 
     def place(entry: int) -> tuple[int, int]:  # the output and sum addresses of entry ``entry`` of the draw
         piece = bisect.bisect_right(offsets, entry) - 1
-        at = 4 * (entry - offsets[piece])
-        return out_at[piece] + at, sum_at[piece] + at
+        at = entry - offsets[piece]
+        return out_at[piece] + 4 * at, sum_at[piece] + sum_size * at
 
     def transform(first: int, words: np.ndarray, angles: np.ndarray, q: int) -> None:
         p = len(words)  # cosines: entries [first, first + p); sines: [half + first, half + first + q)
@@ -128,9 +132,14 @@ def _added_as_made(
             with_sine = max(0, min(b, q) - a)
             sines, sine_sums = place(half + first + a) if with_sine else (0, 0)
             add_at(words_at + 8 * a, angles_at + 4 * a, b - a, *place(first + a), sines, sine_sums, with_sine,
-                   constants, alpha)
+                   constants, alpha, wide)
 
     return transform
+
+
+def _host_float64(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a contiguous float64 vector of host memory (float64 clipped sums, by address)."""
+    return tensor.device.type == "cpu" and tensor.dtype == torch.float64 and tensor.is_contiguous()
 
 
 class NoiseGenerator:

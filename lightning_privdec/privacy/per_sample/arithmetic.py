@@ -19,6 +19,7 @@ from lightning_privdec.privacy.per_sample.replay import (
     rule_grad_samples,
     rule_inputs,
 )
+from lightning_privdec.tensors import KeptBuffers, round_into_grad
 from lightning_privdec.privacy.rounding import (
     SUM_BLOCK,
     full_precision,
@@ -64,7 +65,7 @@ class _PerSampleArithmetic:
         self.mean_loss_multipliers: dict[int, float] = {}
         self.drop_nonfinite = False  # float16: zero an example's non-finite inputs/output gradients per layer call
         # the clipped sums' kept buffers (_sum_buffer) and their storages' use counts while only the buffer holds them
-        self._sum_buffers: dict[nn.Parameter, tuple[Tensor, int | None]] = {}
+        self._sum_buffers = KeptBuffers()
         self.nonfinite_examples = 0  # examples with something zeroed, over the passes counted since the last take
         self._counted: set[int] = set()  # the passes already counted (passes() may run several times per pass)
         self.last_pass_nonfinite = 0  # examples with something zeroed in the last pass passes() built
@@ -225,27 +226,28 @@ class _PerSampleArithmetic:
             raise RuntimeError(f"{row} per-sample gradients for a buffer of {out.shape[0]} rows")
         return out
 
-    def clip_and_sum(self, params: list[nn.Parameter], max_grad_norm: float) -> Tensor:
-        """p.grad <- sum_i min(1, C / (||g_i|| + 1e-6)) g_i for every parameter, with ||g_i|| the norm over ALL
-        parameters jointly; returns the norms (float32 or wider), one per example of every backward pass."""
+    def clip_and_sum(self, params: list[nn.Parameter], max_grad_norm: float,
+                     into_grads: bool = True) -> tuple[Tensor, list[Tensor]]:
+        """The clipped sum ``sum_i min(1, C / (||g_i|| + 1e-6)) g_i`` of every parameter in float64 (in ``params``'
+        order; what a mechanism adds its noise to), with ||g_i|| the norm over ALL parameters jointly; ``p.grad`` gets
+        it rounded to p's dtype (``into_grads``). Also returns the norms (float32 or wider), one per example of every
+        backward pass."""
         sums: dict[nn.Parameter, Tensor] = {}
         all_norms = []
         with full_precision():  # once for every layer's arithmetic (each also enters it; then it costs nothing)
             for records in self.passes():
                 all_norms.append(self._clip_and_sum_pass(records, max_grad_norm, sums, self._sum_buffer))
+        exact = []
         for p in params:
             summed = sums.get(p)
             if summed is None:
-                summed = torch.zeros_like(p)  # no example reached this parameter
-            if p.grad is not None and _same_memory(p.grad, summed):
-                pass  # its buffer already (the user's zero_grad kept last step's .grad, our buffer)
-            elif p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
-                p.grad.copy_(summed)
-            else:
-                p.grad = summed
+                summed = torch.zeros(p.shape, dtype=torch.float64, device=p.device)  # no example reached it
+            exact.append(summed)
+            if into_grads:
+                round_into_grad(p, summed)
         if not all_norms:
-            return torch.zeros(0, device=params[0].device)
-        return torch.cat(all_norms)
+            return torch.zeros(0, device=params[0].device), exact
+        return torch.cat(all_norms), exact
 
     def batch_sum(self, calls: list[_Call], *, bookkeeping: bool) -> dict[nn.Parameter, Tensor]:
         """The unclipped sum of one pass's per-example gradients, by the arithmetic a mode clips with: book-keeping's
@@ -257,23 +259,9 @@ class _PerSampleArithmetic:
         return {p: gs.sum(dim=0) for p, gs in self._grad_samples(calls).items()}
 
     def _sum_buffer(self, p: nn.Parameter) -> Tensor | None:
-        """Where p's clipped sum is written (bookkeeping.Into): p.grad when it can hold it (what the step would copy
-        into anyway); else, on the host, a buffer kept across steps that becomes p.grad (a fresh tensor of tens of MB
-        costs its page faults every step there) while nothing else holds its memory: a .grad that user code kept from
-        an earlier step keeps its released (noised) values, and the sum goes to a new buffer. On a device, None (its
-        caching allocator reuses memory without faults; a kept buffer would only add to the peak)."""
-        grad = p.grad
-        if (grad is not None and grad.shape == p.shape and grad.dtype == p.dtype and grad.device == p.device
-                and grad.is_contiguous()):  # fmt: skip
-            return grad
-        if p.device.type != "cpu":
-            return None
-        kept = self._sum_buffers.get(p)
-        if kept is not None and kept[0].shape == p.shape and kept[0].dtype == p.dtype and _sole_use(*kept):
-            return kept[0]
-        buffer = torch.empty(p.shape, dtype=p.dtype)
-        self._sum_buffers[p] = (buffer, _storage_uses(buffer))
-        return buffer
+        """Where p's float64 clipped sum is written (bookkeeping.Into): on the host, a buffer kept across steps
+        (:class:`~lightning_privdec.tensors.KeptBuffers`); on a device, None."""
+        return self._sum_buffers.get(p, p.shape, torch.float64, p.device)
 
     def _clip_and_sum_pass(
         self, records: list[_Call], max_grad_norm: float, sums: dict[nn.Parameter, Tensor], into: bookkeeping.Into = None
@@ -501,23 +489,7 @@ def _uses(records: list[_Call]) -> dict[int, int]:
     return uses
 
 
-def _storage_uses(t: Tensor) -> int | None:
-    """How many tensors hold ``t``'s memory (views included), where torch tells (a private function: None without)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if use_count is None else int(use_count(t.untyped_storage()._cdata))
-
-
-def _sole_use(buffer: Tensor, alone: int | None) -> bool:
-    """Whether nothing but the kept ``buffer`` holds its memory now (``alone``: its count when it was made)."""
-    uses = _storage_uses(buffer)
-    return alone is not None and uses is not None and uses <= alone
-
-
-def _same_memory(a: Tensor, b: Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-            and a.device == b.device)  # fmt: skip
-
-
 def _accumulate(sums: dict[nn.Parameter, Tensor], p: nn.Parameter, value: Tensor) -> None:
-    value = value.to(p.dtype).view_as(p)
+    """``sums[p] += value`` in float64 (the sum over examples is never rounded to float32: rounding.sum_by_blocks)."""
+    value = value.to(torch.float64).view_as(p)
     sums[p] = value if p not in sums else sums[p] + value

@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -49,6 +48,8 @@ from lightning_privdec.privacy.per_sample.bookkeeping_conv import (  # one chunk
     _conv_weight_grad,
     _patch_norms,
     keeps_rows,
+    sum_of_rows,
+    sums_by_rows,
     writes_into,
 )
 from lightning_privdec.privacy.per_sample.gram import (
@@ -281,29 +282,31 @@ def clipped_sums(
             bound = norm_bound(module, a, g)
         return bookkeeping_embedding.clipped_sums(module, a, g, factor, bound.upper, bound.embedding,
                                                   None if into is None else into(module.weight))
-    work = _work_dtype(module, g)
     factor = factor.to(g.device, torch.float64)
     exact = bound.exact if bound is not None and bound.exact_grads else None
     with full_precision():
-        a = a.to(work) if a.is_floating_point() else a
-        g = g.to(work)
         batch_factor = factor if exact is None else torch.where(exact, 0.0, factor)
-        # blocks of block_examples(T) examples: the bound's gamma, hence every clip factor, does not depend on how
-        # many examples the batch holds
+        # blocks of block_examples(T) examples bound the float64 temporaries of one product
         block = block_examples(_steps(module, g))
         if bound is not None and bound.rows is not None:  # the kept per-example weight gradients: their weighted sum
             if bound.rows.shape[0] != g.shape[0]:
                 raise RuntimeError(f"{bound.rows.shape[0]} kept per-example gradients for {g.shape[0]} examples")
             out = {module.weight: weighted_row_sum(batch_factor, bound.rows).view(module.weight.shape)}
             if module.bias is not None and module.bias.requires_grad:
-                out.update(sum_by_blocks((_weighted(g, batch_factor, work),), block, partial(_bias_gradient, module)))
+                out.update(sum_by_blocks((g, batch_factor), block, lambda g, c: _bias_gradient(module, _weighted(g, c))))
+        elif not _is_linear(module) and module.weight.requires_grad and sums_by_rows(module, g.shape[2:]):
+            # a convolution on a large map: its examples' float32 rows summed in float64 (float64 kernels are slow)
+            work = _work_dtype(module, g)
+            weight = into(module.weight) if into is not None and exact is None else None
+            out = {module.weight: sum_of_rows(module, a.to(work), g.to(work), batch_factor, weight)}
+            out.update(sum_by_blocks((g, batch_factor), block, lambda g, c: _bias_gradient(module, _weighted(g, c))))
         else:
-            weighted = _weighted(g, batch_factor, work)
-            into = into if g.shape[0] <= block and exact is None and work == module.weight.dtype else None
-            out = sum_by_blocks((a, weighted), block, lambda a, weighted: _weight_gradient(module, a, weighted, into))
+            into = into if g.shape[0] <= block and exact is None else None
+            out = sum_by_blocks((a, g, batch_factor), block,
+                                lambda a, g, c: _weight_gradient(module, _in_float64(a), _weighted(g, c), into))
     if exact is not None:
         for p, grads in bound.exact_grads.items():
-            out[p] = out[p] + torch.einsum("k,k...->...", factor[exact], grads).to(out[p].dtype)
+            out[p] = out[p] + torch.einsum("k,k...->...", factor[exact], grads)
     return out
 
 
@@ -327,11 +330,10 @@ def clipped_sums_of(
             out[members[0]] = clipped_sums(module, a, g, factor, bound, into)
             continue
         module, a, g = calls[members[0]][:3]
-        work = _work_dtype(module, g)
         with full_precision():
-            inputs = torch.stack([calls[k][1].to(work).reshape(-1, a.shape[-1]) for k in members])  # (L, B T, p)
+            inputs = torch.stack([_in_float64(calls[k][1]).reshape(-1, a.shape[-1]) for k in members])  # (L, B T, p)
             weighted = torch.stack([
-                _weighted(calls[k][2], calls[k][3], work).reshape(-1, g.shape[-1]) for k in members
+                _weighted(calls[k][2], calls[k][3]).reshape(-1, g.shape[-1]) for k in members
             ])  # (L, B T, d_out)  fmt: skip
             weights, biases = _linear_grads(module, inputs, weighted)
         for j, k in enumerate(members):  # own memory: they become the parameters' .grad
@@ -354,7 +356,7 @@ def _weight_gradient(module: nn.Module, a: Tensor, weighted: Tensor, into: Into 
                               None if into is None or not weight.requires_grad else into(weight))  # fmt: skip
         return {p: grad for p, grad in zip((weight, bias), grads) if grad is not None}
     if weight.requires_grad:
-        writes = into is not None and writes_into(module, a.shape[2:], weighted.shape[2:])
+        writes = into is not None and writes_into(module, a.shape[2:], weighted.shape[2:], weighted.dtype)
         out[weight] = _conv_weight_grad(module, weighted, a, out=into(weight) if writes else None)
     out.update(_bias_gradient(module, weighted))
     return out
@@ -390,9 +392,15 @@ def _linear_grads(
 Into = Callable[[nn.Parameter], "Tensor | None"] | None
 
 
-def _weighted(g: Tensor, factor: Tensor, work: torch.dtype) -> Tensor:
-    """Each example's output gradients times its factor (float64, cast once), in ``work``."""
-    return g.to(work) * factor.to(g.device, torch.float64).to(work).view(-1, *([1] * (g.dim() - 1)))
+def _weighted(g: Tensor, factor: Tensor) -> Tensor:
+    """Each example's output gradients times its factor, in float64 (the clipped sum's product runs in float64:
+    :func:`~lightning_privdec.privacy.rounding.sum_by_blocks`)."""
+    return g.to(torch.float64) * factor.to(g.device, torch.float64).view(-1, *([1] * (g.dim() - 1)))
+
+
+def _in_float64(a: Tensor) -> Tensor:
+    """A layer's input for the clipped sum's float64 product (an index tensor as it is)."""
+    return a.to(torch.float64) if a.is_floating_point() else a
 
 
 def _groups(keys: list[tuple | None], entries: list[int]) -> list[list[int]]:

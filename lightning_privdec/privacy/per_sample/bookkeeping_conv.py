@@ -25,6 +25,7 @@ from lightning_privdec.privacy.rounding import (
     norm_upper_bound,
     sum_rounding,
     unit_roundoff,
+    weighted_row_sum,
 )
 from lightning_privdec.privacy.rounding import U64 as _U64
 from lightning_privdec.privacy.rounding import tiny as _tiny
@@ -49,7 +50,7 @@ def _conv_weight_grad(
     it gets an uninitialised tensor of that shape, not a copy of the (repeated or cropped) weight."""
     dims, weight = module.weight.dim() - 2, module.weight
     shape = (examples * weight.shape[0], *weight.shape[1:])
-    by_product = _product_path(module, g.shape[2:])
+    by_product = _product_path(module, g.shape[2:], g.dtype)
     if by_product == "small_map":
         return _small_map_weight_grad(module, g, a, examples, shape, out)
     if by_product == "one_position":
@@ -75,19 +76,19 @@ def _conv_weight_grad(
     return _with_dead_taps(cropped, live, shape, out)
 
 
-def writes_into(module: nn.Module, in_size: torch.Size, out_size: torch.Size) -> bool:
+def writes_into(module: nn.Module, in_size: torch.Size, out_size: torch.Size, dtype: torch.dtype) -> bool:
     """Whether :func:`_conv_weight_grad` writes the gradient into its ``out`` for a map of ``in_size`` and an output
-    of ``out_size`` (a matrix product, or a cropped kernel's taps into zeros); else it returns the kernel's fresh
-    tensor and ignores ``out``."""
-    return _product_path(module, out_size) is not None or _live_taps(module, in_size, out_size) is not None
+    of ``out_size`` in ``dtype`` (a matrix product, or a cropped kernel's taps into zeros); else it returns the
+    kernel's fresh tensor and ignores ``out``."""
+    return _product_path(module, out_size, dtype) is not None or _live_taps(module, in_size, out_size) is not None
 
 
-def _product_path(module: nn.Module, out_size: torch.Size) -> str | None:
-    """Which matrix product :func:`_conv_weight_grad` makes the weight gradient with for an output of ``out_size``:
-    ``"small_map"`` (one group, at most :data:`SMALL_MAP` positions), ``"one_position"`` (a grouped convolution with
-    one position), or None (the convolution kernel)."""
+def _product_path(module: nn.Module, out_size: torch.Size, dtype: torch.dtype) -> str | None:
+    """Which matrix product :func:`_conv_weight_grad` makes the weight gradient with for an output of ``out_size`` in
+    ``dtype``: ``"small_map"`` (one group, at most :data:`SMALL_MAP` positions, :data:`FLOAT64_SMALL_MAP` in
+    float64), ``"one_position"`` (a grouped convolution with one position), or None (the convolution kernel)."""
     positions = math.prod(out_size)
-    if positions <= SMALL_MAP and module.groups == 1:
+    if positions <= (FLOAT64_SMALL_MAP if dtype == torch.float64 else SMALL_MAP) and module.groups == 1:
         return "small_map"
     return "one_position" if positions == 1 else None
 
@@ -138,6 +139,11 @@ def _one_position_weight_grad(
 #: 2 x 2 maps 2.0 against 1.2; on 3 x 3 maps (9 positions) the kernel is as fast or faster up to 256 channels (2.3
 #: against 2.35 ms for 256 x 256, 0.6 against 0.9 for 128 x 128)
 SMALL_MAP = 4
+
+#: :data:`SMALL_MAP` for float64 (the clipped sums, :func:`sums_by_rows` below 128 positions): torch's float64
+#: convolution has no oneDNN kernel, and the product of float64 patch rows was as fast or faster up to 64 positions
+#: (batch 16, one core: 128 x 128 on 4 x 4 maps 2.2 against 2.8 ms, 512 x 512 on 7 x 7 76 against 107)
+FLOAT64_SMALL_MAP = 64
 
 
 def _small_map_weight_grad(
@@ -297,6 +303,45 @@ def _per_example_weight_norms(
         terms, products = max(last - first for first, last in blocks) * math.prod(out_size[1:]), len(blocks)
     rows_kept = None if not keep else kept[0] if len(kept) == 1 else torch.cat(kept)  # one chunk (usual): no copy
     return torch.cat(norms), rows_kept, terms, products
+
+
+#: output positions from which a convolution's clipped weight sum is made of its examples' float32 weight gradients
+#: (:func:`sum_of_rows`) instead of one float64 weight-gradient product: oneDNN has no float64 convolution, and
+#: torch's float64 one took 3.3-6 times oneDNN's float32 kernel at batch 16 (64 channels on 32 x 32 maps: 64 against
+#: 10 ms, on 56 x 56: 192 against 32), while the examples' own gradients, ROW_CHUNK at a time, took 1.0-1.2 times it
+#: from 128 positions on (256 channels on 14 x 14: 57 against 93 ms); on 8 x 8 maps and below the float64 product is
+#: as fast or faster (256 channels on 8 x 8: 24 against 48 ms)
+ROW_POSITIONS = 128
+
+#: examples per convolution of :func:`sum_of_rows` (a fixed number, so that each example's row is computed by the
+#: same kernel whatever the batch size)
+ROW_CHUNK = 4
+
+
+def sums_by_rows(module: nn.Module, out_size: torch.Size) -> bool:
+    """Whether a convolution's clipped weight sum is :func:`sum_of_rows` (at least :data:`ROW_POSITIONS` output
+    positions)."""
+    return math.prod(out_size) >= ROW_POSITIONS
+
+
+def sum_of_rows(module: nn.Module, a: Tensor, g: Tensor, factor: Tensor, out: Tensor | None = None) -> Tensor:
+    """``sum_i factor_i W_i`` in float64 (``out`` when given: float64, the weight's shape), W_i example i's weight
+    gradient computed in float32 (``g``'s dtype), :data:`ROW_CHUNK` examples per convolution (their channels side by
+    side, as :func:`_per_example_weight_norms` makes them) and summed by a float64 matrix-vector product: no sum over
+    examples is rounded to float32, and each row errs by its own T products' rounding only (gamma_T of its mass, within
+    the gamma_R the bound charges)."""
+    batch, out_size = g.shape[0], tuple(g.shape[2:])
+    # an example with factor 0 (computed apart: its float32 row may overflow, and 0 inf is NaN) adds a zero row
+    g = torch.where(factor.to(g.device).view(-1, *[1] * (g.dim() - 1)) > 0, g, 0)
+    total = torch.zeros(module.weight.shape, dtype=torch.float64, device=g.device) if out is None else out.zero_()
+    flat = total.view(-1)
+    for start in range(0, batch, ROW_CHUNK):
+        k = min(ROW_CHUNK, batch - start)
+        g_k = g[start : start + k].reshape(1, -1, *out_size)
+        a_k = a[start : start + k].reshape(1, -1, *a.shape[2:])
+        rows = _conv_weight_grad(module, g_k, a_k, k).reshape(k, -1)
+        flat.add_(weighted_row_sum(factor[start : start + k], rows))
+    return total
 
 
 def keeps_rows(module: nn.Module, a: Tensor, g: Tensor) -> bool:

@@ -280,9 +280,10 @@ def clipped_sums(
         apart = None if call is None else call.apart
         if apart is not None:
             batch_factor = torch.where(apart, 0.0, batch_factor)
-        weighted = torch.where((batch_factor > 0).view(-1, 1, 1), g * batch_factor.to(work).view(-1, 1, 1), 0.0)
+        # in float64: a float32 sum over examples is not a sum of what each adds (rounding.sum_by_blocks)
+        weighted = torch.where((batch_factor > 0).view(-1, 1, 1), g.double() * batch_factor.view(-1, 1, 1), 0.0)
         block = block_examples(steps)
-        use = into if g.shape[0] <= block and into is not None and into.dtype == work else None
+        use = into if g.shape[0] <= block and into is not None and into.dtype == torch.float64 else None
 
         def table(ids: Tensor, weighted: Tensor) -> dict[int, Tensor]:
             out = weighted.new_zeros(module.weight.shape) if use is None else use.zero_()
@@ -295,5 +296,5 @@ def clipped_sums(
             rows = parts.rows[held] * torch.where(torch.isfinite(upper), factor, 0.0)[example].unsqueeze(1)
             tokens, inverse = torch.unique(token, return_inverse=True)
             added = torch.zeros(tokens.numel(), dim, dtype=torch.float64, device=g.device).index_add_(0, inverse, rows)
-            summed.index_add_(0, tokens, added.to(work))
+            summed.index_add_(0, tokens, added)
         return {module.weight: summed}

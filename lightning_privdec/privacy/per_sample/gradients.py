@@ -142,6 +142,7 @@ class PerSampleGradients:
         self._checked = False  # until the first step's check: each parameter's gradient from this backward pass
         self._batch_grads: dict[nn.Parameter, Tensor] = {}
         self._grad_hooks = [p.register_hook(partial(self._keep_batch_grad, p)) for p in self.parameters]
+        self._clipped_sums: list[Tensor] | None = None  # the last clip_and_sum's float64 sums, until taken
 
     def set_loss_scale(self, scale: float, drop_nonfinite: bool = True) -> None:
         """Under ``precision="16-mixed"``: the next backward pass's loss is multiplied by ``scale`` (the GradScaler's),
@@ -205,21 +206,46 @@ class PerSampleGradients:
             out = torch.empty(self.batch_size, sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         return self._arithmetic.per_sample_grads_into(params, out)
 
-    def clip_and_sum(self, max_grad_norm: float) -> Tensor:
+    def clip_and_sum(self, max_grad_norm: float, *, into_grads: bool = True) -> Tensor:
         """``p.grad <- sum_i min(1, C / (||g_i|| + 1e-6)) g_i`` (flat clipping: ||g_i|| over ALL parameters jointly,
         as in :func:`~lightning_privdec.privacy.dp_step.clip_and_accumulate`); returns the norms ``||g_i||``.
+        The sums themselves are float64 (:meth:`take_clipped_sums`: what a mechanism adds its noise to), ``p.grad``
+        holds them rounded to p's dtype (unless ``into_grads`` is False: a caller that noises the float64 sums into
+        ``p.grad`` itself saves that pass).
 
         Book-keeping never materialises the g_i of nn.Linear layers (module docstring); the other modes clip
         materialised per-sample gradients. An empty batch, or a step without backward, leaves zeros.
         """
         self._check_sums_once(bookkeeping=self.mode == "bookkeeping")
+        self._clipped_sums = None  # (its buffers may then be reused for this step's sums)
         params = self.parameters
         if self.mode == "bookkeeping":
-            return self._arithmetic.clip_and_sum(params, max_grad_norm)
-        sums, norms = clip_and_accumulate(self.per_sample_grads(), max_grad_norm, params[0].device)
-        for p, summed in zip(params, sums):
-            _set_grad(p, summed.to(device=p.device, dtype=p.dtype))
+            norms, sums = self._arithmetic.clip_and_sum(params, max_grad_norm, into_grads)
+        else:
+            sums, norms = clip_and_accumulate(self.per_sample_grads(), max_grad_norm, params[0].device)
+            sums = [summed.to(p.device).view_as(p) for p, summed in zip(params, sums)]
+            for p, summed in zip(params, sums):
+                if into_grads:
+                    _set_grad(p, summed.to(dtype=p.dtype))
+        self._clipped_sums = sums
         return norms
+
+    def clip_nothing(self) -> None:
+        """A step without examples (an empty Poisson batch, no backward pass): zero sums and zero ``p.grad``."""
+        self._clipped_sums = [torch.zeros(p.shape, dtype=torch.float64, device=p.device) for p in self.parameters]
+        for p in self.parameters:
+            p.grad = torch.zeros_like(p)
+
+    def take_clipped_sums(self) -> list[Tensor]:
+        """The last :meth:`clip_and_sum`'s clipped sums in float64, one per parameter in :attr:`parameters`' order,
+        handed over (a second call raises). Rounding a sum to float32 before the noise is added would not be a
+        rounding of the noisy value: removing one example would move the rounded sum by up to half a float32 unit of
+        the whole sum besides that example's C (1.00014 C for 4,000 clipped examples); rounding the noisy sum is
+        post-processing."""
+        if self._clipped_sums is None:
+            raise RuntimeError("take_clipped_sums() without a clip_and_sum() since the last one")
+        sums, self._clipped_sums = self._clipped_sums, None
+        return sums
 
     def _keep_batch_grad(self, p: nn.Parameter, grad: Tensor) -> None:
         if self._hooks.enabled and not self._hooks.replaying:
@@ -367,14 +393,21 @@ class GhostClipping:
         self.check_loss_shape(per_sample_losses)
         if per_sample_losses.numel() == 0:  # an empty Poisson batch: nothing to clip, the step is pure noise
             self._per_sample.clear()
-            for p in self.parameters:
-                p.grad = torch.zeros_like(p)
+            self.clip_nothing()
             return per_sample_losses.detach().new_zeros(0)
         try:
             self.loss_sum(per_sample_losses, expected_batch_size).backward()
             return self._per_sample.clip_and_sum(self.max_grad_norm)
         finally:
             self._per_sample.clear()
+
+    def clip_nothing(self) -> None:
+        """A step without examples: zero sums (:meth:`PerSampleGradients.clip_nothing`)."""
+        self._per_sample.clip_nothing()
+
+    def take_clipped_sums(self) -> list[Tensor]:
+        """The last :meth:`backward`'s clipped sums in float64 (:meth:`PerSampleGradients.take_clipped_sums`)."""
+        return self._per_sample.take_clipped_sums()
 
     @staticmethod
     def check_loss_shape(per_sample_losses: Tensor) -> None:
