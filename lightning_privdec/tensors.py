@@ -35,15 +35,17 @@ class KeptBuffers:
         self._kept: dict[Hashable, tuple[Tensor, int | None]] = {}
 
     def get(self, key: Hashable, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor | None:
-        """An uninitialised host buffer of ``shape`` and ``dtype`` for ``key`` (None on a device)."""
+        """An uninitialised host buffer of ``shape`` and ``dtype`` for ``key`` (a view of the kept one; None on a
+        device)."""
         if device.type != "cpu":
             return None
         kept = self._kept.get(key)
-        if kept is not None and kept[0].shape == shape and kept[0].dtype == dtype and _sole_use(*kept):
-            return kept[0]
-        buffer = torch.empty(shape, dtype=dtype)
-        self._kept[key] = (buffer, _storage_uses(buffer))
-        return buffer
+        if kept is None or kept[0].shape != shape or kept[0].dtype != dtype or not _sole_use(*kept):
+            buffer = torch.empty(shape, dtype=dtype)
+            kept = self._kept[key] = (buffer, _storage_uses(buffer))
+        # a view, not the kept tensor itself: a caller's reference to it then counts as a use of the memory (a plain
+        # reference to the kept tensor would not, and the next step would overwrite what the caller holds)
+        return kept[0].view(shape)
 
 
 def _storage_uses(t: Tensor) -> int | None:

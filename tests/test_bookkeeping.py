@@ -938,3 +938,37 @@ def test_a_tied_embedding_is_bounded_jointly_within_its_exact_norm(monkeypatch: 
     want = (factor.unsqueeze(1) * torch.stack(per_example)).sum(dim=0)
     got = torch.cat([p.grad.double().flatten() for p in model.parameters()])
     assert torch.linalg.vector_norm(got - want) <= 2e-3 * torch.linalg.vector_norm(want)  # (the factors' 2e-3)
+
+
+def test_a_large_map_s_clipped_sum_is_its_examples_rows_summed_in_float64() -> None:
+    """A convolution with at least ROW_POSITIONS output positions sums its examples' float32 weight gradients in
+    float64 (bookkeeping_conv.sum_of_rows), four per grouped convolution, the last chunk padded with zero examples:
+    the float64 autograd sum up to each row's float32 rounding; removing an example changes the sum by exactly that
+    example's weighted row (no other row moves: each is computed by the same convolution whatever the batch size);
+    an example with factor 0 whose float32 row overflows adds nothing (not NaN)."""
+    torch.manual_seed(15)
+    layer = nn.Conv2d(3, 5, 3, padding=1)
+    a, g = torch.randn(7, 3, 12, 12), torch.randn(7, 5, 12, 12)
+    assert bookkeeping_conv.sums_by_rows(layer, g.shape[2:])
+    factor = torch.rand(7, dtype=torch.float64)
+    got = bookkeeping_conv.sum_of_rows(layer, a, g, factor)
+    rows = torch.stack([bookkeeping_conv._conv_weight_grad(layer, g[i : i + 1].double(), a[i : i + 1].double())
+                        for i in range(7)])
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, torch.einsum("k,k...->...", factor, rows), rtol=1e-5, atol=1e-6)
+    for x in (0, 3, 6):  # 7 -> 6 examples: the last chunk holds 3, then 2
+        keep = [i for i in range(7) if i != x]
+        without = bookkeeping_conv.sum_of_rows(layer, a[keep], g[keep], factor[keep])
+        alone = bookkeeping_conv.sum_of_rows(layer, a[x : x + 1], g[x : x + 1], factor[x : x + 1])
+        assert float((got - without - alone).abs().max()) < 1e-12
+    huge = g.clone()
+    huge[2] = 1e30
+    a_huge = a.clone()
+    a_huge[2] = 1e30  # its float32 row overflows to infinity
+    zeroed = factor.clone()
+    zeroed[2] = 0.0
+    out = bookkeeping_conv.sum_of_rows(layer, a_huge, huge, zeroed)
+    keep = [i for i in range(7) if i != 2]
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out, bookkeeping_conv.sum_of_rows(layer, a[keep], g[keep], factor[keep]),
+                               rtol=1e-12, atol=1e-12)

@@ -206,9 +206,12 @@ def test_ghost_clipping_gives_the_same_private_gradient_as_per_sample_hooks() ->
     )
     ghost = GhostClipping(ghost_model, max_grad_norm=0.5)
     norms = ghost.backward(F.cross_entropy(ghost_model(x), y, reduction="none"))
+    with pytest.raises(ValueError, match="needs clipped_sums=.*take_clipped_sums"):  # p.grad: the rounded sum
+        noise_clipped_sum(ghost.parameters, norms, max_grad_norm=0.5, noise_multiplier=1.0, expected_batch_size=8,
+                          generator=node_noise_generator("cpu", 3, 0))
     stats = noise_clipped_sum(
         ghost.parameters, norms, max_grad_norm=0.5, noise_multiplier=1.0, expected_batch_size=8,
-        generator=node_noise_generator("cpu", 3, 0),
+        generator=node_noise_generator("cpu", 3, 0), clipped_sums=ghost.take_clipped_sums(),
     )
     assert stats.batch_size == 10 and float(stats.max_norm) > 0.5
     for a, b in zip(reference.parameters(), ghost_model.parameters()):

@@ -1,9 +1,9 @@
 """The clipping attack: crafted examples against the one inequality DP-SGD's guarantee rests on.
 
 For a batch D and each example x, ``||S(D) - S(D \\ x)|| / C``, where S is the library's clipped per-sample sum
-before noise (the ``p.grad`` that :class:`~lightning_privdec.privacy.PerSampleGradients` or
-:class:`~lightning_privdec.privacy.GhostClipping` leave), must stay at most 1 (up to the float32 rounding of the
-batch's sum, :data:`TOLERANCE`) whatever the examples are. The attacks below craft examples where floating point
+before noise (the float64 sums that :class:`~lightning_privdec.privacy.PerSampleGradients` or
+:class:`~lightning_privdec.privacy.GhostClipping` hand to the noise, ``take_clipped_sums()``), must stay at most 1
+(up to :data:`TOLERANCE`) whatever the examples are. The attacks below craft examples where floating point
 makes that hard:
 
 * ``gram_*``: one example's per-token (per-position) contributions cancel, ``g_1 = -g_2 = M e`` on two nearly
@@ -48,8 +48,9 @@ from lightning_privdec.privacy.per_sample import bookkeeping, bookkeeping_conv, 
 
 __all__ = ["ATTACKS", "PRECISIONS", "TOLERANCE", "AttackResult", "broken_norms", "run_attacks", "sensitivity"]
 
-#: the float32 rounding of the batch's sum that no per-example bound covers (other examples' terms summed in another
-#: order when x is removed), as a fraction of C; docs/privacy.md, "What clipping guarantees"
+#: what the tests and the audit allow above C, as a fraction of C: the float64 rounding of the other examples' terms,
+#: summed in another order when x is removed, which no per-example bound covers (below 1e-9 C at a million terms);
+#: docs/privacy.md, "What clipping guarantees"
 TOLERANCE = 1e-5
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 MODES = ("bookkeeping", "hooks", "functorch", "ghost")

@@ -96,8 +96,9 @@ def clip_and_accumulate(
     grad_samples: Sequence[Tensor], max_grad_norm: float, device: torch.device
 ) -> tuple[list[Tensor], Tensor]:
     """Abadi et al. 2016, Alg. 1, line 4 and the sum of line 5: ``(sum_i min(1, C / (||g_i|| + 1e-6)) g_i per
-    parameter, the norms ||g_i||)``, with ||g_i|| over ALL parameters jointly (Opacus's flat clipping), computed in
-    float32 at least. ``grad_samples[k]`` has shape ``(B, *shape_k)``; B may be 0 (sums of zeros)."""
+    parameter, the norms ||g_i||)``, with ||g_i|| over ALL parameters jointly (Opacus's flat clipping), the norms in
+    float32 at least and the sums in float64 (:func:`~.rounding.weighted_row_sum`). ``grad_samples[k]`` has shape
+    ``(B, *shape_k)``; B may be 0 (sums of zeros)."""
     batch_size = int(grad_samples[0].shape[0])
     norm_dtype = torch.promote_types(grad_samples[0].dtype, torch.float32)
     if batch_size > 0:  # upper bounds of the norms: rounding cannot clip an example to more than C
@@ -108,7 +109,8 @@ def clip_and_accumulate(
             ],
             dim=1,
         )
-        # each example's rows are summed with at most SUM_BLOCK - 1 others' in float32 at least (weighted_row_sum)
+        # the rows' sum is float64 (weighted_row_sum); the factor still charges float32's gamma_SUM_BLOCK, an
+        # overestimate
         norms = torch.linalg.vector_norm(per_param, ord=2, dim=1) * (1 + sum_rounding(SUM_BLOCK, norm_dtype))
     else:
         norms = torch.zeros(0, dtype=torch.float64, device=device)

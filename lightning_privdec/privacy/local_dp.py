@@ -376,10 +376,10 @@ def noise_clipped_sum(
     clipped_sums: Sequence[torch.Tensor] | None = None,
     outputs: KeptBuffers | None = None,
 ) -> DPStepStats:
-    """Finish a DP-SGD step whose ``p.grad`` already holds the sum of clipped per-sample gradients (Abadi et al. 2016,
-    Algorithm 1, lines 5-6), or whose float64 ``clipped_sums`` are given (:meth:`PerSampleClipping.take_clipped_sums`:
-    the noise is then added to them in float64 and the noisy value rounded to ``p.grad``'s dtype once, a
-    post-processing; rounding the sum first is not, and moves it by up to half a float32 unit of the whole sum).
+    """Finish a DP-SGD step on the float64 sums of clipped per-sample gradients ``clipped_sums`` (Abadi et al. 2016,
+    Algorithm 1, lines 5-6; :meth:`PerSampleClipping.take_clipped_sums`): the noise is added to them in float64 and
+    the noisy value rounded to ``p.grad``'s dtype once, a post-processing (rounding the sum first is not, and moves it
+    by up to half a float32 unit of the whole sum).
 
     Args:
         params: the trainable parameters; ``p.grad`` holds the clipped sum (None: no example reached it).
@@ -389,7 +389,7 @@ def noise_clipped_sum(
         generator: THIS node's generator (:func:`~lightning_privdec.privacy.noise.node_noise_generator`: ChaCha20
             under a 256-bit key).
         clipped_sums: the float64 clipped sums, one per parameter (:meth:`PerSampleGradients.take_clipped_sums`);
-            None: ``p.grad`` (already rounded: the rounding is then not a post-processing of the noisy value).
+            required (``p.grad`` holds them rounded, and that rounding is not a post-processing of the noisy value).
         outputs: host buffers kept across steps for the noisy gradients of parameters without a ``.grad`` to write.
 
     The values are checked once, where they are set (:mod:`.validation`): C when the node's clipping is built,
@@ -397,12 +397,18 @@ def noise_clipped_sum(
     """
     params = list(params)
     if clipped_sums is None:
-        sums = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    else:
-        sums = list(clipped_sums)
-        if len(sums) != len(params) or any(t.shape != p.shape for t, p in zip(sums, params)):
-            raise ValueError(f"noise_clipped_sum: {len(sums)} clipped sums for {len(params)} parameters, or a shape "
-                             "that differs from its parameter's")
+        raise ValueError(
+            "noise_clipped_sum needs clipped_sums=: the float64 clipped sums (clipper.take_clipped_sums() after "
+            "clip_and_sum, or PerSampleClipping.take_clipped_sums()). Noising p.grad, the sum already rounded to "
+            "float32, is not sound: the rounding moves with the other examples (1.00014 C for 4,000 examples)"
+        )
+    sums = list(clipped_sums)
+    if len(sums) != len(params) or any(t.shape != p.shape for t, p in zip(sums, params)):
+        raise ValueError(f"noise_clipped_sum: {len(sums)} clipped sums for {len(params)} parameters, or a shape "
+                         "that differs from its parameter's")
+    if any(t.dtype != torch.float64 for t in sums):
+        raise ValueError("noise_clipped_sum: the clipped sums must be the float64 ones (take_clipped_sums()), not "
+                         "sums rounded to a narrower dtype before the noise")
     std = _noise_and_scale_into_grads(params, sums, max_grad_norm, noise_multiplier, expected_batch_size, generator,
                                       outputs)
     return DPStepStats.of(per_sample_norms, max_grad_norm, noise_std=std)
@@ -428,8 +434,7 @@ class GaussianMechanism:
     def noise_clipped_sum(self, params: list[nn.Parameter], norms: torch.Tensor, *, max_grad_norm: float,
                           noise_multiplier: float, expected_batch_size: float,
                           clipped_sums: Sequence[torch.Tensor] | None = None) -> DPStepStats:
-        """p.grad <- (the clipped sum + N(0, sigma^2 C^2 I)) / qJ (:func:`noise_clipped_sum`; the float64
-        ``clipped_sums`` where given, else ``p.grad``)."""
+        """p.grad <- (the float64 ``clipped_sums`` + N(0, sigma^2 C^2 I)) / qJ (:func:`noise_clipped_sum`)."""
         return noise_clipped_sum(
             params, norms, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
             expected_batch_size=expected_batch_size, generator=self.generator, clipped_sums=clipped_sums,

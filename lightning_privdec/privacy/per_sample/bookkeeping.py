@@ -176,9 +176,9 @@ def norm_bound(
             estimate, mass, loose, rows, kept = _conv_estimates(module, a, g, method or norm_method(module, a, g),
                                                                 keep_rows and keeps_rows(module, a, g))
         u = unit_roundoff(work)
-        # the clipped sum: weight-gradient products over blocks of examples, `rows` = block_examples(T) T terms per
-        # entry, the factor's multiplication, the float64 sum of the blocks' cast back to `work` and the addition of
-        # the examples computed apart (2u), and the products' underflow (independent of the batch size)
+        # the clipped sum's rounding of this example's terms, charged at float32's rates (`rows` = block_examples(T)
+        # T terms per entry, the factor's multiplication and two more roundings, 2u, and the products' underflow):
+        # the sum is float64 now (rounding.sum_by_blocks), so this overestimates it; independent of the batch size
         rounding = mass * (sum_rounding(rows, work) + 2 * u) + rows * _tiny(work) * math.sqrt(_numel(module))
         upper = estimate + rounding
         # an example whose terms are large against its norm would round the whole batch's sum: computed apart
@@ -274,9 +274,9 @@ def clipped_sums(
     module: nn.Module, a: Tensor, g: Tensor, factor: Tensor, bound: NormBound | None = None, into: Into = None
 ) -> dict[nn.Parameter, Tensor]:
     """``sum_i factor_i grad_i`` for each trainable parameter of ``module``: one weight-gradient computation over
-    the batch (in float32 at least, full precision), or the weighted sum of ``bound.rows`` for the weight where it
-    kept them, plus the examples ``bound`` computed apart (``bound.exact``). ``into(p)``: a buffer of p's shape and
-    dtype that p's sum may be written into (or None), when it is one product."""
+    the batch (in float64, full precision), or the weighted sum of ``bound.rows`` for the weight where it
+    kept them, plus the examples ``bound`` computed apart (``bound.exact``). ``into(p)``: a float64 buffer of p's
+    shape that p's sum may be written into (or None), when it is one product."""
     if type(module) is nn.Embedding:
         if bound is None:
             bound = norm_bound(module, a, g)
@@ -386,7 +386,7 @@ def _linear_grads(
     return weights, biases
 
 
-#: where a parameter's clipped sum may be written: ``into(p)`` is a buffer of p's shape and dtype, or None (a fresh
+#: where a parameter's clipped sum may be written: ``into(p)`` is a float64 buffer of p's shape, or None (a fresh
 #: tensor); an allocation of tens of MB costs its page faults on every step on a CPU (16 ms of a 24 ms product for a
 #: 3072 x 3072 layer here), a reused buffer none
 Into = Callable[[nn.Parameter], "Tensor | None"] | None
@@ -564,7 +564,7 @@ def _mass(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, int]:
 
 def _exact_gradients(module: nn.Module, a: Tensor, g: Tensor, work: torch.dtype) -> tuple[dict, Tensor]:
     """The per-example gradients of the selected (ill-conditioned) examples in float64, and upper bounds of the
-    norms of what they add to the sum (their float64 rounding, the cast to ``work`` and the addition). The terms' mass
+    norms of what they add to the sum (their float64 rounding and the addition, with a margin of 2u of ``work``). The terms' mass
     only scales float64 rounding: a convolution's patch norms are the upper bounds :func:`_patch_norms` gives in
     ``work`` (its float64 convolution of the squares took three times as long), or in float64 where a square
     overflowed ``work`` (a finite input of 1e20: float32's bound is infinite, and 0 times it NaN)."""

@@ -313,8 +313,9 @@ def _per_example_weight_norms(
 #: as fast or faster (256 channels on 8 x 8: 24 against 48 ms)
 ROW_POSITIONS = 128
 
-#: examples per convolution of :func:`sum_of_rows` (a fixed number, so that each example's row is computed by the
-#: same kernel whatever the batch size)
+#: examples per convolution of :func:`sum_of_rows` (a fixed number, the last chunk padded with zero examples, so that
+#: each example's row is computed by the same kernel whatever the batch size: a chunk of one is an ungrouped
+#: convolution, which rounds some shapes differently on this CPU, and cuDNN picks its algorithm by the group count)
 ROW_CHUNK = 4
 
 
@@ -337,10 +338,12 @@ def sum_of_rows(module: nn.Module, a: Tensor, g: Tensor, factor: Tensor, out: Te
     flat = total.view(-1)
     for start in range(0, batch, ROW_CHUNK):
         k = min(ROW_CHUNK, batch - start)
-        g_k = g[start : start + k].reshape(1, -1, *out_size)
-        a_k = a[start : start + k].reshape(1, -1, *a.shape[2:])
-        rows = _conv_weight_grad(module, g_k, a_k, k).reshape(k, -1)
-        flat.add_(weighted_row_sum(factor[start : start + k], rows))
+        g_k, a_k = g[start : start + k], a[start : start + k]
+        if k < ROW_CHUNK:  # zero examples: their rows are 0, and the convolution is the one every chunk runs
+            g_k = torch.cat([g_k, g_k.new_zeros(ROW_CHUNK - k, *g_k.shape[1:])])
+            a_k = torch.cat([a_k, a_k.new_zeros(ROW_CHUNK - k, *a_k.shape[1:])])
+        rows = _conv_weight_grad(module, g_k.reshape(1, -1, *out_size), a_k.reshape(1, -1, *a.shape[2:]), ROW_CHUNK)
+        flat.add_(weighted_row_sum(factor[start : start + k], rows.reshape(ROW_CHUNK, -1)[:k]))
     return total
 
 
@@ -399,10 +402,10 @@ def _conv_estimates(
             if products > 1:
                 block_error += gamma(products, _U64) * (1 + block_error)
             error = block_error * group_mass.sum(dim=1) + steps * tiny * math.sqrt(module.weight.numel())
-            # kept rows: what the clipped sum adds is the rows themselves, by weighted_row_sum (blocks of SUM_BLOCK
-            # examples, gamma_256 + 2u), the float64 sum of its blocks cast back and the addition of the examples
-            # computed apart (2u), and where they were float64 sums, rounded to g's dtype first (u of their norm);
-            # the weight's terms are then in no batch-sum product, so its mass leaves the batch's rounding below
+            # kept rows: what the clipped sum adds is the rows themselves, by weighted_row_sum (float64 now; charged
+            # at the float32 rates it once had, gamma_256 + 4u, an overestimate), and where they were float64 sums,
+            # rounded to g's dtype first (u of their norm); the weight's terms are then in no batch-sum product, so
+            # its mass leaves the batch's rounding below
             rounding = 1.0 if kept is None else 1 + sum_rounding(SUM_BLOCK, g.dtype) + 2 * u
             if kept is not None and products > 1:
                 rounding *= 1 + u

@@ -271,7 +271,7 @@ def clipped_sums(
     bound ``upper`` is not finite adds nothing. ``into``: a buffer of the weight's shape and dtype the sum may be
     written into when the batch is one block."""
     if g.shape[0] == 0:
-        return {module.weight: torch.zeros_like(module.weight)}
+        return {module.weight: torch.zeros_like(module.weight, dtype=torch.float64)}
     with full_precision():
         ids, g, work = _flat(module, ids, g)
         steps, dim = ids.shape[1], module.embedding_dim
