@@ -221,3 +221,27 @@ def test_ghost_clipping_gives_the_same_private_gradient_as_per_sample_hooks() ->
     empty = ghost.backward(F.cross_entropy(ghost_model(x[:0]), y[:0], reduction="none"))
     assert empty.numel() == 0 and all(torch.count_nonzero(p.grad) == 0 for p in ghost.parameters)
     ghost.detach()
+
+
+def test_a_released_gradient_a_caller_keeps_is_never_overwritten_by_the_next_step() -> None:
+    """The noisy gradients go into host buffers kept across steps (no fresh tensor, and its page faults, per step),
+    but only while nothing else holds them: a released ``p.grad`` that user code keeps (``saved = p.grad``, then
+    ``zero_grad(set_to_none=True)``) keeps its values, and the buffer is reused once nobody holds it."""
+    from lightning_privdec.privacy.local_dp import GaussianMechanism
+
+    p = nn.Parameter(torch.zeros(1000))
+    mechanism = GaussianMechanism(rank=0, device="cpu", noise_seed=0)
+
+    def step(value: float) -> None:
+        p.grad = None  # Lightning's zero_grad(set_to_none=True)
+        mechanism.noise_clipped_sum([p], torch.ones(4), max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0,
+                                    clipped_sums=[torch.full((1000,), value, dtype=torch.float64)])
+
+    step(100.0)
+    saved = p.grad
+    snapshot = saved.clone()
+    step(-100.0)
+    assert torch.equal(saved, snapshot) and saved.data_ptr() != p.grad.data_ptr()
+    first = p.grad.data_ptr()
+    step(5.0)  # nobody held the step before's gradient: its buffer is reused
+    assert p.grad.data_ptr() == first
