@@ -286,9 +286,9 @@ def test_a_float32_mean_loss_without_the_power_of_two_multiplier_is_caught(monke
 def test_a_float32_sum_over_examples_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The positive control of the batch_rounding attack: with book-keeping's product over the examples in float32
     (as until 2026-11-28), removing one clipped example rounds the other 254 clipped examples' terms anew and the
-    sum moves by 1.0009 C; the float64 product keeps it within C. With two intra-op threads, as this machine's
-    default: the float32 product's order of summation, hence its rounding, depends on them (one thread rounds this
-    batch within C)."""
+    sum moves by 1.0009 C; the float64 product keeps it within C. Likewise the hooks mode's materialised rows summed
+    by a float32 matrix-vector product (1.0009 C). With two intra-op threads, as this machine's default: the float32
+    product's order of summation, hence its rounding, depends on them (one thread rounds this batch within C)."""
     from lightning_privdec.privacy.per_sample import arithmetic
 
     torch.set_num_threads(2)  # (tests/conftest.py restores the count)
@@ -297,6 +297,18 @@ def test_a_float32_sum_over_examples_is_caught(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(bookkeeping, "_in_float64", lambda a: a.float() if a.is_floating_point() else a)
     monkeypatch.setattr(arithmetic._PerSampleArithmetic, "_sum_buffer", lambda self, p: None)  # (float64 buffers)
     results = run_attacks(("batch_rounding",), modes=("bookkeeping",))
+    assert min(r.ratio for r in results) > 1 + 10 * TOLERANCE, results
+    monkeypatch.undo()
+    torch.set_num_threads(2)
+
+    from lightning_privdec.privacy import dp_step
+
+    def float32_row_sum(weights: Tensor, rows: Tensor) -> Tensor:  # the materialised rows summed in float32
+        flat = rows.reshape(rows.shape[0], -1).float()
+        return torch.mv(flat.t(), weights.float()).double().view(rows.shape[1:])
+
+    monkeypatch.setattr(dp_step, "weighted_row_sum", float32_row_sum)
+    results = run_attacks(("batch_rounding",), modes=("hooks",))
     assert min(r.ratio for r in results) > 1 + 10 * TOLERANCE, results
 
 
