@@ -49,7 +49,7 @@ from lightning_privdec.privacy.per_sample import bookkeeping, bookkeeping_conv, 
 __all__ = ["ATTACKS", "PRECISIONS", "TOLERANCE", "AttackResult", "broken_norms", "run_attacks", "sensitivity"]
 
 #: what the tests and the audit allow above C, as a fraction of C: the float64 rounding of the other examples' terms,
-#: summed in another order when x is removed, which no per-example bound covers (below 1e-9 C at a million terms);
+#: summed in another order when x is removed, which no per-example bound covers (below gamma64_R of their mass);
 #: docs/privacy.md, "What clipping guarantees"
 TOLERANCE = 1e-5
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")

@@ -97,7 +97,7 @@ def sum_by_blocks(tensors: Sequence[Tensor], size: int, part: Callable[..., dict
     float32 sum over examples is not a sum of what each example adds: removing an example x changes how every other
     example's terms round (docs/privacy.md, "What clipping guarantees": 1.0009 C for 256 examples of an
     nn.Linear(1, 1) summed in float32), which no per-example bound covers; in float64 that change is below
-    gamma64_R times the terms' mass, 10^-9 of C at a million terms."""
+    gamma64_R times the terms' mass (1.1e-10 of it at a million terms)."""
     examples = tensors[0].shape[0]
     if examples <= size:
         return {key: value.double() for key, value in part(*tensors).items()}
