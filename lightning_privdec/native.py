@@ -209,7 +209,13 @@ def keep_off(cpu: int | None) -> None:
 def host_float32(tensor: Any) -> bool:
     """Whether ``tensor`` (a torch tensor) is a contiguous float32 vector of host memory: what the float32 kernels
     take by address."""
-    return tensor.device.type == "cpu" and str(tensor.dtype) == "torch.float32" and tensor.is_contiguous()
+    return host_vector(tensor, "torch.float32")
+
+
+def host_vector(tensor: Any, dtype: str) -> bool:
+    """Whether ``tensor`` (a torch tensor) is a contiguous vector of host memory of ``dtype`` (its name, e.g.
+    ``"torch.float64"``: the float64 clipped sums the noise kernel reads)."""
+    return tensor.device.type == "cpu" and str(tensor.dtype) == dtype and tensor.is_contiguous()
 
 
 def tensors_overlap(tensors: Sequence[Any], in_place: Sequence[tuple[Any, Any]] = ()) -> bool:

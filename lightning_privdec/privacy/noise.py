@@ -103,7 +103,8 @@ def _added_as_made(
     compiled = keystream.native_transform()
     wide = bool(sums) and all(t.dtype == torch.float64 for t in sums)  # the clipped sums, float64 until the noise
     if not getattr(compiled, "adds_wide" if wide else "adds", False) or not all(
-        native.host_float32(o) and (_host_float64(t) if wide else native.host_float32(t)) and o.numel() == t.numel()
+        native.host_float32(o) and native.host_vector(t, "torch.float64" if wide else "torch.float32")
+        and o.numel() == t.numel()
         for o, t in zip(outs, sums)
     ):
         return None
@@ -135,11 +136,6 @@ def _added_as_made(
                    constants, alpha, wide)
 
     return transform
-
-
-def _host_float64(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is a contiguous float64 vector of host memory (float64 clipped sums, by address)."""
-    return tensor.device.type == "cpu" and tensor.dtype == torch.float64 and tensor.is_contiguous()
 
 
 class NoiseGenerator:

@@ -291,19 +291,20 @@ def clipped_sums(
         if bound is not None and bound.rows is not None:  # the kept per-example weight gradients: their weighted sum
             if bound.rows.shape[0] != g.shape[0]:
                 raise RuntimeError(f"{bound.rows.shape[0]} kept per-example gradients for {g.shape[0]} examples")
-            out = {module.weight: weighted_row_sum(batch_factor, bound.rows).view(module.weight.shape)}
-            if module.bias is not None and module.bias.requires_grad:
-                out.update(sum_by_blocks((g, batch_factor), block, lambda g, c: _bias_gradient(module, _weighted(g, c))))
+            weight = weighted_row_sum(batch_factor, bound.rows).view(module.weight.shape)
         elif not _is_linear(module) and module.weight.requires_grad and sums_by_rows(module, g.shape[2:]):
             # a convolution on a large map: its examples' float32 rows summed in float64 (float64 kernels are slow)
             work = _work_dtype(module, g)
-            weight = into(module.weight) if into is not None and exact is None else None
-            out = {module.weight: sum_of_rows(module, a.to(work), g.to(work), batch_factor, weight)}
-            out.update(sum_by_blocks((g, batch_factor), block, lambda g, c: _bias_gradient(module, _weighted(g, c))))
-        else:
+            buffer = into(module.weight) if into is not None and exact is None else None
+            weight = sum_of_rows(module, a.to(work), g.to(work), batch_factor, buffer)
+        else:  # one float64 weight-gradient product per block, the bias's sum with it
             into = into if g.shape[0] <= block and exact is None else None
+            weight = None
             out = sum_by_blocks((a, g, batch_factor), block,
                                 lambda a, g, c: _weight_gradient(module, _in_float64(a), _weighted(g, c), into))
+        if weight is not None:
+            out = {module.weight: weight}
+            out.update(sum_by_blocks((g, batch_factor), block, lambda g, c: _bias_gradient(module, _weighted(g, c))))
     if exact is not None:
         for p, grads in bound.exact_grads.items():
             out[p] = out[p] + torch.einsum("k,k...->...", factor[exact], grads)

@@ -286,12 +286,11 @@ def _per_example_weight_norms(
     for start in range(0, batch, chunk):
         rows = slice(start, start + chunk)
         k = min(chunk, batch - start)
-        g_k, a_k = g[rows].reshape(1, -1, *out_size), a[rows].reshape(1, -1, *a.shape[2:])
         if blocks is None:
-            grads = _conv_weight_grad(module, g_k, a_k, k)
+            grads = _example_rows(module, g[rows], a[rows])
         else:
-            grads = _blocked_weight_grads(module, g_k, a_k, k)
-        grads = grads.reshape(k, -1)
+            g_k, a_k = g[rows].reshape(1, -1, *out_size), a[rows].reshape(1, -1, *a.shape[2:])
+            grads = _blocked_weight_grads(module, g_k, a_k, k).reshape(k, -1)
         norms.append(norm_upper_bound(grads, dim=1))
         if keep:
             kept.append(grads.to(g.dtype))
@@ -331,7 +330,7 @@ def sum_of_rows(module: nn.Module, a: Tensor, g: Tensor, factor: Tensor, out: Te
     side, as :func:`_per_example_weight_norms` makes them) and summed by a float64 matrix-vector product: no sum over
     examples is rounded to float32, and each row errs by its own T products' rounding only (gamma_T of its mass, within
     the gamma_R the bound charges)."""
-    batch, out_size = g.shape[0], tuple(g.shape[2:])
+    batch = g.shape[0]
     # an example with factor 0 (computed apart: its float32 row may overflow, and 0 inf is NaN) adds a zero row
     g = torch.where(factor.to(g.device).view(-1, *[1] * (g.dim() - 1)) > 0, g, 0)
     total = torch.zeros(module.weight.shape, dtype=torch.float64, device=g.device) if out is None else out.zero_()
@@ -342,9 +341,16 @@ def sum_of_rows(module: nn.Module, a: Tensor, g: Tensor, factor: Tensor, out: Te
         if k < ROW_CHUNK:  # zero examples: their rows are 0, and the convolution is the one every chunk runs
             g_k = torch.cat([g_k, g_k.new_zeros(ROW_CHUNK - k, *g_k.shape[1:])])
             a_k = torch.cat([a_k, a_k.new_zeros(ROW_CHUNK - k, *a_k.shape[1:])])
-        rows = _conv_weight_grad(module, g_k.reshape(1, -1, *out_size), a_k.reshape(1, -1, *a.shape[2:]), ROW_CHUNK)
-        flat.add_(weighted_row_sum(factor[start : start + k], rows.reshape(ROW_CHUNK, -1)[:k]))
+        flat.add_(weighted_row_sum(factor[start : start + k], _example_rows(module, g_k, a_k)[:k]))
     return total
+
+
+def _example_rows(module: nn.Module, g: Tensor, a: Tensor) -> Tensor:
+    """The weight gradients of the examples of ``g`` and ``a``, one row each (k, weight entries): one convolution
+    with their channels side by side in one batch row (k times the groups), each row the same sum over its positions
+    as alone."""
+    k = g.shape[0]
+    return _conv_weight_grad(module, g.reshape(1, -1, *g.shape[2:]), a.reshape(1, -1, *a.shape[2:]), k).reshape(k, -1)
 
 
 def keeps_rows(module: nn.Module, a: Tensor, g: Tensor) -> bool:

@@ -36,6 +36,7 @@ from lightning_privdec.privacy.per_sample.capture import Recorder, layer_units
 from lightning_privdec.privacy.per_sample.checks import check_private_model
 from lightning_privdec.privacy.per_sample.probe import check_examples
 from lightning_privdec.privacy.validation import check_max_grad_norm
+from lightning_privdec.tensors import round_into_grad
 
 __all__ = ["DEFAULT_GRAD_SAMPLE_MODE", "GRAD_SAMPLE_MODES", "GhostClipping", "GradSampleMode", "PerSampleGradients",
            "mean_loss_multiplier"]  # fmt: skip
@@ -224,9 +225,9 @@ class PerSampleGradients:
         else:
             sums, norms = clip_and_accumulate(self.per_sample_grads(), max_grad_norm, params[0].device)
             sums = [summed.to(p.device).view_as(p) for p, summed in zip(params, sums)]
-            for p, summed in zip(params, sums):
-                if into_grads:
-                    _set_grad(p, summed.to(dtype=p.dtype))
+            if into_grads:
+                for p, summed in zip(params, sums):
+                    round_into_grad(p, summed)
         self._clipped_sums = sums
         return norms
 
@@ -345,13 +346,6 @@ class PerSampleGradients:
 
     def __repr__(self) -> str:
         return f"PerSampleGradients({type(self.module).__name__}, mode={self.mode!r}, attached={self._attached})"
-
-
-def _set_grad(p: nn.Parameter, value: Tensor) -> None:
-    if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype:
-        p.grad.copy_(value)
-    else:
-        p.grad = value
 
 
 class GhostClipping:
