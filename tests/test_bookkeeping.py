@@ -4,11 +4,12 @@ loop in float64, through both of its ways to a norm (ghost Gram matrices and one
 from __future__ import annotations
 
 import copy
+import math
 import itertools
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_privdec.audit.sensitivity import ATTACKS
 from lightning_privdec.privacy.per_sample import (
@@ -938,6 +939,65 @@ def test_a_tied_embedding_is_bounded_jointly_within_its_exact_norm(monkeypatch: 
     want = (factor.unsqueeze(1) * torch.stack(per_example)).sum(dim=0)
     got = torch.cat([p.grad.double().flatten() for p in model.parameters()])
     assert torch.linalg.vector_norm(got - want) <= 2e-3 * torch.linalg.vector_norm(want)  # (the factors' 2e-3)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape", [(6, 64, 256), (5, 5, 13, 255)])  # (B, T..., p): aligned as is; padded slots
+def test_a_long_sequence_s_clipped_sum_is_its_examples_own_products_summed_in_float64(
+    transposed: bool, shape: tuple[int, ...]
+) -> None:
+    """An nn.Linear (or Hugging Face's Conv1D) over at least EXAMPLE_PRODUCT_STEPS positions on a CPU sums its
+    examples' own float32 weight gradients in float64 (bookkeeping._sum_of_example_products): the float64 sum of each
+    example's float32 product times its factor; removing an example, at any index, moves the sum by exactly that
+    example's weighted product (no other product moves); an example with factor 0 whose product overflows adds
+    nothing; an example with a nonzero factor whose float32 product overflows makes clipped_sums fall back to the
+    float64 product (finite). The bias's sum and the norm bounds' rows (T, not a block's) go with it."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(16)
+    p, d_out = shape[-1], 300
+    layer = Conv1D(d_out, p) if transposed else nn.Linear(p, d_out)
+    a, g = torch.randn(*shape), torch.randn(*shape[:-1], d_out)
+    batch = shape[0]
+    assert bookkeeping.sums_by_example_products(layer, a, g)
+    factor = torch.rand(batch, dtype=torch.float64)
+
+    def own(i: int) -> Tensor:  # example i's float32 product, in float64
+        ai, gi = a[i].reshape(-1, p), g[i].reshape(-1, d_out)
+        return (ai.t() @ gi if transposed else gi.t() @ ai).double()
+
+    got = bookkeeping._sum_of_example_products(layer, a, g, factor)
+    assert got.dtype == torch.float64 and got.shape == layer.weight.shape
+    torch.testing.assert_close(got, sum(factor[i] * own(i) for i in range(batch)), rtol=1e-12, atol=1e-12)
+    for x in (0, 2, batch - 1):
+        keep = [i for i in range(batch) if i != x]
+        without = bookkeeping._sum_of_example_products(layer, a[keep], g[keep], factor[keep])
+        assert float((got - without - factor[x] * own(x)).abs().max()) < 1e-12 * float(got.abs().max())
+    sums = bookkeeping.clipped_sums(layer, a, g, factor)
+    bias = layer.bias
+    torch.testing.assert_close(sums[bias], torch.einsum("k,k...->...", factor, g.double()).reshape(-1, d_out).sum(0),
+                               rtol=1e-12, atol=1e-12)
+    assert bookkeeping.norm_bound(layer, a.reshape(batch, -1, p), g.reshape(batch, -1, d_out)).rounding is not None
+    assert bookkeeping._linear_estimates(layer, a.reshape(batch, -1, p), g.reshape(batch, -1, d_out), None)[3] == \
+        math.prod(shape[1:-1])
+    huge_a, huge_g = a.clone(), g.clone()
+    huge_a[1], huge_g[1] = 1e25, 1e25  # its float32 product overflows to infinity
+    zeroed = factor.clone()
+    zeroed[1] = 0.0
+    keep = [i for i in range(batch) if i != 1]
+    out = bookkeeping._sum_of_example_products(layer, huge_a, huge_g, zeroed)
+    assert out is not None and bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out, bookkeeping._sum_of_example_products(layer, a[keep], g[keep], factor[keep]),
+                               rtol=1e-12, atol=1e-12)
+    with_huge, without = (bookkeeping.clipped_sums(layer, huge_a, huge_g, zeroed),
+                          bookkeeping.clipped_sums(layer, a[keep], g[keep], factor[keep]))
+    for param in (layer.weight, bias):  # the bias's sum leaves the overflowed example out too
+        torch.testing.assert_close(with_huge[param], without[param], rtol=1e-12, atol=1e-12)
+    small_a, small_g = a.clone(), g.clone()
+    small_a[1], small_g[1] = 1e19, 1e19  # 1e38 per term: a float32 sum of them overflows, the float64 one does not
+    assert bookkeeping._sum_of_example_products(layer, small_a, small_g, factor) is None
+    fallback = bookkeeping.clipped_sums(layer, small_a, small_g, factor)[layer.weight]
+    assert bool(torch.isfinite(fallback).all())
 
 
 def test_a_large_map_s_clipped_sum_is_its_examples_rows_summed_in_float64() -> None:

@@ -285,31 +285,37 @@ def test_a_float32_mean_loss_without_the_power_of_two_multiplier_is_caught(monke
 
 def test_a_float32_sum_over_examples_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The positive control of the batch_rounding attack: with book-keeping's product over the examples in float32
-    (as until 2026-11-28), removing one clipped example rounds the other 254 clipped examples' terms anew and the
-    sum moves by 1.0009 C; the float64 product keeps it within C. Likewise the hooks mode's materialised rows summed
-    by a float32 matrix-vector product (1.0009 C). With two intra-op threads, as this machine's default: the float32
-    product's order of summation, hence its rounding, depends on them (one thread rounds this batch within C)."""
-    from lightning_privdec.privacy.per_sample import arithmetic
-
-    torch.set_num_threads(2)  # (tests/conftest.py restores the count)
-
-    monkeypatch.setattr(bookkeeping, "_weighted", lambda g, c: g.float() * c.float().view(-1, *([1] * (g.dim() - 1))))
-    monkeypatch.setattr(bookkeeping, "_in_float64", lambda a: a.float() if a.is_floating_point() else a)
-    monkeypatch.setattr(arithmetic._PerSampleArithmetic, "_sum_buffer", lambda self, p: None)  # (float64 buffers)
-    results = run_attacks(("batch_rounding",), modes=("bookkeeping",))
-    assert min(r.ratio for r in results) > 1 + 10 * TOLERANCE, results
-    monkeypatch.undo()
-    torch.set_num_threads(2)
-
+    (as until 2026-11-28), removing one clipped example rounds the other 254 clipped examples' terms anew; on the
+    Intel Xeon where the attack was found, with two intra-op threads, the sum moved by 1.0009 C (one thread rounded
+    this batch within C). Likewise the hooks mode's materialised rows summed by a float32 matrix-vector product.
+    Whether a float32 order rounds this batch past C depends on the BLAS and its threads: on a machine whose float32
+    products stay within C for both thread counts (an AMD EPYC's: 0.99998 C) the control has nothing to show and is
+    skipped, saying so; the float64 sums are checked on every machine by the attack itself."""
     from lightning_privdec.privacy import dp_step
+    from lightning_privdec.privacy.per_sample import arithmetic
 
     def float32_row_sum(weights: Tensor, rows: Tensor) -> Tensor:  # the materialised rows summed in float32
         flat = rows.reshape(rows.shape[0], -1).float()
         return torch.mv(flat.t(), weights.float()).double().view(rows.shape[1:])
 
-    monkeypatch.setattr(dp_step, "weighted_row_sum", float32_row_sum)
-    results = run_attacks(("batch_rounding",), modes=("hooks",))
-    assert min(r.ratio for r in results) > 1 + 10 * TOLERANCE, results
+    largest = {}
+    for mode in ("bookkeeping", "hooks"):
+        with monkeypatch.context() as patch:
+            if mode == "bookkeeping":
+                patch.setattr(bookkeeping, "_weighted", lambda g, c: g.float() * c.float().view(-1, *([1] * (g.dim() - 1))))
+                patch.setattr(bookkeeping, "_in_float64", lambda a: a.float() if a.is_floating_point() else a)
+                patch.setattr(arithmetic._PerSampleArithmetic, "_sum_buffer", lambda self, p: None)  # (float64 buffers)
+            else:
+                patch.setattr(dp_step, "weighted_row_sum", float32_row_sum)
+            for threads in (2, 1):
+                torch.set_num_threads(threads)  # (tests/conftest.py restores the count)
+                results = run_attacks(("batch_rounding",), modes=(mode,))
+                largest[mode, threads] = min(r.ratio for r in results)
+    caught = {key: ratio for key, ratio in largest.items() if ratio > 1 + 10 * TOLERANCE}
+    if not caught:
+        pytest.skip(f"this machine's float32 products round the batch_rounding batch within C ({largest}): the "
+                    "positive control shows only where a float32 order does not")
+    assert {mode for mode, _ in caught} == {"bookkeeping", "hooks"}, largest
 
 
 def test_the_bound_is_tight_for_honest_examples() -> None:

@@ -10,9 +10,12 @@ makes that hard:
   equal inputs ``u`` and ``u + delta``; its true gradient ``M e delta^T`` is small, and a Gram-matrix norm
   ``<G^T G, U^T U>``, a difference of numbers of size ``M^2 |u|^2``, rounds to 0 or below the truth. One attack per
   norm method of nn.Linear and of convolutions (ghost, the input's position Gram, one example at a time), one in
-  float64, and one with 2,500 outputs (its Gram summed over blocks of 1,024, gram.GRAM_BLOCK);
+  float64, one with 2,500 outputs (its Gram summed over blocks of 1,024, gram.GRAM_BLOCK), and two over 64 tokens of
+  a 256 x 256 layer, whose clipped sum is the examples' own float32 products added in float64
+  (``gram_linear_long``, and ``_kept`` with a milder cancellation that is not computed apart);
 * ``batch_rounding``: 255 clipped examples adding about C each in one direction and one small one: summed over
-  examples in float32, removing x rounds the others' terms anew (1.0009 C); the sums are float64;
+  examples in float32, removing x rounds the others' terms anew (1.0009 C on an Intel Xeon's BLAS with two
+  threads); the sums are float64. ``batch_rounding_long``: the same over 64 tokens of a 256 x 256 layer with a bias;
 * ``half_precision``: a batch of large, aligned gradients (every example clipped) under bfloat16 and float16
   autocast: a clip factor or a sum computed in half precision adds more than C;
 * ``underflow``: tiny inputs and huge output gradients (what a LayerNorm after a layer does to a tiny input), whose
@@ -212,6 +215,18 @@ def _batch_rounding(batch: int = 256, small: float = 0.37) -> tuple[nn.Module, B
     target = torch.full((batch, 1, 1), 100.0)
     target[-1] = small
     return model, (x, target), (x[:8], target[:8])
+
+
+def _batch_rounding_long(batch: int = 32, steps: int = 64, width: int = 256) -> tuple[nn.Module, Batch, Batch]:
+    """:func:`_batch_rounding` over sequences: an nn.Linear(256, 256) with a bias over 64 tokens, whose clipped sum
+    is its examples' own float32 products added in float64 (bookkeeping._sum_of_example_products); every example
+    but the last clipped, their gradients nearly equal (the sum's norm about B C), the last one small."""
+    gen = torch.Generator().manual_seed(4)
+    model = nn.Linear(width, width)
+    x = 3 * torch.randn(1, steps, width, generator=gen) + 0.01 * torch.randn(batch, steps, width, generator=gen)
+    target = 3 * torch.randn(1, steps, width, generator=gen).expand(batch, steps, width).clone()
+    target[-1] *= 1e-4
+    return model, (x, target), (x[:4], target[:4].flip(1))
 
 
 def _aligned_mlp(batch: int = 24) -> tuple[nn.Module, Batch, Batch]:
@@ -468,6 +483,8 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "gram_linear_large": (lambda: _cancelling_linear(torch.float32, 16, 8, 2, 3e-4, 1e7), 1.0, ("32-true",)),
     "gram_linear_float64": (lambda: _cancelling_linear(torch.float64, 16, 8, 2, 1e-10, 1e11), 1.0, ("32-true",)),
     "gram_linear_wide": (lambda: _cancelling_linear(torch.float32, 16, 2500, 2, 3e-6, 1e6), 1.0, ("32-true",)),
+    "gram_linear_long": (lambda: _cancelling_linear(torch.float32, 256, 256, 64, 3e-6, 1e6), 1.0, PRECISIONS),
+    "gram_linear_long_kept": (lambda: _cancelling_linear(torch.float32, 256, 256, 64, 3e-2, 1e4), 1.0, PRECISIONS),
     "gram_linear_per_example": (lambda: _cancelling_linear(torch.float32, 4, 3, 9, 1e-7, 1e4), 1.0, ("32-true",)),
     "gram_conv_input_gram": (lambda: _cancelling_conv(16, 64, 5, 3, 1, 1, 1e4), 1.0, PRECISIONS),
     "gram_conv_ghost": (lambda: _cancelling_conv(16, 24, 6, 3, 2, 1, 1e4), 1.0, ("32-true",)),
@@ -476,6 +493,7 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "long_map_conv_kept": (lambda: _long_map_conv(1e4, 2.0), 1.0, PRECISIONS),
     "half_precision": (_aligned_mlp, 1.0, PRECISIONS),
     "batch_rounding": (_batch_rounding, 1.0001, PRECISIONS),
+    "batch_rounding_long": (_batch_rounding_long, 1.0, PRECISIONS),
     "underflow": (_underflow, 1.0, ("32-true",)),
     "overflow_conv": (lambda: _overflowing_conv(bias=False), 1.0, ("32-true", "bf16-mixed")),
     "overflow_conv_bias": (lambda: _overflowing_conv(bias=True), 1.0, ("32-true",)),
