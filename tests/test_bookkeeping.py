@@ -950,8 +950,9 @@ def test_a_long_sequence_s_clipped_sum_is_its_examples_own_products_summed_in_fl
     examples' own float32 weight gradients in float64 (bookkeeping._sum_of_example_products): the float64 sum of each
     example's float32 product times its factor; removing an example, at any index, moves the sum by exactly that
     example's weighted product (no other product moves); an example with factor 0 whose product overflows adds
-    nothing; an example with a nonzero factor whose float32 product overflows makes clipped_sums fall back to the
-    float64 product (finite). The bias's sum and the norm bounds' rows (T, not a block's) go with it."""
+    nothing; an example whose float32 product could overflow (its mass reaches PRODUCT_MASS_LIMIT) is computed apart
+    in float64 by its bound, alone (the other examples keep their float32 products, whatever it does). The bias's
+    sum and the norm bounds' rows (T, not a block's) go with it."""
     from transformers.pytorch_utils import Conv1D
 
     torch.manual_seed(16)
@@ -993,11 +994,17 @@ def test_a_long_sequence_s_clipped_sum_is_its_examples_own_products_summed_in_fl
                           bookkeeping.clipped_sums(layer, a[keep], g[keep], factor[keep]))
     for param in (layer.weight, bias):  # the bias's sum leaves the overflowed example out too
         torch.testing.assert_close(with_huge[param], without[param], rtol=1e-12, atol=1e-12)
-    small_a, small_g = a.clone(), g.clone()
-    small_a[1], small_g[1] = 1e19, 1e19  # 1e38 per term: a float32 sum of them overflows, the float64 one does not
-    assert bookkeeping._sum_of_example_products(layer, small_a, small_g, factor) is None
-    fallback = bookkeeping.clipped_sums(layer, small_a, small_g, factor)[layer.weight]
-    assert bool(torch.isfinite(fallback).all())
+    large_a, large_g = a.clone(), g.clone()
+    large_a[1], large_g[1] = 1e19, 1e19  # 1e38 per term: a float32 sum of them overflows, the float64 one does not
+    flat_a, flat_g = large_a.reshape(batch, -1, p), large_g.reshape(batch, -1, d_out)
+    bound = bookkeeping.norm_bound(layer, flat_a, flat_g)
+    assert bound.exact is not None and bool(bound.exact[1]) and int(bound.exact.sum()) == 1  # computed apart
+    sums = bookkeeping.clipped_sums(layer, flat_a, flat_g, factor, bound)
+    apart = torch.einsum("k,k...->...", factor[keep], torch.stack([own(i) for i in keep])) + factor[1] * (
+        large_a[1].reshape(-1, p).double().t() @ large_g[1].reshape(-1, d_out).double()
+        if transposed else large_g[1].reshape(-1, d_out).double().t() @ large_a[1].reshape(-1, p).double())
+    assert bool(torch.isfinite(sums[layer.weight]).all())
+    torch.testing.assert_close(sums[layer.weight], apart, rtol=1e-9, atol=0.0)
 
 
 def test_a_large_map_s_clipped_sum_is_its_examples_rows_summed_in_float64() -> None:

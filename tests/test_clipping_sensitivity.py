@@ -318,6 +318,24 @@ def test_a_float32_sum_over_examples_is_caught(monkeypatch: pytest.MonkeyPatch) 
     assert {mode for mode, _ in caught} == {"bookkeeping", "hooks"}, largest
 
 
+def test_an_example_whose_float32_product_could_overflow_is_computed_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The overflow_example_products attack's guard (bookkeeping.PRODUCT_MASS_LIMIT): its crafted example's float32
+    product over 64 tokens overflows though its bound is finite. With the guard it is computed apart in float64,
+    alone, and the layer's sum is finite; without it the overflow reaches the layer's sum (the node would stop there:
+    nothing released). Before the guard, the layer fell back to the float64 product for the batch with that example
+    and not for the batch without it, and the other examples' float32 rounding moved the sum by 1.00012 C."""
+    model, (x, target), _ = sensitivity.ATTACKS["overflow_example_products"][0]()
+    factor = torch.ones(x.shape[0], dtype=torch.float64)
+    assert bookkeeping.sums_by_example_products(model, x, target)
+    bound = bookkeeping.norm_bound(model, x, target)
+    assert bool(bound.exact[0]) and int(bound.exact.sum()) == 1
+    assert bool(torch.isfinite(bookkeeping.clipped_sums(model, x, target, factor, bound)[model.weight]).all())
+    monkeypatch.setattr(bookkeeping, "PRODUCT_MASS_LIMIT", float("inf"))
+    bound = bookkeeping.norm_bound(model, x, target)
+    assert bound.exact is None or not bool(bound.exact.any())
+    assert not bool(torch.isfinite(bookkeeping.clipped_sums(model, x, target, factor, bound)[model.weight]).all())
+
+
 def test_the_bound_is_tight_for_honest_examples() -> None:
     """Soundness costs honest examples little: a float32 nn.Linear over 16 random tokens gets norm bounds within
     0.3% of the float64 truth (most of it the worst-case rounding of the clipped sum, gamma_{256 T} times the

@@ -16,6 +16,8 @@ makes that hard:
 * ``batch_rounding``: 255 clipped examples adding about C each in one direction and one small one: summed over
   examples in float32, removing x rounds the others' terms anew (1.0009 C on an Intel Xeon's BLAS with two
   threads); the sums are float64. ``batch_rounding_long``: the same over 64 tokens of a 256 x 256 layer with a bias;
+  ``overflow_example_products``: an example whose float32 product over its 64 tokens overflows though its bound and
+  clip factor are finite, beside copies whose float32 products err one way (it must be computed apart, alone);
 * ``half_precision``: a batch of large, aligned gradients (every example clipped) under bfloat16 and float16
   autocast: a clip factor or a sum computed in half precision adds more than C;
 * ``underflow``: tiny inputs and huge output gradients (what a LayerNorm after a layer does to a tiny input), whose
@@ -227,6 +229,43 @@ def _batch_rounding_long(batch: int = 32, steps: int = 64, width: int = 256) -> 
     target = 3 * torch.randn(1, steps, width, generator=gen).expand(batch, steps, width).clone()
     target[-1] *= 1e-4
     return model, (x, target), (x[:4], target[:4].flip(1))
+
+
+def _overflowing_example_products(copies: int = 31, clip: float = 10.0) -> tuple[nn.Module, Batch, Batch]:
+    """Example 0 of an nn.Linear(128, 1040) over 64 tokens: 64 terms of about 2e38 (each token's norms finite), so
+    that its float32 product overflows while its bound (a ghost norm over 1,040 outputs, summed in float64) and its
+    clip factor stay finite; and ``copies`` identical examples whose 64 terms of about 1e5 cancel at one weight entry,
+    where their float32 products err in the direction of example 0's. Were a layer's sum to change method because of
+    example 0 (the float64 product for D, the examples' float32 products for D \\ x), the copies' float32 errors would
+    move S(D) - S(D \\ x) (1.00012 C; a review's batch): example 0 is computed apart instead
+    (bookkeeping.PRODUCT_MASS_LIMIT)."""
+    from lightning_privdec.privacy.per_sample.bookkeeping import _sum_of_example_products
+
+    steps, width, outputs = 64, 128, 1040
+    gen, search = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+    model = nn.Linear(width, outputs, bias=False)
+    signs = torch.cat([torch.ones(steps // 2), -torch.ones(steps // 2)])
+    copy_x = 3.0 * torch.randn(steps, width, generator=gen) / width**0.5
+    copy_g = torch.zeros(steps, outputs)
+    copy_g[:, 0] = 1e4 * signs
+    worst, column = 0.0, None  # the input column whose float32 product (the library's) errs most at entry (0, 0)
+    for trial in range(400):
+        candidate = 10.0 + torch.rand(steps, generator=search) * float(torch.rand(1, generator=search)) * 3
+        if trial % 3 == 1:
+            candidate = 10.0 + (torch.randint(0, 8, (steps,), generator=search).float() + 0.49) * 2.0**-20 * float(
+                torch.randint(1, 64, (1,), generator=search))
+        copy_x[:, 0] = candidate
+        got = _sum_of_example_products(model, copy_x[None], copy_g[None], torch.ones(1, dtype=torch.float64))
+        error = float(got[0, 0]) - float((copy_g[:, 0].double() * candidate.double()).sum())
+        if abs(error) > abs(worst):
+            worst, column = error, candidate.clone()
+    copy_x[:, 0] = column
+    huge = min(1.5e19, 1.0e18 * clip**0.5)
+    x, target = torch.zeros(copies + 1, steps, width), torch.zeros(copies + 1, steps, outputs)
+    x[0, :, 0] = huge
+    target[0, :, 0] = huge if worst < 0 else -huge
+    x[1:], target[1:] = copy_x, copy_g
+    return model, (x, target), (torch.randn(4, steps, width, generator=gen), torch.randn(4, steps, outputs, generator=gen))
 
 
 def _aligned_mlp(batch: int = 24) -> tuple[nn.Module, Batch, Batch]:
@@ -494,6 +533,7 @@ ATTACKS: dict[str, tuple[Callable[[], tuple[nn.Module, Batch, Batch]], float, tu
     "half_precision": (_aligned_mlp, 1.0, PRECISIONS),
     "batch_rounding": (_batch_rounding, 1.0001, PRECISIONS),
     "batch_rounding_long": (_batch_rounding_long, 1.0, PRECISIONS),
+    "overflow_example_products": (_overflowing_example_products, 10.0, ("32-true",)),
     "underflow": (_underflow, 1.0, ("32-true",)),
     "overflow_conv": (lambda: _overflowing_conv(bias=False), 1.0, ("32-true", "bf16-mixed")),
     "overflow_conv_bias": (lambda: _overflowing_conv(bias=True), 1.0, ("32-true",)),
@@ -523,6 +563,7 @@ ATTACK_MODES: dict[str, tuple[str, ...]] = {
     "overflow_conv": ("bookkeeping", "ghost"),
     "overflow_conv_bias": ("bookkeeping", "ghost"),
     "overflow_one_position_conv": ("bookkeeping", "ghost"),
+    "overflow_example_products": ("bookkeeping", "ghost"),
 }
 
 

@@ -296,7 +296,7 @@ def clipped_sums(
             weight = weighted_row_sum(batch_factor, bound.rows).view(module.weight.shape)
         elif _is_linear(module) and sums_by_example_products(module, a, g):
             # long sequences on a CPU: the examples' own float32 products summed in float64 (float64 products are
-            # slow there); None where a float32 product overflowed: the float64 product below
+            # slow there)
             buffer = into(module.weight) if into is not None and exact is None else None
             weight = _sum_of_example_products(module, a, g, batch_factor, buffer)
         elif not _is_linear(module) and module.weight.requires_grad and sums_by_rows(module, g.shape[2:]):
@@ -420,6 +420,13 @@ EXAMPLE_PRODUCT_ENTRIES = 1 << 16
 #: weight entries per tile of :func:`_sum_of_example_products`: the tile's float64 sum and one example's float32
 #: product of it (12 bytes an entry, 3 MiB) stay in the cache while every example adds into the tile
 PRODUCT_TILE_ENTRIES = 1 << 18
+#: an example of :func:`_sum_of_example_products` whose weight mass sum_t ||g_t|| ||a_t|| reaches this is computed
+#: apart in float64 (:func:`norm_bound`): its float32 product's terms and partial sums reach at most its mass times
+#: (1 + gamma_T), below float32's largest value 2^128 (1 - 2^-24) under this; so no example with a nonzero factor
+#: overflows there, and the layer never needs another sum for one batch than for the batch without an example
+#: (a whole-layer fallback to the float64 product for D but not D \ x moved the sum by 1.00028 C: a review's
+#: crafted batch)
+PRODUCT_MASS_LIMIT = 2.0**126
 
 
 def sums_by_example_products(module: nn.Module, a: Tensor, g: Tensor) -> bool:
@@ -431,7 +438,7 @@ def sums_by_example_products(module: nn.Module, a: Tensor, g: Tensor) -> bool:
 
 def _sum_of_example_products(
     module: nn.Module, a: Tensor, g: Tensor, factor: Tensor, out: Tensor | None = None
-) -> Tensor | None:
+) -> Tensor:
     """``sum_i factor_i grad_i`` of an nn.Linear's (or Conv1D's) weight, in float64 (written into ``out`` when
     given): example i's gradient ``G_i^T A_i`` a float32 product over its own T positions, then multiplied by its
     factor and added in float64, a tile of the weight's rows at a time (the tile's float64 sum stays in the cache
@@ -441,8 +448,8 @@ def _sum_of_example_products(
     privacy.rounding.weighted_row_sum` argues. The products are alike for every example whatever its index: each
     reads its rows from the same offsets of a 64-byte aligned example slot (the inputs as they are when their
     examples start on a 64-byte boundary, else a padded copy), in tiles set by the weight's shape alone. An example
-    whose factor is 0 adds nothing (an overflowed product times 0 would be NaN). None where a float32 product
-    overflowed (the caller's float64 product then)."""
+    whose factor is 0 adds nothing (an overflowed product times 0 would be NaN); no example with a nonzero factor
+    overflows (:data:`PRODUCT_MASS_LIMIT`)."""
     batch, steps = g.shape[0], _steps(module, g)
     inputs, grads = _example_slots(a, batch, steps), _example_slots(g, batch, steps)  # (B, T, p), (B, T, d_out)
     left, right = (inputs, grads) if is_transposed_linear(module) else (grads, inputs)  # weight_i = left_i^T right_i
@@ -463,8 +470,7 @@ def _sum_of_example_products(
                 tile_sum.copy_(tile_product).mul_(weights[i])
             else:
                 tile_sum.add_(tile_product, alpha=weights[i])
-    # (a float64 sum of these is finite unless an entry is not: a cheap check, one reduction)
-    return out if bool(torch.isfinite(total.sum())) else None
+    return out
 
 
 def _example_slots(x: Tensor, batch: int, steps: int) -> Tensor:
@@ -597,7 +603,10 @@ def _linear_estimates(
     if squared is None:  # no trainable parameter (not recorded as such; kept for completeness)
         squared = mass = torch.zeros(batch, dtype=torch.float64, device=g.device)
     # the clipped sum's rows per product: an example's own T (_sum_of_example_products), else a block's
-    rows = steps if sums_by_example_products(module, a, g) else block_examples(steps) * steps
+    own_products = sums_by_example_products(module, a, g)
+    if own_products:  # an example whose float32 product could overflow is computed apart (PRODUCT_MASS_LIMIT)
+        loose = loose | (weight_mass >= PRODUCT_MASS_LIMIT)
+    rows = steps if own_products else block_examples(steps) * steps
     return squared.sqrt() * (1 + 1e-12), mass, loose, rows
 
 
