@@ -265,7 +265,8 @@ def _overflowing_example_products(copies: int = 31, clip: float = 10.0) -> tuple
     x[0, :, 0] = huge
     target[0, :, 0] = huge if worst < 0 else -huge
     x[1:], target[1:] = copy_x, copy_g
-    return model, (x, target), (torch.randn(4, steps, width, generator=gen), torch.randn(4, steps, outputs, generator=gen))
+    warm_up = (torch.randn(4, steps, width, generator=gen), torch.randn(4, steps, outputs, generator=gen))
+    return model, (x, target), warm_up
 
 
 def _aligned_mlp(batch: int = 24) -> tuple[nn.Module, Batch, Batch]:

@@ -413,8 +413,9 @@ def _linear_grads(
 #: an nn.Linear (or Conv1D) call over at least this many positions per example, on a CPU in float32 work, with at
 #: least :data:`EXAMPLE_PRODUCT_ENTRIES` weight entries, gets its clipped weight sum as its examples' own float32
 #: products summed in float64 (:func:`_sum_of_example_products`), not one float64 product over the batch. Batch 16,
-#: one core (AMD EPYC), ms, float64 product against example products: 64 positions, 768 x 3072 107 against 76, 3072 x
-#: 768 99 against 75, 256 x 256 3.7 against 2.2; 128 positions 244 against 130; 16 positions 26 against 31-42
+#: one core (AMD EPYC), ms, float64 product against example products (:func:`clipped_sums`, bias included): 64
+#: positions, 768 x 3072 107 against 79, 3072 x 768 99 against 83, 768 x 768 34 against 22; the products alone at 128
+#: positions 244 against 130, at 16 positions 26 against 31-42
 EXAMPLE_PRODUCT_STEPS = 64
 EXAMPLE_PRODUCT_ENTRIES = 1 << 16
 #: weight entries per tile of :func:`_sum_of_example_products`: the tile's float64 sum and one example's float32
@@ -443,9 +444,9 @@ def _sum_of_example_products(
     given): example i's gradient ``G_i^T A_i`` a float32 product over its own T positions, then multiplied by its
     factor and added in float64, a tile of the weight's rows at a time (the tile's float64 sum stays in the cache
     while every example adds into it). The product's rounding, at most gamma_T of the example's mass, is the
-    example's own, inside its bound (:func:`norm_bound` charges gamma_R, R >= T); removing an example changes the
-    others' terms by nothing, and their float64 sum by gamma64_B of their mass, as :func:`~lightning_privdec.
-    privacy.rounding.weighted_row_sum` argues. The products are alike for every example whatever its index: each
+    example's own, inside its bound (:func:`norm_bound` charges gamma_T for these calls); removing an example
+    changes the others' terms by nothing, and their float64 sum by gamma64_B of their mass, as
+    :func:`~lightning_privdec.privacy.rounding.weighted_row_sum` argues. The products are alike for every example whatever its index: each
     reads its rows from the same offsets of a 64-byte aligned example slot (the inputs as they are when their
     examples start on a 64-byte boundary, else a padded copy), in tiles set by the weight's shape alone. An example
     whose factor is 0 adds nothing (an overflowed product times 0 would be NaN); no example with a nonzero factor
