@@ -290,6 +290,10 @@ def clipped_sums(
         # blocks of block_examples(T) examples bound the float64 temporaries of one product
         block = block_examples(_steps(module, g))
         weight = None
+
+        def buffer() -> Tensor | None:  # the weight's kept buffer, for a sum written in one piece (none where
+            return into(module.weight) if into is not None and exact is None else None  # examples computed apart add)
+
         if bound is not None and bound.rows is not None:  # the kept per-example weight gradients: their weighted sum
             if bound.rows.shape[0] != g.shape[0]:
                 raise RuntimeError(f"{bound.rows.shape[0]} kept per-example gradients for {g.shape[0]} examples")
@@ -297,13 +301,11 @@ def clipped_sums(
         elif _is_linear(module) and sums_by_example_products(module, a, g):
             # long sequences on a CPU: the examples' own float32 products summed in float64 (float64 products are
             # slow there)
-            buffer = into(module.weight) if into is not None and exact is None else None
-            weight = _sum_of_example_products(module, a, g, batch_factor, buffer)
+            weight = _sum_of_example_products(module, a, g, batch_factor, buffer())
         elif not _is_linear(module) and module.weight.requires_grad and sums_by_rows(module, g.shape[2:]):
             # a convolution on a large map: its examples' float32 rows summed in float64 (float64 kernels are slow)
             work = _work_dtype(module, g)
-            buffer = into(module.weight) if into is not None and exact is None else None
-            weight = sum_of_rows(module, a.to(work), g.to(work), batch_factor, buffer)
+            weight = sum_of_rows(module, a.to(work), g.to(work), batch_factor, buffer())
         if weight is None:  # one float64 weight-gradient product per block, the bias's sum with it
             into = into if g.shape[0] <= block and exact is None else None
             out = sum_by_blocks((a, g, batch_factor), block,
@@ -446,11 +448,11 @@ def _sum_of_example_products(
     while every example adds into it). The product's rounding, at most gamma_T of the example's mass, is the
     example's own, inside its bound (:func:`norm_bound` charges gamma_T for these calls); removing an example
     changes the others' terms by nothing, and their float64 sum by gamma64_B of their mass, as
-    :func:`~lightning_privdec.privacy.rounding.weighted_row_sum` argues. The products are alike for every example whatever its index: each
-    reads its rows from the same offsets of a 64-byte aligned example slot (the inputs as they are when their
-    examples start on a 64-byte boundary, else a padded copy), in tiles set by the weight's shape alone. An example
-    whose factor is 0 adds nothing (an overflowed product times 0 would be NaN); no example with a nonzero factor
-    overflows (:data:`PRODUCT_MASS_LIMIT`)."""
+    :func:`~lightning_privdec.privacy.rounding.weighted_row_sum` argues. The products are alike for every example
+    whatever its index: each reads its rows from the same offsets of a 64-byte aligned example slot (the inputs as
+    they are when their examples start on a 64-byte boundary, else a padded copy), in tiles set by the weight's shape
+    alone. An example whose factor is 0 adds nothing (an overflowed product times 0 would be NaN); no example with a
+    nonzero factor overflows (:data:`PRODUCT_MASS_LIMIT`)."""
     batch, steps = g.shape[0], _steps(module, g)
     inputs, grads = _example_slots(a, batch, steps), _example_slots(g, batch, steps)  # (B, T, p), (B, T, d_out)
     left, right = (inputs, grads) if is_transposed_linear(module) else (grads, inputs)  # weight_i = left_i^T right_i
@@ -671,10 +673,11 @@ def _mass(module: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, int]:
 
 def _exact_gradients(module: nn.Module, a: Tensor, g: Tensor, work: torch.dtype) -> tuple[dict, Tensor]:
     """The per-example gradients of the selected (ill-conditioned) examples in float64, and upper bounds of the
-    norms of what they add to the sum (their float64 rounding and the addition, with a margin of 2u of ``work``). The terms' mass
-    only scales float64 rounding: a convolution's patch norms are the upper bounds :func:`_patch_norms` gives in
-    ``work`` (its float64 convolution of the squares took three times as long), or in float64 where a square
-    overflowed ``work`` (a finite input of 1e20: float32's bound is infinite, and 0 times it NaN)."""
+    norms of what they add to the sum (their float64 rounding and the addition, with a margin of 2u of ``work``).
+    The terms' mass only scales float64 rounding: a convolution's patch norms are the upper bounds
+    :func:`_patch_norms` gives in ``work`` (its float64 convolution of the squares took three times as long), or in
+    float64 where a square overflowed ``work`` (a finite input of 1e20: float32's bound is infinite, and 0 times it
+    NaN)."""
     given = a
     a = a.double() if a.is_floating_point() else a
     g = g.double()
